@@ -1,0 +1,57 @@
+// Box: a hyper-rectangle of a tensor in global coordinates. Everything about sharding is
+// arithmetic on boxes. A 0-d tensor (a scalar) has the box with no dimensions, which holds
+// one element.
+#ifndef TESSERA_BOX_H_
+#define TESSERA_BOX_H_
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace tessera {
+
+using Shape = std::vector<int64_t>;
+
+struct Box {
+  std::vector<int64_t> offsets;  // first index per dimension
+  std::vector<int64_t> sizes;    // extent per dimension, >= 0
+
+  Box() = default;
+  Box(std::vector<int64_t> offsets_in, std::vector<int64_t> sizes_in)
+      : offsets(std::move(offsets_in)), sizes(std::move(sizes_in)) {}
+  // The box [0, shape) of a whole tensor.
+  static Box Whole(const Shape& shape) { return Box(std::vector<int64_t>(shape.size(), 0), shape); }
+
+  size_t rank() const { return sizes.size(); }
+  // Product of sizes (1 for a 0-d box).
+  int64_t NumElements() const;
+  bool empty() const { return NumElements() == 0; }
+  int64_t end(size_t dim) const { return offsets[dim] + sizes[dim]; }
+
+  // True when `other` lies entirely inside this box (same rank). An empty `other` is inside
+  // any box whose bounds contain its offsets.
+  bool Contains(const Box& other) const;
+  // True when the box lies inside [0, shape).
+  bool InBounds(const Shape& shape) const;
+
+  // "[0:128, 256:512]"; "[]" for a scalar.
+  std::string ToString() const;
+
+  friend bool operator==(const Box&, const Box&) = default;
+  friend auto operator<=>(const Box&, const Box&) = default;
+};
+
+// The common part of two boxes of the same rank, or nullopt when they do not share an element.
+std::optional<Box> Intersect(const Box& a, const Box& b);
+
+// Row-major strides, in elements, of a dense tensor of `shape`.
+std::vector<int64_t> RowMajorStrides(const Shape& shape);
+
+// "[4, 8]".
+std::string ShapeToString(std::span<const int64_t> shape);
+
+}  // namespace tessera
+
+#endif  // TESSERA_BOX_H_

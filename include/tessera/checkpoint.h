@@ -1,0 +1,115 @@
+// The front door: Save, Load, ReadMetadata, Verify.
+//
+// A checkpoint is a directory holding data files (each a valid safetensors file) and one
+// manifest, written last and atomically: a directory without a manifest holds no checkpoint.
+// See docs/FORMAT.md.
+//
+// Save and Load taking a Comm are COLLECTIVE: every rank of `comm` calls them with the same
+// path and options. The overloads without a Comm run as a single rank.
+#ifndef TESSERA_CHECKPOINT_H_
+#define TESSERA_CHECKPOINT_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/comm.h"
+#include "tessera/metadata.h"
+#include "tessera/state_dict.h"
+#include "tessera/status.h"
+#include "tessera/storage.h"
+
+namespace tessera {
+
+// The numeric values are not written to disk.
+enum class SyncPolicy {
+  kFull,  // fdatasync every data file, fsync the manifest and the directory (default)
+  kNone,  // no syncs at all: fastest; a crash of the machine may lose or tear the checkpoint
+};
+
+struct SaveOptions {
+  // Data files each rank writes in parallel, one per I/O thread. Default 2. More threads help
+  // on fast parallel storage and cost one file and one thread each.
+  int num_io_threads = 2;
+  // Default kFull. kNone skips every sync (page-cache speed, no durability).
+  SyncPolicy sync = SyncPolicy::kFull;
+  // Spread the writing of replicated shards over every rank that holds them instead of only
+  // the main replica. Default false. Costs nothing extra; helps when many ranks share a shard.
+  bool balance_writes = false;
+  // Stored in the manifest; ReadMetadata returns it. Rank 0's value is used.
+  std::map<std::string, std::string> user_metadata;
+  // After the new manifest is committed, remove the data files of the previous save and of
+  // interrupted saves (tessera-named files the manifest does not list). Default true.
+  bool remove_stale_files = true;
+  // Where files go. Default null: the local file system (NewPosixStorage()).
+  std::shared_ptr<Storage> storage;
+};
+
+struct SaveReport {
+  std::string save_id;
+  uint64_t bytes_written = 0;  // by this rank (data files only)
+  uint64_t total_bytes = 0;    // by all ranks, payload of the checkpoint
+  int files_written = 0;       // by this rank
+};
+
+// What Load does about a key present on one side only.
+enum class KeyPolicy {
+  kError,  // fail naming the keys (default)
+  kSkip,   // leave it alone and report it in LoadReport
+};
+
+struct LoadOptions {
+  // A key this rank asks for that the checkpoint lacks. Default kError.
+  KeyPolicy missing_keys = KeyPolicy::kError;
+  // A key of the checkpoint that no rank asks for. Default kError.
+  KeyPolicy unexpected_keys = KeyPolicy::kError;
+  // Check the XXH3-64 checksum of every chunk read whole (partial reads of a chunk, as in a
+  // resharded load, cannot be checked without reading the whole chunk; `tessera verify`
+  // checks everything). Default true; costs about one pass over the bytes at ~10 GB/s.
+  bool verify_checksums = true;
+  // Parallel readers per rank. Default 2.
+  int num_io_threads = 2;
+  // Where files come from. Default null: the local file system.
+  std::shared_ptr<Storage> storage;
+};
+
+struct LoadReport {
+  std::vector<std::string> missing_keys;     // asked for, absent, skipped (this rank)
+  std::vector<std::string> unexpected_keys;  // in the checkpoint, asked for by no rank
+  std::vector<std::string> shape_mismatched_keys;  // loaded in part (allow_shape_mismatch)
+  uint64_t bytes_read = 0;    // from storage by this rank
+  uint64_t bytes_needed = 0;  // bytes this rank's requests cover
+  uint64_t read_calls = 0;    // storage reads issued by this rank
+};
+
+Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& comm,
+                        const SaveOptions& options = {});
+Result<SaveReport> Save(const StateDict& state, const std::string& path,
+                        const SaveOptions& options = {});
+
+// Fills every tensor and object of `state` from the checkpoint at `path`. Tensors may ask for
+// any box of the saved global tensor, whatever boxes were saved. Errors name the key, the box,
+// the file.
+Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
+                        const LoadOptions& options = {});
+Result<LoadReport> Load(StateDict& state, const std::string& path,
+                        const LoadOptions& options = {});
+
+// Reads and checks the manifest of the checkpoint at `path`. `storage` null means local files.
+Result<Metadata> ReadMetadata(const std::string& path, std::shared_ptr<Storage> storage = nullptr);
+
+struct VerifyReport {
+  uint64_t chunks_checked = 0;
+  uint64_t bytes_checked = 0;
+  int files_checked = 0;
+};
+
+// Re-reads every chunk and object, checks checksums, file sizes, and that every tensor's
+// chunks cover it exactly. The first problem found is returned, naming key, chunk and file.
+Result<VerifyReport> Verify(const std::string& path, std::shared_ptr<Storage> storage = nullptr);
+
+}  // namespace tessera
+
+#endif  // TESSERA_CHECKPOINT_H_

@@ -1,0 +1,70 @@
+// Comm: how ranks move bytes between them. tessera's save and load are written against this
+// interface only; implementations: a single-rank one (NewSingleRankComm), an in-process one
+// that runs N ranks as N threads with real message passing (local_comm.h), and MPI (its own
+// target, later).
+//
+// COLLECTIVE calls must be made by every rank of the communicator, in the same order. A
+// collective that cannot complete (a peer failed, called Abort, or timed out) returns an error
+// on every rank that reaches it; it never hangs forever.
+//
+// Thread safety: a Comm is used by one thread at a time. Different Comms (e.g. one from Split)
+// may be used concurrently from different threads.
+#ifndef TESSERA_COMM_H_
+#define TESSERA_COMM_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tessera/status.h"
+
+namespace tessera {
+
+using Bytes = std::vector<uint8_t>;
+
+enum class ReduceOp { kSum, kMin, kMax };
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // COLLECTIVE. Returns when every rank has entered.
+  virtual Status Barrier() = 0;
+  // COLLECTIVE. On `root`, `data` is sent; elsewhere it is replaced by root's bytes.
+  virtual Status Broadcast(Bytes* data, int root) = 0;
+  // COLLECTIVE. On `root`, `*received` becomes size() buffers, entry r from rank r (sizes may
+  // differ). Elsewhere `received` is untouched and may be null.
+  virtual Status Gather(const Bytes& send, std::vector<Bytes>* received, int root) = 0;
+  // COLLECTIVE. Every rank gets every rank's buffer.
+  virtual Status AllGather(const Bytes& send, std::vector<Bytes>* received) = 0;
+  // COLLECTIVE. On `root`, `send` holds size() buffers; rank r receives send[r]. `send` is
+  // ignored elsewhere.
+  virtual Status Scatter(const std::vector<Bytes>& send, Bytes* received, int root) = 0;
+  // COLLECTIVE. Element-wise reduction of `values` (same length on every rank), in place.
+  virtual Status AllReduce(std::span<int64_t> values, ReduceOp op) = 0;
+  // COLLECTIVE. Ranks with the same `color` form a new communicator, ordered by (`key`, old
+  // rank). The new Comm is independent: its traffic never mixes with this one's.
+  virtual Result<std::unique_ptr<Comm>> Split(int color, int key) = 0;
+
+  // Not collective. Marks this communicator failed for every rank: their current and future
+  // collectives return kAborted naming this rank and `reason`. Used when a rank hits an error
+  // it cannot report through the normal protocol.
+  virtual void Abort(const Status& reason) = 0;
+};
+
+// A communicator of one rank: every collective is a local copy.
+std::unique_ptr<Comm> NewSingleRankComm();
+
+// COLLECTIVE. Every rank contributes its local status; all ranks return OK when all are OK,
+// otherwise the same error on every rank, naming the lowest failing rank and its message
+// ("rank 3: ..."), plus how many ranks failed.
+Status AgreeOnStatus(Comm& comm, const Status& local);
+
+}  // namespace tessera
+
+#endif  // TESSERA_COMM_H_

@@ -1,0 +1,85 @@
+// Storage: every file operation tessera performs goes through this interface, so the same
+// save and load code runs on POSIX files, in memory, or under fault injection.
+//
+// Paths are plain strings handed to the implementation as they are ("/ckpt/step100/x").
+// Implementations: NewPosixStorage() (storage.h), MemoryStorage (memory_storage.h),
+// FaultInjectingStorage (fault_injecting_storage.h).
+//
+// Thread safety: Storage and file objects are safe to use from several threads at once;
+// concurrent WriteAt calls on one file must target disjoint byte ranges.
+#ifndef TESSERA_STORAGE_H_
+#define TESSERA_STORAGE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/status.h"
+
+namespace tessera {
+
+class WritableFile {
+ public:
+  virtual ~WritableFile() = default;
+  // Writes `n` bytes at `offset`, all of them or an error (short writes are retried).
+  virtual Status WriteAt(uint64_t offset, const void* data, size_t n) = 0;
+  // Makes the written bytes durable (fdatasync). Until then a crash may lose them.
+  virtual Status Sync() = 0;
+  // Releases the file. Does not sync. Idempotent; the destructor closes too, ignoring errors.
+  virtual Status Close() = 0;
+  virtual const std::string& path() const = 0;
+};
+
+class ReadableFile {
+ public:
+  virtual ~ReadableFile() = default;
+  // Reads exactly `n` bytes at `offset` into `dst`. Reading past the end of the file is a
+  // kDataLoss error naming the path, the range and the file size (a truncated file).
+  virtual Status ReadAt(uint64_t offset, void* dst, size_t n) const = 0;
+  // Size in bytes when the file was opened.
+  virtual uint64_t size() const = 0;
+  virtual const std::string& path() const = 0;
+};
+
+enum class FileType { kNotFound, kFile, kDirectory };
+
+class Storage {
+ public:
+  virtual ~Storage() = default;
+
+  // Creates `path` or truncates it to zero bytes. The parent directory must exist. The new
+  // directory entry is durable only after SyncDir(parent).
+  virtual Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) = 0;
+  // kNotFound when `path` does not exist.
+  virtual Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) = 0;
+  // Like `mkdir -p`. OK when the directory exists.
+  virtual Status CreateDirs(const std::string& path) = 0;
+  virtual Result<FileType> Stat(const std::string& path) = 0;
+  // Names (not paths) of the entries of `dir`, sorted. kNotFound when `dir` does not exist.
+  virtual Result<std::vector<std::string>> ListDir(const std::string& dir) = 0;
+  // Atomically replaces `to` with `from`. Durable after SyncDir of the parent directory.
+  virtual Status Rename(const std::string& from, const std::string& to) = 0;
+  // Removes a file. kNotFound when it does not exist.
+  virtual Status Remove(const std::string& path) = 0;
+  // Makes the directory's entries (creations, renames, removals) durable (fsync of the dir).
+  virtual Status SyncDir(const std::string& dir) = 0;
+};
+
+// Options of the POSIX implementation.
+struct PosixStorageOptions {
+  // Largest single pwrite/pread issued, in bytes; larger requests are split. Default 64 MiB:
+  // big enough to stream at disk speed, small enough to stay interruptible.
+  size_t max_io_bytes = 64u << 20;
+};
+
+// Files on the local (or a shared) file system, through open/pread/pwrite/fdatasync/rename.
+std::shared_ptr<Storage> NewPosixStorage(PosixStorageOptions options = {});
+
+// Joins two path pieces with one '/'.
+std::string JoinPath(const std::string& dir, const std::string& name);
+
+}  // namespace tessera
+
+#endif  // TESSERA_STORAGE_H_

@@ -1,0 +1,154 @@
+#include "checkpoint/reader.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <thread>
+
+#include "format/checksum.h"
+#include "format/manifest.h"
+
+namespace tessera {
+namespace {
+
+std::string Hex(uint64_t v) {
+  char buf[19];
+  std::snprintf(buf, sizeof(buf), "%016" PRIx64, v);
+  return buf;
+}
+
+std::string DescribeChunk(const Metadata& metadata, uint32_t tensor, uint32_t chunk) {
+  const TensorInfo& t = metadata.tensors[tensor];
+  return "key '" + t.key + "' chunk " + std::to_string(chunk) + " " +
+         t.chunks[chunk].box.ToString();
+}
+
+}  // namespace
+
+Result<Bytes> ReadManifestBytes(Storage& storage, const std::string& dir) {
+  TESSERA_ASSIGN_OR_RETURN(FileType dir_type, storage.Stat(dir));
+  if (dir_type == FileType::kNotFound) {
+    return NotFound("checkpoint directory " + dir + " does not exist");
+  }
+  if (dir_type != FileType::kDirectory) {
+    return FailedPrecondition(dir + " is not a directory");
+  }
+  const std::string path = JoinPath(dir, kManifestFileName);
+  Result<std::unique_ptr<ReadableFile>> file = storage.NewReadableFile(path);
+  if (!file.ok()) {
+    if (file.status().code() == StatusCode::kNotFound) {
+      return FailedPrecondition(dir + " holds no committed checkpoint (no " +
+                                std::string(kManifestFileName) +
+                                "; a save that did not finish leaves none)");
+    }
+    return file.status();
+  }
+  Bytes bytes((*file)->size());
+  TESSERA_RETURN_IF_ERROR((*file)->ReadAt(0, bytes.data(), bytes.size()));
+  return bytes;
+}
+
+Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage& storage, const std::string& dir,
+                                                   const Metadata& metadata, uint32_t file_index,
+                                                   const std::string& needed_by) {
+  const FileInfo& info = metadata.files[file_index];
+  const std::string path = JoinPath(dir, info.name);
+  Result<std::unique_ptr<ReadableFile>> file = storage.NewReadableFile(path);
+  if (!file.ok()) {
+    if (file.status().code() == StatusCode::kNotFound) {
+      return DataLoss("data file " + path + " listed in the manifest is missing (" + needed_by +
+                      " is stored in it)");
+    }
+    return file.status().WithContext(needed_by);
+  }
+  if ((*file)->size() != info.size) {
+    return DataLoss("data file " + path + " is " + std::to_string((*file)->size()) +
+                    " bytes, the manifest says " + std::to_string(info.size) +
+                    ((*file)->size() < info.size ? " (truncated)" : "") + "; " + needed_by +
+                    " is stored in it");
+  }
+  return file;
+}
+
+Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& metadata,
+                    const std::vector<ReadRun>& runs, const LoadOptions& options,
+                    LoadReport& report) {
+  if (runs.empty()) return Status::Ok();
+  // Open every file once, up front.
+  std::vector<std::unique_ptr<ReadableFile>> files(metadata.files.size());
+  uint64_t total = 0;
+  for (const ReadRun& run : runs) {
+    total += run.length;
+    if (files[run.file_index]) continue;
+    TESSERA_ASSIGN_OR_RETURN(files[run.file_index],
+                             OpenDataFile(storage, dir, metadata, run.file_index,
+                                          DescribeChunk(metadata, run.tensor, run.chunk)));
+  }
+  // Contiguous slices of the (file, offset)-sorted runs, of about equal bytes, one per thread:
+  // each thread reads sequentially.
+  const size_t num_threads =
+      std::min<size_t>(static_cast<size_t>(options.num_io_threads), runs.size());
+  std::vector<size_t> bounds = {0};
+  uint64_t acc = 0;
+  for (size_t i = 0; i < runs.size() && bounds.size() < num_threads; ++i) {
+    acc += runs[i].length;
+    if (acc * num_threads >= total * bounds.size()) bounds.push_back(i + 1);
+  }
+  bounds.push_back(runs.size());
+  std::vector<Status> statuses(bounds.size() - 1);
+  auto work = [&](size_t slice) {
+    for (size_t i = bounds[slice]; i < bounds[slice + 1]; ++i) {
+      const ReadRun& run = runs[i];
+      Status s = files[run.file_index]->ReadAt(run.file_offset, run.destination, run.length);
+      if (!s.ok()) {
+        statuses[slice] = s.WithContext("reading " + DescribeChunk(metadata, run.tensor, run.chunk));
+        return;
+      }
+      if (run.whole_chunk && options.verify_checksums) {
+        const ByteLocation& where = metadata.tensors[run.tensor].chunks[run.chunk].location;
+        uint64_t actual = Checksum(run.destination, run.length);
+        if (actual != where.checksum) {
+          statuses[slice] = DataLoss(
+              "checksum mismatch in " + DescribeChunk(metadata, run.tensor, run.chunk) +
+              " of file " + JoinPath(dir, metadata.files[run.file_index].name) + " at offset " +
+              std::to_string(run.file_offset) + ": expected " + Hex(where.checksum) + ", got " +
+              Hex(actual));
+          return;
+        }
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t s = 1; s < statuses.size(); ++s) threads.emplace_back(work, s);
+  work(0);
+  for (std::thread& t : threads) t.join();
+  for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
+  report.bytes_read += total;
+  report.read_calls += runs.size();
+  return Status::Ok();
+}
+
+Status ReadObject(Storage& storage, const std::string& dir, const Metadata& metadata,
+                  const ObjectInfo& object, const LoadOptions& options, std::vector<uint8_t>& out,
+                  LoadReport& report) {
+  const std::string what = "object '" + object.key + "'";
+  TESSERA_ASSIGN_OR_RETURN(
+      std::unique_ptr<ReadableFile> file,
+      OpenDataFile(storage, dir, metadata, object.location.file_index, what));
+  std::vector<uint8_t> bytes(object.location.length);
+  TESSERA_RETURN_IF_ERROR_CTX(file->ReadAt(object.location.offset, bytes.data(), bytes.size()),
+                              "reading " + what);
+  if (options.verify_checksums) {
+    uint64_t actual = Checksum(bytes.data(), bytes.size());
+    if (actual != object.location.checksum) {
+      return DataLoss("checksum mismatch in " + what + " of file " +
+                      JoinPath(dir, metadata.files[object.location.file_index].name) +
+                      ": expected " + Hex(object.location.checksum) + ", got " + Hex(actual));
+    }
+  }
+  out = std::move(bytes);
+  report.bytes_read += object.location.length;
+  report.read_calls += 1;
+  return Status::Ok();
+}
+
+}  // namespace tessera

@@ -1,0 +1,131 @@
+#include "tessera/sharded_tensor.h"
+
+#include <algorithm>
+
+#include "tessera/state_dict.h"
+
+namespace tessera {
+
+bool IsMainReplica(const ReplicaId& id) {
+  return std::all_of(id.begin(), id.end(), [](int32_t v) { return v == 0; });
+}
+
+ShardedTensor ShardedTensor::Whole(std::string key, TensorView data) {
+  ShardedTensor t;
+  t.key = std::move(key);
+  t.global_shape = data.shape;
+  t.data = std::move(data);
+  return t;
+}
+
+ShardedTensor ShardedTensor::Shard(std::string key, TensorView data, Shape global_shape,
+                                   std::vector<int64_t> global_offset, ReplicaId replica_id) {
+  ShardedTensor t;
+  t.key = std::move(key);
+  t.data = std::move(data);
+  t.global_shape = std::move(global_shape);
+  t.global_offset = std::move(global_offset);
+  t.replica_id = std::move(replica_id);
+  return t;
+}
+
+ShardedTensor ShardedTensor::FlatShard(std::string key, TensorView data, Shape global_shape,
+                                       std::vector<int64_t> global_offset, Shape local_shape,
+                                       int64_t flat_begin, ReplicaId replica_id) {
+  ShardedTensor t;
+  t.key = std::move(key);
+  int64_t n = data.NumElements();
+  t.data = std::move(data);
+  t.global_shape = std::move(global_shape);
+  t.global_offset = std::move(global_offset);
+  t.local_shape = std::move(local_shape);
+  t.replica_id = std::move(replica_id);
+  t.flat_range = FlatRange{flat_begin, flat_begin + n};
+  return t;
+}
+
+Box ShardedTensor::LocalBox() const {
+  Shape sizes = local_shape.empty() && !flat_range ? data.shape : local_shape;
+  std::vector<int64_t> offsets =
+      global_offset.empty() ? std::vector<int64_t>(global_shape.size(), 0) : global_offset;
+  return Box(std::move(offsets), std::move(sizes));
+}
+
+Status ShardedTensor::Validate() const {
+  auto fail = [&](const std::string& what) {
+    return InvalidArgument("tensor '" + key + "': " + what);
+  };
+  if (key.empty()) return InvalidArgument("a tensor has an empty key");
+  for (int64_t s : global_shape) {
+    if (s < 0) return fail("negative global shape " + ShapeToString(global_shape));
+  }
+  if (!global_offset.empty() && global_offset.size() != global_shape.size()) {
+    return fail("global offset " + ShapeToString(global_offset) + " has " +
+                std::to_string(global_offset.size()) + " dimensions, global shape " +
+                ShapeToString(global_shape) + " has " + std::to_string(global_shape.size()));
+  }
+  if (flat_range && local_shape.empty() && !global_shape.empty()) {
+    return fail("a flat range needs local_shape (the shape of the box it flattens)");
+  }
+  Box box = LocalBox();
+  if (box.rank() != global_shape.size()) {
+    return fail("local shape " + ShapeToString(box.sizes) + " has " +
+                std::to_string(box.rank()) + " dimensions, global shape " +
+                ShapeToString(global_shape) + " has " + std::to_string(global_shape.size()));
+  }
+  if (!box.InBounds(global_shape)) {
+    return Status(StatusCode::kOutOfRange, "tensor '" + key + "': local box " + box.ToString() +
+                                               " is outside the global shape " +
+                                               ShapeToString(global_shape));
+  }
+  int64_t have = data.NumElements();
+  if (flat_range) {
+    if (flat_range->begin < 0 || flat_range->end < flat_range->begin ||
+        flat_range->end > box.NumElements()) {
+      return fail("flat range [" + std::to_string(flat_range->begin) + ", " +
+                  std::to_string(flat_range->end) + ") is outside the " +
+                  std::to_string(box.NumElements()) + " elements of local box " + box.ToString());
+    }
+    if (have != flat_range->end - flat_range->begin) {
+      return fail("data holds " + std::to_string(have) + " elements, flat range needs " +
+                  std::to_string(flat_range->end - flat_range->begin));
+    }
+  } else if (have != box.NumElements()) {
+    return fail("data shape " + ShapeToString(data.shape) + " does not match local box " +
+                box.ToString());
+  }
+  if (have > 0 && data.data == nullptr) return fail("data pointer is null");
+  return Status::Ok();
+}
+
+const std::string& EntryKey(const StateEntry& entry) {
+  return std::visit([](const auto& e) -> const std::string& { return e.key; }, entry);
+}
+
+Status StateDict::Add(ShardedTensor tensor) {
+  TESSERA_RETURN_IF_ERROR(tensor.Validate());
+  if (index_.count(tensor.key)) return InvalidArgument("duplicate key '" + tensor.key + "'");
+  index_.emplace(tensor.key, entries_.size());
+  entries_.emplace_back(std::move(tensor));
+  return Status::Ok();
+}
+
+Status StateDict::Add(ShardedObject object) {
+  if (object.key.empty()) return InvalidArgument("an object has an empty key");
+  if (index_.count(object.key)) return InvalidArgument("duplicate key '" + object.key + "'");
+  index_.emplace(object.key, entries_.size());
+  entries_.emplace_back(std::move(object));
+  return Status::Ok();
+}
+
+StateEntry* StateDict::Find(const std::string& key) {
+  auto it = index_.find(key);
+  return it == index_.end() ? nullptr : &entries_[it->second];
+}
+
+const StateEntry* StateDict::Find(const std::string& key) const {
+  auto it = index_.find(key);
+  return it == index_.end() ? nullptr : &entries_[it->second];
+}
+
+}  // namespace tessera

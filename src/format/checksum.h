@@ -1,0 +1,29 @@
+// Chunk checksums: XXH3-64 with seed 0 (docs/FORMAT.md).
+#ifndef TESSERA_FORMAT_CHECKSUM_H_
+#define TESSERA_FORMAT_CHECKSUM_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tessera {
+
+uint64_t Checksum(const void* data, size_t n);
+
+// Streaming form, for bytes that arrive in pieces: the result equals Checksum() of the
+// concatenation.
+class ChecksumStream {
+ public:
+  ChecksumStream();
+  ~ChecksumStream();
+  ChecksumStream(const ChecksumStream&) = delete;
+  ChecksumStream& operator=(const ChecksumStream&) = delete;
+  void Update(const void* data, size_t n);
+  uint64_t Digest() const;
+
+ private:
+  void* state_;  // XXH3_state_t
+};
+
+}  // namespace tessera
+
+#endif  // TESSERA_FORMAT_CHECKSUM_H_

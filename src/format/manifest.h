@@ -1,0 +1,43 @@
+// The manifest: the binary index of a checkpoint (docs/FORMAT.md, "Manifest").
+#ifndef TESSERA_FORMAT_MANIFEST_H_
+#define TESSERA_FORMAT_MANIFEST_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "tessera/comm.h"
+#include "tessera/metadata.h"
+#include "tessera/status.h"
+
+namespace tessera {
+
+inline constexpr char kManifestFileName[] = "tessera.manifest";
+// The format version this build writes, and the newest it reads.
+inline constexpr uint32_t kFormatVersion = 1;
+
+// Serialises `metadata` (format_version is written as kFormatVersion).
+Bytes EncodeManifest(const Metadata& metadata);
+
+// Parses and checks a manifest: magic, version (a newer one is kUnimplemented naming both
+// versions), checksum (kDataLoss), every length and index in range, file names that stay
+// inside the checkpoint directory, dtypes known, chunk boxes inside their tensor's shape.
+// `source` (usually the path) prefixes every error.
+Result<Metadata> DecodeManifest(std::span<const uint8_t> bytes, std::string_view source);
+
+// OK when `name` is a plain file name: not empty, not "." or "..", no '/', no NUL.
+Status CheckDataFileName(std::string_view name);
+
+// Data file names: "tsr-<save_id>-r<rank 5 digits>-f<file 3 digits>.safetensors".
+std::string DataFileName(std::string_view save_id, int rank, int file_index);
+// True when `name` has the shape DataFileName produces (any save id): files tessera may remove
+// after a later save commits.
+bool IsTesseraDataFileName(std::string_view name);
+// Temporary name the manifest is written under before the atomic rename.
+std::string TempManifestName(std::string_view save_id);
+bool IsTempManifestName(std::string_view name);
+
+}  // namespace tessera
+
+#endif  // TESSERA_FORMAT_MANIFEST_H_

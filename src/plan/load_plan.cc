@@ -1,0 +1,126 @@
+#include "plan/load_plan.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace tessera {
+
+ChunkIndex::ChunkIndex(const TensorInfo& tensor) : tensor_(&tensor) {
+  const auto& chunks = tensor.chunks;
+  const size_t rank = tensor.global_shape.size();
+  by_offset_.resize(chunks.size());
+  std::iota(by_offset_.begin(), by_offset_.end(), 0);
+  if (rank == 0 || chunks.size() < 2) return;
+  size_t best_count = 0;
+  std::vector<int64_t> values(chunks.size());
+  for (size_t d = 0; d < rank; ++d) {
+    for (size_t c = 0; c < chunks.size(); ++c) values[c] = chunks[c].box.offsets[d];
+    std::sort(values.begin(), values.end());
+    size_t count = std::unique(values.begin(), values.end()) - values.begin();
+    if (count > best_count) best_count = count, dim_ = d;
+  }
+  for (const ChunkInfo& c : chunks) max_extent_ = std::max(max_extent_, c.box.sizes[dim_]);
+  std::stable_sort(by_offset_.begin(), by_offset_.end(), [&](uint32_t a, uint32_t b) {
+    return chunks[a].box.offsets[dim_] < chunks[b].box.offsets[dim_];
+  });
+}
+
+void ChunkIndex::ForEachIntersecting(const Box& box,
+                                     const std::function<void(uint32_t)>& fn) const {
+  const auto& chunks = tensor_->chunks;
+  if (box.rank() == 0 || chunks.size() < 2) {
+    for (uint32_t c = 0; c < chunks.size(); ++c) {
+      if (Intersect(chunks[c].box, box)) fn(c);
+    }
+    return;
+  }
+  // Chunks that can reach the box along dim_: offset in (box.offset - max_extent, box.end).
+  const int64_t low = box.offsets[dim_] - max_extent_;
+  auto it = std::upper_bound(by_offset_.begin(), by_offset_.end(), low,
+                             [&](int64_t v, uint32_t c) { return v < chunks[c].box.offsets[dim_]; });
+  std::vector<uint32_t> hits;
+  for (; it != by_offset_.end() && chunks[*it].box.offsets[dim_] < box.end(dim_); ++it) {
+    if (Intersect(chunks[*it].box, box)) hits.push_back(*it);
+  }
+  std::sort(hits.begin(), hits.end());
+  for (uint32_t c : hits) fn(c);
+}
+
+int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor_index, const ChunkIndex& index,
+                        const Box& box, const Box& layout, std::byte* destination,
+                        std::vector<ReadRun>& runs) {
+  const TensorInfo& tensor = metadata.tensors[tensor_index];
+  const size_t rank = box.rank();
+  const int64_t element_size = static_cast<int64_t>(DTypeSize(tensor.dtype));
+  int64_t covered = 0;
+  index.ForEachIntersecting(box, [&](uint32_t c) {
+    const ChunkInfo& chunk = tensor.chunks[c];
+    std::optional<Box> common = Intersect(chunk.box, box);
+    if (!common) return;
+    const Box& part = *common;
+    covered += part.NumElements();
+    // The run: the innermost dimensions along which `part` spans both the chunk and the
+    // destination layout completely, plus the first one (from the inside) where it does not.
+    int64_t run_elements = 1;
+    size_t outer = rank;  // dimensions [0, outer) are iterated, [outer, rank) form the run
+    while (outer > 0) {
+      --outer;
+      run_elements *= part.sizes[outer];
+      if (part.sizes[outer] != chunk.box.sizes[outer] || part.sizes[outer] != layout.sizes[outer]) {
+        break;
+      }
+    }
+    const std::vector<int64_t> src_strides = RowMajorStrides(chunk.box.sizes);
+    const std::vector<int64_t> dst_strides = RowMajorStrides(layout.sizes);
+    const bool whole = part == chunk.box;
+    std::vector<int64_t> index_in_part(outer, 0);
+    while (true) {
+      int64_t src = 0, dst = 0;
+      for (size_t d = 0; d < rank; ++d) {
+        int64_t at = part.offsets[d] + (d < outer ? index_in_part[d] : 0);
+        src += (at - chunk.box.offsets[d]) * src_strides[d];
+        dst += (at - layout.offsets[d]) * dst_strides[d];
+      }
+      runs.push_back(ReadRun{chunk.location.file_index,
+                             chunk.location.offset + static_cast<uint64_t>(src * element_size),
+                             static_cast<uint64_t>(run_elements * element_size),
+                             destination + dst * element_size, tensor_index, c, whole});
+      // Next index of the outer dimensions, last fastest; done after the last one.
+      bool done = true;
+      for (size_t d = outer; d-- > 0;) {
+        if (++index_in_part[d] < part.sizes[d]) {
+          done = false;
+          break;
+        }
+        index_in_part[d] = 0;
+      }
+      if (done) break;
+    }
+  });
+  return covered;
+}
+
+void CoalesceRuns(std::vector<ReadRun>& runs) {
+  std::sort(runs.begin(), runs.end(), [](const ReadRun& a, const ReadRun& b) {
+    if (a.file_index != b.file_index) return a.file_index < b.file_index;
+    return a.file_offset < b.file_offset;
+  });
+  size_t out = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (out > 0) {
+      ReadRun& last = runs[out - 1];
+      const ReadRun& next = runs[i];
+      if (last.file_index == next.file_index &&
+          last.file_offset + last.length == next.file_offset &&
+          last.destination + last.length == next.destination && !last.whole_chunk &&
+          !next.whole_chunk) {
+        last.length += next.length;
+        continue;
+      }
+    }
+    runs[out++] = runs[i];
+  }
+  runs.resize(out);
+}
+
+}  // namespace tessera

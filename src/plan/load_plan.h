@@ -1,0 +1,62 @@
+// Load planning: which byte ranges of which files land where. Pure and deterministic.
+//
+// A destination is a box of a saved tensor and the memory that holds it row-major. For each
+// saved chunk it intersects, the intersection becomes "runs": byte ranges contiguous both in
+// the file and in the destination, so each run is one read straight into place. Nothing reads
+// a whole chunk to use part of it.
+#ifndef TESSERA_PLAN_LOAD_PLAN_H_
+#define TESSERA_PLAN_LOAD_PLAN_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "tessera/box.h"
+#include "tessera/metadata.h"
+#include "tessera/status.h"
+
+namespace tessera {
+
+// Finds the chunks of a tensor that intersect a box without looking at every chunk: chunks are
+// sorted by their offset along the dimension with the most distinct offsets, and a query scans
+// only those that can reach the box along it.
+class ChunkIndex {
+ public:
+  explicit ChunkIndex(const TensorInfo& tensor);
+  // Calls fn(chunk index) for every chunk that shares an element with `box`, in ascending
+  // chunk order.
+  void ForEachIntersecting(const Box& box, const std::function<void(uint32_t)>& fn) const;
+
+ private:
+  const TensorInfo* tensor_;
+  size_t dim_ = 0;
+  int64_t max_extent_ = 0;
+  std::vector<uint32_t> by_offset_;  // chunk indices sorted by offsets[dim_]
+};
+
+// One read: `length` bytes at `file_offset` of file `file_index`, into `destination`.
+struct ReadRun {
+  uint32_t file_index = 0;
+  uint64_t file_offset = 0;
+  uint64_t length = 0;
+  std::byte* destination = nullptr;
+  uint32_t tensor = 0;        // index into Metadata::tensors (for error messages)
+  uint32_t chunk = 0;         // index into that tensor's chunks
+  bool whole_chunk = false;   // covers the chunk exactly: its checksum can be checked
+};
+
+// Appends the runs that fill `box` (of metadata.tensors[tensor]) into `destination`, which holds
+// `layout` row-major; `box` must lie inside `layout` (usually they are equal; a shape-mismatched
+// load fills only part of its layout). Returns the number of elements of `box` covered by saved
+// chunks (box.NumElements() when nothing is missing).
+int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor, const ChunkIndex& index,
+                        const Box& box, const Box& layout, std::byte* destination,
+                        std::vector<ReadRun>& runs);
+
+// Sorts runs by (file, offset) and merges runs adjacent both in the file and in memory.
+void CoalesceRuns(std::vector<ReadRun>& runs);
+
+}  // namespace tessera
+
+#endif  // TESSERA_PLAN_LOAD_PLAN_H_

@@ -1,0 +1,515 @@
+#include "plan/save_plan.h"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <queue>
+#include <set>
+#include <string_view>
+#include <unordered_map>
+
+#include "core/byte_io.h"
+#include "plan/flat_range.h"
+
+namespace tessera {
+namespace {
+
+std::string RanksToString(const std::vector<int32_t>& ranks) {
+  std::string out;
+  size_t shown = std::min<size_t>(ranks.size(), 8);
+  for (size_t i = 0; i < shown; ++i) {
+    if (i) out += ", ";
+    out += std::to_string(ranks[i]);
+  }
+  if (ranks.size() > shown) out += ", ... (" + std::to_string(ranks.size()) + " ranks)";
+  return out;
+}
+
+}  // namespace
+
+// ---- local plan ----------------------------------------------------------------------------
+
+Result<LocalPlan> BuildLocalPlan(const StateDict& state) {
+  LocalPlan plan;
+  const auto& entries = state.entries();
+  plan.items.reserve(entries.size());
+  for (uint32_t i = 0; i < entries.size(); ++i) {
+    if (const auto* object = std::get_if<ShardedObject>(&entries[i])) {
+      LocalItem item;
+      item.key = object->key;
+      item.kind = ItemKind::kObject;
+      item.replica_id = object->replica_id;
+      item.num_bytes = object->data.size();
+      item.entry_index = i;
+      plan.items.push_back(std::move(item));
+      continue;
+    }
+    const auto& tensor = std::get<ShardedTensor>(entries[i]);
+    TESSERA_RETURN_IF_ERROR(tensor.Validate());
+    const size_t element_size = DTypeSize(tensor.data.dtype);
+    Box local = tensor.LocalBox();
+    auto add = [&](Box box, uint64_t byte_offset) {
+      LocalItem item;
+      item.key = tensor.key;
+      item.kind = ItemKind::kTensor;
+      item.dtype = tensor.data.dtype;
+      item.partial = tensor.partial;
+      item.global_shape = tensor.global_shape;
+      item.num_bytes = static_cast<uint64_t>(box.NumElements()) * element_size;
+      item.box = std::move(box);
+      item.replica_id = tensor.replica_id;
+      item.entry_index = i;
+      item.byte_offset = byte_offset;
+      plan.items.push_back(std::move(item));
+    };
+    if (!tensor.flat_range) {
+      add(std::move(local), 0);
+      continue;
+    }
+    const FlatRange range = *tensor.flat_range;
+    std::vector<FlatPiece> pieces = FlatRangeToBoxes(local, range.begin, range.end);
+    if (pieces.empty()) {
+      // Holds no element, but still tells the coordinator the tensor's dtype and shape.
+      add(Box(local.offsets, Shape(local.rank(), 0)), 0);
+    }
+    for (FlatPiece& piece : pieces) {
+      add(std::move(piece.box), static_cast<uint64_t>(piece.flat_begin - range.begin) * element_size);
+    }
+  }
+  return plan;
+}
+
+Bytes EncodeLocalPlan(const LocalPlan& plan) {
+  Bytes out;
+  out.reserve(plan.items.size() * 64);
+  ByteWriter w(&out);
+  w.Put<uint32_t>(static_cast<uint32_t>(plan.items.size()));
+  for (const LocalItem& item : plan.items) {
+    w.PutString(item.key);
+    w.Put<uint8_t>(static_cast<uint8_t>(item.kind));
+    w.Put<uint8_t>(static_cast<uint8_t>(item.dtype));
+    w.Put<uint8_t>(item.partial ? 1 : 0);
+    w.Put<uint8_t>(static_cast<uint8_t>(item.global_shape.size()));
+    w.PutBytes(item.global_shape.data(), item.global_shape.size() * sizeof(int64_t));
+    w.PutBytes(item.box.offsets.data(), item.box.rank() * sizeof(int64_t));
+    w.PutBytes(item.box.sizes.data(), item.box.rank() * sizeof(int64_t));
+    w.PutVector(item.replica_id);
+    w.Put<uint64_t>(item.num_bytes);
+  }
+  return out;
+}
+
+Result<LocalPlan> DecodeLocalPlan(std::span<const uint8_t> bytes) {
+  ByteReader r(bytes);
+  uint32_t count = 0;
+  TESSERA_RETURN_IF_ERROR(r.Get(&count));
+  if (count > bytes.size()) return DataLoss("local plan: item count " + std::to_string(count) +
+                                            " exceeds the message size");
+  LocalPlan plan;
+  plan.items.resize(count);
+  for (LocalItem& item : plan.items) {
+    uint8_t kind = 0, dtype = 0, partial = 0, rank = 0;
+    TESSERA_RETURN_IF_ERROR(r.GetString(&item.key));
+    TESSERA_RETURN_IF_ERROR(r.Get(&kind));
+    TESSERA_RETURN_IF_ERROR(r.Get(&dtype));
+    TESSERA_RETURN_IF_ERROR(r.Get(&partial));
+    TESSERA_RETURN_IF_ERROR(r.Get(&rank));
+    if (kind > 1 || (kind == 0 && !IsValidDType(dtype))) {
+      return DataLoss("local plan: bad item kind or dtype for key '" + item.key + "'");
+    }
+    item.kind = static_cast<ItemKind>(kind);
+    item.dtype = static_cast<DType>(dtype);
+    item.partial = partial != 0;
+    item.global_shape.resize(rank);
+    item.box.offsets.resize(rank);
+    item.box.sizes.resize(rank);
+    for (auto* v : {&item.global_shape, &item.box.offsets, &item.box.sizes}) {
+      for (int64_t& x : *v) TESSERA_RETURN_IF_ERROR(r.Get(&x));
+    }
+    TESSERA_RETURN_IF_ERROR(r.GetVector(&item.replica_id));
+    TESSERA_RETURN_IF_ERROR(r.Get(&item.num_bytes));
+  }
+  if (!r.AtEnd()) return DataLoss("local plan: trailing bytes");
+  return plan;
+}
+
+// ---- tiling check ----------------------------------------------------------------------------
+//
+// Overlap is found by a sweep along the dimension with the most distinct chunk offsets (the
+// most-split one). Boxes whose extent along it contains the sweep position are "active"; they
+// are kept ordered by their offset in a second dimension, so a new box is compared only with
+// the active boxes whose extent in that dimension reaches it. For the layouts checkpoints use
+// (grids of TP/PP/DP splits, flat-range pieces) that is O(log n) per box: O(n log n) in all.
+// Coverage follows from disjointness, bounds, and the volumes adding up to the whole.
+
+std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Shape& shape,
+                                           bool require_coverage) {
+  const size_t rank = shape.size();
+  __int128 total = 1;
+  for (int64_t s : shape) total *= s;
+  __int128 covered = 0;
+  std::vector<uint32_t> order;
+  order.reserve(boxes.size());
+  for (uint32_t i = 0; i < boxes.size(); ++i) {
+    if (!boxes[i].InBounds(shape)) {
+      return BoxCheckFailure{"box " + boxes[i].ToString() + " is outside the global shape " +
+                                 ShapeToString(shape),
+                             i, -1};
+    }
+    if (boxes[i].empty()) continue;
+    covered += boxes[i].NumElements();
+    order.push_back(i);
+  }
+  auto overlap_failure = [&](uint32_t a, uint32_t b) {
+    return BoxCheckFailure{"boxes " + boxes[a].ToString() + " and " + boxes[b].ToString() +
+                               " overlap",
+                           a, b};
+  };
+  if (rank == 0) {
+    if (order.size() > 1) return overlap_failure(order[0], order[1]);
+  } else if (order.size() > 1) {
+    // The sweep dimension: most distinct offsets. The ordering dimension: the next most.
+    std::vector<std::pair<size_t, size_t>> distinct(rank);  // (count, dim)
+    std::vector<int64_t> values(order.size());
+    for (size_t d = 0; d < rank; ++d) {
+      for (size_t k = 0; k < order.size(); ++k) values[k] = boxes[order[k]].offsets[d];
+      std::sort(values.begin(), values.end());
+      distinct[d] = {std::unique(values.begin(), values.end()) - values.begin(), d};
+    }
+    std::sort(distinct.begin(), distinct.end(), std::greater<>());
+    const size_t sweep = distinct[0].second;
+    const size_t second = rank > 1 ? distinct[1].second : sweep;
+    int64_t max_second_extent = 0;
+    for (uint32_t i : order) max_second_extent = std::max(max_second_extent, boxes[i].sizes[second]);
+
+    std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+      return boxes[a].offsets[sweep] < boxes[b].offsets[sweep];
+    });
+    using ActiveMap = std::multimap<int64_t, uint32_t>;  // offset in `second` -> box
+    ActiveMap active;
+    // Expiry queue: (end along sweep, iterator into `active`).
+    using Expiry = std::pair<int64_t, ActiveMap::iterator>;
+    auto later = [](const Expiry& a, const Expiry& b) { return a.first > b.first; };
+    std::priority_queue<Expiry, std::vector<Expiry>, decltype(later)> expiry(later);
+    for (uint32_t i : order) {
+      const Box& box = boxes[i];
+      while (!expiry.empty() && expiry.top().first <= box.offsets[sweep]) {
+        active.erase(expiry.top().second);
+        expiry.pop();
+      }
+      if (rank == 1) {
+        if (!active.empty()) return overlap_failure(active.begin()->second, i);
+      } else {
+        // Active boxes that may reach box in `second`: offset in (box.off - max_extent, box.end).
+        auto it = active.upper_bound(box.offsets[second] - max_second_extent);
+        for (; it != active.end() && it->first < box.end(second); ++it) {
+          if (Intersect(boxes[it->second], box)) return overlap_failure(it->second, i);
+        }
+      }
+      auto where = active.emplace(box.offsets[second], i);
+      expiry.emplace(box.end(sweep), where);
+    }
+  }
+  if (require_coverage && covered != total) {
+    return BoxCheckFailure{"the boxes cover " + std::to_string(static_cast<int64_t>(covered)) +
+                               " of the " + std::to_string(static_cast<int64_t>(total)) +
+                               " elements of shape " + ShapeToString(shape) +
+                               " (mark the tensor partial if that is intended)",
+                           -1, -1};
+  }
+  return std::nullopt;
+}
+
+// ---- global plan -----------------------------------------------------------------------------
+
+namespace {
+
+// A unique piece to be written once: a tensor chunk or an object.
+struct Shard {
+  uint64_t num_bytes = 0;
+  std::vector<ItemRef> holders;  // ascending rank
+  ItemRef writer;
+  int32_t tensor = -1;  // index into metadata.tensors, or -1 for an object
+  uint32_t index = 0;   // chunk index within the tensor, or object index
+};
+
+std::string DescribeHolders(const std::vector<ItemRef>& holders) {
+  std::vector<int32_t> ranks;
+  for (const ItemRef& h : holders) ranks.push_back(h.rank);
+  return (ranks.size() == 1 ? "rank " : "ranks ") + RanksToString(ranks);
+}
+
+}  // namespace
+
+Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
+                                           const SavePlanOptions& options) {
+  const int32_t num_ranks = static_cast<int32_t>(plans.size());
+  // Group every item by key.
+  std::unordered_map<std::string_view, uint32_t> group_of_key;
+  std::vector<std::vector<ItemRef>> groups;
+  size_t total_items = 0;
+  for (const LocalPlan& p : plans) total_items += p.items.size();
+  group_of_key.reserve(total_items / std::max<int32_t>(num_ranks, 1) * 2 + 16);
+  for (int32_t r = 0; r < num_ranks; ++r) {
+    const auto& items = plans[r].items;
+    for (uint32_t i = 0; i < items.size(); ++i) {
+      auto [it, inserted] = group_of_key.try_emplace(items[i].key, groups.size());
+      if (inserted) groups.emplace_back();
+      groups[it->second].push_back({r, i});
+    }
+  }
+  auto item_of = [&](const ItemRef& ref) -> const LocalItem& {
+    return plans[ref.rank].items[ref.item];
+  };
+  std::vector<uint32_t> group_order(groups.size());
+  std::iota(group_order.begin(), group_order.end(), 0);
+  std::sort(group_order.begin(), group_order.end(), [&](uint32_t a, uint32_t b) {
+    return item_of(groups[a][0]).key < item_of(groups[b][0]).key;
+  });
+
+  GlobalSavePlan plan;
+  plan.writes.resize(num_ranks);
+  std::vector<Shard> shards;
+  shards.reserve(total_items);
+  for (uint32_t g : group_order) {
+    const std::vector<ItemRef>& refs = groups[g];
+    const LocalItem& first = item_of(refs[0]);
+    const std::string& key = first.key;
+    for (const ItemRef& ref : refs) {
+      const LocalItem& item = item_of(ref);
+      if (item.kind != first.kind) {
+        return InvalidArgument("key '" + key + "' is a " +
+                               (first.kind == ItemKind::kTensor ? "tensor" : "object") +
+                               " on rank " + std::to_string(refs[0].rank) + " but a " +
+                               (item.kind == ItemKind::kTensor ? "tensor" : "object") +
+                               " on rank " + std::to_string(ref.rank));
+      }
+    }
+    if (first.kind == ItemKind::kObject) {
+      Shard shard;
+      shard.holders = refs;
+      shard.num_bytes = first.num_bytes;
+      shard.tensor = -1;
+      shard.index = static_cast<uint32_t>(plan.metadata.objects.size());
+      plan.metadata.objects.push_back(ObjectInfo{key, {}});
+      shards.push_back(std::move(shard));
+      continue;
+    }
+    // A tensor: dtype and shape must agree everywhere.
+    bool partial = false;
+    for (const ItemRef& ref : refs) {
+      const LocalItem& item = item_of(ref);
+      if (item.dtype != first.dtype) {
+        return InvalidArgument("key '" + key + "': dtype " + std::string(DTypeName(first.dtype)) +
+                               " on rank " + std::to_string(refs[0].rank) + " but " +
+                               std::string(DTypeName(item.dtype)) + " on rank " +
+                               std::to_string(ref.rank));
+      }
+      if (item.global_shape != first.global_shape) {
+        return InvalidArgument("key '" + key + "': global shape " +
+                               ShapeToString(first.global_shape) + " on rank " +
+                               std::to_string(refs[0].rank) + " but " +
+                               ShapeToString(item.global_shape) + " on rank " +
+                               std::to_string(ref.rank));
+      }
+      if (!item.box.InBounds(item.global_shape)) {
+        return Status(StatusCode::kOutOfRange,
+                      "key '" + key + "': box " + item.box.ToString() + " on rank " +
+                          std::to_string(ref.rank) + " is outside the global shape " +
+                          ShapeToString(item.global_shape));
+      }
+      partial = partial || item.partial;
+    }
+    const int32_t tensor_index = static_cast<int32_t>(plan.metadata.tensors.size());
+    TensorInfo info;
+    info.key = key;
+    info.dtype = first.dtype;
+    info.global_shape = first.global_shape;
+    // Unique boxes and who holds each.
+    std::vector<ItemRef> sorted;
+    sorted.reserve(refs.size());
+    const bool empty_tensor = Box::Whole(first.global_shape).empty();
+    for (const ItemRef& ref : refs) {
+      if (!item_of(ref).box.empty() || empty_tensor) sorted.push_back(ref);
+    }
+    std::sort(sorted.begin(), sorted.end(), [&](const ItemRef& a, const ItemRef& b) {
+      const Box& ba = item_of(a).box;
+      const Box& bb = item_of(b).box;
+      if (ba != bb) return ba < bb;
+      return a.rank < b.rank;
+    });
+    if (empty_tensor && !sorted.empty()) {
+      // Nothing to write but the tensor itself: one empty chunk, the whole (empty) box.
+      std::vector<ItemRef> holders;
+      for (const ItemRef& ref : sorted) {
+        if (item_of(ref).box == Box::Whole(first.global_shape)) holders.push_back(ref);
+      }
+      if (holders.empty()) holders.push_back(sorted[0]);
+      sorted = std::move(holders);
+    }
+    std::vector<Box> unique_boxes;
+    std::vector<std::vector<ItemRef>> holders_of_box;
+    for (const ItemRef& ref : sorted) {
+      const Box& box = item_of(ref).box;
+      if (unique_boxes.empty() || unique_boxes.back() != box) {
+        unique_boxes.push_back(box);
+        holders_of_box.emplace_back();
+      }
+      holders_of_box.back().push_back(ref);
+    }
+    if (auto failure = CheckTiling(unique_boxes, info.global_shape, !partial)) {
+      std::string message = "key '" + key + "': " + failure->message;
+      if (failure->first >= 0) {
+        message += " (held by " + DescribeHolders(holders_of_box[failure->first]);
+        if (failure->second >= 0) {
+          message += " and " + DescribeHolders(holders_of_box[failure->second]);
+        }
+        message += ")";
+      }
+      return InvalidArgument(std::move(message));
+    }
+    info.chunks.reserve(unique_boxes.size());
+    for (size_t c = 0; c < unique_boxes.size(); ++c) {
+      Shard shard;
+      shard.holders = std::move(holders_of_box[c]);
+      shard.num_bytes = item_of(shard.holders[0]).num_bytes;
+      shard.tensor = tensor_index;
+      shard.index = static_cast<uint32_t>(c);
+      info.chunks.push_back(ChunkInfo{std::move(unique_boxes[c]), {}});
+      shards.push_back(std::move(shard));
+    }
+    plan.metadata.tensors.push_back(std::move(info));
+  }
+
+  // Writers. Default: the lowest-ranked main replica. balance_writes: greedy over all holders.
+  auto describe_shard = [&](const Shard& shard) {
+    if (shard.tensor < 0) return "object '" + plan.metadata.objects[shard.index].key + "'";
+    const TensorInfo& t = plan.metadata.tensors[shard.tensor];
+    return "key '" + t.key + "' box " + t.chunks[shard.index].box.ToString();
+  };
+  for (Shard& shard : shards) {
+    auto main = std::find_if(shard.holders.begin(), shard.holders.end(), [&](const ItemRef& h) {
+      return IsMainReplica(item_of(h).replica_id);
+    });
+    if (main == shard.holders.end()) {
+      return InvalidArgument(describe_shard(shard) + " is held by " +
+                             DescribeHolders(shard.holders) +
+                             " but none holds the main replica (replica id all zeros)");
+    }
+    shard.writer = *main;
+  }
+  if (options.balance_writes) {
+    std::vector<uint32_t> order(shards.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+      if (shards[a].holders.size() != shards[b].holders.size()) {
+        return shards[a].holders.size() < shards[b].holders.size();
+      }
+      return shards[a].num_bytes > shards[b].num_bytes;
+    });
+    std::vector<uint64_t> load(num_ranks, 0);
+    for (uint32_t s : order) {
+      Shard& shard = shards[s];
+      const ItemRef* best = &shard.holders[0];
+      for (const ItemRef& h : shard.holders) {
+        if (load[h.rank] < load[best->rank]) best = &h;  // holders ascend by rank: ties by rank
+      }
+      shard.writer = *best;
+      load[best->rank] += shard.num_bytes;
+    }
+  }
+  plan.chunk_writers.resize(plan.metadata.tensors.size());
+  for (size_t t = 0; t < plan.metadata.tensors.size(); ++t) {
+    plan.chunk_writers[t].resize(plan.metadata.tensors[t].chunks.size());
+  }
+  plan.object_writers.resize(plan.metadata.objects.size());
+  for (const Shard& shard : shards) {
+    (shard.tensor >= 0 ? plan.chunk_writers[shard.tensor][shard.index]
+                       : plan.object_writers[shard.index]) = shard.writer;
+    plan.writes[shard.writer.rank].push_back(shard.writer.item);
+    plan.total_bytes += shard.num_bytes;
+  }
+  for (auto& w : plan.writes) std::sort(w.begin(), w.end());
+  plan.metadata.num_ranks = num_ranks;
+  return plan;
+}
+
+// ---- write results ---------------------------------------------------------------------------
+
+Bytes EncodeWriteResult(const WriteResult& result) {
+  Bytes out;
+  ByteWriter w(&out);
+  w.Put<uint32_t>(static_cast<uint32_t>(result.files.size()));
+  for (const FileInfo& f : result.files) {
+    w.PutString(f.name);
+    w.Put<uint64_t>(f.size);
+  }
+  w.Put<uint32_t>(static_cast<uint32_t>(result.items.size()));
+  w.PutBytes(result.items.data(), result.items.size() * sizeof(WrittenItem));
+  return out;
+}
+
+Result<WriteResult> DecodeWriteResult(std::span<const uint8_t> bytes) {
+  static_assert(std::is_trivially_copyable_v<WrittenItem>);
+  ByteReader r(bytes);
+  WriteResult result;
+  uint32_t num_files = 0;
+  TESSERA_RETURN_IF_ERROR(r.Get(&num_files));
+  if (num_files > bytes.size()) return DataLoss("write result: bad file count");
+  result.files.resize(num_files);
+  for (FileInfo& f : result.files) {
+    TESSERA_RETURN_IF_ERROR(r.GetString(&f.name));
+    TESSERA_RETURN_IF_ERROR(r.Get(&f.size));
+  }
+  TESSERA_RETURN_IF_ERROR(r.GetVector(&result.items));
+  if (!r.AtEnd()) return DataLoss("write result: trailing bytes");
+  return result;
+}
+
+Result<Metadata> FinishMetadata(const GlobalSavePlan& plan,
+                                std::span<const WriteResult> results) {
+  Metadata metadata = plan.metadata;
+  const size_t num_ranks = results.size();
+  std::vector<uint32_t> file_base(num_ranks, 0);
+  // Per rank: item index -> position in results[r].items.
+  std::vector<std::unordered_map<uint32_t, uint32_t>> where(num_ranks);
+  for (size_t r = 0; r < num_ranks; ++r) {
+    file_base[r] = static_cast<uint32_t>(metadata.files.size());
+    metadata.files.insert(metadata.files.end(), results[r].files.begin(), results[r].files.end());
+    where[r].reserve(results[r].items.size());
+    for (uint32_t k = 0; k < results[r].items.size(); ++k) {
+      const WrittenItem& w = results[r].items[k];
+      if (w.file >= results[r].files.size()) {
+        return Internal("rank " + std::to_string(r) + " reported file index " +
+                        std::to_string(w.file) + " of " + std::to_string(results[r].files.size()));
+      }
+      where[r][w.item] = k;
+    }
+  }
+  auto locate = [&](const ItemRef& ref, const std::string& what) -> Result<ByteLocation> {
+    if (static_cast<size_t>(ref.rank) >= num_ranks) {
+      return Internal(what + ": writer rank " + std::to_string(ref.rank) + " has no result");
+    }
+    auto it = where[ref.rank].find(ref.item);
+    if (it == where[ref.rank].end()) {
+      return Internal(what + " was not reported written by rank " + std::to_string(ref.rank));
+    }
+    const WrittenItem& w = results[ref.rank].items[it->second];
+    return ByteLocation{file_base[ref.rank] + w.file, w.offset, w.length, w.checksum};
+  };
+  for (size_t t = 0; t < metadata.tensors.size(); ++t) {
+    TensorInfo& tensor = metadata.tensors[t];
+    for (size_t c = 0; c < tensor.chunks.size(); ++c) {
+      TESSERA_ASSIGN_OR_RETURN(tensor.chunks[c].location,
+                               locate(plan.chunk_writers[t][c], "key '" + tensor.key + "' box " +
+                                                                    tensor.chunks[c].box.ToString()));
+    }
+  }
+  for (size_t o = 0; o < metadata.objects.size(); ++o) {
+    TESSERA_ASSIGN_OR_RETURN(metadata.objects[o].location,
+                             locate(plan.object_writers[o], "object '" + metadata.objects[o].key + "'"));
+  }
+  return metadata;
+}
+
+}  // namespace tessera
