@@ -18,8 +18,7 @@ struct TensorView {
   Shape shape;  // {} is a 0-d scalar holding one element
 
   TensorView() = default;
-  TensorView(void* data_in, DType dtype_in, Shape shape_in)
-      : data(data_in), dtype(dtype_in), shape(std::move(shape_in)) {}
+  // Takes const memory too (a save only reads); a load writes through `data`.
   TensorView(const void* data_in, DType dtype_in, Shape shape_in)
       : data(const_cast<void*>(data_in)), dtype(dtype_in), shape(std::move(shape_in)) {}
 

@@ -91,11 +91,14 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
   uint64_t acc = 0;
   for (size_t i = 0; i < runs.size() && bounds.size() < num_threads; ++i) {
     acc += runs[i].length;
-    if (acc * num_threads >= total * bounds.size()) bounds.push_back(i + 1);
+    // Never split the runs of one checksummed chunk between two threads.
+    const bool inside_chunk = runs[i].whole_chunk && !runs[i].chunk_last;
+    if (!inside_chunk && acc * num_threads >= total * bounds.size()) bounds.push_back(i + 1);
   }
   bounds.push_back(runs.size());
   std::vector<Status> statuses(bounds.size() - 1);
   auto work = [&](size_t slice) {
+    ChecksumStream checksum;  // of the whole chunk whose runs are being read
     for (size_t i = bounds[slice]; i < bounds[slice + 1]; ++i) {
       const ReadRun& run = runs[i];
       Status s = files[run.file_index]->ReadAt(run.file_offset, run.destination, run.length);
@@ -103,17 +106,19 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
         statuses[slice] = s.WithContext("reading " + DescribeChunk(metadata, run.tensor, run.chunk));
         return;
       }
-      if (run.whole_chunk && options.verify_checksums) {
-        const ByteLocation& where = metadata.tensors[run.tensor].chunks[run.chunk].location;
-        uint64_t actual = Checksum(run.destination, run.length);
-        if (actual != where.checksum) {
-          statuses[slice] = DataLoss(
-              "checksum mismatch in " + DescribeChunk(metadata, run.tensor, run.chunk) +
-              " of file " + JoinPath(dir, metadata.files[run.file_index].name) + " at offset " +
-              std::to_string(run.file_offset) + ": expected " + Hex(where.checksum) + ", got " +
-              Hex(actual));
-          return;
-        }
+      if (!run.whole_chunk || !options.verify_checksums) continue;
+      if (run.chunk_first) checksum.Reset();
+      checksum.Update(run.destination, run.length);
+      if (!run.chunk_last) continue;
+      const ByteLocation& where = metadata.tensors[run.tensor].chunks[run.chunk].location;
+      const uint64_t actual = checksum.Digest();
+      if (actual != where.checksum) {
+        statuses[slice] = DataLoss(
+            "checksum mismatch in " + DescribeChunk(metadata, run.tensor, run.chunk) +
+            " of file " + JoinPath(dir, metadata.files[run.file_index].name) + " at offset " +
+            std::to_string(where.offset) + ": expected " + Hex(where.checksum) + ", got " +
+            Hex(actual));
+        return;
       }
     }
   };

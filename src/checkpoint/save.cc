@@ -230,6 +230,41 @@ Result<WriteResult> WriteLocalFiles(Storage& storage, const std::string& dir,
   return result;
 }
 
+std::string ParentDir(const std::string& path) {
+  size_t end = path.find_last_not_of('/');
+  if (end == std::string::npos) return "/";
+  size_t slash = path.rfind('/', end);
+  if (slash == std::string::npos) return ".";
+  size_t parent_end = path.find_last_not_of('/', slash);
+  return parent_end == std::string::npos ? "/" : path.substr(0, parent_end + 1);
+}
+
+// Creates `path` and the missing directories above it. With kFull, syncs the parent of each
+// one created, so the checkpoint directory itself survives a crash, not only its contents.
+Status CreateDurableDirs(Storage& storage, const std::string& path, SyncPolicy sync) {
+  std::vector<std::string> missing;  // deepest first
+  for (std::string dir = path;;) {
+    TESSERA_ASSIGN_OR_RETURN(FileType type, storage.Stat(dir));
+    if (type == FileType::kDirectory) break;
+    if (type == FileType::kFile) {
+      return FailedPrecondition("cannot create checkpoint directory " + path + ": " + dir +
+                                " is a file");
+    }
+    missing.push_back(dir);
+    std::string parent = ParentDir(dir);
+    if (parent == dir) break;
+    dir = std::move(parent);
+  }
+  if (missing.empty()) return Status::Ok();
+  TESSERA_RETURN_IF_ERROR_CTX(storage.CreateDirs(path), "creating checkpoint directory");
+  if (sync == SyncPolicy::kFull) {
+    for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+      TESSERA_RETURN_IF_ERROR(storage.SyncDir(ParentDir(*it)));
+    }
+  }
+  return Status::Ok();
+}
+
 // Step 4 on the coordinator: the manifest under a temporary name, synced, renamed into place,
 // directory synced. Before it, the directory is synced so the data files' entries are durable
 // before anything can point at them.
@@ -298,7 +333,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
       gathered.clear();
       TESSERA_ASSIGN_OR_RETURN(global,
                                BuildGlobalSavePlan(plans, {.balance_writes = options.balance_writes}));
-      TESSERA_RETURN_IF_ERROR_CTX(storage->CreateDirs(path), "creating checkpoint directory");
+      TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
       TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->ListDir(path));
       save_id = NewSaveId(names);
       return Status::Ok();

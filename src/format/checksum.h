@@ -17,6 +17,8 @@ class ChecksumStream {
   ~ChecksumStream();
   ChecksumStream(const ChecksumStream&) = delete;
   ChecksumStream& operator=(const ChecksumStream&) = delete;
+  // Starts over, as if newly constructed.
+  void Reset();
   void Update(const void* data, size_t n);
   uint64_t Digest() const;
 

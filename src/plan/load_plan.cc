@@ -74,6 +74,7 @@ int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor_index, const C
     const std::vector<int64_t> dst_strides = RowMajorStrides(layout.sizes);
     const bool whole = part == chunk.box;
     std::vector<int64_t> index_in_part(outer, 0);
+    const size_t first_run = runs.size();
     while (true) {
       int64_t src = 0, dst = 0;
       for (size_t d = 0; d < rank; ++d) {
@@ -84,7 +85,8 @@ int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor_index, const C
       runs.push_back(ReadRun{chunk.location.file_index,
                              chunk.location.offset + static_cast<uint64_t>(src * element_size),
                              static_cast<uint64_t>(run_elements * element_size),
-                             destination + dst * element_size, tensor_index, c, whole});
+                             destination + dst * element_size, tensor_index, c, whole,
+                             /*chunk_first=*/runs.size() == first_run, /*chunk_last=*/false});
       // Next index of the outer dimensions, last fastest; done after the last one.
       bool done = true;
       for (size_t d = outer; d-- > 0;) {
@@ -96,6 +98,7 @@ int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor_index, const C
       }
       if (done) break;
     }
+    runs.back().chunk_last = true;
   });
   return covered;
 }

@@ -43,7 +43,11 @@ struct ReadRun {
   std::byte* destination = nullptr;
   uint32_t tensor = 0;        // index into Metadata::tensors (for error messages)
   uint32_t chunk = 0;         // index into that tensor's chunks
-  bool whole_chunk = false;   // covers the chunk exactly: its checksum can be checked
+  // The runs of one chunk that the destination needs whole come out consecutive and in file
+  // order, first to last: their bytes, streamed in that order, give the chunk's checksum.
+  bool whole_chunk = false;
+  bool chunk_first = false;  // with whole_chunk: the first run of the chunk
+  bool chunk_last = false;   // with whole_chunk: the last run of the chunk
 };
 
 // Appends the runs that fill `box` (of metadata.tensors[tensor]) into `destination`, which holds
@@ -54,7 +58,8 @@ int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor, const ChunkIn
                         const Box& box, const Box& layout, std::byte* destination,
                         std::vector<ReadRun>& runs);
 
-// Sorts runs by (file, offset) and merges runs adjacent both in the file and in memory.
+// Sorts runs by (file, offset) and merges runs adjacent both in the file and in memory (runs of
+// whole chunks are left alone, so each chunk's checksum can still be checked).
 void CoalesceRuns(std::vector<ReadRun>& runs);
 
 }  // namespace tessera

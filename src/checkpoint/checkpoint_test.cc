@@ -1,0 +1,497 @@
+// End-to-end tests of Save / Load / ReadMetadata / Verify, single and multi rank, on memory and
+// POSIX storage.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "format/manifest.h"
+#include "tessera/checkpoint.h"
+#include "tessera/fault_injecting_storage.h"
+#include "tessera/local_comm.h"
+#include "tessera/memory_storage.h"
+#include "testing/test_util.h"
+
+namespace tessera {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+// A tensor and the buffer that holds it.
+struct Owned {
+  std::vector<uint8_t> bytes;
+  ShardedTensor tensor;
+};
+
+Owned MakeWhole(const std::string& key, DType dtype, Shape shape, uint64_t seed) {
+  Owned o;
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  o.bytes = testing::RandomBytes(n * DTypeSize(dtype), seed);
+  o.tensor = ShardedTensor::Whole(key, TensorView(o.bytes.data(), dtype, shape));
+  return o;
+}
+
+class CheckpointTest : public ::testing::TestWithParam<bool> {
+ protected:
+  // Parameter: true = POSIX files in a temp dir, false = MemoryStorage.
+  void SetUp() override {
+    if (GetParam()) {
+      storage_ = NewPosixStorage();
+      path_ = dir_.Sub("ckpt");
+    } else {
+      storage_ = std::make_shared<MemoryStorage>();
+      path_ = "/mem/ckpt";
+    }
+    save_.storage = storage_;
+    save_.num_io_threads = 3;
+    load_.storage = storage_;
+  }
+
+  TempDir dir_;
+  std::shared_ptr<Storage> storage_;
+  std::string path_;
+  SaveOptions save_;
+  LoadOptions load_;
+};
+
+TEST_P(CheckpointTest, RoundTripEveryDtypeScalarsEmptyTensorsObjectsMetadata) {
+  std::vector<Owned> owned;
+  uint64_t seed = 1;
+  for (DType d : kAllDTypes) {
+    owned.push_back(MakeWhole("t." + std::string(DTypeName(d)), d, {3, 5}, seed++));
+  }
+  owned.push_back(MakeWhole("scalar", DType::kF64, {}, seed++));
+  owned.push_back(MakeWhole("empty", DType::kF32, {4, 0, 3}, seed++));
+  StateDict state;
+  for (Owned& o : owned) ASSERT_OK(state.Add(o.tensor));
+  ASSERT_OK(state.Add(ShardedObject{"rng", {1, 2, 3, 250}, {}}));
+  ASSERT_OK(state.Add(ShardedObject{"empty_object", {}, {}}));
+  save_.user_metadata = {{"step", "100"}, {"framework", "test"}};
+  ASSERT_OK_AND_ASSIGN(SaveReport report, Save(state, path_, save_));
+  EXPECT_EQ(report.total_bytes, report.bytes_written);
+
+  ASSERT_OK_AND_ASSIGN(Metadata metadata, ReadMetadata(path_, storage_));
+  EXPECT_EQ(metadata.user_metadata, save_.user_metadata);
+  EXPECT_EQ(metadata.tensors.size(), owned.size());
+  ASSERT_NE(metadata.FindTensor("scalar"), nullptr);
+  EXPECT_TRUE(metadata.FindTensor("scalar")->global_shape.empty());
+  ASSERT_NE(metadata.FindTensor("empty"), nullptr);
+  EXPECT_EQ(metadata.FindTensor("empty")->global_shape, (Shape{4, 0, 3}));
+  EXPECT_EQ(metadata.objects.size(), 2u);
+
+  std::vector<Owned> loaded;
+  for (const Owned& o : owned) {
+    Owned l = o;
+    std::fill(l.bytes.begin(), l.bytes.end(), 0);
+    l.tensor.data.data = l.bytes.data();
+    loaded.push_back(std::move(l));
+  }
+  StateDict target;
+  for (Owned& l : loaded) ASSERT_OK(target.Add(l.tensor));
+  ASSERT_OK(target.Add(ShardedObject{"rng", {}, {}}));
+  ASSERT_OK(target.Add(ShardedObject{"empty_object", {9}, {}}));
+  ASSERT_OK_AND_ASSIGN(LoadReport load_report, Load(target, path_, load_));
+  for (size_t i = 0; i < owned.size(); ++i) {
+    EXPECT_EQ(loaded[i].bytes, owned[i].bytes) << owned[i].tensor.key;
+  }
+  EXPECT_EQ(std::get<ShardedObject>(*target.Find("rng")).data, (std::vector<uint8_t>{1, 2, 3, 250}));
+  EXPECT_TRUE(std::get<ShardedObject>(*target.Find("empty_object")).data.empty());
+  EXPECT_EQ(load_report.bytes_read, load_report.bytes_needed);
+  ASSERT_OK_AND_ASSIGN(VerifyReport verify, Verify(path_, storage_));
+  EXPECT_EQ(verify.bytes_checked, metadata.TotalTensorBytes() + 4);
+}
+
+// Loads `key` of the checkpoint as box `box` and returns the bytes.
+Result<std::vector<uint8_t>> LoadBox(const std::string& path, const LoadOptions& options,
+                                     const std::string& key, DType dtype, Shape global,
+                                     Box box) {
+  std::vector<uint8_t> out(box.NumElements() * DTypeSize(dtype), 0xAB);
+  StateDict state;
+  TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+      key, TensorView(out.data(), dtype, box.sizes), global, box.offsets)));
+  LoadOptions o = options;
+  o.unexpected_keys = KeyPolicy::kSkip;
+  TESSERA_RETURN_IF_ERROR(Load(state, path, o));
+  return out;
+}
+
+TEST_P(CheckpointTest, LoadsAnyBoxOfASavedTensor) {
+  // A 6x10 int32 tensor whose value is its linear index, saved as 3 column blocks by 3 ranks.
+  std::vector<int32_t> full(60);
+  for (int i = 0; i < 60; ++i) full[i] = i;
+  std::vector<Status> statuses = RunLocalRanks(3, [&](Comm& comm) -> Status {
+    int r = comm.rank();
+    int64_t c0 = r * 4, cn = r == 2 ? 2 : 4;  // uneven: 4, 4, 2 columns
+    std::vector<int32_t> local;
+    for (int64_t i = 0; i < 6; ++i)
+      for (int64_t j = c0; j < c0 + cn; ++j) local.push_back(full[i * 10 + j]);
+    StateDict state;
+    TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+        "x", TensorView(local.data(), DType::kI32, {6, cn}), {6, 10}, {0, c0})));
+    return Save(state, path_, comm, save_).status();
+  });
+  ASSERT_OK(FirstError(statuses));
+  for (const Box& box : {Box({0, 0}, {6, 10}), Box({1, 3}, {4, 6}), Box({5, 9}, {1, 1}),
+                         Box({2, 0}, {1, 10})}) {
+    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> bytes,
+                         LoadBox(path_, load_, "x", DType::kI32, {6, 10}, box));
+    const auto* got = reinterpret_cast<const int32_t*>(bytes.data());
+    for (int64_t i = 0; i < box.sizes[0]; ++i)
+      for (int64_t j = 0; j < box.sizes[1]; ++j)
+        EXPECT_EQ(got[i * box.sizes[1] + j], (box.offsets[0] + i) * 10 + box.offsets[1] + j)
+            << box.ToString();
+  }
+}
+
+TEST_P(CheckpointTest, FlatRangesOnBothSides) {
+  // Saved: a 5x7 float tensor as 3 flat ranges of the whole box (a distributed optimizer).
+  std::vector<float> full(35);
+  for (int i = 0; i < 35; ++i) full[i] = 0.5f * i;
+  const int64_t cuts[] = {0, 9, 22, 35};
+  std::vector<Status> statuses = RunLocalRanks(3, [&](Comm& comm) -> Status {
+    int r = comm.rank();
+    std::vector<float> mine(full.begin() + cuts[r], full.begin() + cuts[r + 1]);
+    StateDict state;
+    TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::FlatShard(
+        "m", TensorView(mine.data(), DType::kF32, {cuts[r + 1] - cuts[r]}), {5, 7}, {0, 0}, {5, 7},
+        cuts[r])));
+    return Save(state, path_, comm, save_).status();
+  });
+  ASSERT_OK(FirstError(statuses));
+  // Loaded: flat range [4, 30) of the box rows 1..4, columns 2..6.
+  Box local({1, 2}, {4, 5});
+  std::vector<float> out(16, -1);
+  StateDict state;
+  ASSERT_OK(state.Add(ShardedTensor::FlatShard("m", TensorView(out.data(), DType::kF32, {16}),
+                                               {5, 7}, local.offsets, local.sizes, 4)));
+  ASSERT_OK(Load(state, path_, load_));
+  for (int k = 0; k < 16; ++k) {
+    int64_t flat = 4 + k, i = 1 + flat / 5, j = 2 + flat % 5;
+    EXPECT_EQ(out[k], full[i * 7 + j]) << "element " << k;
+  }
+}
+
+TEST_P(CheckpointTest, BadInputErrorsNameWhatIsWrong) {
+  // Missing directory; directory without manifest.
+  StateDict nothing;
+  Result<LoadReport> r = Load(nothing, path_ + "-missing", load_);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_THAT(r.status().message(), HasSubstr("does not exist"));
+  ASSERT_OK(storage_->CreateDirs(path_));
+  r = Load(nothing, path_, load_);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("no committed checkpoint"));
+
+  Owned a = MakeWhole("a", DType::kF32, {4, 4}, 5);
+  StateDict state;
+  ASSERT_OK(state.Add(a.tensor));
+  ASSERT_OK(Save(state, path_, save_));
+
+  // dtype mismatch, shape mismatch, out of bounds, missing key, unexpected key.
+  auto expect_error = [&](ShardedTensor t, const std::string& text, LoadOptions o) {
+    std::vector<uint8_t> buf(t.data.NumBytes() + 64);
+    t.data.data = buf.data();
+    StateDict s;
+    Status add = s.Add(t);
+    Status st = add.ok() ? Load(s, path_, o).status() : add;
+    EXPECT_FALSE(st.ok()) << text;
+    EXPECT_THAT(st.message(), HasSubstr(text));
+  };
+  expect_error(ShardedTensor::Whole("a", TensorView(nullptr, DType::kBF16, {4, 4})),
+               "key 'a': saved dtype F32, requested BF16", load_);
+  expect_error(ShardedTensor::Whole("a", TensorView(nullptr, DType::kF32, {4, 5})),
+               "key 'a': saved global shape [4, 4], requested [4, 5]", load_);
+  expect_error(ShardedTensor::Shard("a", TensorView(nullptr, DType::kF32, {2, 2}), {4, 4}, {3, 3}),
+               "outside the global shape [4, 4]", load_);
+  expect_error(ShardedTensor::Whole("b", TensorView(nullptr, DType::kF32, {4, 4})),
+               "has no key 'b'", load_);
+  StateDict empty;
+  Status st = Load(empty, path_, load_).status();
+  EXPECT_THAT(st.message(), HasSubstr("keys no rank asked for: 'a'"));
+  LoadOptions lenient = load_;
+  lenient.unexpected_keys = KeyPolicy::kSkip;
+  ASSERT_OK_AND_ASSIGN(LoadReport report, Load(empty, path_, lenient));
+  EXPECT_EQ(report.unexpected_keys, std::vector<std::string>{"a"});
+  lenient.missing_keys = KeyPolicy::kSkip;
+  std::vector<uint8_t> buf(64);
+  StateDict with_missing;
+  ASSERT_OK(with_missing.Add(ShardedTensor::Whole("b", TensorView(buf.data(), DType::kF32, {4, 4}))));
+  ASSERT_OK_AND_ASSIGN(report, Load(with_missing, path_, lenient));
+  EXPECT_EQ(report.missing_keys, std::vector<std::string>{"b"});
+}
+
+TEST_P(CheckpointTest, AllowShapeMismatchLoadsTheCommonPart) {
+  std::vector<int32_t> saved = {1, 2, 3, 4, 5, 6};  // [2, 3]
+  StateDict state;
+  ASSERT_OK(state.Add(ShardedTensor::Whole("emb", TensorView(saved.data(), DType::kI32, {2, 3}))));
+  ASSERT_OK(Save(state, path_, save_));
+  std::vector<int32_t> bigger(12, -1);  // [3, 4]: padded vocabulary
+  ShardedTensor t = ShardedTensor::Whole("emb", TensorView(bigger.data(), DType::kI32, {3, 4}));
+  t.allow_shape_mismatch = true;
+  StateDict target;
+  ASSERT_OK(target.Add(t));
+  ASSERT_OK_AND_ASSIGN(LoadReport report, Load(target, path_, load_));
+  EXPECT_EQ(bigger, (std::vector<int32_t>{1, 2, 3, -1, 4, 5, 6, -1, -1, -1, -1, -1}));
+  EXPECT_EQ(report.shape_mismatched_keys, std::vector<std::string>{"emb"});
+}
+
+INSTANTIATE_TEST_SUITE_P(Storages, CheckpointTest, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "Posix" : "Memory"; });
+
+// ---- corruption, on real files ---------------------------------------------------------------
+
+class CorruptionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    path_ = dir_.Sub("ckpt");
+    a_ = MakeWhole("layer.weight", DType::kF32, {64, 64}, 11);
+    StateDict state;
+    ASSERT_OK(state.Add(a_.tensor));
+    SaveOptions o;
+    o.num_io_threads = 1;
+    ASSERT_OK(Save(state, path_, o));
+    ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path_));
+    data_file_ = path_ + "/" + m.files[0].name;
+    offset_ = m.tensors[0].chunks[0].location.offset;
+  }
+  Status LoadIt() {
+    std::vector<uint8_t> out(a_.bytes.size());
+    StateDict state;
+    Status s = state.Add(ShardedTensor::Whole("layer.weight", TensorView(out.data(), DType::kF32, {64, 64})));
+    if (!s.ok()) return s;
+    return Load(state, path_).status();
+  }
+  TempDir dir_;
+  std::string path_, data_file_;
+  uint64_t offset_ = 0;
+  Owned a_;
+};
+
+TEST_F(CorruptionTest, FlippedByteIsACheckumMismatchNamingKeyChunkAndFile) {
+  std::fstream f(data_file_, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(offset_ + 100);
+  char c;
+  f.read(&c, 1);
+  c ^= 0x10;
+  f.seekp(offset_ + 100);
+  f.write(&c, 1);
+  f.close();
+  for (Status s : {LoadIt(), Verify(path_).status()}) {
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+    EXPECT_THAT(s.message(), HasSubstr("checksum mismatch in key 'layer.weight' chunk 0 [0:64, 0:64]"));
+    EXPECT_THAT(s.message(), HasSubstr(data_file_));
+  }
+}
+
+TEST_F(CorruptionTest, TruncatedAndMissingDataFiles) {
+  std::filesystem::resize_file(data_file_, offset_ + 1000);
+  for (Status s : {LoadIt(), Verify(path_).status()}) {
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+    EXPECT_THAT(s.message(), HasSubstr("(truncated)"));
+    EXPECT_THAT(s.message(), HasSubstr(data_file_));
+    EXPECT_THAT(s.message(), HasSubstr("layer.weight"));
+  }
+  std::filesystem::remove(data_file_);
+  for (Status s : {LoadIt(), Verify(path_).status()}) {
+    EXPECT_THAT(s.message(), HasSubstr("is missing"));
+    EXPECT_THAT(s.message(), HasSubstr("layer.weight"));
+  }
+}
+
+TEST_F(CorruptionTest, ManifestEscapingTheDirectoryIsRejected) {
+  ASSERT_OK_AND_ASSIGN(const Metadata good, ReadMetadata(path_));
+  for (const std::string bad : {"../outside.safetensors", "/etc/passwd", "a/b.safetensors", ".."}) {
+    Metadata m = good;
+    m.files[0].name = bad;
+    Bytes bytes = EncodeManifest(m);
+    std::ofstream(path_ + "/" + kManifestFileName, std::ios::binary | std::ios::trunc)
+        .write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    Status s = LoadIt();
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+    EXPECT_THAT(s.message(), HasSubstr(bad));
+  }
+}
+
+// ---- many ranks --------------------------------------------------------------------------------
+
+TEST(MultiRankTest, ARankWhoseStorageFailsFailsTheSaveEverywhereAndLeavesNoManifest) {
+  auto memory = std::make_shared<MemoryStorage>();
+  std::vector<Status> statuses = RunLocalRanks(4, [&](Comm& comm) -> Status {
+    std::vector<float> data(100, 1.0f * comm.rank());
+    StateDict state;
+    TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+        "w", TensorView(data.data(), DType::kF32, {100}), {400}, {100 * comm.rank()})));
+    SaveOptions o;
+    o.storage = memory;
+    if (comm.rank() == 2) {
+      o.storage = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = 1});
+    }
+    return Save(state, "/ck", comm, o).status();
+  });
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_FALSE(statuses[r].ok()) << "rank " << r;
+    EXPECT_THAT(statuses[r].message(), HasSubstr("rank 2"));
+    EXPECT_THAT(statuses[r].message(), HasSubstr("injected fault"));
+  }
+  ASSERT_OK_AND_ASSIGN(FileType type, memory->Stat("/ck/tessera.manifest"));
+  EXPECT_EQ(type, FileType::kNotFound);
+  ASSERT_OK_AND_ASSIGN(std::vector<std::string> left, memory->ListDir("/ck"));
+  EXPECT_TRUE(left.empty()) << left.size() << " files left, first " << left[0];
+}
+
+TEST(MultiRankTest, OverlappingShardsFailOnEveryRankNamingKeyAndRanks) {
+  auto memory = std::make_shared<MemoryStorage>();
+  std::vector<Status> statuses = RunLocalRanks(2, [&](Comm& comm) -> Status {
+    std::vector<float> data(6);
+    StateDict state;
+    TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+        "w", TensorView(data.data(), DType::kF32, {6}), {10}, {4 * comm.rank()})));
+    SaveOptions o;
+    o.storage = memory;
+    return Save(state, "/ck", comm, o).status();
+  });
+  for (const Status& s : statuses) {
+    EXPECT_THAT(s.message(), HasSubstr("key 'w': boxes [0:6] and [4:10] overlap (held by rank 0 and rank 1)"));
+  }
+}
+
+// ---- crash consistency -------------------------------------------------------------------------
+
+// Saves generation `gen` (values depend on it) of a small two-tensor state.
+struct Generation {
+  std::vector<float> a, b;
+  std::vector<uint8_t> obj;
+  explicit Generation(int gen) : a(300), b(77), obj{static_cast<uint8_t>(gen), 7} {
+    for (size_t i = 0; i < a.size(); ++i) a[i] = gen * 1000.0f + i;
+    for (size_t i = 0; i < b.size(); ++i) b[i] = -gen * 1000.0f - i;
+  }
+  StateDict Dict() {
+    StateDict s;
+    (void)s.Add(ShardedTensor::Whole("a", TensorView(a.data(), DType::kF32, {20, 15})));
+    (void)s.Add(ShardedTensor::Whole("b", TensorView(b.data(), DType::kF32, {77})));
+    (void)s.Add(ShardedObject{"o", obj, {}});
+    return s;
+  }
+};
+
+// Loads the checkpoint and returns which generation it holds: -1 when the load fails.
+int LoadedGeneration(const std::string& path, std::shared_ptr<Storage> storage, Status* error) {
+  Generation g(0);
+  StateDict s = g.Dict();
+  LoadOptions o;
+  o.storage = storage;
+  *error = Load(s, path, o).status();
+  if (!error->ok()) return -1;
+  g.obj = std::get<ShardedObject>(*s.Find("o")).data;
+  for (int gen : {1, 2}) {
+    Generation want(gen);
+    if (g.a == want.a && g.b == want.b && g.obj == want.obj) return gen;
+  }
+  return -2;  // loaded, but neither generation: torn
+}
+
+TEST(CrashConsistencyTest, CrashAtEveryStepOfASaveOverAnExistingCheckpoint) {
+  // Count the operations of a save over an existing checkpoint.
+  int64_t total_ops = 0;
+  {
+    auto memory = std::make_shared<MemoryStorage>();
+    Generation g1(1), g2(2);
+    SaveOptions o;
+    o.storage = memory;
+    ASSERT_OK(Save(g1.Dict(), "/ck", o));
+    auto faulty = std::make_shared<FaultInjectingStorage>(memory);
+    o.storage = faulty;
+    ASSERT_OK(Save(g2.Dict(), "/ck", o));
+    total_ops = faulty->operation_count();
+  }
+  ASSERT_GT(total_ops, 8);
+  int old_seen = 0, new_seen = 0;
+  for (int64_t n = 0; n <= total_ops; ++n) {
+    SCOPED_TRACE("crash at operation " + std::to_string(n));
+    auto memory = std::make_shared<MemoryStorage>();
+    Generation g1(1), g2(2);
+    SaveOptions o;
+    o.storage = memory;
+    ASSERT_OK(Save(g1.Dict(), "/ck", o));
+    auto faulty = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = n, .crash = true});
+    o.storage = faulty;
+    Status saved = Save(g2.Dict(), "/ck", o).status();
+    memory->SimulateCrash();
+    Status error;
+    int gen = LoadedGeneration("/ck", memory, &error);
+    ASSERT_TRUE(gen == 1 || gen == 2) << "generation " << gen << ": " << error.ToString();
+    if (saved.ok()) EXPECT_EQ(gen, 2) << "a save that reported success must be durable";
+    (gen == 1 ? old_seen : new_seen)++;
+    // After the crash a new save must succeed and clean up.
+    o.storage = memory;
+    Generation g3(1);
+    ASSERT_OK(Save(g3.Dict(), "/ck", o));
+    ASSERT_OK(Verify("/ck", memory));
+  }
+  EXPECT_GT(old_seen, 0);
+  EXPECT_GT(new_seen, 0);
+}
+
+TEST(CrashConsistencyTest, FailureAtEveryStepLeavesTheOldCheckpointOrTheNew) {
+  int64_t n = 0;
+  for (;; ++n) {
+    SCOPED_TRACE("failure at operation " + std::to_string(n));
+    auto memory = std::make_shared<MemoryStorage>();
+    Generation g1(1), g2(2);
+    SaveOptions o;
+    o.storage = memory;
+    ASSERT_OK(Save(g1.Dict(), "/ck", o));
+    auto faulty = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = n});
+    o.storage = faulty;
+    Status saved = Save(g2.Dict(), "/ck", o).status();
+    Status error;
+    int gen = LoadedGeneration("/ck", memory, &error);
+    if (saved.ok()) {
+      if (!faulty->fault_fired()) break;  // past the last operation
+      EXPECT_EQ(gen, 2);
+    } else {
+      EXPECT_THAT(saved.message(), HasSubstr("injected fault"));
+      EXPECT_TRUE(gen == 1 || gen == 2) << error.ToString();
+    }
+  }
+  EXPECT_GT(n, 8);
+}
+
+TEST(CrashConsistencyTest, CrashDuringAFirstSaveLeavesNoCheckpoint) {
+  auto memory = std::make_shared<MemoryStorage>();
+  Generation g1(1);
+  SaveOptions o;
+  o.storage = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = 3, .crash = true});
+  EXPECT_FALSE(Save(g1.Dict(), "/ck", o).ok());
+  memory->SimulateCrash();
+  Status error;
+  EXPECT_EQ(LoadedGeneration("/ck", memory, &error), -1);
+  EXPECT_TRUE(error.code() == StatusCode::kNotFound ||
+              error.code() == StatusCode::kFailedPrecondition) << error.ToString();
+}
+
+TEST(ResaveTest, OldFilesAreRemovedOnlyAfterTheNewManifestCommits) {
+  TempDir dir;
+  const std::string path = dir.Sub("ck");
+  Generation g1(1), g2(2);
+  ASSERT_OK_AND_ASSIGN(SaveReport first, Save(g1.Dict(), path));
+  ASSERT_OK_AND_ASSIGN(Metadata m1, ReadMetadata(path));
+  ASSERT_OK_AND_ASSIGN(SaveReport second, Save(g2.Dict(), path));
+  EXPECT_NE(first.save_id, second.save_id);
+  ASSERT_OK_AND_ASSIGN(Metadata m2, ReadMetadata(path));
+  for (const FileInfo& f : m1.files) {
+    EXPECT_FALSE(std::filesystem::exists(path + "/" + f.name)) << f.name;
+    for (const FileInfo& g : m2.files) EXPECT_NE(f.name, g.name);
+  }
+  Status error;
+  EXPECT_EQ(LoadedGeneration(path, NewPosixStorage(), &error), 2) << error.ToString();
+}
+
+}  // namespace
+}  // namespace tessera

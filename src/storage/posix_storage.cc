@@ -1,0 +1,295 @@
+// Storage on POSIX files: open/pread/pwrite/fdatasync/rename, with EINTR and short-transfer
+// loops, requests split at PosixStorageOptions::max_io_bytes, and error messages that name
+// the operation, the path and the errno text.
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tessera/status.h"
+#include "tessera/storage.h"
+
+namespace tessera {
+namespace {
+
+// An errno turned into a Status: kNotFound for a missing path, kIOError otherwise. The
+// message is "<what>: <strerror>".
+Status ErrnoStatus(const std::string& what, int err) {
+  if (err == ENOENT) {
+    return Status(StatusCode::kNotFound, what + ": " + std::strerror(err));
+  }
+  return IOErrorFromErrno(what, err);
+}
+
+// "" means the current directory to the file system calls.
+const char* OsPath(const std::string& path) { return path.empty() ? "." : path.c_str(); }
+
+// close(2) without retrying on EINTR: on Linux the descriptor is released even then.
+Status CloseFd(int fd, const std::string& path) {
+  if (::close(fd) != 0 && errno != EINTR) return IOErrorFromErrno("close " + path, errno);
+  return Status::Ok();
+}
+
+class PosixWritableFile : public WritableFile {
+ public:
+  PosixWritableFile(std::string path, int fd, size_t max_io_bytes)
+      : path_(std::move(path)), fd_(fd), max_io_bytes_(max_io_bytes) {}
+  ~PosixWritableFile() override { Close().IgnoreError(); }
+
+  Status WriteAt(uint64_t offset, const void* data, size_t n) override {
+    const int fd = fd_.load(std::memory_order_acquire);
+    if (fd < 0) return FailedPrecondition("write to " + path_ + ": file is closed");
+    const auto* p = static_cast<const uint8_t*>(data);
+    uint64_t pos = offset;
+    size_t left = n;
+    while (left > 0) {
+      const size_t chunk = std::min(left, max_io_bytes_);
+      const ssize_t r = ::pwrite(fd, p, chunk, static_cast<off_t>(pos));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        return IOErrorFromErrno("pwrite " + path_ + " at offset " + std::to_string(pos) + " (" +
+                                    std::to_string(chunk) + " bytes)",
+                                errno);
+      }
+      if (r == 0) {
+        return IOError("pwrite " + path_ + " at offset " + std::to_string(pos) +
+                       ": wrote 0 bytes of " + std::to_string(chunk));
+      }
+      p += r;
+      pos += static_cast<uint64_t>(r);
+      left -= static_cast<size_t>(r);
+    }
+    return Status::Ok();
+  }
+
+  Status Sync() override {
+    const int fd = fd_.load(std::memory_order_acquire);
+    if (fd < 0) return FailedPrecondition("sync " + path_ + ": file is closed");
+    while (::fdatasync(fd) != 0) {
+      if (errno != EINTR) return IOErrorFromErrno("fdatasync " + path_, errno);
+    }
+    return Status::Ok();
+  }
+
+  Status Close() override {
+    const int fd = fd_.exchange(-1, std::memory_order_acq_rel);
+    if (fd < 0) return Status::Ok();
+    return CloseFd(fd, path_);
+  }
+
+  const std::string& path() const override { return path_; }
+
+ private:
+  const std::string path_;
+  std::atomic<int> fd_;
+  const size_t max_io_bytes_;
+};
+
+class PosixReadableFile : public ReadableFile {
+ public:
+  PosixReadableFile(std::string path, int fd, uint64_t size, size_t max_io_bytes)
+      : path_(std::move(path)), fd_(fd), size_(size), max_io_bytes_(max_io_bytes) {}
+  ~PosixReadableFile() override { CloseFd(fd_, path_).IgnoreError(); }
+
+  Status ReadAt(uint64_t offset, void* dst, size_t n) const override {
+    if (offset > size_ || n > size_ - offset) {
+      return DataLoss("read of " + path_ + " at offset " + std::to_string(offset) + " length " +
+                      std::to_string(n) + " is past the end of the file (size " +
+                      std::to_string(size_) + "; truncated?)");
+    }
+    auto* p = static_cast<uint8_t*>(dst);
+    uint64_t pos = offset;
+    size_t left = n;
+    while (left > 0) {
+      const size_t chunk = std::min(left, max_io_bytes_);
+      const ssize_t r = ::pread(fd_, p, chunk, static_cast<off_t>(pos));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        return IOErrorFromErrno("pread " + path_ + " at offset " + std::to_string(pos) + " (" +
+                                    std::to_string(chunk) + " bytes)",
+                                errno);
+      }
+      if (r == 0) {
+        // The file shrank after it was opened.
+        return DataLoss("read of " + path_ + " at offset " + std::to_string(offset) + " length " +
+                        std::to_string(n) + " hit the end of the file at offset " +
+                        std::to_string(pos) + " (size " + std::to_string(size_) +
+                        " when opened; truncated?)");
+      }
+      p += r;
+      pos += static_cast<uint64_t>(r);
+      left -= static_cast<size_t>(r);
+    }
+    return Status::Ok();
+  }
+
+  uint64_t size() const override { return size_; }
+  const std::string& path() const override { return path_; }
+
+ private:
+  const std::string path_;
+  const int fd_;
+  const uint64_t size_;
+  const size_t max_io_bytes_;
+};
+
+// open(2), retried on EINTR.
+int OpenRetry(const std::string& path, int flags, mode_t mode = 0) {
+  int fd;
+  do {
+    fd = ::open(OsPath(path), flags, mode);
+  } while (fd < 0 && errno == EINTR);
+  return fd;
+}
+
+class PosixStorage : public Storage {
+ public:
+  explicit PosixStorage(PosixStorageOptions options) : options_(options) {
+    if (options_.max_io_bytes == 0) options_.max_io_bytes = PosixStorageOptions().max_io_bytes;
+  }
+
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override {
+    const int fd = OpenRetry(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return ErrnoStatus("open " + path + " for writing", errno);
+    return std::unique_ptr<WritableFile>(
+        std::make_unique<PosixWritableFile>(path, fd, options_.max_io_bytes));
+  }
+
+  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
+    const int fd = OpenRetry(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ErrnoStatus("open " + path + " for reading", errno);
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      const int err = errno;
+      CloseFd(fd, path).IgnoreError();
+      return IOErrorFromErrno("fstat " + path, err);
+    }
+    if (S_ISDIR(st.st_mode)) {
+      CloseFd(fd, path).IgnoreError();
+      return IOErrorFromErrno("open " + path + " for reading", EISDIR);
+    }
+    return std::unique_ptr<ReadableFile>(std::make_unique<PosixReadableFile>(
+        path, fd, static_cast<uint64_t>(st.st_size), options_.max_io_bytes));
+  }
+
+  Status CreateDirs(const std::string& path) override {
+    // mkdir every prefix that ends before a '/', then the whole path.
+    std::string prefix;
+    prefix.reserve(path.size());
+    for (size_t i = 0; i <= path.size(); ++i) {
+      if (i < path.size() && path[i] != '/') {
+        prefix.push_back(path[i]);
+        continue;
+      }
+      // A '/' or the end: `prefix` names a directory unless it is empty or ends in '/'.
+      const bool names_dir = !prefix.empty() && prefix.back() != '/';
+      if (names_dir) TESSERA_RETURN_IF_ERROR(MkdirOne(prefix));
+      if (i < path.size() && (prefix.empty() || names_dir)) prefix.push_back('/');
+    }
+    return Status::Ok();
+  }
+
+  Result<FileType> Stat(const std::string& path) override {
+    struct stat st;
+    if (::stat(OsPath(path), &st) != 0) {
+      if (errno == ENOENT || errno == ENOTDIR) return FileType::kNotFound;
+      return IOErrorFromErrno("stat " + path, errno);
+    }
+    return S_ISDIR(st.st_mode) ? FileType::kDirectory : FileType::kFile;
+  }
+
+  Result<std::vector<std::string>> ListDir(const std::string& dir) override {
+    DIR* d = ::opendir(OsPath(dir));
+    if (d == nullptr) return ErrnoStatus("opendir " + dir, errno);
+    std::vector<std::string> names;
+    while (true) {
+      errno = 0;
+      const struct dirent* e = ::readdir(d);
+      if (e == nullptr) {
+        const int err = errno;
+        ::closedir(d);
+        if (err != 0) return IOErrorFromErrno("readdir " + dir, err);
+        break;
+      }
+      if (std::strcmp(e->d_name, ".") == 0 || std::strcmp(e->d_name, "..") == 0) continue;
+      names.emplace_back(e->d_name);
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  Status Rename(const std::string& from, const std::string& to) override {
+    if (::rename(OsPath(from), OsPath(to)) != 0) {
+      return ErrnoStatus("rename " + from + " to " + to, errno);
+    }
+    return Status::Ok();
+  }
+
+  Status Remove(const std::string& path) override {
+    if (::unlink(OsPath(path)) != 0) return ErrnoStatus("unlink " + path, errno);
+    return Status::Ok();
+  }
+
+  Status SyncDir(const std::string& dir) override {
+    const int fd = OpenRetry(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return ErrnoStatus("open directory " + dir, errno);
+    Status status;
+    while (::fsync(fd) != 0) {
+      if (errno != EINTR) {
+        status = IOErrorFromErrno("fsync directory " + dir, errno);
+        break;
+      }
+    }
+    Status closed = CloseFd(fd, dir);
+    return status.ok() ? closed : status;
+  }
+
+ private:
+  static Status MkdirOne(const std::string& dir) {
+    if (::mkdir(dir.c_str(), 0755) == 0) return Status::Ok();
+    const int err = errno;
+    // An existing directory is fine whatever the error (EEXIST, or EACCES/EROFS on a parent
+    // the caller may not write to).
+    struct stat st;
+    if (::stat(dir.c_str(), &st) == 0) {
+      if (S_ISDIR(st.st_mode)) return Status::Ok();
+      return IOErrorFromErrno("mkdir " + dir + " (exists and is not a directory)", EEXIST);
+    }
+    return ErrnoStatus("mkdir " + dir, err);
+  }
+
+  PosixStorageOptions options_;
+};
+
+}  // namespace
+
+std::shared_ptr<Storage> NewPosixStorage(PosixStorageOptions options) {
+  return std::make_shared<PosixStorage>(options);
+}
+
+std::string JoinPath(const std::string& dir, const std::string& name) {
+  if (dir.empty()) return name;
+  size_t name_begin = 0;
+  while (name_begin < name.size() && name[name_begin] == '/') ++name_begin;
+  if (name_begin == name.size()) return dir;
+  size_t dir_end = dir.size();
+  while (dir_end > 0 && dir[dir_end - 1] == '/') --dir_end;
+  std::string out;
+  out.reserve(dir_end + 1 + name.size() - name_begin);
+  out.append(dir, 0, dir_end);
+  out.push_back('/');
+  out.append(name, name_begin, std::string::npos);
+  return out;
+}
+
+}  // namespace tessera

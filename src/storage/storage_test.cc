@@ -1,0 +1,950 @@
+// One suite for every Storage (posix, memory, fault-injecting with no fault planned), then
+// MemoryStorage's crash model and FaultInjectingStorage's fault plans.
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "tessera/fault_injecting_storage.h"
+#include "tessera/memory_storage.h"
+#include "tessera/status.h"
+#include "tessera/storage.h"
+
+namespace tessera {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::StartsWith;
+
+// Each evaluates its argument once.
+#define STORAGE_EXPECT_OK(expr)                             \
+  do {                                                      \
+    const Status _s = ::tessera::internal::GetStatus(expr); \
+    EXPECT_TRUE(_s.ok()) << #expr << ": " << _s.ToString(); \
+  } while (0)
+#define STORAGE_ASSERT_OK(expr)                             \
+  do {                                                      \
+    const Status _s = ::tessera::internal::GetStatus(expr); \
+    ASSERT_TRUE(_s.ok()) << #expr << ": " << _s.ToString(); \
+  } while (0)
+#define STORAGE_ASSIGN_OR_FAIL_IMPL(tmp, lhs, expr)                  \
+  auto tmp = (expr);                                                 \
+  ASSERT_TRUE(tmp.ok()) << #expr << ": " << tmp.status().ToString(); \
+  lhs = std::move(tmp).value()
+#define STORAGE_ASSIGN_OR_FAIL(lhs, expr) \
+  STORAGE_ASSIGN_OR_FAIL_IMPL(TESSERA_CONCAT(_storage_test_result_, __LINE__), lhs, expr)
+
+// Small enough that the large-write test crosses it many times, and not a power of two.
+constexpr size_t kPosixMaxIoBytes = 4000;
+
+std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
+  std::vector<uint8_t> out(n);
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; ++i) {
+    x = x * 1664525u + 1013904223u;
+    out[i] = static_cast<uint8_t>(x >> 24);
+  }
+  return out;
+}
+
+std::vector<uint8_t> Bytes(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+Status WriteFile(Storage& storage, const std::string& path, const std::string& contents) {
+  TESSERA_ASSIGN_OR_RETURN(auto file, storage.NewWritableFile(path));
+  TESSERA_RETURN_IF_ERROR(file->WriteAt(0, contents.data(), contents.size()));
+  TESSERA_RETURN_IF_ERROR(file->Sync());
+  return file->Close();
+}
+
+Result<std::string> ReadFile(Storage& storage, const std::string& path) {
+  TESSERA_ASSIGN_OR_RETURN(auto file, storage.NewReadableFile(path));
+  std::string out(file->size(), '\0');
+  TESSERA_RETURN_IF_ERROR(file->ReadAt(0, out.data(), out.size()));
+  return out;
+}
+
+// ---- the shared suite ----------------------------------------------------------------------
+
+// A storage and a directory in it that a test may fill.
+class StorageEnv {
+ public:
+  virtual ~StorageEnv() = default;
+  virtual Storage& storage() = 0;
+  const std::string& root() const { return root_; }
+
+ protected:
+  std::string root_;
+};
+
+class PosixEnv : public StorageEnv {
+ public:
+  PosixEnv() {
+    char tmpl[] = "/tmp/tessera_storage_test_XXXXXX";
+    const char* dir = ::mkdtemp(tmpl);
+    if (dir == nullptr) ADD_FAILURE() << "mkdtemp: " << std::strerror(errno);
+    root_ = dir ? dir : "/nonexistent";
+    storage_ = NewPosixStorage(PosixStorageOptions{.max_io_bytes = kPosixMaxIoBytes});
+  }
+  ~PosixEnv() override {
+    std::error_code ec;
+    std::filesystem::remove_all(root_, ec);
+    EXPECT_FALSE(ec) << "removing " << root_ << ": " << ec.message();
+  }
+  Storage& storage() override { return *storage_; }
+
+ private:
+  std::shared_ptr<Storage> storage_;
+};
+
+class MemoryEnv : public StorageEnv {
+ public:
+  MemoryEnv() {
+    root_ = "/mem/test";
+    EXPECT_TRUE(storage_.CreateDirs(root_).ok());
+  }
+  Storage& storage() override { return storage_; }
+
+ private:
+  MemoryStorage storage_;
+};
+
+class FaultInjectingEnv : public StorageEnv {
+ public:
+  FaultInjectingEnv() : memory_(std::make_shared<MemoryStorage>()), storage_(memory_, FaultPlan{}) {
+    root_ = "/fault/test";
+    EXPECT_TRUE(storage_.CreateDirs(root_).ok());
+  }
+  ~FaultInjectingEnv() override {
+    EXPECT_FALSE(storage_.fault_fired());
+    EXPECT_GT(storage_.operation_count(), 0);
+  }
+  Storage& storage() override { return storage_; }
+
+ private:
+  std::shared_ptr<MemoryStorage> memory_;
+  FaultInjectingStorage storage_;
+};
+
+struct StorageKind {
+  std::string name;
+  std::function<std::unique_ptr<StorageEnv>()> make;
+};
+void PrintTo(const StorageKind& kind, std::ostream* os) { *os << kind.name; }
+
+class StorageTest : public ::testing::TestWithParam<StorageKind> {
+ protected:
+  void SetUp() override { env_ = GetParam().make(); }
+  void TearDown() override { env_.reset(); }
+
+  Storage& storage() { return env_->storage(); }
+  std::string Path(const std::string& name) const { return JoinPath(env_->root(), name); }
+
+  std::unique_ptr<StorageEnv> env_;
+};
+
+TEST_P(StorageTest, WriteReadRoundTripAtOffsets) {
+  const std::string path = Path("f");
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
+  EXPECT_EQ(w->path(), path);
+  STORAGE_ASSERT_OK(w->WriteAt(0, "hello ", 6));
+  STORAGE_ASSERT_OK(w->WriteAt(6, "world", 5));
+  STORAGE_ASSERT_OK(w->WriteAt(0, "J", 1));  // overwrite in place
+  STORAGE_ASSERT_OK(w->Sync());
+  STORAGE_ASSERT_OK(w->Close());
+
+  STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
+  EXPECT_EQ(r->path(), path);
+  ASSERT_EQ(r->size(), 11u);
+  char buf[16] = {};
+  STORAGE_ASSERT_OK(r->ReadAt(0, buf, 11));
+  EXPECT_EQ(std::string(buf, 11), "Jello world");
+  STORAGE_ASSERT_OK(r->ReadAt(6, buf, 5));
+  EXPECT_EQ(std::string(buf, 5), "world");
+  STORAGE_ASSERT_OK(r->ReadAt(3, buf, 4));
+  EXPECT_EQ(std::string(buf, 4), "lo w");
+}
+
+TEST_P(StorageTest, LargeWriteAndReadCrossMaxIoBytes) {
+  // Many times kPosixMaxIoBytes, at an offset that is not a multiple of it.
+  const std::vector<uint8_t> data = Pattern(25 * kPosixMaxIoBytes + 123, 7);
+  const uint64_t offset = 1001;
+  const std::string path = Path("large");
+  {
+    STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
+    STORAGE_ASSERT_OK(w->WriteAt(0, data.data(), offset));  // some prefix
+    STORAGE_ASSERT_OK(w->WriteAt(offset, data.data(), data.size()));
+    STORAGE_ASSERT_OK(w->Close());
+  }
+  STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
+  ASSERT_EQ(r->size(), offset + data.size());
+  std::vector<uint8_t> back(data.size());
+  STORAGE_ASSERT_OK(r->ReadAt(offset, back.data(), back.size()));
+  EXPECT_TRUE(back == data) << "large read differs";
+  // A read that straddles several max_io_bytes boundaries at odd offsets.
+  const size_t mid = 3 * kPosixMaxIoBytes - 17;
+  std::vector<uint8_t> part(5 * kPosixMaxIoBytes + 3);
+  STORAGE_ASSERT_OK(r->ReadAt(offset + mid, part.data(), part.size()));
+  EXPECT_TRUE(std::equal(part.begin(), part.end(), data.begin() + mid));
+}
+
+TEST_P(StorageTest, SparseOutOfOrderWritesZeroFillGaps) {
+  const std::string path = Path("sparse");
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
+  STORAGE_ASSERT_OK(w->WriteAt(100, "tail", 4));
+  STORAGE_ASSERT_OK(w->WriteAt(10, "mid", 3));
+  STORAGE_ASSERT_OK(w->WriteAt(0, "head", 4));
+  STORAGE_ASSERT_OK(w->Close());
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
+  std::string want(104, '\0');
+  want.replace(0, 4, "head");
+  want.replace(10, 3, "mid");
+  want.replace(100, 4, "tail");
+  EXPECT_EQ(got, want);
+}
+
+TEST_P(StorageTest, ReadPastEndIsDataLossNamingPathAndSize) {
+  const std::string path = Path("short");
+  STORAGE_ASSERT_OK(WriteFile(storage(), path, "0123456789"));
+  STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
+  char buf[32];
+  const Status s = r->ReadAt(5, buf, 10);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr(path));
+  EXPECT_THAT(s.message(), HasSubstr("offset 5"));
+  EXPECT_THAT(s.message(), HasSubstr("length 10"));
+  EXPECT_THAT(s.message(), HasSubstr("size 10"));
+  EXPECT_THAT(s.message(), HasSubstr("truncated?"));
+  // Offsets near 2^64 must not wrap around.
+  EXPECT_EQ(r->ReadAt(~uint64_t{0} - 2, buf, 8).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(r->ReadAt(11, buf, 0).code(), StatusCode::kDataLoss);
+  // Up to the end is fine, including an empty read there.
+  STORAGE_EXPECT_OK(r->ReadAt(0, buf, 10));
+  STORAGE_EXPECT_OK(r->ReadAt(10, buf, 0));
+}
+
+TEST_P(StorageTest, ReaderSizeIsSizeAtOpen) {
+  const std::string path = Path("grows");
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
+  STORAGE_ASSERT_OK(w->WriteAt(0, "abcd", 4));
+  STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
+  STORAGE_ASSERT_OK(w->WriteAt(4, "efgh", 4));
+  EXPECT_EQ(r->size(), 4u);
+  char buf[8];
+  EXPECT_EQ(r->ReadAt(0, buf, 8).code(), StatusCode::kDataLoss);
+  STORAGE_ASSIGN_OR_FAIL(auto r2, storage().NewReadableFile(path));
+  EXPECT_EQ(r2->size(), 8u);
+}
+
+TEST_P(StorageTest, ReadOfFileTruncatedAfterOpenIsDataLoss) {
+  const std::string path = Path("trunc");
+  STORAGE_ASSERT_OK(WriteFile(storage(), path, std::string(100, 'x')));
+  STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));  // truncates
+  char buf[10];
+  const Status s = r->ReadAt(50, buf, 10);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr(path));
+}
+
+TEST_P(StorageTest, NewWritableFileTruncatesExistingFile) {
+  const std::string path = Path("t");
+  STORAGE_ASSERT_OK(WriteFile(storage(), path, "long old contents"));
+  STORAGE_ASSERT_OK(WriteFile(storage(), path, "new"));
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
+  EXPECT_EQ(got, "new");
+}
+
+TEST_P(StorageTest, MissingPathsAreNotFound) {
+  const std::string missing = Path("missing");
+  auto r = storage().NewReadableFile(missing);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound) << r.status().ToString();
+  EXPECT_THAT(r.status().message(), HasSubstr(missing));
+  EXPECT_THAT(r.status().message(), HasSubstr(std::strerror(ENOENT)));
+
+  const std::string in_missing_dir = Path("nodir/x");
+  auto w = storage().NewWritableFile(in_missing_dir);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kNotFound) << w.status().ToString();
+  EXPECT_THAT(w.status().message(), HasSubstr(in_missing_dir));
+
+  const Status removed = storage().Remove(missing);
+  EXPECT_EQ(removed.code(), StatusCode::kNotFound) << removed.ToString();
+  EXPECT_THAT(removed.message(), HasSubstr(missing));
+
+  const Status renamed = storage().Rename(missing, Path("other"));
+  EXPECT_EQ(renamed.code(), StatusCode::kNotFound) << renamed.ToString();
+  EXPECT_THAT(renamed.message(), HasSubstr(missing));
+
+  auto listed = storage().ListDir(missing);
+  ASSERT_FALSE(listed.ok());
+  EXPECT_EQ(listed.status().code(), StatusCode::kNotFound) << listed.status().ToString();
+  EXPECT_THAT(listed.status().message(), HasSubstr(missing));
+
+  EXPECT_EQ(storage().SyncDir(missing).code(), StatusCode::kNotFound);
+}
+
+TEST_P(StorageTest, CreateDirsIsNestedAndIdempotent) {
+  const std::string deep = Path("a/b/c");
+  STORAGE_ASSERT_OK(storage().CreateDirs(deep));
+  STORAGE_ASSERT_OK(storage().CreateDirs(deep));
+  STORAGE_ASSERT_OK(storage().CreateDirs(Path("a/b")));
+  STORAGE_ASSERT_OK(storage().CreateDirs(Path("a/b/c/")));
+  for (const char* d : {"a", "a/b", "a/b/c"}) {
+    STORAGE_ASSIGN_OR_FAIL(FileType type, storage().Stat(Path(d)));
+    EXPECT_EQ(type, FileType::kDirectory) << d;
+  }
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("a/b/c/f"), "x"));
+  STORAGE_ASSIGN_OR_FAIL(auto names, storage().ListDir(Path("a")));
+  EXPECT_THAT(names, ElementsAre("b"));
+  STORAGE_ASSIGN_OR_FAIL(auto empty, storage().ListDir(Path("a/b/c/")));
+  EXPECT_THAT(empty, ElementsAre("f"));
+}
+
+TEST_P(StorageTest, CreateDirsThroughAFileFails) {
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("file"), "x"));
+  const Status over = storage().CreateDirs(Path("file"));
+  EXPECT_EQ(over.code(), StatusCode::kIOError) << over.ToString();
+  EXPECT_THAT(over.message(), HasSubstr(Path("file")));
+  EXPECT_FALSE(storage().CreateDirs(Path("file/sub")).ok());
+}
+
+TEST_P(StorageTest, StatReportsTheType) {
+  STORAGE_ASSERT_OK(storage().CreateDirs(Path("d")));
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("d/f"), "x"));
+  STORAGE_ASSIGN_OR_FAIL(FileType file, storage().Stat(Path("d/f")));
+  EXPECT_EQ(file, FileType::kFile);
+  STORAGE_ASSIGN_OR_FAIL(FileType dir, storage().Stat(Path("d")));
+  EXPECT_EQ(dir, FileType::kDirectory);
+  STORAGE_ASSIGN_OR_FAIL(FileType missing, storage().Stat(Path("d/nope")));
+  EXPECT_EQ(missing, FileType::kNotFound);
+  STORAGE_ASSIGN_OR_FAIL(FileType under_file, storage().Stat(Path("d/f/g")));
+  EXPECT_EQ(under_file, FileType::kNotFound);
+}
+
+TEST_P(StorageTest, ListDirIsSortedWithoutDotEntries) {
+  STORAGE_ASSIGN_OR_FAIL(auto none, storage().ListDir(env_->root()));
+  EXPECT_THAT(none, IsEmpty());
+  for (const char* name : {"c2", "b", "c10", "a", "B"}) {
+    STORAGE_ASSERT_OK(WriteFile(storage(), Path(name), name));
+  }
+  STORAGE_ASSERT_OK(storage().CreateDirs(Path("d")));
+  STORAGE_ASSIGN_OR_FAIL(auto names, storage().ListDir(env_->root()));
+  EXPECT_THAT(names, ElementsAre("B", "a", "b", "c10", "c2", "d"));
+  // A file is not a directory.
+  auto of_file = storage().ListDir(Path("a"));
+  ASSERT_FALSE(of_file.ok());
+  EXPECT_EQ(of_file.status().code(), StatusCode::kIOError) << of_file.status().ToString();
+}
+
+TEST_P(StorageTest, RenameReplacesTheTarget) {
+  const std::string target = Path("manifest");
+  const std::string tmp = Path("manifest.tmp");
+  STORAGE_ASSERT_OK(WriteFile(storage(), target, "old"));
+  STORAGE_ASSERT_OK(WriteFile(storage(), tmp, "new contents"));
+  STORAGE_ASSERT_OK(storage().Rename(tmp, target));
+  STORAGE_ASSERT_OK(storage().SyncDir(env_->root()));
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), target));
+  EXPECT_EQ(got, "new contents");
+  STORAGE_ASSIGN_OR_FAIL(FileType tmp_type, storage().Stat(tmp));
+  EXPECT_EQ(tmp_type, FileType::kNotFound);
+  STORAGE_ASSIGN_OR_FAIL(auto names, storage().ListDir(env_->root()));
+  EXPECT_THAT(names, ElementsAre("manifest"));
+}
+
+TEST_P(StorageTest, RenameMovesADirectoryWithItsContents) {
+  STORAGE_ASSERT_OK(storage().CreateDirs(Path("src/sub")));
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("src/sub/f"), "payload"));
+  STORAGE_ASSERT_OK(storage().Rename(Path("src"), Path("dst")));
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), Path("dst/sub/f")));
+  EXPECT_EQ(got, "payload");
+  STORAGE_ASSIGN_OR_FAIL(FileType old_type, storage().Stat(Path("src")));
+  EXPECT_EQ(old_type, FileType::kNotFound);
+}
+
+TEST_P(StorageTest, RemoveDeletesAFileButNotADirectory) {
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("gone"), "x"));
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("kept"), "y"));
+  STORAGE_ASSERT_OK(storage().Remove(Path("gone")));
+  STORAGE_ASSIGN_OR_FAIL(FileType type, storage().Stat(Path("gone")));
+  EXPECT_EQ(type, FileType::kNotFound);
+  STORAGE_ASSIGN_OR_FAIL(auto names, storage().ListDir(env_->root()));
+  EXPECT_THAT(names, ElementsAre("kept"));
+  EXPECT_EQ(storage().Remove(Path("gone")).code(), StatusCode::kNotFound);
+
+  STORAGE_ASSERT_OK(storage().CreateDirs(Path("dir")));
+  EXPECT_EQ(storage().Remove(Path("dir")).code(), StatusCode::kIOError);
+}
+
+TEST_P(StorageTest, DuplicateSlashesAndDotsNameTheSameFile) {
+  STORAGE_ASSERT_OK(storage().CreateDirs(Path("d")));
+  STORAGE_ASSERT_OK(WriteFile(storage(), env_->root() + "/d//x", "same"));
+  for (const std::string& alias : {Path("d/x"), env_->root() + "//d/./x"}) {
+    STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), alias));
+    EXPECT_EQ(got, "same") << alias;
+  }
+  STORAGE_ASSIGN_OR_FAIL(auto names, storage().ListDir(Path("d/")));
+  EXPECT_THAT(names, ElementsAre("x"));
+}
+
+TEST_P(StorageTest, OpenWritableFileFollowsItsInodeAcrossRename) {
+  const std::string tmp = Path("f.tmp");
+  const std::string final_path = Path("f");
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(tmp));
+  STORAGE_ASSERT_OK(w->WriteAt(0, "abc", 3));
+  STORAGE_ASSERT_OK(storage().Rename(tmp, final_path));
+  STORAGE_ASSERT_OK(w->WriteAt(3, "def", 3));
+  STORAGE_ASSERT_OK(w->Sync());
+  STORAGE_ASSERT_OK(w->Close());
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), final_path));
+  EXPECT_EQ(got, "abcdef");
+  STORAGE_ASSIGN_OR_FAIL(FileType tmp_type, storage().Stat(tmp));
+  EXPECT_EQ(tmp_type, FileType::kNotFound);
+}
+
+TEST_P(StorageTest, OpenFilesKeepWorkingAfterRemove) {
+  const std::string path = Path("unlinked");
+  STORAGE_ASSERT_OK(WriteFile(storage(), path, "still here"));
+  STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(Path("w")));
+  STORAGE_ASSERT_OK(storage().Remove(path));
+  STORAGE_ASSERT_OK(storage().Remove(Path("w")));
+  char buf[10];
+  STORAGE_ASSERT_OK(r->ReadAt(0, buf, 10));
+  EXPECT_EQ(std::string(buf, 10), "still here");
+  STORAGE_EXPECT_OK(w->WriteAt(0, "x", 1));
+  STORAGE_EXPECT_OK(w->Sync());
+}
+
+TEST_P(StorageTest, CloseIsIdempotentAndLaterWritesFail) {
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(Path("c")));
+  STORAGE_ASSERT_OK(w->WriteAt(0, "x", 1));
+  STORAGE_ASSERT_OK(w->Close());
+  STORAGE_ASSERT_OK(w->Close());
+  const Status write = w->WriteAt(1, "y", 1);
+  EXPECT_FALSE(write.ok());
+  EXPECT_THAT(write.message(), HasSubstr(Path("c")));
+  EXPECT_FALSE(w->Sync().ok());
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), Path("c")));
+  EXPECT_EQ(got, "x");
+}
+
+TEST_P(StorageTest, SyncDirOfAFileFails) {
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("f"), "x"));
+  STORAGE_EXPECT_OK(storage().SyncDir(env_->root()));
+  EXPECT_EQ(storage().SyncDir(Path("f")).code(), StatusCode::kIOError);
+}
+
+TEST_P(StorageTest, ConcurrentWriteAtOfDisjointRanges) {
+  constexpr int kThreads = 8;
+  constexpr int kBlocksPerThread = 16;
+  constexpr size_t kBlock = kPosixMaxIoBytes + 999;  // each write is split on posix
+  const std::vector<uint8_t> data = Pattern(kThreads * kBlocksPerThread * kBlock, 42);
+  const std::string path = Path("concurrent");
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
+  std::vector<Status> results(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      // Interleaved blocks, written back to front.
+      for (int i = kBlocksPerThread - 1; i >= 0; --i) {
+        const size_t block = static_cast<size_t>(i) * kThreads + t;
+        Status s = w->WriteAt(block * kBlock, data.data() + block * kBlock, kBlock);
+        if (!s.ok()) {
+          results[t] = s;
+          return;
+        }
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (const Status& s : results) STORAGE_EXPECT_OK(s);
+  STORAGE_ASSERT_OK(w->Close());
+  STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
+  ASSERT_EQ(r->size(), data.size());
+  std::vector<uint8_t> back(data.size());
+  STORAGE_ASSERT_OK(r->ReadAt(0, back.data(), back.size()));
+  EXPECT_TRUE(back == data) << "concurrent writes lost or misplaced bytes";
+}
+
+TEST_P(StorageTest, ConcurrentFileCreationInOneDirectory) {
+  constexpr int kThreads = 4;
+  constexpr int kFilesPerThread = 25;
+  std::vector<Status> results(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kFilesPerThread; ++i) {
+        const std::string name = "f" + std::to_string(t) + "_" + std::to_string(i);
+        Status s = WriteFile(storage(), Path(name), name);
+        if (s.ok()) s = storage().Rename(Path(name), Path(name + ".done"));
+        if (!s.ok()) {
+          results[t] = s;
+          return;
+        }
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (const Status& s : results) STORAGE_EXPECT_OK(s);
+  STORAGE_ASSIGN_OR_FAIL(auto names, storage().ListDir(env_->root()));
+  EXPECT_EQ(names.size(), static_cast<size_t>(kThreads * kFilesPerThread));
+  EXPECT_TRUE(std::is_sorted(names.begin(), names.end()));
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), Path("f3_24.done")));
+  EXPECT_EQ(got, "f3_24");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllStorages, StorageTest,
+    ::testing::Values(
+        StorageKind{"Posix", [] { return std::unique_ptr<StorageEnv>(new PosixEnv()); }},
+        StorageKind{"Memory", [] { return std::unique_ptr<StorageEnv>(new MemoryEnv()); }},
+        StorageKind{"FaultInjecting",
+                    [] { return std::unique_ptr<StorageEnv>(new FaultInjectingEnv()); }}),
+    [](const ::testing::TestParamInfo<StorageKind>& info) { return info.param.name; });
+
+// ---- JoinPath and posix specifics ----------------------------------------------------------
+
+TEST(JoinPathTest, JoinsWithOneSlash) {
+  EXPECT_EQ(JoinPath("a", "b"), "a/b");
+  EXPECT_EQ(JoinPath("a/", "b"), "a/b");
+  EXPECT_EQ(JoinPath("a//", "/b"), "a/b");
+  EXPECT_EQ(JoinPath("/", "b"), "/b");
+  EXPECT_EQ(JoinPath("/x/y", "b/c"), "/x/y/b/c");
+  EXPECT_EQ(JoinPath("", "b"), "b");
+  EXPECT_EQ(JoinPath("a", ""), "a");
+}
+
+// The open file descriptor of `path` in this process, or -1.
+int FindFd(const std::string& path) {
+  const std::string want = std::filesystem::canonical(path).string();
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const auto target = std::filesystem::read_symlink(entry.path(), ec);
+    if (!ec && target.string() == want) return std::stoi(entry.path().filename().string());
+  }
+  return -1;
+}
+
+TEST(PosixStorageTest, FilesAreCloseOnExecAndMode0644) {
+  PosixEnv env;
+  const std::string path = JoinPath(env.root(), "f");
+  STORAGE_ASSIGN_OR_FAIL(auto w, env.storage().NewWritableFile(path));
+  int fd = FindFd(path);
+  ASSERT_GE(fd, 0);
+  EXPECT_TRUE(::fcntl(fd, F_GETFD) & FD_CLOEXEC) << "writable file not O_CLOEXEC";
+  STORAGE_ASSERT_OK(w->Close());
+
+  STORAGE_ASSIGN_OR_FAIL(auto r, env.storage().NewReadableFile(path));
+  fd = FindFd(path);
+  ASSERT_GE(fd, 0);
+  EXPECT_TRUE(::fcntl(fd, F_GETFD) & FD_CLOEXEC) << "readable file not O_CLOEXEC";
+
+  const mode_t mask = ::umask(0);
+  ::umask(mask);
+  struct stat st;
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0644 & ~mask);
+}
+
+TEST(PosixStorageTest, ErrorsNameTheOperationPathAndErrno) {
+  PosixEnv env;
+  const std::string file = JoinPath(env.root(), "file");
+  STORAGE_ASSERT_OK(WriteFile(env.storage(), file, "x"));
+  const std::string under_file = JoinPath(file, "child");
+  auto w = env.storage().NewWritableFile(under_file);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kIOError);
+  EXPECT_THAT(w.status().message(), StartsWith("open " + under_file));
+  EXPECT_THAT(w.status().message(), HasSubstr(std::strerror(ENOTDIR)));
+
+  const Status rename = env.storage().Rename(JoinPath(env.root(), "nope"), file);
+  EXPECT_THAT(rename.message(), StartsWith("rename " + JoinPath(env.root(), "nope") + " to " +
+                                           file + ": " + std::strerror(ENOENT)));
+}
+
+TEST(PosixStorageTest, WritesLandInTheRealFile) {
+  PosixEnv env;
+  const std::string path = JoinPath(env.root(), "real");
+  STORAGE_ASSERT_OK(WriteFile(env.storage(), path, "bytes on disk"));
+  std::ifstream in(path, std::ios::binary);
+  std::string got((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(got, "bytes on disk");
+}
+
+// ---- MemoryStorage: paths and the crash model ----------------------------------------------
+
+TEST(MemoryStorageTest, PathsAreNormalised) {
+  MemoryStorage m;
+  STORAGE_ASSERT_OK(m.CreateDirs("d/e/"));
+  STORAGE_ASSERT_OK(WriteFile(m, "/d//e/x", "1"));
+  for (const char* alias : {"d/e/x", "/d/e/x", "d/./e/x", "d/e/../e/x", "d/e/x/"}) {
+    STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(m, alias));
+    EXPECT_EQ(got, "1") << alias;
+  }
+  STORAGE_ASSIGN_OR_FAIL(auto names, m.ListDir("/"));
+  EXPECT_THAT(names, ElementsAre("d"));
+}
+
+TEST(MemoryStorageTest, DirectoriesExistImplicitlyForSetFiles) {
+  MemoryStorage m;
+  m.SetFileContents("a/b/f", Bytes("x"));
+  STORAGE_ASSIGN_OR_FAIL(FileType type, m.Stat("a/b"));
+  EXPECT_EQ(type, FileType::kDirectory);
+  STORAGE_ASSIGN_OR_FAIL(auto names, m.ListDir("a"));
+  EXPECT_THAT(names, ElementsAre("b"));
+}
+
+TEST(MemoryStorageTest, GetAndSetFileContents) {
+  MemoryStorage m;
+  EXPECT_EQ(m.GetFileContents("nope").status().code(), StatusCode::kNotFound);
+  m.SetFileContents("d/f", Bytes("abc"));
+  STORAGE_ASSIGN_OR_FAIL(auto got, m.GetFileContents("d/f"));
+  EXPECT_EQ(got, Bytes("abc"));
+  // Set contents are durable: entry and bytes.
+  m.SimulateCrash();
+  STORAGE_ASSIGN_OR_FAIL(auto after, m.GetFileContents("d/f"));
+  EXPECT_EQ(after, Bytes("abc"));
+}
+
+TEST(MemoryStorageTest, UnsyncedBytesAreLostInCrash) {
+  MemoryStorage m;
+  STORAGE_ASSERT_OK(m.CreateDirs("d"));
+  STORAGE_ASSERT_OK(m.SyncDir("/"));
+  STORAGE_ASSIGN_OR_FAIL(auto w, m.NewWritableFile("d/f"));
+  STORAGE_ASSERT_OK(m.SyncDir("d"));
+  STORAGE_ASSERT_OK(w->WriteAt(0, "abc", 3));
+  STORAGE_ASSERT_OK(w->Sync());
+  STORAGE_ASSERT_OK(w->WriteAt(3, "def", 3));
+  STORAGE_ASSERT_OK(w->WriteAt(0, "X", 1));
+  STORAGE_ASSIGN_OR_FAIL(auto before, m.GetFileContents("d/f"));
+  EXPECT_EQ(before, Bytes("Xbcdef"));
+  m.SimulateCrash();
+  STORAGE_ASSIGN_OR_FAIL(auto after, m.GetFileContents("d/f"));
+  EXPECT_EQ(after, Bytes("abc"));
+}
+
+TEST(MemoryStorageTest, UnsyncedNewEntryIsLostInCrash) {
+  MemoryStorage m;
+  STORAGE_ASSERT_OK(m.CreateDirs("d"));
+  STORAGE_ASSERT_OK(m.SyncDir("/"));
+  STORAGE_ASSERT_OK(WriteFile(m, "d/f", "synced bytes"));  // file synced, dir not
+  m.SimulateCrash();
+  STORAGE_ASSIGN_OR_FAIL(FileType type, m.Stat("d/f"));
+  EXPECT_EQ(type, FileType::kNotFound);
+  STORAGE_ASSIGN_OR_FAIL(auto names, m.ListDir("d"));
+  EXPECT_THAT(names, IsEmpty());
+}
+
+TEST(MemoryStorageTest, UnsyncedDirectoryIsLostInCrash) {
+  MemoryStorage m;
+  STORAGE_ASSERT_OK(m.CreateDirs("a/b"));
+  STORAGE_ASSERT_OK(m.SyncDir("a"));  // b is durable in a, but a is not durable in /
+  m.SimulateCrash();
+  STORAGE_ASSIGN_OR_FAIL(FileType type, m.Stat("a"));
+  EXPECT_EQ(type, FileType::kNotFound);
+}
+
+TEST(MemoryStorageTest, RenameIsNotDurableUntilSyncDir) {
+  MemoryStorage m;
+  m.SetFileContents("ckpt/manifest", Bytes("old"));
+  STORAGE_ASSERT_OK(WriteFile(m, "ckpt/manifest.tmp", "new"));
+  STORAGE_ASSERT_OK(m.SyncDir("ckpt"));
+  STORAGE_ASSERT_OK(m.Rename("ckpt/manifest.tmp", "ckpt/manifest"));
+  m.SimulateCrash();
+  STORAGE_ASSIGN_OR_FAIL(auto old_contents, m.GetFileContents("ckpt/manifest"));
+  EXPECT_EQ(old_contents, Bytes("old"));
+  STORAGE_ASSIGN_OR_FAIL(auto tmp_contents, m.GetFileContents("ckpt/manifest.tmp"));
+  EXPECT_EQ(tmp_contents, Bytes("new"));
+
+  STORAGE_ASSERT_OK(m.Rename("ckpt/manifest.tmp", "ckpt/manifest"));
+  STORAGE_ASSERT_OK(m.SyncDir("ckpt"));
+  m.SimulateCrash();
+  STORAGE_ASSIGN_OR_FAIL(auto new_contents, m.GetFileContents("ckpt/manifest"));
+  EXPECT_EQ(new_contents, Bytes("new"));
+  STORAGE_ASSIGN_OR_FAIL(auto names, m.ListDir("ckpt"));
+  EXPECT_THAT(names, ElementsAre("manifest"));
+}
+
+TEST(MemoryStorageTest, RemoveIsNotDurableUntilSyncDir) {
+  MemoryStorage m;
+  m.SetFileContents("d/f", Bytes("keep"));
+  STORAGE_ASSERT_OK(m.Remove("d/f"));
+  m.SimulateCrash();
+  STORAGE_ASSIGN_OR_FAIL(auto back, m.GetFileContents("d/f"));
+  EXPECT_EQ(back, Bytes("keep"));
+  STORAGE_ASSERT_OK(m.Remove("d/f"));
+  STORAGE_ASSERT_OK(m.SyncDir("d"));
+  m.SimulateCrash();
+  EXPECT_EQ(m.GetFileContents("d/f").status().code(), StatusCode::kNotFound);
+}
+
+TEST(MemoryStorageTest, TruncationIsNotDurableUntilSync) {
+  MemoryStorage m;
+  m.SetFileContents("f", Bytes("durable"));
+  STORAGE_ASSIGN_OR_FAIL(auto w, m.NewWritableFile("f"));
+  STORAGE_ASSERT_OK(w->WriteAt(0, "v2", 2));
+  m.SimulateCrash();
+  STORAGE_ASSIGN_OR_FAIL(auto got, m.GetFileContents("f"));
+  EXPECT_EQ(got, Bytes("durable"));
+}
+
+TEST(MemoryStorageTest, SyncedDataInSyncedDirectoriesSurvivesCrash) {
+  MemoryStorage m;
+  STORAGE_ASSERT_OK(m.CreateDirs("a/b"));
+  STORAGE_ASSERT_OK(WriteFile(m, "a/b/f", "payload"));  // writes and syncs the bytes
+  STORAGE_ASSERT_OK(m.SyncDir("a/b"));
+  STORAGE_ASSERT_OK(m.SyncDir("a"));
+  STORAGE_ASSERT_OK(m.SyncDir(""));
+  m.SimulateCrash();
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(m, "a/b/f"));
+  EXPECT_EQ(got, "payload");
+}
+
+TEST(MemoryStorageTest, FilesOpenedBeforeCrashStopWorking) {
+  MemoryStorage m;
+  m.SetFileContents("f", Bytes("abc"));
+  STORAGE_ASSIGN_OR_FAIL(auto w, m.NewWritableFile("g"));
+  STORAGE_ASSIGN_OR_FAIL(auto r, m.NewReadableFile("f"));
+  m.SimulateCrash();
+  EXPECT_FALSE(w->WriteAt(0, "x", 1).ok());
+  EXPECT_FALSE(w->Sync().ok());
+  char c;
+  EXPECT_FALSE(r->ReadAt(0, &c, 1).ok());
+  STORAGE_EXPECT_OK(w->Close());
+}
+
+TEST(MemoryStorageTest, RenameOfDirectoryIntoItselfFails) {
+  MemoryStorage m;
+  STORAGE_ASSERT_OK(m.CreateDirs("a/b"));
+  EXPECT_EQ(m.Rename("a", "a/b/c").code(), StatusCode::kIOError);
+  STORAGE_ASSIGN_OR_FAIL(FileType type, m.Stat("a/b"));
+  EXPECT_EQ(type, FileType::kDirectory);
+}
+
+// ---- FaultInjectingStorage -----------------------------------------------------------------
+
+struct Step {
+  std::string op;
+  std::string path;
+  Status status;
+};
+
+// A fixed sequence of one-operation steps; returns what each step that ran returned.
+std::vector<Step> RunScenario(Storage& s) {
+  std::vector<Step> steps;
+  auto record = [&](const char* op, const std::string& path, Status st) {
+    steps.push_back(Step{op, path, std::move(st)});
+  };
+  record("CreateDirs", "d", s.CreateDirs("d"));
+  auto w = s.NewWritableFile("d/f");
+  record("NewWritableFile", "d/f", w.status());
+  if (w.ok()) {
+    record("WriteAt", "d/f", (*w)->WriteAt(0, "data", 4));
+    record("Sync", "d/f", (*w)->Sync());
+    record("Close", "d/f", (*w)->Close());
+  }
+  record("SyncDir", "d", s.SyncDir("d"));
+  record("Stat", "d/f", s.Stat("d/f").status());
+  auto r = s.NewReadableFile("d/f");
+  record("NewReadableFile", "d/f", r.status());
+  if (r.ok()) {
+    char c;
+    record("ReadAt", "d/f", (*r)->ReadAt(0, &c, 0));
+  }
+  record("ListDir", "d", s.ListDir("d").status());
+  record("Rename", "d/f -> d/g", s.Rename("d/f", "d/g"));
+  record("Remove", "d/g", s.Remove("d/g"));
+  return steps;
+}
+
+FaultPlan Plan(int64_t fail_at, bool crash = false, std::string path_filter = "") {
+  FaultPlan plan;
+  plan.fail_at = fail_at;
+  plan.crash = crash;
+  plan.path_filter = std::move(path_filter);
+  return plan;
+}
+
+bool IsInjected(const Status& s) {
+  return s.code() == StatusCode::kIOError && s.message().rfind("injected fault", 0) == 0;
+}
+
+TEST(FaultInjectingStorageTest, NoPlanCountsEveryOperation) {
+  FaultInjectingStorage f(std::make_shared<MemoryStorage>());
+  const std::vector<Step> steps = RunScenario(f);
+  ASSERT_EQ(steps.size(), 12u);
+  for (const Step& step : steps) STORAGE_EXPECT_OK(step.status);
+  EXPECT_EQ(f.operation_count(), 12);
+  EXPECT_FALSE(f.fault_fired());
+}
+
+TEST(FaultInjectingStorageTest, FailAtFailsExactlyThatOperation) {
+  for (int64_t n = 0; n < 12; ++n) {
+    SCOPED_TRACE("fail_at " + std::to_string(n));
+    FaultInjectingStorage f(std::make_shared<MemoryStorage>(), Plan(n));
+    const std::vector<Step> steps = RunScenario(f);
+    ASSERT_GT(steps.size(), static_cast<size_t>(n));
+    int injected = 0;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      if (!IsInjected(steps[i].status)) continue;
+      ++injected;
+      EXPECT_EQ(i, static_cast<size_t>(n)) << steps[i].status.ToString();
+    }
+    EXPECT_EQ(injected, 1);
+    const Step& failed = steps[n];
+    EXPECT_EQ(failed.status.code(), StatusCode::kIOError);
+    EXPECT_EQ(failed.status.message(), "injected fault at operation " + std::to_string(n) + " (" +
+                                           failed.op + " " + failed.path + ")");
+    EXPECT_TRUE(f.fault_fired());
+    EXPECT_EQ(f.operation_count(), static_cast<int64_t>(steps.size()));
+  }
+}
+
+TEST(FaultInjectingStorageTest, FailAtBeyondTheLastOperationNeverFires) {
+  FaultInjectingStorage f(std::make_shared<MemoryStorage>(), Plan(12));
+  for (const Step& step : RunScenario(f)) STORAGE_EXPECT_OK(step.status);
+  EXPECT_FALSE(f.fault_fired());
+}
+
+TEST(FaultInjectingStorageTest, InjectedFaultDoesNotReachTheBase) {
+  auto memory = std::make_shared<MemoryStorage>();
+  FaultInjectingStorage f(memory, Plan(2));  // the WriteAt
+  STORAGE_ASSERT_OK(f.CreateDirs("d"));
+  STORAGE_ASSIGN_OR_FAIL(auto w, f.NewWritableFile("d/f"));
+  EXPECT_TRUE(IsInjected(w->WriteAt(0, "data", 4)));
+  STORAGE_ASSIGN_OR_FAIL(auto contents, memory->GetFileContents("d/f"));
+  EXPECT_THAT(contents, IsEmpty());
+  // The next operation works again.
+  STORAGE_ASSERT_OK(w->WriteAt(0, "data", 4));
+  STORAGE_ASSIGN_OR_FAIL(contents, memory->GetFileContents("d/f"));
+  EXPECT_EQ(contents, Bytes("data"));
+}
+
+TEST(FaultInjectingStorageTest, CrashFailsEveryLaterOperation) {
+  auto memory = std::make_shared<MemoryStorage>();
+  FaultInjectingStorage f(memory, Plan(4, true));  // the Close
+  const std::vector<Step> steps = RunScenario(f);
+  ASSERT_EQ(steps.size(), 11u);  // no ReadAt: NewReadableFile failed
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (i < 4) {
+      STORAGE_EXPECT_OK(steps[i].status);
+    } else {
+      EXPECT_TRUE(IsInjected(steps[i].status)) << i << ": " << steps[i].status.ToString();
+      EXPECT_THAT(steps[i].status.message(), HasSubstr(steps[i].op + " " + steps[i].path));
+    }
+  }
+  EXPECT_EQ(steps[4].status.message(), "injected fault at operation 4 (Close d/f)");
+  EXPECT_THAT(steps[5].status.message(), HasSubstr("operation 4"));
+  EXPECT_EQ(f.operation_count(), 11);
+  // Nothing after the crash reached the base: the rename and remove did not happen.
+  STORAGE_ASSIGN_OR_FAIL(auto contents, memory->GetFileContents("d/f"));
+  EXPECT_EQ(contents, Bytes("data"));
+  // The directory entry was never synced, so a real crash loses the file.
+  memory->SimulateCrash();
+  STORAGE_ASSIGN_OR_FAIL(FileType type, memory->Stat("d/f"));
+  EXPECT_EQ(type, FileType::kNotFound);
+}
+
+TEST(FaultInjectingStorageTest, SetPlanResetsTheCounter) {
+  FaultInjectingStorage f(std::make_shared<MemoryStorage>(), Plan(0, true));
+  EXPECT_TRUE(IsInjected(f.CreateDirs("d")));
+  EXPECT_TRUE(IsInjected(f.CreateDirs("d")));
+  EXPECT_EQ(f.operation_count(), 2);
+  f.SetPlan(FaultPlan{});
+  EXPECT_EQ(f.operation_count(), 0);
+  EXPECT_FALSE(f.fault_fired());
+  STORAGE_EXPECT_OK(f.CreateDirs("d"));
+  STORAGE_EXPECT_OK(f.Stat("d"));
+  EXPECT_EQ(f.operation_count(), 2);
+  f.SetPlan(Plan(1));
+  STORAGE_EXPECT_OK(f.Stat("d"));
+  EXPECT_TRUE(IsInjected(f.Stat("d").status()));
+  STORAGE_EXPECT_OK(f.Stat("d"));
+}
+
+TEST(FaultInjectingStorageTest, CheckCountsLikeAnyOperation) {
+  FaultInjectingStorage f(std::make_shared<MemoryStorage>(), Plan(1));
+  STORAGE_EXPECT_OK(f.Check("Custom", "p"));
+  const Status s = f.Check("Custom", "p");
+  EXPECT_EQ(s.message(), "injected fault at operation 1 (Custom p)");
+  EXPECT_EQ(f.operation_count(), 2);
+}
+
+TEST(FaultInjectingStorageTest, PathFilterCountsOnlyMatchingOperations) {
+  FaultInjectingStorage f(std::make_shared<MemoryStorage>(), Plan(1, false, "manifest"));
+  STORAGE_ASSERT_OK(f.CreateDirs("ckpt"));
+  STORAGE_ASSERT_OK(WriteFile(f, "ckpt/data_0", "d"));  // 4 operations, none counted
+  EXPECT_EQ(f.operation_count(), 0);
+  STORAGE_ASSIGN_OR_FAIL(auto w, f.NewWritableFile("ckpt/manifest.tmp"));  // operation 0
+  STORAGE_ASSERT_OK(WriteFile(f, "ckpt/data_1", "d"));
+  const Status s = w->WriteAt(0, "m", 1);  // operation 1
+  EXPECT_EQ(s.message(), "injected fault at operation 1 (WriteAt ckpt/manifest.tmp)");
+  STORAGE_EXPECT_OK(w->WriteAt(0, "m", 1));
+  // Rename counts when either end matches.
+  STORAGE_EXPECT_OK(f.Rename("ckpt/manifest.tmp", "ckpt/manifest"));
+  EXPECT_EQ(f.operation_count(), 4);
+}
+
+TEST(FaultInjectingStorageTest, CrashWithPathFilterStopsEverything) {
+  FaultInjectingStorage f(std::make_shared<MemoryStorage>(), Plan(0, true, "manifest"));
+  STORAGE_ASSERT_OK(f.CreateDirs("ckpt"));
+  EXPECT_TRUE(IsInjected(f.NewWritableFile("ckpt/manifest").status()));
+  // After the crash even unmatched operations fail: the process is dead.
+  EXPECT_TRUE(IsInjected(f.CreateDirs("ckpt")));
+  EXPECT_EQ(f.operation_count(), 1);
+}
+
+TEST(FaultInjectingStorageTest, FilesOutliveTheStorage) {
+  auto memory = std::make_shared<MemoryStorage>();
+  std::unique_ptr<WritableFile> w;
+  {
+    FaultInjectingStorage f(memory, Plan(2));
+    STORAGE_ASSIGN_OR_FAIL(w, f.NewWritableFile("f"));
+    STORAGE_ASSERT_OK(w->WriteAt(0, "a", 1));
+  }
+  EXPECT_TRUE(IsInjected(w->Sync()));
+  STORAGE_EXPECT_OK(w->Close());
+}
+
+TEST(FaultInjectingStorageTest, ConcurrentOperationsAreNumberedOnce) {
+  FaultInjectingStorage f(std::make_shared<MemoryStorage>(), Plan(500));
+  STORAGE_ASSERT_OK(f.CreateDirs("d"));
+  constexpr int kThreads = 4;
+  constexpr int kOps = 300;
+  std::vector<int> injected(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kOps; ++i) {
+        if (IsInjected(f.Stat("d").status())) ++injected[t];
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  int total = 0;
+  for (int n : injected) total += n;
+  EXPECT_EQ(total, 1);
+  EXPECT_EQ(f.operation_count(), 1 + kThreads * kOps);
+}
+
+}  // namespace
+}  // namespace tessera

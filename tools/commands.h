@@ -1,0 +1,37 @@
+// The tessera command-line tool's subcommands. Each returns the process exit code and prints
+// errors as one line: "tessera: error: <what went wrong>".
+#ifndef TESSERA_TOOLS_COMMANDS_H_
+#define TESSERA_TOOLS_COMMANDS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "tessera/status.h"
+
+namespace tessera::tools {
+
+int Fail(const Status& status);
+
+int RunInspect(const std::string& path, bool json);
+int RunVerify(const std::string& path);
+
+struct DemoOptions {
+  std::string out;
+  uint64_t size_bytes = 256ull << 20;
+  std::string save_layout = "tp2,dp2";
+  std::string load_layout = "tp4,dp1";
+  int ranks = 0;  // 0: the save layout's product
+  int io_threads = 2;
+  bool sync = true;
+  bool keep = true;  // leave the checkpoint in --out
+};
+int RunDemo(const DemoOptions& options);
+
+// "256MiB", "1GiB", "1000000", "1.5GB" -> bytes.
+Result<uint64_t> ParseSize(const std::string& text);
+// "268.4 MB" style, decimal units.
+std::string FormatBytes(uint64_t bytes);
+
+}  // namespace tessera::tools
+
+#endif  // TESSERA_TOOLS_COMMANDS_H_
