@@ -33,17 +33,17 @@ int RunDemo(const DemoOptions& options) {
                                 std::to_string(save_layout->ranks()) + " ranks)"));
   }
   const ModelConfig config = ModelConfig::ForBytes(options.size_bytes);
-  std::printf("model: hidden %lld, ffn %lld, vocab %lld, %lld layers; state %s (BF16 params + "
-              "F32 Adam moments)\n",
-              static_cast<long long>(config.hidden), static_cast<long long>(config.ffn),
-              static_cast<long long>(config.vocab), static_cast<long long>(config.layers),
-              FormatBytes(config.StateBytes()).c_str());
+  std::printf(
+      "model: hidden %lld, ffn %lld, vocab %lld, %lld layers; state %s (BF16 params + "
+      "F32 Adam moments)\n",
+      static_cast<long long>(config.hidden), static_cast<long long>(config.ffn),
+      static_cast<long long>(config.vocab), static_cast<long long>(config.layers),
+      FormatBytes(config.StateBytes()).c_str());
 
   SaveOptions save_options;
   save_options.num_io_threads = options.io_threads;
   save_options.sync = options.sync ? SyncPolicy::kFull : SyncPolicy::kNone;
-  save_options.user_metadata = {{"producer", "tessera demo"},
-                                {"layout", save_layout->ToString()}};
+  save_options.user_metadata = {{"producer", "tessera demo"}, {"layout", save_layout->ToString()}};
 
   // Save with the save layout.
   std::atomic<uint64_t> held_bytes{0}, written_bytes{0};
@@ -66,13 +66,13 @@ int RunDemo(const DemoOptions& options) {
   if (Status s = FirstError(statuses); !s.ok()) return Fail(s.WithContext("save"));
   Result<Metadata> metadata = ReadMetadata(options.out);
   if (!metadata.ok()) return Fail(metadata.status());
-  std::printf("save: %d ranks (%s) held %s, wrote %s once (replicas deduplicated) in %zu files, "
-              "%llu chunks, %.3f s, %.2f GB/s%s\n",
-              save_layout->ranks(), save_layout->ToString().c_str(),
-              FormatBytes(held_bytes).c_str(), FormatBytes(total_bytes).c_str(),
-              metadata->files.size(), static_cast<unsigned long long>(metadata->TotalChunks()),
-              save_seconds, total_bytes / save_seconds / 1e9,
-              options.sync ? " (fsync'ed)" : " (page cache, no fsync)");
+  std::printf(
+      "save: %d ranks (%s) held %s, wrote %s once (replicas deduplicated) in %zu files, "
+      "%llu chunks, %.3f s, %.2f GB/s%s\n",
+      save_layout->ranks(), save_layout->ToString().c_str(), FormatBytes(held_bytes).c_str(),
+      FormatBytes(total_bytes).c_str(), metadata->files.size(),
+      static_cast<unsigned long long>(metadata->TotalChunks()), save_seconds,
+      total_bytes / save_seconds / 1e9, options.sync ? " (fsync'ed)" : " (page cache, no fsync)");
 
   // Load with the load layout, into zeroed buffers, and check every element.
   LoadOptions load_options;
@@ -88,8 +88,8 @@ int RunDemo(const DemoOptions& options) {
     if (comm.rank() == 0) load_seconds = Seconds(start, Clock::now());
     read_bytes += report.bytes_read;
     needed_bytes += report.bytes_needed;
-    return AgreeOnStatus(comm, CheckRankState(state).WithContext("rank " +
-                                                                 std::to_string(comm.rank())));
+    return AgreeOnStatus(comm,
+                         CheckRankState(state).WithContext("rank " + std::to_string(comm.rank())));
   });
   // Every rank agreed on the outcome, so rank 0's status speaks for all.
   if (!statuses[0].ok()) return Fail(statuses[0].WithContext("load"));
@@ -98,10 +98,10 @@ int RunDemo(const DemoOptions& options) {
               load_layout->ranks(), load_layout->ToString().c_str(),
               FormatBytes(read_bytes).c_str(), FormatBytes(needed_bytes).c_str(), load_seconds,
               read_bytes / load_seconds / 1e9);
-  std::printf("verified: every element of the %s layout matches the state saved under %s "
-              "(bit-exact), checkpoint in %s\n",
-              load_layout->ToString().c_str(), save_layout->ToString().c_str(),
-              options.out.c_str());
+  std::printf(
+      "verified: every element of the %s layout matches the state saved under %s "
+      "(bit-exact), checkpoint in %s\n",
+      load_layout->ToString().c_str(), save_layout->ToString().c_str(), options.out.c_str());
   return 0;
 }
 

@@ -20,13 +20,20 @@ Result<uint64_t> ParseSize(const std::string& text) {
   double value = std::strtod(text.c_str(), &end);
   std::string unit = end ? end : "";
   double scale = 0;
-  if (unit.empty() || unit == "B") scale = 1;
-  else if (unit == "KiB" || unit == "K") scale = 1024.0;
-  else if (unit == "MiB" || unit == "M") scale = 1024.0 * 1024;
-  else if (unit == "GiB" || unit == "G") scale = 1024.0 * 1024 * 1024;
-  else if (unit == "KB") scale = 1e3;
-  else if (unit == "MB") scale = 1e6;
-  else if (unit == "GB") scale = 1e9;
+  if (unit.empty() || unit == "B")
+    scale = 1;
+  else if (unit == "KiB" || unit == "K")
+    scale = 1024.0;
+  else if (unit == "MiB" || unit == "M")
+    scale = 1024.0 * 1024;
+  else if (unit == "GiB" || unit == "G")
+    scale = 1024.0 * 1024 * 1024;
+  else if (unit == "KB")
+    scale = 1e3;
+  else if (unit == "MB")
+    scale = 1e6;
+  else if (unit == "GB")
+    scale = 1e9;
   if (end == text.c_str() || scale == 0 || !(value >= 0)) {
     return InvalidArgument("bad size '" + text + "': expected e.g. 256MiB, 1GiB, 1000000");
   }
@@ -35,10 +42,14 @@ Result<uint64_t> ParseSize(const std::string& text) {
 
 std::string FormatBytes(uint64_t bytes) {
   char buf[64];
-  if (bytes >= 1000000000ull) std::snprintf(buf, sizeof(buf), "%.2f GB", bytes / 1e9);
-  else if (bytes >= 1000000ull) std::snprintf(buf, sizeof(buf), "%.1f MB", bytes / 1e6);
-  else if (bytes >= 1000ull) std::snprintf(buf, sizeof(buf), "%.1f kB", bytes / 1e3);
-  else std::snprintf(buf, sizeof(buf), "%llu B", static_cast<unsigned long long>(bytes));
+  if (bytes >= 1000000000ull)
+    std::snprintf(buf, sizeof(buf), "%.2f GB", bytes / 1e9);
+  else if (bytes >= 1000000ull)
+    std::snprintf(buf, sizeof(buf), "%.1f MB", bytes / 1e6);
+  else if (bytes >= 1000ull)
+    std::snprintf(buf, sizeof(buf), "%.1f kB", bytes / 1e3);
+  else
+    std::snprintf(buf, sizeof(buf), "%llu B", static_cast<unsigned long long>(bytes));
   return buf;
 }
 
@@ -73,7 +84,8 @@ int RunInspect(const std::string& path, bool json) {
     }
     auto& objects = doc["objects"] = nlohmann::json::array();
     for (const ObjectInfo& o : m.objects) {
-      objects.push_back({{"key", o.key}, {"bytes", o.location.length},
+      objects.push_back({{"key", o.key},
+                         {"bytes", o.location.length},
                          {"file", m.files[o.location.file_index].name}});
     }
     auto& files = doc["files"] = nlohmann::json::array();
@@ -86,7 +98,8 @@ int RunInspect(const std::string& path, bool json) {
   std::printf("  %zu tensors, %zu objects, %llu chunks, %s in %zu files\n", m.tensors.size(),
               m.objects.size(), static_cast<unsigned long long>(m.TotalChunks()),
               FormatBytes(m.TotalTensorBytes()).c_str(), m.files.size());
-  for (const auto& [k, v] : m.user_metadata) std::printf("  metadata %s = %s\n", k.c_str(), v.c_str());
+  for (const auto& [k, v] : m.user_metadata)
+    std::printf("  metadata %s = %s\n", k.c_str(), v.c_str());
   std::printf("\n%-60s %-8s %-20s %8s %12s\n", "key", "dtype", "shape", "chunks", "bytes");
   for (const TensorInfo& t : m.tensors) {
     std::printf("%-60s %-8s %-20s %8zu %12llu\n", t.key.c_str(),
@@ -107,10 +120,11 @@ int RunInspect(const std::string& path, bool json) {
 int RunVerify(const std::string& path) {
   Result<VerifyReport> report = Verify(path);
   if (!report.ok()) return Fail(report.status());
-  std::printf("verified %s: %llu chunks, %s in %d files; checksums match, every tensor covered "
-              "exactly\n",
-              path.c_str(), static_cast<unsigned long long>(report->chunks_checked),
-              FormatBytes(report->bytes_checked).c_str(), report->files_checked);
+  std::printf(
+      "verified %s: %llu chunks, %s in %d files; checksums match, every tensor covered "
+      "exactly\n",
+      path.c_str(), static_cast<unsigned long long>(report->chunks_checked),
+      FormatBytes(report->bytes_checked).c_str(), report->files_checked);
   return 0;
 }
 

@@ -64,8 +64,8 @@ std::vector<std::pair<Box, int64_t>> MemoryBoxes(const ShardedTensor& tensor) {
     out.emplace_back(tensor.LocalBox(), 0);
     return out;
   }
-  for (FlatPiece& p : FlatRangeToBoxes(tensor.LocalBox(), tensor.flat_range->begin,
-                                       tensor.flat_range->end)) {
+  for (FlatPiece& p :
+       FlatRangeToBoxes(tensor.LocalBox(), tensor.flat_range->begin, tensor.flat_range->end)) {
     out.emplace_back(std::move(p.box), (p.flat_begin - tensor.flat_range->begin) * element_size);
   }
   return out;
@@ -199,9 +199,8 @@ RankState BuildRankState(const ModelConfig& config, const Layout& layout, int ra
     ReplicaId moment_replica = p.split_dim >= 0 ? ReplicaId{} : ReplicaId{tp};
     for (const char* moment : {"exp_avg", "exp_avg_sq"}) {
       TensorView data(allocate(flat_size * 4), DType::kF32, {flat_size});
-      add(ShardedTensor::FlatShard("optimizer." + std::string(moment) + "." + p.key, data,
-                                   p.shape, local.offsets, local.sizes, flat_begin,
-                                   moment_replica));
+      add(ShardedTensor::FlatShard("optimizer." + std::string(moment) + "." + p.key, data, p.shape,
+                                   local.offsets, local.sizes, flat_begin, moment_replica));
     }
   }
   ShardedObject step{"optimizer.step", {}, {rank}};

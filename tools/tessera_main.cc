@@ -12,7 +12,8 @@ int main(int argc, char** argv) {
 
   std::string path;
   bool json = false;
-  CLI::App* inspect = app.add_subcommand("inspect", "List the tensors, objects and files of a checkpoint");
+  CLI::App* inspect =
+      app.add_subcommand("inspect", "List the tensors, objects and files of a checkpoint");
   inspect->add_option("PATH", path, "checkpoint directory")->required();
   inspect->add_flag("--json", json, "print one JSON document");
 

@@ -76,12 +76,12 @@ struct LoadOptions {
 };
 
 struct LoadReport {
-  std::vector<std::string> missing_keys;     // asked for, absent, skipped (this rank)
-  std::vector<std::string> unexpected_keys;  // in the checkpoint, asked for by no rank
+  std::vector<std::string> missing_keys;           // asked for, absent, skipped (this rank)
+  std::vector<std::string> unexpected_keys;        // in the checkpoint, asked for by no rank
   std::vector<std::string> shape_mismatched_keys;  // loaded in part (allow_shape_mismatch)
-  uint64_t bytes_read = 0;    // from storage by this rank
-  uint64_t bytes_needed = 0;  // bytes this rank's requests cover
-  uint64_t read_calls = 0;    // storage reads issued by this rank
+  uint64_t bytes_read = 0;                         // from storage by this rank
+  uint64_t bytes_needed = 0;                       // bytes this rank's requests cover
+  uint64_t read_calls = 0;                         // storage reads issued by this rank
 };
 
 Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& comm,
@@ -94,8 +94,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path,
 // the file.
 Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
                         const LoadOptions& options = {});
-Result<LoadReport> Load(StateDict& state, const std::string& path,
-                        const LoadOptions& options = {});
+Result<LoadReport> Load(StateDict& state, const std::string& path, const LoadOptions& options = {});
 
 // Reads and checks the manifest of the checkpoint at `path`. `storage` null means local files.
 Result<Metadata> ReadMetadata(const std::string& path, std::shared_ptr<Storage> storage = nullptr);

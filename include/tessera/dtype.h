@@ -31,10 +31,10 @@ enum class DType : uint8_t {
 };
 
 // Every defined dtype, in numeric order.
-inline constexpr DType kAllDTypes[] = {
-    DType::kF64, DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3,
-    DType::kF8E5M2, DType::kI64, DType::kI32, DType::kI16, DType::kI8,
-    DType::kU8, DType::kBool, DType::kU16, DType::kU32, DType::kU64};
+inline constexpr DType kAllDTypes[] = {DType::kF64,    DType::kF32,    DType::kF16, DType::kBF16,
+                                       DType::kF8E4M3, DType::kF8E5M2, DType::kI64, DType::kI32,
+                                       DType::kI16,    DType::kI8,     DType::kU8,  DType::kBool,
+                                       DType::kU16,    DType::kU32,    DType::kU64};
 
 // Bytes per element.
 size_t DTypeSize(DType dtype);

@@ -21,9 +21,10 @@ struct LocalCommOptions {
 // Creates `num_ranks` connected communicators; hand entry r to the thread that plays rank r.
 std::vector<std::unique_ptr<Comm>> NewLocalComms(int num_ranks, LocalCommOptions options = {});
 
-// Runs fn(comm) on `num_ranks` threads, one per rank, and waits for all. A rank whose fn
-// returns an error aborts the group, so its peers' collectives fail instead of hanging.
-// Returns each rank's status, indexed by rank.
+// Runs fn(comm) on `num_ranks` threads, one per rank, and waits for all. When fn returns, the
+// rank leaves: a peer waiting for a message the rank never sent fails at once (kAborted)
+// instead of hanging; messages it did send are still delivered. Returns each rank's status,
+// indexed by rank.
 std::vector<Status> RunLocalRanks(int num_ranks, const std::function<Status(Comm&)>& fn,
                                   LocalCommOptions options = {});
 

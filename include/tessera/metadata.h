@@ -33,7 +33,9 @@ struct TensorInfo {
   std::string key;
   DType dtype = DType::kF32;
   Shape global_shape;
-  std::vector<ChunkInfo> chunks;  // disjoint; cover the tensor exactly
+  std::vector<ChunkInfo> chunks;  // disjoint; cover the tensor exactly unless `partial`
+  // Saved from ranks that together held only part of it (ShardedTensor::partial).
+  bool partial = false;
   friend bool operator==(const TensorInfo&, const TensorInfo&) = default;
 };
 
@@ -44,15 +46,15 @@ struct ObjectInfo {
 };
 
 struct FileInfo {
-  std::string name;  // relative to the checkpoint directory; a plain file name
-  uint64_t size = 0; // bytes
+  std::string name;   // relative to the checkpoint directory; a plain file name
+  uint64_t size = 0;  // bytes
   friend bool operator==(const FileInfo&, const FileInfo&) = default;
 };
 
 struct Metadata {
   uint32_t format_version = 0;
-  std::string save_id;   // unique per save; part of every data file's name
-  int32_t num_ranks = 0; // ranks that saved
+  std::string save_id;              // unique per save; part of every data file's name
+  int32_t num_ranks = 0;            // ranks that saved
   std::vector<TensorInfo> tensors;  // sorted by key
   std::vector<ObjectInfo> objects;  // sorted by key
   std::vector<FileInfo> files;

@@ -32,8 +32,8 @@ struct FlatRange {
 };
 
 struct ShardedTensor {
-  std::string key;   // e.g. "decoder.layers.0.mlp.fc1.weight"
-  TensorView data;   // local data; see the header comment for its shape
+  std::string key;  // e.g. "decoder.layers.0.mlp.fc1.weight"
+  TensorView data;  // local data; see the header comment for its shape
   Shape global_shape;
   std::vector<int64_t> global_offset;  // of the local box; empty means all zeros
   Shape local_shape;                   // of the local box; empty means data.shape (no flat range)

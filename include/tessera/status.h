@@ -19,8 +19,8 @@ namespace tessera {
 // Numbers are part of the CLI's and the Python bindings' contract: do not renumber.
 enum class StatusCode : int {
   kOk = 0,
-  kInvalidArgument = 1,     // the caller's input is wrong (shape, dtype, box, option)
-  kNotFound = 2,            // a file, directory or key does not exist
+  kInvalidArgument = 1,  // the caller's input is wrong (shape, dtype, box, option)
+  kNotFound = 2,         // a file, directory or key does not exist
   kAlreadyExists = 3,
   kFailedPrecondition = 4,  // e.g. a directory with no committed checkpoint
   kOutOfRange = 5,          // a box or offset outside its bounds
@@ -28,8 +28,8 @@ enum class StatusCode : int {
   kIOError = 7,             // the operating system refused an operation
   kUnimplemented = 8,       // e.g. a manifest of a newer format version
   kInternal = 9,
-  kAborted = 10,            // another rank failed; this collective gave up
-  kDeadlineExceeded = 11,   // a collective timed out
+  kAborted = 10,           // another rank failed; this collective gave up
+  kDeadlineExceeded = 11,  // a collective timed out
 };
 
 std::string_view StatusCodeName(StatusCode code);
@@ -122,18 +122,18 @@ const Status& GetStatus(const Result<T>& r) {
 #define TESSERA_CONCAT(a, b) TESSERA_CONCAT_IMPL(a, b)
 
 // Returns from the enclosing function if `expr` (a Status or a Result) is not OK.
-#define TESSERA_RETURN_IF_ERROR(expr)                                              \
-  do {                                                                             \
-    const auto& _tessera_status_or = (expr);                                       \
-    if (!::tessera::internal::GetStatus(_tessera_status_or).ok())                  \
-      return ::tessera::internal::GetStatus(_tessera_status_or);                   \
+#define TESSERA_RETURN_IF_ERROR(expr)                             \
+  do {                                                            \
+    const auto& _tessera_status_or = (expr);                      \
+    if (!::tessera::internal::GetStatus(_tessera_status_or).ok()) \
+      return ::tessera::internal::GetStatus(_tessera_status_or);  \
   } while (0)
 
 // Like TESSERA_RETURN_IF_ERROR, but prefixes the message with `context`.
-#define TESSERA_RETURN_IF_ERROR_CTX(expr, context)                                 \
-  do {                                                                             \
-    const auto& _tessera_status_or = (expr);                                       \
-    if (!::tessera::internal::GetStatus(_tessera_status_or).ok())                  \
+#define TESSERA_RETURN_IF_ERROR_CTX(expr, context)                                    \
+  do {                                                                                \
+    const auto& _tessera_status_or = (expr);                                          \
+    if (!::tessera::internal::GetStatus(_tessera_status_or).ok())                     \
       return ::tessera::internal::GetStatus(_tessera_status_or).WithContext(context); \
   } while (0)
 

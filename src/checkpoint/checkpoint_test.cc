@@ -99,7 +99,8 @@ TEST_P(CheckpointTest, RoundTripEveryDtypeScalarsEmptyTensorsObjectsMetadata) {
   for (size_t i = 0; i < owned.size(); ++i) {
     EXPECT_EQ(loaded[i].bytes, owned[i].bytes) << owned[i].tensor.key;
   }
-  EXPECT_EQ(std::get<ShardedObject>(*target.Find("rng")).data, (std::vector<uint8_t>{1, 2, 3, 250}));
+  EXPECT_EQ(std::get<ShardedObject>(*target.Find("rng")).data,
+            (std::vector<uint8_t>{1, 2, 3, 250}));
   EXPECT_TRUE(std::get<ShardedObject>(*target.Find("empty_object")).data.empty());
   EXPECT_EQ(load_report.bytes_read, load_report.bytes_needed);
   ASSERT_OK_AND_ASSIGN(VerifyReport verify, Verify(path_, storage_));
@@ -108,12 +109,11 @@ TEST_P(CheckpointTest, RoundTripEveryDtypeScalarsEmptyTensorsObjectsMetadata) {
 
 // Loads `key` of the checkpoint as box `box` and returns the bytes.
 Result<std::vector<uint8_t>> LoadBox(const std::string& path, const LoadOptions& options,
-                                     const std::string& key, DType dtype, Shape global,
-                                     Box box) {
+                                     const std::string& key, DType dtype, Shape global, Box box) {
   std::vector<uint8_t> out(box.NumElements() * DTypeSize(dtype), 0xAB);
   StateDict state;
-  TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
-      key, TensorView(out.data(), dtype, box.sizes), global, box.offsets)));
+  TESSERA_RETURN_IF_ERROR(state.Add(
+      ShardedTensor::Shard(key, TensorView(out.data(), dtype, box.sizes), global, box.offsets)));
   LoadOptions o = options;
   o.unexpected_keys = KeyPolicy::kSkip;
   TESSERA_RETURN_IF_ERROR(Load(state, path, o));
@@ -136,8 +136,8 @@ TEST_P(CheckpointTest, LoadsAnyBoxOfASavedTensor) {
     return Save(state, path_, comm, save_).status();
   });
   ASSERT_OK(FirstError(statuses));
-  for (const Box& box : {Box({0, 0}, {6, 10}), Box({1, 3}, {4, 6}), Box({5, 9}, {1, 1}),
-                         Box({2, 0}, {1, 10})}) {
+  for (const Box& box :
+       {Box({0, 0}, {6, 10}), Box({1, 3}, {4, 6}), Box({5, 9}, {1, 1}), Box({2, 0}, {1, 10})}) {
     ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> bytes,
                          LoadBox(path_, load_, "x", DType::kI32, {6, 10}, box));
     const auto* got = reinterpret_cast<const int32_t*>(bytes.data());
@@ -157,9 +157,9 @@ TEST_P(CheckpointTest, FlatRangesOnBothSides) {
     int r = comm.rank();
     std::vector<float> mine(full.begin() + cuts[r], full.begin() + cuts[r + 1]);
     StateDict state;
-    TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::FlatShard(
-        "m", TensorView(mine.data(), DType::kF32, {cuts[r + 1] - cuts[r]}), {5, 7}, {0, 0}, {5, 7},
-        cuts[r])));
+    TESSERA_RETURN_IF_ERROR(state.Add(
+        ShardedTensor::FlatShard("m", TensorView(mine.data(), DType::kF32, {cuts[r + 1] - cuts[r]}),
+                                 {5, 7}, {0, 0}, {5, 7}, cuts[r])));
     return Save(state, path_, comm, save_).status();
   });
   ASSERT_OK(FirstError(statuses));
@@ -221,7 +221,8 @@ TEST_P(CheckpointTest, BadInputErrorsNameWhatIsWrong) {
   lenient.missing_keys = KeyPolicy::kSkip;
   std::vector<uint8_t> buf(64);
   StateDict with_missing;
-  ASSERT_OK(with_missing.Add(ShardedTensor::Whole("b", TensorView(buf.data(), DType::kF32, {4, 4}))));
+  ASSERT_OK(
+      with_missing.Add(ShardedTensor::Whole("b", TensorView(buf.data(), DType::kF32, {4, 4}))));
   ASSERT_OK_AND_ASSIGN(report, Load(with_missing, path_, lenient));
   EXPECT_EQ(report.missing_keys, std::vector<std::string>{"b"});
 }
@@ -239,6 +240,30 @@ TEST_P(CheckpointTest, AllowShapeMismatchLoadsTheCommonPart) {
   ASSERT_OK_AND_ASSIGN(LoadReport report, Load(target, path_, load_));
   EXPECT_EQ(bigger, (std::vector<int32_t>{1, 2, 3, -1, 4, 5, 6, -1, -1, -1, -1, -1}));
   EXPECT_EQ(report.shape_mismatched_keys, std::vector<std::string>{"emb"});
+}
+
+TEST_P(CheckpointTest, PartialTensorsSaveAndLoadWhatWasSaved) {
+  std::vector<int32_t> half = {1, 2, 3, 4};
+  ShardedTensor t =
+      ShardedTensor::Shard("p", TensorView(half.data(), DType::kI32, {2, 2}), {4, 2}, {0, 0});
+  StateDict state;
+  ASSERT_OK(state.Add(t));
+  Result<SaveReport> refused = Save(state, path_, save_);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("cover 4 of the 8 elements"));
+  std::get<ShardedTensor>(state.entries()[0]).partial = true;
+  ASSERT_OK(Save(state, path_, save_));
+  ASSERT_OK_AND_ASSIGN(Metadata metadata, ReadMetadata(path_, storage_));
+  EXPECT_TRUE(metadata.tensors[0].partial);
+  EXPECT_OK(Verify(path_, storage_));
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> got,
+                       LoadBox(path_, load_, "p", DType::kI32, {4, 2}, Box({1, 0}, {1, 2})));
+  EXPECT_EQ(reinterpret_cast<const int32_t*>(got.data())[1], 4);
+  Result<std::vector<uint8_t>> unsaved =
+      LoadBox(path_, load_, "p", DType::kI32, {4, 2}, Box({1, 0}, {2, 2}));
+  ASSERT_FALSE(unsaved.ok());
+  EXPECT_THAT(unsaved.status().message(),
+              HasSubstr("key 'p': box [1:3, 0:2] is covered by 2 of its 4 elements"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Storages, CheckpointTest, ::testing::Values(false, true),
@@ -263,7 +288,8 @@ class CorruptionTest : public ::testing::Test {
   Status LoadIt() {
     std::vector<uint8_t> out(a_.bytes.size());
     StateDict state;
-    Status s = state.Add(ShardedTensor::Whole("layer.weight", TensorView(out.data(), DType::kF32, {64, 64})));
+    Status s = state.Add(
+        ShardedTensor::Whole("layer.weight", TensorView(out.data(), DType::kF32, {64, 64})));
     if (!s.ok()) return s;
     return Load(state, path_).status();
   }
@@ -284,7 +310,8 @@ TEST_F(CorruptionTest, FlippedByteIsACheckumMismatchNamingKeyChunkAndFile) {
   f.close();
   for (Status s : {LoadIt(), Verify(path_).status()}) {
     EXPECT_EQ(s.code(), StatusCode::kDataLoss);
-    EXPECT_THAT(s.message(), HasSubstr("checksum mismatch in key 'layer.weight' chunk 0 [0:64, 0:64]"));
+    EXPECT_THAT(s.message(),
+                HasSubstr("checksum mismatch in key 'layer.weight' chunk 0 [0:64, 0:64]"));
     EXPECT_THAT(s.message(), HasSubstr(data_file_));
   }
 }
@@ -330,14 +357,14 @@ TEST(MultiRankTest, ARankWhoseStorageFailsFailsTheSaveEverywhereAndLeavesNoManif
     SaveOptions o;
     o.storage = memory;
     if (comm.rank() == 2) {
-      o.storage = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = 1});
+      o.storage = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = 1, .crash = false, .path_filter = ""});
     }
     return Save(state, "/ck", comm, o).status();
   });
   for (int r = 0; r < 4; ++r) {
     EXPECT_FALSE(statuses[r].ok()) << "rank " << r;
-    EXPECT_THAT(statuses[r].message(), HasSubstr("rank 2"));
-    EXPECT_THAT(statuses[r].message(), HasSubstr("injected fault"));
+    EXPECT_THAT(statuses[r].message(), HasSubstr("rank 2")) << statuses[r].ToString();
+    EXPECT_THAT(statuses[r].message(), HasSubstr("injected fault")) << statuses[r].ToString();
   }
   ASSERT_OK_AND_ASSIGN(FileType type, memory->Stat("/ck/tessera.manifest"));
   EXPECT_EQ(type, FileType::kNotFound);
@@ -357,7 +384,8 @@ TEST(MultiRankTest, OverlappingShardsFailOnEveryRankNamingKeyAndRanks) {
     return Save(state, "/ck", comm, o).status();
   });
   for (const Status& s : statuses) {
-    EXPECT_THAT(s.message(), HasSubstr("key 'w': boxes [0:6] and [4:10] overlap (held by rank 0 and rank 1)"));
+    EXPECT_THAT(s.message(),
+                HasSubstr("key 'w': boxes [0:6] and [4:10] overlap (held by rank 0 and rank 1)"));
   }
 }
 
@@ -419,14 +447,17 @@ TEST(CrashConsistencyTest, CrashAtEveryStepOfASaveOverAnExistingCheckpoint) {
     SaveOptions o;
     o.storage = memory;
     ASSERT_OK(Save(g1.Dict(), "/ck", o));
-    auto faulty = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = n, .crash = true});
+    auto faulty =
+        std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = n, .crash = true, .path_filter = ""});
     o.storage = faulty;
     Status saved = Save(g2.Dict(), "/ck", o).status();
     memory->SimulateCrash();
     Status error;
     int gen = LoadedGeneration("/ck", memory, &error);
     ASSERT_TRUE(gen == 1 || gen == 2) << "generation " << gen << ": " << error.ToString();
-    if (saved.ok()) EXPECT_EQ(gen, 2) << "a save that reported success must be durable";
+    if (saved.ok()) {
+      EXPECT_EQ(gen, 2) << "a save that reported success must be durable";
+    }
     (gen == 1 ? old_seen : new_seen)++;
     // After the crash a new save must succeed and clean up.
     o.storage = memory;
@@ -447,7 +478,7 @@ TEST(CrashConsistencyTest, FailureAtEveryStepLeavesTheOldCheckpointOrTheNew) {
     SaveOptions o;
     o.storage = memory;
     ASSERT_OK(Save(g1.Dict(), "/ck", o));
-    auto faulty = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = n});
+    auto faulty = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = n, .crash = false, .path_filter = ""});
     o.storage = faulty;
     Status saved = Save(g2.Dict(), "/ck", o).status();
     Status error;
@@ -467,13 +498,15 @@ TEST(CrashConsistencyTest, CrashDuringAFirstSaveLeavesNoCheckpoint) {
   auto memory = std::make_shared<MemoryStorage>();
   Generation g1(1);
   SaveOptions o;
-  o.storage = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = 3, .crash = true});
+  o.storage =
+      std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = 3, .crash = true, .path_filter = ""});
   EXPECT_FALSE(Save(g1.Dict(), "/ck", o).ok());
   memory->SimulateCrash();
   Status error;
   EXPECT_EQ(LoadedGeneration("/ck", memory, &error), -1);
   EXPECT_TRUE(error.code() == StatusCode::kNotFound ||
-              error.code() == StatusCode::kFailedPrecondition) << error.ToString();
+              error.code() == StatusCode::kFailedPrecondition)
+      << error.ToString();
 }
 
 TEST(ResaveTest, OldFilesAreRemovedOnlyAfterTheNewManifestCommits) {

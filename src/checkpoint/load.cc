@@ -81,8 +81,7 @@ Status PlanTensor(const Metadata& metadata, std::vector<std::unique_ptr<ChunkInd
       wanted = std::move(*common);
     } else if (!piece.box.InBounds(info->global_shape)) {
       return OutOfRange("key '" + tensor.key + "': requested box " + piece.box.ToString() +
-                        " is outside the saved global shape " +
-                        ShapeToString(info->global_shape));
+                        " is outside the saved global shape " + ShapeToString(info->global_shape));
     }
     const int64_t needed = wanted.NumElements();
     const int64_t covered =
@@ -91,8 +90,7 @@ Status PlanTensor(const Metadata& metadata, std::vector<std::unique_ptr<ChunkInd
     if (covered != needed) {
       return DataLoss("key '" + tensor.key + "': box " + wanted.ToString() + " is covered by " +
                       std::to_string(covered) + " of its " + std::to_string(needed) +
-                      " elements in the checkpoint at " + path +
-                      " (saved as a partial tensor?)");
+                      " elements in the checkpoint at " + path + " (saved as a partial tensor?)");
     }
   }
   return Status::Ok();
@@ -126,7 +124,8 @@ Result<LoadPlan> PlanLoad(const Metadata& metadata, StateDict& state, const std:
   }
   if (!missing.empty() && options.missing_keys == KeyPolicy::kError) {
     std::string list;
-    for (size_t i = 0; i < missing.size() && i < 10; ++i) list += (i ? ", '" : "'") + missing[i] + "'";
+    for (size_t i = 0; i < missing.size() && i < 10; ++i)
+      list += (i ? ", '" : "'") + missing[i] + "'";
     if (missing.size() > 10) list += ", ... (" + std::to_string(missing.size()) + " keys)";
     return NotFound("the checkpoint at " + path + " has no key " + list +
                     " (set LoadOptions::missing_keys = kSkip to load the rest)");
@@ -166,9 +165,9 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
   if (plan_status.ok()) {
     for (size_t k = 0; k < num_keys; ++k) {
       if (asked[k]) continue;
-      planned->report.unexpected_keys.push_back(k < metadata.tensors.size()
-                                                    ? metadata.tensors[k].key
-                                                    : metadata.objects[k - metadata.tensors.size()].key);
+      planned->report.unexpected_keys.push_back(
+          k < metadata.tensors.size() ? metadata.tensors[k].key
+                                      : metadata.objects[k - metadata.tensors.size()].key);
     }
     const auto& unexpected = planned->report.unexpected_keys;
     if (!unexpected.empty() && options.unexpected_keys == KeyPolicy::kError) {
@@ -177,8 +176,9 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
         list += (i ? ", '" : "'") + unexpected[i] + "'";
       }
       if (unexpected.size() > 10) list += ", ... (" + std::to_string(unexpected.size()) + " keys)";
-      plan_status = InvalidArgument("the checkpoint at " + path + " has keys no rank asked for: " +
-                                    list + " (set LoadOptions::unexpected_keys = kSkip to ignore)");
+      plan_status =
+          InvalidArgument("the checkpoint at " + path + " has keys no rank asked for: " + list +
+                          " (set LoadOptions::unexpected_keys = kSkip to ignore)");
     }
   }
   // 3. Read only if every rank's plan is good; then agree on the outcome.

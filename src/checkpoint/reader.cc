@@ -103,7 +103,8 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
       const ReadRun& run = runs[i];
       Status s = files[run.file_index]->ReadAt(run.file_offset, run.destination, run.length);
       if (!s.ok()) {
-        statuses[slice] = s.WithContext("reading " + DescribeChunk(metadata, run.tensor, run.chunk));
+        statuses[slice] =
+            s.WithContext("reading " + DescribeChunk(metadata, run.tensor, run.chunk));
         return;
       }
       if (!run.whole_chunk || !options.verify_checksums) continue;
@@ -113,11 +114,11 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
       const ByteLocation& where = metadata.tensors[run.tensor].chunks[run.chunk].location;
       const uint64_t actual = checksum.Digest();
       if (actual != where.checksum) {
-        statuses[slice] = DataLoss(
-            "checksum mismatch in " + DescribeChunk(metadata, run.tensor, run.chunk) +
-            " of file " + JoinPath(dir, metadata.files[run.file_index].name) + " at offset " +
-            std::to_string(where.offset) + ": expected " + Hex(where.checksum) + ", got " +
-            Hex(actual));
+        statuses[slice] =
+            DataLoss("checksum mismatch in " + DescribeChunk(metadata, run.tensor, run.chunk) +
+                     " of file " + JoinPath(dir, metadata.files[run.file_index].name) +
+                     " at offset " + std::to_string(where.offset) + ": expected " +
+                     Hex(where.checksum) + ", got " + Hex(actual));
         return;
       }
     }
@@ -136,9 +137,8 @@ Status ReadObject(Storage& storage, const std::string& dir, const Metadata& meta
                   const ObjectInfo& object, const LoadOptions& options, std::vector<uint8_t>& out,
                   LoadReport& report) {
   const std::string what = "object '" + object.key + "'";
-  TESSERA_ASSIGN_OR_RETURN(
-      std::unique_ptr<ReadableFile> file,
-      OpenDataFile(storage, dir, metadata, object.location.file_index, what));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file,
+                           OpenDataFile(storage, dir, metadata, object.location.file_index, what));
   std::vector<uint8_t> bytes(object.location.length);
   TESSERA_RETURN_IF_ERROR_CTX(file->ReadAt(object.location.offset, bytes.data(), bytes.size()),
                               "reading " + what);

@@ -7,6 +7,7 @@
 //
 // Every message carries its sender's status (envelope.h), so a rank that fails at any step
 // still takes part in the remaining collectives and every rank returns the same error.
+#include <unistd.h>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -14,7 +15,6 @@
 #include <random>
 #include <set>
 #include <thread>
-#include <unistd.h>
 
 #include "checkpoint/envelope.h"
 #include "core/byte_io.h"
@@ -34,10 +34,10 @@ constexpr size_t kWritePiece = 8u << 20;
 
 std::string NewSaveId(const std::vector<std::string>& existing_names) {
   std::random_device device;
-  std::mt19937_64 rng((static_cast<uint64_t>(device()) << 32) ^ device() ^
-                      static_cast<uint64_t>(
-                          std::chrono::steady_clock::now().time_since_epoch().count()) ^
-                      (static_cast<uint64_t>(getpid()) << 16));
+  std::mt19937_64 rng(
+      (static_cast<uint64_t>(device()) << 32) ^ device() ^
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+      (static_cast<uint64_t>(getpid()) << 16));
   while (true) {
     char id[17];
     std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(rng()));
@@ -196,7 +196,7 @@ Result<WriteResult> WriteLocalFiles(Storage& storage, const std::string& dir,
                                     const SaveOptions& options) {
   std::vector<FilePlan> files =
       PlanFiles(plan, assignment.items, options.num_io_threads, assignment.save_id, rank);
-  std::map<std::string, std::string> header_metadata = {{"format", "tessera"},
+  std::map<std::string, std::string> header_metadata = {{"format", "pt"},
                                                         {"tessera_save_id", assignment.save_id}};
   for (FilePlan& file : files) {
     TESSERA_ASSIGN_OR_RETURN(file.header, EncodeSafetensorsHeader(file.entries, header_metadata));
@@ -314,9 +314,9 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   // 1. Local plan, gathered to the coordinator.
   Result<LocalPlan> local = BuildLocalPlan(state);
   std::vector<Bytes> gathered;
-  TESSERA_RETURN_IF_ERROR(comm.Gather(
-      local.ok() ? Seal(Status::Ok(), EncodeLocalPlan(*local)) : Seal(local.status()),
-      &gathered, kCoordinator));
+  TESSERA_RETURN_IF_ERROR(
+      comm.Gather(local.ok() ? Seal(Status::Ok(), EncodeLocalPlan(*local)) : Seal(local.status()),
+                  &gathered, kCoordinator));
 
   // 2. Global plan on the coordinator; each rank receives its assignment.
   std::vector<Bytes> assignments;
@@ -331,8 +331,8 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
         TESSERA_ASSIGN_OR_RETURN(plans[r], DecodeLocalPlan(body));
       }
       gathered.clear();
-      TESSERA_ASSIGN_OR_RETURN(global,
-                               BuildGlobalSavePlan(plans, {.balance_writes = options.balance_writes}));
+      TESSERA_ASSIGN_OR_RETURN(
+          global, BuildGlobalSavePlan(plans, {.balance_writes = options.balance_writes}));
       TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
       TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->ListDir(path));
       save_id = NewSaveId(names);
@@ -340,8 +340,8 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
     }();
     assignments.resize(comm.size());
     for (int r = 0; r < comm.size(); ++r) {
-      assignments[r] = status.ok() ? Seal(status, EncodeAssignment({save_id, global.writes[r]}))
-                                   : Seal(status);
+      assignments[r] =
+          status.ok() ? Seal(status, EncodeAssignment({save_id, global.writes[r]})) : Seal(status);
     }
   }
   Bytes mine;

@@ -66,12 +66,13 @@ Result<VerifyReport> Verify(const std::string& path, std::shared_ptr<Storage> st
   if (!storage) storage = NewPosixStorage();
   TESSERA_ASSIGN_OR_RETURN(Metadata metadata, ReadMetadata(path, storage));
   VerifyReport report;
-  // Coverage: every tensor's chunks are disjoint and cover it exactly.
+  // Coverage: every tensor's chunks are disjoint and cover it exactly (unless saved partial).
   for (const TensorInfo& tensor : metadata.tensors) {
     std::vector<Box> boxes;
     boxes.reserve(tensor.chunks.size());
     for (const ChunkInfo& c : tensor.chunks) boxes.push_back(c.box);
-    if (auto failure = CheckTiling(boxes, tensor.global_shape, /*require_coverage=*/true)) {
+    if (auto failure =
+            CheckTiling(boxes, tensor.global_shape, /*require_coverage=*/!tensor.partial)) {
       return DataLoss("key '" + tensor.key + "': " + failure->message);
     }
   }
@@ -112,8 +113,7 @@ Result<VerifyReport> Verify(const std::string& path, std::shared_ptr<Storage> st
     }
     for (const Piece& piece : list) {
       TESSERA_RETURN_IF_ERROR(
-          CheckEntry(by_offset, piece.where, piece.dtype, piece.shape, piece.what,
-                     file->path()));
+          CheckEntry(by_offset, piece.where, piece.dtype, piece.shape, piece.what, file->path()));
       TESSERA_RETURN_IF_ERROR(CheckBytes(*file, piece.where, piece.what, buffer, report));
       report.chunks_checked += 1;
     }

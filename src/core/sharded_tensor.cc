@@ -69,9 +69,9 @@ Status ShardedTensor::Validate() const {
   }
   Box box = LocalBox();
   if (box.rank() != global_shape.size()) {
-    return fail("local shape " + ShapeToString(box.sizes) + " has " +
-                std::to_string(box.rank()) + " dimensions, global shape " +
-                ShapeToString(global_shape) + " has " + std::to_string(global_shape.size()));
+    return fail("local shape " + ShapeToString(box.sizes) + " has " + std::to_string(box.rank()) +
+                " dimensions, global shape " + ShapeToString(global_shape) + " has " +
+                std::to_string(global_shape.size()));
   }
   if (!box.InBounds(global_shape)) {
     return Status(StatusCode::kOutOfRange, "tensor '" + key + "': local box " + box.ToString() +

@@ -51,7 +51,7 @@ void Decompose(const Box& local, std::vector<int64_t>& prefix, int64_t base, int
     ++first;
   }
   if (last > first) emit(first, last, base + first * inner);  // whole indices
-  if (last_rem != 0) {  // tail: the start of index `last`
+  if (last_rem != 0) {                                        // tail: the start of index `last`
     prefix.push_back(last);
     Decompose(local, prefix, base + last * inner, 0, last_rem, out);
     prefix.pop_back();

@@ -36,8 +36,9 @@ void ChunkIndex::ForEachIntersecting(const Box& box,
   }
   // Chunks that can reach the box along dim_: offset in (box.offset - max_extent, box.end).
   const int64_t low = box.offsets[dim_] - max_extent_;
-  auto it = std::upper_bound(by_offset_.begin(), by_offset_.end(), low,
-                             [&](int64_t v, uint32_t c) { return v < chunks[c].box.offsets[dim_]; });
+  auto it = std::upper_bound(by_offset_.begin(), by_offset_.end(), low, [&](int64_t v, uint32_t c) {
+    return v < chunks[c].box.offsets[dim_];
+  });
   std::vector<uint32_t> hits;
   for (; it != by_offset_.end() && chunks[*it].box.offsets[dim_] < box.end(dim_); ++it) {
     if (Intersect(chunks[*it].box, box)) hits.push_back(*it);

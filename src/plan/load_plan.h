@@ -41,8 +41,8 @@ struct ReadRun {
   uint64_t file_offset = 0;
   uint64_t length = 0;
   std::byte* destination = nullptr;
-  uint32_t tensor = 0;        // index into Metadata::tensors (for error messages)
-  uint32_t chunk = 0;         // index into that tensor's chunks
+  uint32_t tensor = 0;  // index into Metadata::tensors (for error messages)
+  uint32_t chunk = 0;   // index into that tensor's chunks
   // The runs of one chunk that the destination needs whole come out consecutive and in file
   // order, first to last: their bytes, streamed in that order, give the chunk's checksum.
   bool whole_chunk = false;

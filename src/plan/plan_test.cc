@@ -275,7 +275,10 @@ TEST(LoadPlanTest, RandomReshardingIsExact) {
     for (size_t d = 0; d < rank; ++d) shape.push_back(static_cast<int64_t>(1 + rng() % 7));
     Box whole = Box::Whole(shape);
     std::vector<Box> boxes;
-    if (rank == 0) boxes.push_back(whole); else RandomTiling(whole, rng, 5, boxes);
+    if (rank == 0)
+      boxes.push_back(whole);
+    else
+      RandomTiling(whole, rng, 5, boxes);
     // Lay the chunks out in one file, row-major each, values = global linear index.
     Metadata metadata;
     metadata.files.push_back({"f", 0});
@@ -306,15 +309,14 @@ TEST(LoadPlanTest, RandomReshardingIsExact) {
     CoalesceRuns(runs);
     uint64_t bytes = 0;
     for (const ReadRun& run : runs) {
-      std::memcpy(run.destination, reinterpret_cast<const std::byte*>(file.data()) + run.file_offset,
-                  run.length);
+      std::memcpy(run.destination,
+                  reinterpret_cast<const std::byte*>(file.data()) + run.file_offset, run.length);
       bytes += run.length;
     }
     EXPECT_EQ(bytes, static_cast<uint64_t>(want.NumElements()) * 4);
     size_t k = 0;
-    ForEachElement(want, [&](const std::vector<int64_t>& at) {
-      EXPECT_EQ(out[k++], LinearIn(whole, at));
-    });
+    ForEachElement(
+        want, [&](const std::vector<int64_t>& at) { EXPECT_EQ(out[k++], LinearIn(whole, at)); });
   }
 }
 

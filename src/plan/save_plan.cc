@@ -73,7 +73,8 @@ Result<LocalPlan> BuildLocalPlan(const StateDict& state) {
       add(Box(local.offsets, Shape(local.rank(), 0)), 0);
     }
     for (FlatPiece& piece : pieces) {
-      add(std::move(piece.box), static_cast<uint64_t>(piece.flat_begin - range.begin) * element_size);
+      add(std::move(piece.box),
+          static_cast<uint64_t>(piece.flat_begin - range.begin) * element_size);
     }
   }
   return plan;
@@ -103,8 +104,9 @@ Result<LocalPlan> DecodeLocalPlan(std::span<const uint8_t> bytes) {
   ByteReader r(bytes);
   uint32_t count = 0;
   TESSERA_RETURN_IF_ERROR(r.Get(&count));
-  if (count > bytes.size()) return DataLoss("local plan: item count " + std::to_string(count) +
-                                            " exceeds the message size");
+  if (count > bytes.size())
+    return DataLoss("local plan: item count " + std::to_string(count) +
+                    " exceeds the message size");
   LocalPlan plan;
   plan.items.resize(count);
   for (LocalItem& item : plan.items) {
@@ -152,18 +154,17 @@ std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Sha
   order.reserve(boxes.size());
   for (uint32_t i = 0; i < boxes.size(); ++i) {
     if (!boxes[i].InBounds(shape)) {
-      return BoxCheckFailure{"box " + boxes[i].ToString() + " is outside the global shape " +
-                                 ShapeToString(shape),
-                             i, -1};
+      return BoxCheckFailure{
+          "box " + boxes[i].ToString() + " is outside the global shape " + ShapeToString(shape), i,
+          -1};
     }
     if (boxes[i].empty()) continue;
     covered += boxes[i].NumElements();
     order.push_back(i);
   }
   auto overlap_failure = [&](uint32_t a, uint32_t b) {
-    return BoxCheckFailure{"boxes " + boxes[a].ToString() + " and " + boxes[b].ToString() +
-                               " overlap",
-                           a, b};
+    return BoxCheckFailure{
+        "boxes " + boxes[a].ToString() + " and " + boxes[b].ToString() + " overlap", a, b};
   };
   if (rank == 0) {
     if (order.size() > 1) return overlap_failure(order[0], order[1]);
@@ -180,7 +181,8 @@ std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Sha
     const size_t sweep = distinct[0].second;
     const size_t second = rank > 1 ? distinct[1].second : sweep;
     int64_t max_second_extent = 0;
-    for (uint32_t i : order) max_second_extent = std::max(max_second_extent, boxes[i].sizes[second]);
+    for (uint32_t i : order)
+      max_second_extent = std::max(max_second_extent, boxes[i].sizes[second]);
 
     std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
       return boxes[a].offsets[sweep] < boxes[b].offsets[sweep];
@@ -306,17 +308,16 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
                                std::to_string(ref.rank));
       }
       if (item.global_shape != first.global_shape) {
-        return InvalidArgument("key '" + key + "': global shape " +
-                               ShapeToString(first.global_shape) + " on rank " +
-                               std::to_string(refs[0].rank) + " but " +
-                               ShapeToString(item.global_shape) + " on rank " +
-                               std::to_string(ref.rank));
+        return InvalidArgument(
+            "key '" + key + "': global shape " + ShapeToString(first.global_shape) + " on rank " +
+            std::to_string(refs[0].rank) + " but " + ShapeToString(item.global_shape) +
+            " on rank " + std::to_string(ref.rank));
       }
       if (!item.box.InBounds(item.global_shape)) {
-        return Status(StatusCode::kOutOfRange,
-                      "key '" + key + "': box " + item.box.ToString() + " on rank " +
-                          std::to_string(ref.rank) + " is outside the global shape " +
-                          ShapeToString(item.global_shape));
+        return Status(StatusCode::kOutOfRange, "key '" + key + "': box " + item.box.ToString() +
+                                                   " on rank " + std::to_string(ref.rank) +
+                                                   " is outside the global shape " +
+                                                   ShapeToString(item.global_shape));
       }
       partial = partial || item.partial;
     }
@@ -325,6 +326,7 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
     info.key = key;
     info.dtype = first.dtype;
     info.global_shape = first.global_shape;
+    info.partial = partial;
     // Unique boxes and who holds each.
     std::vector<ItemRef> sorted;
     sorted.reserve(refs.size());
@@ -466,8 +468,7 @@ Result<WriteResult> DecodeWriteResult(std::span<const uint8_t> bytes) {
   return result;
 }
 
-Result<Metadata> FinishMetadata(const GlobalSavePlan& plan,
-                                std::span<const WriteResult> results) {
+Result<Metadata> FinishMetadata(const GlobalSavePlan& plan, std::span<const WriteResult> results) {
   Metadata metadata = plan.metadata;
   const size_t num_ranks = results.size();
   std::vector<uint32_t> file_base(num_ranks, 0);
@@ -500,14 +501,16 @@ Result<Metadata> FinishMetadata(const GlobalSavePlan& plan,
   for (size_t t = 0; t < metadata.tensors.size(); ++t) {
     TensorInfo& tensor = metadata.tensors[t];
     for (size_t c = 0; c < tensor.chunks.size(); ++c) {
-      TESSERA_ASSIGN_OR_RETURN(tensor.chunks[c].location,
-                               locate(plan.chunk_writers[t][c], "key '" + tensor.key + "' box " +
-                                                                    tensor.chunks[c].box.ToString()));
+      TESSERA_ASSIGN_OR_RETURN(
+          tensor.chunks[c].location,
+          locate(plan.chunk_writers[t][c],
+                 "key '" + tensor.key + "' box " + tensor.chunks[c].box.ToString()));
     }
   }
   for (size_t o = 0; o < metadata.objects.size(); ++o) {
-    TESSERA_ASSIGN_OR_RETURN(metadata.objects[o].location,
-                             locate(plan.object_writers[o], "object '" + metadata.objects[o].key + "'"));
+    TESSERA_ASSIGN_OR_RETURN(
+        metadata.objects[o].location,
+        locate(plan.object_writers[o], "object '" + metadata.objects[o].key + "'"));
   }
   return metadata;
 }

@@ -37,8 +37,8 @@ struct LocalItem {
   ReplicaId replica_id;
   uint64_t num_bytes = 0;
   // Where the bytes are on the owning rank; not encoded (meaningless elsewhere).
-  uint32_t entry_index = 0;   // into the rank's StateDict::entries()
-  uint64_t byte_offset = 0;   // into that entry's data
+  uint32_t entry_index = 0;  // into the rank's StateDict::entries()
+  uint64_t byte_offset = 0;  // into that entry's data
 };
 
 struct LocalPlan {
@@ -96,9 +96,9 @@ std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Sha
 
 // Where one written item landed, reported by its writer.
 struct WrittenItem {
-  uint32_t item = 0;        // index into the writer's LocalPlan::items
-  uint32_t file = 0;        // index into the writer's WriteResult::files
-  uint64_t offset = 0;      // absolute, in the file
+  uint32_t item = 0;    // index into the writer's LocalPlan::items
+  uint32_t file = 0;    // index into the writer's WriteResult::files
+  uint64_t offset = 0;  // absolute, in the file
   uint64_t length = 0;
   uint64_t checksum = 0;
 };
@@ -113,8 +113,7 @@ Result<WriteResult> DecodeWriteResult(std::span<const uint8_t> bytes);
 
 // Fills plan.metadata's file table and every location from the writers' results (indexed by
 // rank). Fails naming the key when a planned item was not reported.
-Result<Metadata> FinishMetadata(const GlobalSavePlan& plan,
-                                std::span<const WriteResult> results);
+Result<Metadata> FinishMetadata(const GlobalSavePlan& plan, std::span<const WriteResult> results);
 
 }  // namespace tessera
 

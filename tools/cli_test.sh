@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# End-to-end test of the tessera command-line tool. Usage: cli_test.sh PATH_TO_TESSERA
+set -uo pipefail
+tessera="$1"
+python=/usr/bin/python3
+work="$(mktemp -d "${TMPDIR:-/tmp}/tessera-cli-XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+failures=0
+check() {  # check NAME CONDITION-EXIT-CODE
+  if [ "$2" -eq 0 ]; then echo "ok: $1"; else echo "FAILED: $1"; failures=$((failures + 1)); fi
+}
+
+out="$("$tessera" demo --out "$work/ck" --size 8MiB --save-layout tp2,dp2 --load-layout tp1,dp3 --no-sync)"
+rc=$?
+echo "$out"
+check "demo exits 0" $rc
+echo "$out" | tail -n 1 | grep -q verified; check "demo's last line says verified" $?
+
+"$tessera" inspect "$work/ck" > "$work/inspect.txt"; check "inspect exits 0" $?
+grep -q "decoder.layers.0.mlp.linear_fc1.weight" "$work/inspect.txt"; check "inspect lists keys" $?
+"$tessera" inspect --json "$work/ck" > "$work/inspect.json"; check "inspect --json exits 0" $?
+$python - "$work/inspect.json" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+keys = {t["key"]: t for t in doc["tensors"]}
+t = keys["optimizer.exp_avg.embedding.word_embeddings.weight"]
+assert t["dtype"] == "F32" and len(t["shape"]) == 2 and t["chunks"] >= 2, t
+assert doc["objects"][0]["key"] == "optimizer.step"
+assert doc["total_bytes"] == sum(t["bytes"] for t in doc["tensors"])
+assert doc["user_metadata"]["layout"] == "tp2,dp2"
+PY
+check "inspect --json is one JSON document with keys, dtypes, shapes, chunks" $?
+
+"$tessera" verify "$work/ck" > /dev/null; check "verify passes on a good checkpoint" $?
+
+# A flipped byte inside a chunk: verify fails and names the key and the file.
+cp -r "$work/ck" "$work/flip"
+read -r file offset key < <($python - "$work/flip" <<'PY'
+import json, struct, sys, os
+d = sys.argv[1]
+name = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[0]
+raw = open(os.path.join(d, name), "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+header = json.loads(raw[8:8 + n])
+key, entry = next((k, v) for k, v in header.items() if k != "__metadata__" and v["data_offsets"][1] > v["data_offsets"][0])
+print(name, 8 + n + entry["data_offsets"][0], key.split("@")[0])
+PY
+)
+$python -c "
+import sys; p, o = sys.argv[1], int(sys.argv[2])
+f = open(p, 'r+b'); f.seek(o); b = f.read(1); f.seek(o); f.write(bytes([b[0] ^ 0x40]))" "$work/flip/$file" "$offset"
+msg="$("$tessera" verify "$work/flip" 2>&1)"; rc=$?
+echo "$msg"
+[ $rc -ne 0 ]; check "verify fails on a flipped byte" $?
+echo "$msg" | grep -q "checksum mismatch in key '$key'" && echo "$msg" | grep -q "$file"
+check "the error names the key and the file" $?
+[ "$(echo "$msg" | wc -l)" -eq 1 ]; check "the error is one line" $?
+
+# A truncated data file.
+cp -r "$work/ck" "$work/trunc"
+victim="$(ls "$work/trunc" | grep safetensors | head -n 1)"
+truncate -s -100 "$work/trunc/$victim"
+msg="$("$tessera" verify "$work/trunc" 2>&1)"; rc=$?
+echo "$msg"
+[ $rc -ne 0 ] && echo "$msg" | grep -q "truncated" && echo "$msg" | grep -q "$victim"
+check "verify fails on a truncated file, naming it" $?
+
+# No checkpoint at all.
+msg="$("$tessera" inspect "$work/nothing" 2>&1)"; rc=$?
+[ $rc -ne 0 ] && echo "$msg" | grep -q "does not exist"; check "inspect of a missing directory fails clearly" $?
+mkdir "$work/empty"
+msg="$("$tessera" verify "$work/empty" 2>&1)"; rc=$?
+[ $rc -ne 0 ] && echo "$msg" | grep -q "no committed checkpoint"; check "verify of a directory without manifest fails clearly" $?
+
+if [ $failures -ne 0 ]; then echo "$failures check(s) failed"; exit 1; fi
+echo "all CLI checks passed"
