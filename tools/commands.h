@@ -6,11 +6,21 @@
 #include <cstdint>
 #include <string>
 
+#include <CLI/CLI.hpp>
+
 #include "tessera/status.h"
 
 namespace tessera::tools {
 
 int Fail(const Status& status);
+
+// Each Add*Command adds a subcommand to `parent`; when it is chosen, its callback stores the
+// process exit code in *exit_code.
+void AddInspectCommands(CLI::App& app, int* exit_code);  // inspect, verify
+void AddDemoCommand(CLI::App& app, int* exit_code);
+void AddBenchPlanCommand(CLI::App& bench, int* exit_code);  // tessera bench plan
+void AddBenchIoCommand(CLI::App& bench, int* exit_code);    // tessera bench io
+void AddBenchAsyncCommand(CLI::App& bench, int* exit_code); // tessera bench async
 
 int RunInspect(const std::string& path, bool json);
 int RunVerify(const std::string& path);

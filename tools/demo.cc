@@ -105,4 +105,33 @@ int RunDemo(const DemoOptions& options) {
   return 0;
 }
 
+void AddDemoCommand(CLI::App& app, int* exit_code) {
+  auto options = std::make_shared<DemoOptions>();
+  auto size_text = std::make_shared<std::string>("256MiB");
+  auto no_sync = std::make_shared<bool>(false);
+  CLI::App* demo = app.add_subcommand(
+      "demo", "Save a synthetic sharded model state, load it under another layout, check it");
+  demo->add_option("--out", options->out, "directory for the checkpoint")->required();
+  demo->add_option("--size", *size_text, "state size, e.g. 256MiB, 1GiB")->capture_default_str();
+  demo->add_option("--save-layout", options->save_layout, "layout at save, e.g. tp2,pp1,dp4")
+      ->capture_default_str();
+  demo->add_option("--load-layout", options->load_layout, "layout at load, e.g. tp4,dp2")
+      ->capture_default_str();
+  demo->add_option("--ranks", options->ranks,
+                   "ranks that save (must equal the save layout's product; default: that product)");
+  demo->add_option("--io-threads", options->io_threads, "I/O threads per rank")
+      ->capture_default_str();
+  demo->add_flag("--no-sync", *no_sync, "skip fsync (page-cache speed, no durability)");
+  demo->callback([=] {
+    Result<uint64_t> size = ParseSize(*size_text);
+    if (!size.ok()) {
+      *exit_code = Fail(size.status());
+      return;
+    }
+    options->size_bytes = *size;
+    options->sync = !*no_sync;
+    *exit_code = RunDemo(*options);
+  });
+}
+
 }  // namespace tessera::tools

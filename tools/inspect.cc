@@ -128,4 +128,20 @@ int RunVerify(const std::string& path) {
   return 0;
 }
 
+void AddInspectCommands(CLI::App& app, int* exit_code) {
+  auto path = std::make_shared<std::string>();
+  auto json = std::make_shared<bool>(false);
+  CLI::App* inspect =
+      app.add_subcommand("inspect", "List the tensors, objects and files of a checkpoint");
+  inspect->add_option("PATH", *path, "checkpoint directory")->required();
+  inspect->add_flag("--json", *json, "print one JSON document");
+  inspect->callback([=] { *exit_code = RunInspect(*path, *json); });
+
+  auto verify_path = std::make_shared<std::string>();
+  CLI::App* verify = app.add_subcommand(
+      "verify", "Re-read every chunk, check checksums and that chunks cover each tensor exactly");
+  verify->add_option("PATH", *verify_path, "checkpoint directory")->required();
+  verify->callback([=] { *exit_code = RunVerify(*verify_path); });
+}
+
 }  // namespace tessera::tools

@@ -13,7 +13,9 @@
 #define TESSERA_COMM_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -55,6 +57,20 @@ class Comm {
   // collectives return kAborted naming this rank and `reason`. Used when a rank hits an error
   // it cannot report through the normal protocol.
   virtual void Abort(const Status& reason) = 0;
+
+  // State tessera keeps per communicator across calls (the save plan cache, the asynchronous
+  // saver), created by `make` on first use and destroyed with the Comm. Thread-safe.
+  template <typename T, typename Make>
+  std::shared_ptr<T> GetOrCreateAttachment(const std::string& name, Make&& make) {
+    std::lock_guard<std::mutex> lock(attachments_mu_);
+    std::shared_ptr<void>& slot = attachments_[name];
+    if (!slot) slot = std::shared_ptr<T>(make());
+    return std::static_pointer_cast<T>(slot);
+  }
+
+ private:
+  std::mutex attachments_mu_;
+  std::map<std::string, std::shared_ptr<void>> attachments_;
 };
 
 // A communicator of one rank: every collective is a local copy.
