@@ -18,9 +18,9 @@ int Fail(const Status& status);
 // process exit code in *exit_code.
 void AddInspectCommands(CLI::App& app, int* exit_code);  // inspect, verify
 void AddDemoCommand(CLI::App& app, int* exit_code);
-void AddBenchPlanCommand(CLI::App& bench, int* exit_code);  // tessera bench plan
-void AddBenchIoCommand(CLI::App& bench, int* exit_code);    // tessera bench io
-void AddBenchAsyncCommand(CLI::App& bench, int* exit_code); // tessera bench async
+void AddBenchPlanCommand(CLI::App& bench, int* exit_code);   // tessera bench plan
+void AddBenchIoCommand(CLI::App& bench, int* exit_code);     // tessera bench io
+void AddBenchAsyncCommand(CLI::App& bench, int* exit_code);  // tessera bench async
 
 int RunInspect(const std::string& path, bool json);
 int RunVerify(const std::string& path);

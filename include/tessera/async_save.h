@@ -35,7 +35,7 @@ enum class WhenBusy {
 };
 
 struct AsyncSaveOptions {
-  SaveOptions save;                   // as for Save
+  SaveOptions save;  // as for Save
   WhenBusy when_busy = WhenBusy::kWait;
 };
 

@@ -357,7 +357,8 @@ TEST(MultiRankTest, ARankWhoseStorageFailsFailsTheSaveEverywhereAndLeavesNoManif
     SaveOptions o;
     o.storage = memory;
     if (comm.rank() == 2) {
-      o.storage = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = 1, .crash = false, .path_filter = ""});
+      o.storage = std::make_shared<FaultInjectingStorage>(
+          memory, FaultPlan{.fail_at = 1, .crash = false, .path_filter = ""});
     }
     return Save(state, "/ck", comm, o).status();
   });
@@ -447,8 +448,8 @@ TEST(CrashConsistencyTest, CrashAtEveryStepOfASaveOverAnExistingCheckpoint) {
     SaveOptions o;
     o.storage = memory;
     ASSERT_OK(Save(g1.Dict(), "/ck", o));
-    auto faulty =
-        std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = n, .crash = true, .path_filter = ""});
+    auto faulty = std::make_shared<FaultInjectingStorage>(
+        memory, FaultPlan{.fail_at = n, .crash = true, .path_filter = ""});
     o.storage = faulty;
     Status saved = Save(g2.Dict(), "/ck", o).status();
     memory->SimulateCrash();
@@ -478,7 +479,8 @@ TEST(CrashConsistencyTest, FailureAtEveryStepLeavesTheOldCheckpointOrTheNew) {
     SaveOptions o;
     o.storage = memory;
     ASSERT_OK(Save(g1.Dict(), "/ck", o));
-    auto faulty = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = n, .crash = false, .path_filter = ""});
+    auto faulty = std::make_shared<FaultInjectingStorage>(
+        memory, FaultPlan{.fail_at = n, .crash = false, .path_filter = ""});
     o.storage = faulty;
     Status saved = Save(g2.Dict(), "/ck", o).status();
     Status error;
@@ -498,8 +500,8 @@ TEST(CrashConsistencyTest, CrashDuringAFirstSaveLeavesNoCheckpoint) {
   auto memory = std::make_shared<MemoryStorage>();
   Generation g1(1);
   SaveOptions o;
-  o.storage =
-      std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = 3, .crash = true, .path_filter = ""});
+  o.storage = std::make_shared<FaultInjectingStorage>(
+      memory, FaultPlan{.fail_at = 3, .crash = true, .path_filter = ""});
   EXPECT_FALSE(Save(g1.Dict(), "/ck", o).ok());
   memory->SimulateCrash();
   Status error;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include "plan/flat_range.h"
+
 namespace tessera {
 
 ChunkIndex::ChunkIndex(const TensorInfo& tensor) : tensor_(&tensor) {
@@ -125,6 +127,110 @@ void CoalesceRuns(std::vector<ReadRun>& runs) {
     runs[out++] = runs[i];
   }
   runs.resize(out);
+}
+
+namespace {
+
+Status PlanTensor(const Metadata& metadata, std::vector<std::unique_ptr<ChunkIndex>>& indexes,
+                  ShardedTensor& tensor, const std::string& path, RankReadPlan& plan) {
+  const TensorInfo* info = metadata.FindTensor(tensor.key);
+  const uint32_t t = static_cast<uint32_t>(info - metadata.tensors.data());
+  plan.asked[t] = 1;
+  TESSERA_RETURN_IF_ERROR(tensor.Validate());
+  if (tensor.data.dtype != info->dtype) {
+    return InvalidArgument("key '" + tensor.key + "': saved dtype " +
+                           std::string(DTypeName(info->dtype)) + ", requested " +
+                           std::string(DTypeName(tensor.data.dtype)));
+  }
+  Box local = tensor.LocalBox();
+  const bool shape_differs = tensor.global_shape != info->global_shape;
+  if (shape_differs) {
+    if (!tensor.allow_shape_mismatch || tensor.global_shape.size() != info->global_shape.size()) {
+      return InvalidArgument("key '" + tensor.key + "': saved global shape " +
+                             ShapeToString(info->global_shape) + ", requested " +
+                             ShapeToString(tensor.global_shape) +
+                             (tensor.allow_shape_mismatch ? " (ranks differ)"
+                                                          : " (set allow_shape_mismatch to load "
+                                                            "the common part)"));
+    }
+    plan.shape_mismatched_keys.push_back(tensor.key);
+  }
+  if (!indexes[t]) indexes[t] = std::make_unique<ChunkIndex>(*info);
+  const size_t element_size = DTypeSize(info->dtype);
+  // Destinations: the local box, or the boxes of its flat range; each contiguous in `data`.
+  std::vector<FlatPiece> pieces;
+  if (tensor.flat_range) {
+    pieces = FlatRangeToBoxes(local, tensor.flat_range->begin, tensor.flat_range->end);
+    for (FlatPiece& p : pieces) p.flat_begin -= tensor.flat_range->begin;
+  } else {
+    pieces.push_back({local, 0});
+  }
+  const Box saved_whole = Box::Whole(info->global_shape);
+  for (const FlatPiece& piece : pieces) {
+    if (piece.box.empty()) continue;
+    std::byte* destination = tensor.data.bytes() + piece.flat_begin * element_size;
+    Box wanted = piece.box;
+    if (shape_differs) {
+      // Only the part inside the saved tensor is loaded; the rest keeps its values.
+      std::optional<Box> common = Intersect(piece.box, saved_whole);
+      if (!common) continue;
+      wanted = std::move(*common);
+    } else if (!piece.box.InBounds(info->global_shape)) {
+      return OutOfRange("key '" + tensor.key + "': requested box " + piece.box.ToString() +
+                        " is outside the saved global shape " + ShapeToString(info->global_shape));
+    }
+    const int64_t needed = wanted.NumElements();
+    const int64_t covered =
+        PlanTensorReads(metadata, t, *indexes[t], wanted, piece.box, destination, plan.runs);
+    plan.bytes_needed += needed * element_size;
+    if (covered != needed) {
+      return DataLoss("key '" + tensor.key + "': box " + wanted.ToString() + " is covered by " +
+                      std::to_string(covered) + " of its " + std::to_string(needed) +
+                      " elements in the checkpoint at " + path + " (saved as a partial tensor?)");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<RankReadPlan> PlanRankReads(const Metadata& metadata, StateDict& state,
+                                   const std::string& path, bool skip_missing) {
+  RankReadPlan plan;
+  const size_t num_keys = metadata.tensors.size() + metadata.objects.size();
+  plan.asked.assign(num_keys, 0);
+  std::vector<std::unique_ptr<ChunkIndex>> indexes(metadata.tensors.size());
+  std::vector<std::string> missing;
+  for (StateEntry& entry : state.entries()) {
+    if (auto* tensor = std::get_if<ShardedTensor>(&entry)) {
+      if (!metadata.FindTensor(tensor->key)) {
+        missing.push_back(tensor->key);
+        continue;
+      }
+      TESSERA_RETURN_IF_ERROR(PlanTensor(metadata, indexes, *tensor, path, plan));
+    } else {
+      auto& object = std::get<ShardedObject>(entry);
+      const ObjectInfo* info = metadata.FindObject(object.key);
+      if (!info) {
+        missing.push_back(object.key);
+        continue;
+      }
+      plan.asked[metadata.tensors.size() + (info - metadata.objects.data())] = 1;
+      plan.objects.push_back({info, &object});
+      plan.bytes_needed += info->location.length;
+    }
+  }
+  if (!missing.empty() && !skip_missing) {
+    std::string list;
+    for (size_t i = 0; i < missing.size() && i < 10; ++i)
+      list += (i ? ", '" : "'") + missing[i] + "'";
+    if (missing.size() > 10) list += ", ... (" + std::to_string(missing.size()) + " keys)";
+    return NotFound("the checkpoint at " + path + " has no key " + list +
+                    " (set LoadOptions::missing_keys = kSkip to load the rest)");
+  }
+  plan.missing_keys = std::move(missing);
+  CoalesceRuns(plan.runs);
+  return plan;
 }
 
 }  // namespace tessera

@@ -10,10 +10,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "tessera/box.h"
 #include "tessera/metadata.h"
+#include "tessera/state_dict.h"
 #include "tessera/status.h"
 
 namespace tessera {
@@ -57,6 +60,30 @@ struct ReadRun {
 int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor, const ChunkIndex& index,
                         const Box& box, const Box& layout, std::byte* destination,
                         std::vector<ReadRun>& runs);
+
+// One object this rank asks for: read whole into `destination->data`.
+struct ObjectRead {
+  const ObjectInfo* info = nullptr;
+  ShardedObject* destination = nullptr;
+};
+
+// Everything one rank reads on load.
+struct RankReadPlan {
+  std::vector<ReadRun> runs;  // coalesced, sorted by (file, offset)
+  std::vector<ObjectRead> objects;
+  // asked[k] is 1 when this rank asks for key k: the manifest's tensors, then its objects.
+  std::vector<int64_t> asked;
+  std::vector<std::string> missing_keys;           // asked for, absent, skipped
+  std::vector<std::string> shape_mismatched_keys;  // loaded in part (allow_shape_mismatch)
+  uint64_t bytes_needed = 0;
+};
+
+// Plans the reads that fill every entry of `state` from the checkpoint `metadata` describes.
+// Errors name the key and the box: dtype or shape mismatch (unless allow_shape_mismatch), a
+// requested box outside the saved tensor, a region no saved chunk covers, a missing key (unless
+// `skip_missing`). `path` is used in messages only. Touches no tensor memory.
+Result<RankReadPlan> PlanRankReads(const Metadata& metadata, StateDict& state,
+                                   const std::string& path, bool skip_missing);
 
 // Sorts runs by (file, offset) and merges runs adjacent both in the file and in memory (runs of
 // whole chunks are left alone, so each chunk's checksum can still be checked).
