@@ -9,9 +9,11 @@
 #include "tessera/checkpoint.h"
 #include "tessera/local_comm.h"
 #include "tools/commands.h"
-#include "tools/model_state.h"
+#include "workload/model_state.h"
 
 namespace tessera::tools {
+
+using namespace ::tessera::workload;
 namespace {
 
 using Clock = std::chrono::steady_clock;

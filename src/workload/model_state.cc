@@ -1,4 +1,4 @@
-#include "tools/model_state.h"
+#include "workload/model_state.h"
 
 #include <cmath>
 #include <cstring>
@@ -8,7 +8,7 @@
 #include "plan/flat_range.h"
 #include "tessera/sharded_tensor.h"
 
-namespace tessera::tools {
+namespace tessera::workload {
 namespace {
 
 uint64_t Mix(uint64_t x) {
@@ -90,6 +90,8 @@ bool VisitElements(const ShardedTensor& tensor, Fn&& fn) {
   return ok;
 }
 
+constexpr char kStepValue[] = "step=1000";  // the "optimizer.step" object
+
 struct ParamSpec {
   std::string key;
   Shape shape;
@@ -113,8 +115,6 @@ std::vector<ParamSpec> Params(const ModelConfig& c, int pp) {
   out.push_back({"decoder.final_layernorm.weight", {h}, -1, pp - 1});
   return out;
 }
-
-constexpr char kStepValue[] = "step=1000";
 
 }  // namespace
 
@@ -159,7 +159,7 @@ ModelConfig ModelConfig::ForBytes(uint64_t bytes, int64_t layers) {
 uint64_t ModelConfig::StateBytes() const {
   uint64_t params = 0;
   for (const ParamSpec& p : Params(*this, 1)) params += Box::Whole(p.shape).NumElements();
-  return params * 10;
+  return params * 10 + sizeof(kStepValue) - 1;
 }
 
 RankState BuildRankState(const ModelConfig& config, const Layout& layout, int rank, bool fill) {
@@ -173,13 +173,7 @@ RankState BuildRankState(const ModelConfig& config, const Layout& layout, int ra
     return state.buffers.back()->data();
   };
   auto add = [&](ShardedTensor t) {
-    if (fill) {
-      const size_t size = DTypeSize(t.data.dtype);
-      VisitElements(t, [size](std::byte* p, uint64_t bits) {
-        std::memcpy(p, &bits, size);
-        return true;
-      });
-    }
+    if (fill) FillPattern(t);
     Status s = state.dict.Add(std::move(t));
     if (!s.ok()) std::abort();  // the specs above are consistent by construction
   };
@@ -217,20 +211,32 @@ Status CheckRankState(const RankState& state) {
       }
       continue;
     }
-    const auto& tensor = std::get<ShardedTensor>(entry);
-    const size_t size = DTypeSize(tensor.data.dtype);
-    int64_t index = 0;
-    bool ok = VisitElements(tensor, [&](std::byte* p, uint64_t bits) {
-      if (std::memcmp(p, &bits, size) != 0) return false;
-      ++index;
-      return true;
-    });
-    if (!ok) {
-      return DataLoss("key '" + tensor.key + "': local element " + std::to_string(index) +
-                      " differs from the saved value");
-    }
+    TESSERA_RETURN_IF_ERROR(CheckPattern(std::get<ShardedTensor>(entry)));
   }
   return Status::Ok();
 }
 
-}  // namespace tessera::tools
+void FillPattern(const ShardedTensor& tensor) {
+  const size_t size = DTypeSize(tensor.data.dtype);
+  VisitElements(tensor, [size](std::byte* p, uint64_t bits) {
+    std::memcpy(p, &bits, size);
+    return true;
+  });
+}
+
+Status CheckPattern(const ShardedTensor& tensor) {
+  const size_t size = DTypeSize(tensor.data.dtype);
+  int64_t index = 0;
+  bool ok = VisitElements(tensor, [&](std::byte* p, uint64_t bits) {
+    if (std::memcmp(p, &bits, size) != 0) return false;
+    ++index;
+    return true;
+  });
+  if (!ok) {
+    return DataLoss("key '" + tensor.key + "': local element " + std::to_string(index) +
+                    " of box " + tensor.LocalBox().ToString() + " differs from the saved value");
+  }
+  return Status::Ok();
+}
+
+}  // namespace tessera::workload

@@ -11,8 +11,8 @@
 // Parameters are BF16 and replicated over DP (replica id {dp}, or {tp, dp} for norms).
 // Every element's bits are a hash of (key, global index), so a loaded state is checked
 // without keeping the saved one.
-#ifndef TESSERA_TOOLS_MODEL_STATE_H_
-#define TESSERA_TOOLS_MODEL_STATE_H_
+#ifndef TESSERA_WORKLOAD_MODEL_STATE_H_
+#define TESSERA_WORKLOAD_MODEL_STATE_H_
 
 #include <cstdint>
 #include <memory>
@@ -22,7 +22,7 @@
 #include "tessera/state_dict.h"
 #include "tessera/status.h"
 
-namespace tessera::tools {
+namespace tessera::workload {
 
 struct Layout {
   int tp = 1, pp = 1, dp = 1;
@@ -41,7 +41,7 @@ struct ModelConfig {
 
   // A config whose full state (params + Adam moments) is about `bytes`.
   static ModelConfig ForBytes(uint64_t bytes, int64_t layers = 4);
-  // Bytes of the whole state, each unique element counted once.
+  // Bytes of the whole state (tensors and the step object), each unique element counted once.
   uint64_t StateBytes() const;
 };
 
@@ -60,6 +60,12 @@ RankState BuildRankState(const ModelConfig& config, const Layout& layout, int ra
 // the first differing element.
 Status CheckRankState(const RankState& state);
 
-}  // namespace tessera::tools
+// The pattern itself, for any tensor: element bits are a hash of (key, global linear index).
+// Fills tensor.data (through its flat range, if any).
+void FillPattern(const ShardedTensor& tensor);
+// The error names the key and the first differing local element.
+Status CheckPattern(const ShardedTensor& tensor);
 
-#endif  // TESSERA_TOOLS_MODEL_STATE_H_
+}  // namespace tessera::workload
+
+#endif  // TESSERA_WORKLOAD_MODEL_STATE_H_

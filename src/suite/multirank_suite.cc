@@ -1,0 +1,343 @@
+#include "suite/multirank_suite.h"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "tessera/checkpoint.h"
+#include "tessera/fault_injecting_storage.h"
+#include "workload/model_state.h"
+
+namespace tessera::suite {
+namespace {
+
+using workload::CheckPattern;
+using workload::FillPattern;
+
+// Fails unless `condition`; the message says what was expected.
+Status Expect(bool condition, const std::string& what) {
+  return condition ? Status::Ok() : Internal("expectation failed: " + what);
+}
+
+// Fails unless `status` is an error whose message contains every one of `parts`.
+Status ExpectError(const Status& status, std::initializer_list<std::string> parts) {
+  if (status.ok()) return Internal("expected an error, got OK");
+  for (const std::string& part : parts) {
+    if (status.message().find(part) == std::string::npos) {
+      return Internal("expected an error containing \"" + part + "\", got: " + status.ToString());
+    }
+  }
+  return Status::Ok();
+}
+
+// ---- transformer-like state, resharded -------------------------------------------------------
+
+// The save and load layouts for `ranks` ranks: TP over as many ranks as divide evenly, then DP.
+workload::Layout SaveLayout(int ranks) {
+  workload::Layout l;
+  l.tp = ranks % 2 == 0 ? 2 : 1;
+  l.dp = ranks / l.tp;
+  return l;
+}
+
+Status ReshardModelState(Comm& comm, const std::string& dir, workload::Layout load) {
+  const workload::ModelConfig config = workload::ModelConfig::ForBytes(6 << 20, 3);
+  const workload::Layout save = SaveLayout(comm.size());
+  workload::RankState saved = workload::BuildRankState(config, save, comm.rank(), true);
+  TESSERA_ASSIGN_OR_RETURN(SaveReport report, Save(saved.dict, dir + "/ck", comm));
+  TESSERA_RETURN_IF_ERROR(
+      Expect(report.total_bytes == config.StateBytes(), "each unique byte written once"));
+  workload::RankState loaded = workload::BuildRankState(config, load, comm.rank(), false);
+  TESSERA_ASSIGN_OR_RETURN(LoadReport load_report, Load(loaded.dict, dir + "/ck", comm));
+  TESSERA_RETURN_IF_ERROR(Expect(load_report.bytes_read == load_report.bytes_needed,
+                                 "a load reads exactly the bytes it needs"));
+  return AgreeOnStatus(comm, workload::CheckRankState(loaded));
+}
+
+// ---- random layouts ----------------------------------------------------------------------------
+
+void RandomTiling(const Box& box, std::mt19937_64& rng, size_t max_pieces, std::vector<Box>& out) {
+  std::vector<Box> pieces = {box};
+  while (pieces.size() < max_pieces && rng() % 5 != 0) {
+    size_t i = rng() % pieces.size();
+    Box b = pieces[i];
+    if (b.rank() == 0) break;
+    size_t d = rng() % b.rank();
+    if (b.sizes[d] < 2) continue;
+    int64_t cut = 1 + static_cast<int64_t>(rng() % (b.sizes[d] - 1));
+    Box second = b;
+    b.sizes[d] = cut;
+    second.offsets[d] += cut;
+    second.sizes[d] -= cut;
+    pieces[i] = b;
+    pieces.push_back(second);
+  }
+  out = std::move(pieces);
+}
+
+// One rank's entry for one tensor in a random layout.
+struct Holding {
+  Box box;
+  std::optional<FlatRange> flat;
+  ReplicaId replica;
+};
+
+// A random assignment of `shape` to `ranks` ranks: each rank holds at most one piece, maybe a
+// flat range of it, maybe a replica. Deterministic in `rng`.
+std::vector<std::optional<Holding>> RandomLayout(const Shape& shape, int ranks,
+                                                 std::mt19937_64& rng, bool for_save) {
+  std::vector<Box> pieces;
+  RandomTiling(Box::Whole(shape), rng, static_cast<size_t>(ranks), pieces);
+  std::vector<int> order(ranks);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<std::optional<Holding>> out(ranks);
+  std::vector<std::vector<int>> holders(pieces.size());
+  for (size_t p = 0; p < pieces.size(); ++p) holders[p].push_back(order[p]);
+  for (size_t k = pieces.size(); k < order.size(); ++k) {  // spare ranks join a random piece
+    if (rng() % 3 == 0) continue;
+    holders[rng() % pieces.size()].push_back(order[k]);
+  }
+  for (size_t p = 0; p < pieces.size(); ++p) {
+    const Box& box = pieces[p];
+    const int64_t n = box.NumElements();
+    const bool flat = holders[p].size() > 1 && rng() % 2 == 0;
+    for (size_t h = 0; h < holders[p].size(); ++h) {
+      Holding holding{box, std::nullopt, {}};
+      if (flat) {  // a distributed optimizer: contiguous flat ranges of the piece
+        int64_t parts = static_cast<int64_t>(holders[p].size());
+        int64_t begin = n * static_cast<int64_t>(h) / parts;
+        int64_t end = n * static_cast<int64_t>(h + 1) / parts;
+        holding.flat = FlatRange{begin, end};
+      } else if (for_save) {
+        holding.replica = {static_cast<int32_t>(h)};  // h == 0 is the main replica
+      }
+      out[holders[p][h]] = std::move(holding);
+    }
+  }
+  return out;
+}
+
+struct RandomTensor {
+  std::string key;
+  DType dtype;
+  Shape shape;
+};
+
+constexpr DType kPropertyDTypes[] = {DType::kF32, DType::kBF16, DType::kI64, DType::kU8,
+                                     DType::kF64};
+
+// Builds this rank's state dict for `layout`, with buffers in `buffers`.
+Status BuildRandomState(const std::vector<RandomTensor>& tensors,
+                        const std::vector<std::vector<std::optional<Holding>>>& layouts, int rank,
+                        bool fill, StateDict& state, std::vector<std::vector<uint8_t>>& buffers) {
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const std::optional<Holding>& h = layouts[t][rank];
+    if (!h) continue;
+    const int64_t elements = h->flat ? h->flat->end - h->flat->begin : h->box.NumElements();
+    buffers.emplace_back(elements * DTypeSize(tensors[t].dtype), uint8_t{0xEE});
+    ShardedTensor tensor;
+    if (h->flat) {
+      tensor = ShardedTensor::FlatShard(
+          tensors[t].key, TensorView(buffers.back().data(), tensors[t].dtype, {elements}),
+          tensors[t].shape, h->box.offsets, h->box.sizes, h->flat->begin, h->replica);
+    } else {
+      tensor = ShardedTensor::Shard(
+          tensors[t].key, TensorView(buffers.back().data(), tensors[t].dtype, h->box.sizes),
+          tensors[t].shape, h->box.offsets, h->replica);
+    }
+    if (fill) FillPattern(tensor);
+    TESSERA_RETURN_IF_ERROR(state.Add(std::move(tensor)));
+  }
+  return Status::Ok();
+}
+
+Status RandomResharding(Comm& comm, const std::string& dir) {
+  const uint64_t seed = 20261121;
+  std::mt19937_64 rng(seed);  // the same sequence on every rank: they agree on the layouts
+  const int trials = 60;
+  for (int trial = 0; trial < trials; ++trial) {
+    const std::string where = "seed " + std::to_string(seed) + " trial " + std::to_string(trial);
+    std::vector<RandomTensor> tensors(1 + rng() % 4);
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      tensors[t].key = "t" + std::to_string(t);
+      tensors[t].dtype = kPropertyDTypes[rng() % std::size(kPropertyDTypes)];
+      size_t rank = 1 + rng() % 4;
+      for (size_t d = 0; d < rank; ++d) {
+        tensors[t].shape.push_back(1 + 2 * static_cast<int64_t>(rng() % (rank <= 2 ? 30 : 6)));
+      }
+    }
+    std::vector<std::vector<std::optional<Holding>>> save_layout, load_layout;
+    for (const RandomTensor& t : tensors) {
+      save_layout.push_back(RandomLayout(t.shape, comm.size(), rng, true));
+    }
+    for (const RandomTensor& t : tensors) {
+      load_layout.push_back(RandomLayout(t.shape, comm.size(), rng, false));
+    }
+    const std::string path = dir + "/trial" + std::to_string(trial);
+    Status status = [&]() -> Status {
+      StateDict saved;
+      std::vector<std::vector<uint8_t>> save_buffers;
+      TESSERA_RETURN_IF_ERROR(
+          BuildRandomState(tensors, save_layout, comm.rank(), true, saved, save_buffers));
+      SaveOptions save_options;
+      save_options.balance_writes = trial % 2 == 1;
+      save_options.sync = SyncPolicy::kNone;
+      TESSERA_RETURN_IF_ERROR(Save(saved, path, comm, save_options).status());
+      StateDict loaded;
+      std::vector<std::vector<uint8_t>> load_buffers;
+      TESSERA_RETURN_IF_ERROR(
+          BuildRandomState(tensors, load_layout, comm.rank(), false, loaded, load_buffers));
+      TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(loaded, path, comm));
+      TESSERA_RETURN_IF_ERROR(Expect(report.bytes_read == report.bytes_needed,
+                                     "bytes read (" + std::to_string(report.bytes_read) +
+                                         ") equal the bytes needed (" +
+                                         std::to_string(report.bytes_needed) + ")"));
+      Status check;
+      for (const StateEntry& entry : loaded.entries()) {
+        check = CheckPattern(std::get<ShardedTensor>(entry));
+        if (!check.ok()) break;
+      }
+      return AgreeOnStatus(comm, check);
+    }();
+    TESSERA_RETURN_IF_ERROR_CTX(status, where);
+  }
+  return Status::Ok();
+}
+
+// ---- errors --------------------------------------------------------------------------------
+
+Status OverlapIsRejectedEverywhere(Comm& comm, const std::string& dir) {
+  std::vector<float> data(6);
+  StateDict state;
+  TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+      "w", TensorView(data.data(), DType::kF32, {6}), {4 + 4 * comm.size()}, {4 * comm.rank()})));
+  Status s = Save(state, dir + "/ck", comm).status();
+  TESSERA_RETURN_IF_ERROR(
+      ExpectError(s, {"key 'w'", "[0:6] and [4:10] overlap", "rank 0 and rank 1"}));
+  TESSERA_ASSIGN_OR_RETURN(FileType type, NewPosixStorage()->Stat(dir + "/ck/tessera.manifest"));
+  return Expect(type == FileType::kNotFound, "no manifest after a failed save");
+}
+
+Status DtypeDisagreementIsRejectedEverywhere(Comm& comm, const std::string& dir) {
+  std::vector<double> data(2);
+  StateDict state;
+  const DType dtype = comm.rank() == comm.size() - 1 ? DType::kI64 : DType::kF64;
+  TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard("w", TensorView(data.data(), dtype, {2}),
+                                                         {2 * comm.size()}, {2 * comm.rank()})));
+  Status s = Save(state, dir + "/ck", comm).status();
+  return ExpectError(
+      s, {"key 'w': dtype F64 on rank 0 but I64 on rank " + std::to_string(comm.size() - 1)});
+}
+
+Status FailingRankStorageFailsTheSave(Comm& comm, const std::string& dir) {
+  std::vector<float> data(100, 1.0f);
+  StateDict state;
+  TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+      "w", TensorView(data.data(), DType::kF32, {100}), {100 * comm.size()}, {100 * comm.rank()})));
+  SaveOptions options;
+  const int victim = comm.size() - 1;
+  if (comm.rank() == victim) {
+    options.storage = std::make_shared<FaultInjectingStorage>(
+        NewPosixStorage(), FaultPlan{.fail_at = 1, .crash = false, .path_filter = ""});
+  }
+  Status s = Save(state, dir + "/ck", comm, options).status();
+  TESSERA_RETURN_IF_ERROR(ExpectError(s, {"rank " + std::to_string(victim), "injected fault"}));
+  TESSERA_RETURN_IF_ERROR(comm.Barrier());
+  TESSERA_ASSIGN_OR_RETURN(FileType type, NewPosixStorage()->Stat(dir + "/ck/tessera.manifest"));
+  return Expect(type == FileType::kNotFound, "no manifest after a failed save");
+}
+
+Status MissingKeyOnOneRankFailsTheLoadEverywhere(Comm& comm, const std::string& dir) {
+  std::vector<int32_t> data(3, comm.rank());
+  StateDict state;
+  TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+      "w", TensorView(data.data(), DType::kI32, {3}), {3 * comm.size()}, {3 * comm.rank()})));
+  TESSERA_RETURN_IF_ERROR(Save(state, dir + "/ck", comm).status());
+  std::vector<int32_t> extra(1);
+  if (comm.rank() == 1) {
+    TESSERA_RETURN_IF_ERROR(
+        state.Add(ShardedTensor::Whole("not.saved", TensorView(extra.data(), DType::kI32, {1}))));
+  }
+  Status s = Load(state, dir + "/ck", comm).status();
+  return ExpectError(s, {"rank 1", "has no key 'not.saved'"});
+}
+
+Status BalancedWritesSpreadReplicatedBytes(Comm& comm, const std::string& dir) {
+  // Every rank holds the same 8 tensors (pure data parallelism).
+  std::vector<std::vector<float>> data(8, std::vector<float>(1024));
+  StateDict state;
+  for (int t = 0; t < 8; ++t) {
+    ShardedTensor tensor = ShardedTensor::Whole("p" + std::to_string(t),
+                                                TensorView(data[t].data(), DType::kF32, {1024}));
+    tensor.replica_id = {comm.rank()};
+    FillPattern(tensor);
+    TESSERA_RETURN_IF_ERROR(state.Add(std::move(tensor)));
+  }
+  SaveOptions options;
+  options.balance_writes = true;
+  TESSERA_ASSIGN_OR_RETURN(SaveReport report, Save(state, dir + "/ck", comm, options));
+  const uint64_t fair = report.total_bytes / comm.size();
+  TESSERA_RETURN_IF_ERROR(Expect(
+      report.bytes_written + 4096 >= fair && report.bytes_written <= fair + 4096,
+      "rank " + std::to_string(comm.rank()) + " wrote " + std::to_string(report.bytes_written) +
+          " bytes, fair share " + std::to_string(fair)));
+  for (StateEntry& entry : state.entries()) {
+    auto& tensor = std::get<ShardedTensor>(entry);
+    std::fill(data[&entry - &state.entries()[0]].begin(), data[&entry - &state.entries()[0]].end(),
+              0.0f);
+    (void)tensor;
+  }
+  TESSERA_RETURN_IF_ERROR(Load(state, dir + "/ck", comm).status());
+  Status check;
+  for (const StateEntry& entry : state.entries()) {
+    check = CheckPattern(std::get<ShardedTensor>(entry));
+    if (!check.ok()) break;
+  }
+  return AgreeOnStatus(comm, check);
+}
+
+Status ObjectsPerRankAndShared(Comm& comm, const std::string& dir) {
+  StateDict state;
+  const std::string mine = "rank" + std::to_string(comm.rank());
+  TESSERA_RETURN_IF_ERROR(
+      state.Add(ShardedObject{"rng." + mine, std::vector<uint8_t>(mine.begin(), mine.end()), {}}));
+  TESSERA_RETURN_IF_ERROR(state.Add(ShardedObject{"step", {4, 2}, {comm.rank()}}));
+  TESSERA_RETURN_IF_ERROR(Save(state, dir + "/ck", comm).status());
+  // Load on the "next" rank's layout: each rank reads another rank's object.
+  const std::string other = "rank" + std::to_string((comm.rank() + 1) % comm.size());
+  StateDict target;
+  TESSERA_RETURN_IF_ERROR(target.Add(ShardedObject{"rng." + other, {}, {}}));
+  TESSERA_RETURN_IF_ERROR(target.Add(ShardedObject{"step", {}, {}}));
+  TESSERA_RETURN_IF_ERROR(Load(target, dir + "/ck", comm).status());
+  const auto& got = std::get<ShardedObject>(*target.Find("rng." + other)).data;
+  TESSERA_RETURN_IF_ERROR(
+      Expect(std::string(got.begin(), got.end()) == other, "object rng." + other + " round-trips"));
+  return Expect(std::get<ShardedObject>(*target.Find("step")).data == std::vector<uint8_t>{4, 2},
+                "object step round-trips");
+}
+
+}  // namespace
+
+const std::vector<MultiRankCase>& MultiRankCases() {
+  static const std::vector<MultiRankCase> cases = {
+      {"ReshardModelStateToFullTensorParallel", 1,
+       [](Comm& c, const std::string& d) {
+         return ReshardModelState(c, d, workload::Layout{.tp = c.size(), .pp = 1, .dp = 1});
+       }},
+      {"ReshardModelStateToFullDataParallel", 1,
+       [](Comm& c, const std::string& d) {
+         return ReshardModelState(c, d, workload::Layout{.tp = 1, .pp = 1, .dp = c.size()});
+       }},
+      {"RandomLayoutsReshardBitExact", 1, RandomResharding},
+      {"OverlapIsRejectedEverywhere", 2, OverlapIsRejectedEverywhere},
+      {"DtypeDisagreementIsRejectedEverywhere", 2, DtypeDisagreementIsRejectedEverywhere},
+      {"FailingRankStorageFailsTheSave", 2, FailingRankStorageFailsTheSave},
+      {"MissingKeyOnOneRankFailsTheLoadEverywhere", 2, MissingKeyOnOneRankFailsTheLoadEverywhere},
+      {"BalancedWritesSpreadReplicatedBytes", 1, BalancedWritesSpreadReplicatedBytes},
+      {"ObjectsPerRankAndShared", 1, ObjectsPerRankAndShared},
+  };
+  return cases;
+}
+
+}  // namespace tessera::suite
