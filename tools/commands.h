@@ -37,6 +37,11 @@ struct DemoOptions {
 };
 int RunDemo(const DemoOptions& options);
 
+// A directory for a benchmark's files: `requested` if not empty (created), else a fresh
+// temporary directory. RemoveBenchDir removes it only if it was temporary.
+Result<std::string> MakeBenchDir(const std::string& requested);
+void RemoveBenchDir(const std::string& dir, const std::string& requested);
+
 // "256MiB", "1GiB", "1000000", "1.5GB" -> bytes.
 Result<uint64_t> ParseSize(const std::string& text);
 // "268.4 MB" style, decimal units.

@@ -1,6 +1,9 @@
 // tessera inspect / verify.
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -38,6 +41,25 @@ Result<uint64_t> ParseSize(const std::string& text) {
     return InvalidArgument("bad size '" + text + "': expected e.g. 256MiB, 1GiB, 1000000");
   }
   return static_cast<uint64_t>(std::llround(value * scale));
+}
+
+Result<std::string> MakeBenchDir(const std::string& requested) {
+  std::error_code ec;
+  if (!requested.empty()) {
+    std::filesystem::create_directories(requested, ec);
+    if (ec) return IOError("creating " + requested + ": " + ec.message());
+    return requested;
+  }
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/tessera-bench-XXXXXX";
+  if (!mkdtemp(pattern.data())) return IOErrorFromErrno("mkdtemp " + pattern, errno);
+  return pattern;
+}
+
+void RemoveBenchDir(const std::string& dir, const std::string& requested) {
+  if (!requested.empty()) return;
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
 }
 
 std::string FormatBytes(uint64_t bytes) {
