@@ -43,15 +43,20 @@ struct SaveOptions {
   // After the new manifest is committed, remove the data files of the previous save and of
   // interrupted saves (tessera-named files the manifest does not list). Default true.
   bool remove_stale_files = true;
+  // Reuse the previous save's plan when every rank's holdings are unchanged: one small
+  // all-reduce instead of gathering, validating and scattering plans. Default true. The cache
+  // lives with the Comm.
+  bool plan_cache = true;
   // Where files go. Default null: the local file system (NewPosixStorage()).
   std::shared_ptr<Storage> storage;
 };
 
 struct SaveReport {
   std::string save_id;
-  uint64_t bytes_written = 0;  // by this rank (data files only)
-  uint64_t total_bytes = 0;    // by all ranks, payload of the checkpoint
-  int files_written = 0;       // by this rank
+  uint64_t bytes_written = 0;   // by this rank (data files only)
+  uint64_t total_bytes = 0;     // by all ranks, payload of the checkpoint
+  int files_written = 0;        // by this rank
+  bool plan_cache_hit = false;  // the plan of the previous save was reused
 };
 
 // What Load does about a key present on one side only.

@@ -48,6 +48,28 @@ std::string NewSaveId(const std::vector<std::string>& existing_names) {
   }
 }
 
+// The last successful save's plan, kept with the Comm (Comm::GetOrCreateAttachment). Save on
+// one Comm runs on one thread at a time (the Comm contract), so no lock is needed.
+struct SavePlanCache {
+  bool valid = false;
+  uint64_t key = 0;             // hash of this rank's encoded local plan and the options
+  std::vector<uint32_t> items;  // this rank's write list
+  std::string save_id;          // of that save; the next is derived from it
+  std::shared_ptr<const GlobalSavePlan> global;  // coordinator only
+};
+
+// The save id after `previous`, computed alike on every rank without communication: a
+// bijective mix of the previous id, so a job never repeats one.
+std::string NextSaveId(const std::string& previous) {
+  uint64_t x = std::strtoull(previous.c_str(), nullptr, 16) + 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  char id[17];
+  std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(x));
+  return id;
+}
+
 // What rank 0 sends each rank after planning.
 struct Assignment {
   std::string save_id;
@@ -311,45 +333,67 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
                            std::to_string(options.num_io_threads));
   }
 
-  // 1. Local plan, gathered to the coordinator.
+  // 1. Local plan. When every rank's plan (and the options that shape the global plan) equal
+  // those of this comm's previous successful save, one all-reduce replaces the gather, the
+  // global planning and the scatter: each rank reuses its write list, the coordinator its
+  // global plan.
   Result<LocalPlan> local = BuildLocalPlan(state);
-  std::vector<Bytes> gathered;
-  TESSERA_RETURN_IF_ERROR(
-      comm.Gather(local.ok() ? Seal(Status::Ok(), EncodeLocalPlan(*local)) : Seal(local.status()),
-                  &gathered, kCoordinator));
+  Bytes encoded_plan = local.ok() ? EncodeLocalPlan(*local) : Bytes();
+  const uint64_t plan_key = Checksum(encoded_plan.data(), encoded_plan.size()) ^
+                            (options.balance_writes ? 0x9e3779b97f4a7c15ULL : 0) ^
+                            static_cast<uint64_t>(comm.size());
+  std::shared_ptr<SavePlanCache> cache = comm.GetOrCreateAttachment<SavePlanCache>(
+      "tessera.save_plan_cache", [] { return new SavePlanCache(); });
+  std::vector<int64_t> all_hit = {
+      options.plan_cache && local.ok() && cache->valid && cache->key == plan_key ? 1 : 0};
+  TESSERA_RETURN_IF_ERROR(comm.AllReduce(all_hit, ReduceOp::kMin));
+  const bool cache_hit = all_hit[0] == 1;
 
-  // 2. Global plan on the coordinator; each rank receives its assignment.
-  std::vector<Bytes> assignments;
-  GlobalSavePlan global;
-  std::string save_id;
-  if (coordinator) {
-    Status status = [&]() -> Status {
-      std::vector<LocalPlan> plans(gathered.size());
-      for (size_t r = 0; r < gathered.size(); ++r) {
-        const std::string who = "rank " + std::to_string(r);
-        TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> body, Open(gathered[r], who));
-        TESSERA_ASSIGN_OR_RETURN(plans[r], DecodeLocalPlan(body));
+  std::shared_ptr<const GlobalSavePlan> global;
+  Assignment assignment;
+  if (cache_hit) {
+    global = cache->global;  // null except on the coordinator
+    assignment = {NextSaveId(cache->save_id), cache->items};
+    TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
+  } else {
+    // 2. Gather the local plans; the coordinator plans; each rank receives its assignment.
+    std::vector<Bytes> gathered;
+    TESSERA_RETURN_IF_ERROR(
+        comm.Gather(local.ok() ? Seal(Status::Ok(), std::move(encoded_plan)) : Seal(local.status()),
+                    &gathered, kCoordinator));
+    std::vector<Bytes> assignments;
+    if (coordinator) {
+      std::string save_id;
+      Status status = [&]() -> Status {
+        std::vector<LocalPlan> plans(gathered.size());
+        for (size_t r = 0; r < gathered.size(); ++r) {
+          const std::string who = "rank " + std::to_string(r);
+          TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> body, Open(gathered[r], who));
+          TESSERA_ASSIGN_OR_RETURN(plans[r], DecodeLocalPlan(body));
+        }
+        gathered.clear();
+        TESSERA_ASSIGN_OR_RETURN(
+            GlobalSavePlan plan,
+            BuildGlobalSavePlan(plans, {.balance_writes = options.balance_writes}));
+        global = std::make_shared<const GlobalSavePlan>(std::move(plan));
+        TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
+        TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->ListDir(path));
+        save_id = NewSaveId(names);
+        return Status::Ok();
+      }();
+      assignments.resize(comm.size());
+      for (int r = 0; r < comm.size(); ++r) {
+        assignments[r] = status.ok() ? Seal(status, EncodeAssignment({save_id, global->writes[r]}))
+                                     : Seal(status);
       }
-      gathered.clear();
-      TESSERA_ASSIGN_OR_RETURN(
-          global, BuildGlobalSavePlan(plans, {.balance_writes = options.balance_writes}));
-      TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
-      TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->ListDir(path));
-      save_id = NewSaveId(names);
-      return Status::Ok();
-    }();
-    assignments.resize(comm.size());
-    for (int r = 0; r < comm.size(); ++r) {
-      assignments[r] =
-          status.ok() ? Seal(status, EncodeAssignment({save_id, global.writes[r]})) : Seal(status);
     }
+    Bytes mine;
+    TESSERA_RETURN_IF_ERROR(comm.Scatter(assignments, &mine, kCoordinator));
+    assignments.clear();
+    Result<std::span<const uint8_t>> body = Open(mine, "save planning");
+    if (!body.ok()) return body.status();  // the same error on every rank
+    TESSERA_ASSIGN_OR_RETURN(assignment, DecodeAssignment(*body));
   }
-  Bytes mine;
-  TESSERA_RETURN_IF_ERROR(comm.Scatter(assignments, &mine, kCoordinator));
-  assignments.clear();
-  Result<std::span<const uint8_t>> body = Open(mine, "save planning");
-  if (!body.ok()) return body.status();  // the same error on every rank
-  TESSERA_ASSIGN_OR_RETURN(Assignment assignment, DecodeAssignment(*body));
 
   // 3. Write this rank's files.
   Result<WriteResult> written =
@@ -360,6 +404,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
     report.files_written = static_cast<int>(written->files.size());
     for (const WrittenItem& item : written->items) report.bytes_written += item.length;
   }
+  std::vector<Bytes> gathered;
   TESSERA_RETURN_IF_ERROR(comm.Gather(
       written.ok() ? Seal(Status::Ok(), EncodeWriteResult(*written)) : Seal(written.status()),
       &gathered, kCoordinator));
@@ -368,7 +413,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   Bytes outcome_bytes;
   if (coordinator) {
     Outcome outcome;
-    outcome.total_bytes = global.total_bytes;
+    outcome.total_bytes = global->total_bytes;
     outcome.status = [&]() -> Status {
       std::vector<WriteResult> results(gathered.size());
       for (size_t r = 0; r < gathered.size(); ++r) {
@@ -376,7 +421,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
         TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> result, Open(gathered[r], who));
         TESSERA_ASSIGN_OR_RETURN(results[r], DecodeWriteResult(result));
       }
-      TESSERA_ASSIGN_OR_RETURN(Metadata metadata, FinishMetadata(global, results));
+      TESSERA_ASSIGN_OR_RETURN(Metadata metadata, FinishMetadata(*global, results));
       metadata.save_id = assignment.save_id;
       metadata.user_metadata = options.user_metadata;
       TESSERA_RETURN_IF_ERROR_CTX(
@@ -389,6 +434,15 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   }
   TESSERA_RETURN_IF_ERROR(comm.Broadcast(&outcome_bytes, kCoordinator));
   TESSERA_ASSIGN_OR_RETURN(Outcome outcome, DecodeOutcome(outcome_bytes));
+  // Every rank saw the same outcome, so the caches stay in step.
+  cache->valid = outcome.status.ok();
+  if (cache->valid) {
+    cache->key = plan_key;
+    cache->items = assignment.items;
+    cache->save_id = assignment.save_id;
+    cache->global = coordinator ? global : nullptr;
+  }
+  report.plan_cache_hit = cache_hit;
   if (!outcome.status.ok()) {
     // Unless the manifest may already point at them, nothing refers to this save's files.
     if (written.ok() && !outcome.manifest_renamed) {

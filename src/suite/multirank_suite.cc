@@ -317,6 +317,42 @@ Status ObjectsPerRankAndShared(Comm& comm, const std::string& dir) {
                 "object step round-trips");
 }
 
+Status PlanCacheReusesPlansAndNoticesChanges(Comm& comm, const std::string& dir) {
+  // Rank r holds rows [2r, 2r + 2) of a [2 * size, 8] tensor; later the last two ranks trade a
+  // row, which must invalidate every rank's cached plan.
+  const int64_t rows = 2 * comm.size();
+  auto save = [&](int64_t begin, int64_t count, int value) -> Result<SaveReport> {
+    std::vector<int32_t> data(count * 8, value);
+    StateDict state;
+    TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+        "w", TensorView(data.data(), DType::kI32, {count, 8}), {rows, 8}, {begin, 0})));
+    return Save(state, dir + "/ck", comm);
+  };
+  auto check = [&](int value) -> Status {
+    std::vector<int32_t> all(rows * 8, -1);
+    StateDict state;
+    TESSERA_RETURN_IF_ERROR(
+        state.Add(ShardedTensor::Whole("w", TensorView(all.data(), DType::kI32, {rows, 8}))));
+    TESSERA_RETURN_IF_ERROR(Load(state, dir + "/ck", comm).status());
+    return Expect(std::all_of(all.begin(), all.end(), [&](int32_t v) { return v == value; }),
+                  "every element holds " + std::to_string(value));
+  };
+  TESSERA_ASSIGN_OR_RETURN(SaveReport first, save(2 * comm.rank(), 2, 1));
+  TESSERA_RETURN_IF_ERROR(Expect(!first.plan_cache_hit, "the first save plans"));
+  TESSERA_ASSIGN_OR_RETURN(SaveReport second, save(2 * comm.rank(), 2, 2));
+  TESSERA_RETURN_IF_ERROR(Expect(second.plan_cache_hit, "an unchanged layout reuses the plan"));
+  TESSERA_RETURN_IF_ERROR(Expect(second.save_id != first.save_id, "a new save id"));
+  TESSERA_RETURN_IF_ERROR(check(2));
+  int64_t begin = 2 * comm.rank(), count = 2;
+  if (comm.size() >= 2 && comm.rank() == comm.size() - 2) count = 3;
+  if (comm.size() >= 2 && comm.rank() == comm.size() - 1) begin += 1, count = 1;
+  TESSERA_ASSIGN_OR_RETURN(SaveReport third, save(begin, count, 3));
+  if (comm.size() >= 2) {
+    TESSERA_RETURN_IF_ERROR(Expect(!third.plan_cache_hit, "a changed layout plans again"));
+  }
+  return check(3);
+}
+
 }  // namespace
 
 const std::vector<MultiRankCase>& MultiRankCases() {
@@ -336,6 +372,7 @@ const std::vector<MultiRankCase>& MultiRankCases() {
       {"MissingKeyOnOneRankFailsTheLoadEverywhere", 2, MissingKeyOnOneRankFailsTheLoadEverywhere},
       {"BalancedWritesSpreadReplicatedBytes", 1, BalancedWritesSpreadReplicatedBytes},
       {"ObjectsPerRankAndShared", 1, ObjectsPerRankAndShared},
+      {"PlanCacheReusesPlansAndNoticesChanges", 1, PlanCacheReusesPlansAndNoticesChanges},
   };
   return cases;
 }
