@@ -82,10 +82,7 @@ int RunBenchPlan(const BenchPlanOptions& o) {
   // Validation alone (it is part of the global plan above): the tiling check of every tensor.
   start = Clock::now();
   for (const TensorInfo& t : global->metadata.tensors) {
-    std::vector<Box> boxes;
-    boxes.reserve(t.chunks.size());
-    for (const ChunkInfo& c : t.chunks) boxes.push_back(c.box);
-    if (auto failure = CheckTiling(boxes, t.global_shape, true)) {
+    if (auto failure = CheckTiling(t.chunks, t.global_shape, true)) {
       return Fail(Internal(failure->message));
     }
   }

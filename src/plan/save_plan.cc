@@ -144,8 +144,18 @@ Result<LocalPlan> DecodeLocalPlan(std::span<const uint8_t> bytes) {
 // (grids of TP/PP/DP splits, flat-range pieces) that is O(log n) per box: O(n log n) in all.
 // Coverage follows from disjointness, bounds, and the volumes adding up to the whole.
 
-std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Shape& shape,
-                                           bool require_coverage) {
+namespace {
+
+// `boxes` is anything indexable whose elements give a Box through `box_of`.
+template <typename Boxes, typename BoxOf>
+std::optional<BoxCheckFailure> CheckTilingOf(const Boxes& items, BoxOf box_of, const Shape& shape,
+                                             bool require_coverage) {
+  struct View {  // boxes[i] reads like a vector of Box
+    const Boxes& items;
+    BoxOf& box_of;
+    const Box& operator[](size_t i) const { return box_of(items[i]); }
+    size_t size() const { return items.size(); }
+  } boxes{items, box_of};
   const size_t rank = shape.size();
   __int128 total = 1;
   for (int64_t s : shape) total *= s;
@@ -166,8 +176,20 @@ std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Sha
     return BoxCheckFailure{
         "boxes " + boxes[a].ToString() + " and " + boxes[b].ToString() + " overlap", a, b};
   };
+  // Fast path: sorted along some dimension, consecutive boxes do not even overlap along it
+  // (the row or column slices of TP/DP splits): no pair can overlap.
+  auto disjoint_along = [&](size_t d) {
+    std::sort(order.begin(), order.end(),
+              [&](uint32_t a, uint32_t b) { return boxes[a].offsets[d] < boxes[b].offsets[d]; });
+    for (size_t k = 1; k < order.size(); ++k) {
+      if (boxes[order[k]].offsets[d] < boxes[order[k - 1]].end(d)) return false;
+    }
+    return true;
+  };
   if (rank == 0) {
     if (order.size() > 1) return overlap_failure(order[0], order[1]);
+  } else if (order.size() > 1 && (disjoint_along(0) || (rank > 1 && disjoint_along(rank - 1)))) {
+    // No overlap.
   } else if (order.size() > 1) {
     // The sweep dimension: most distinct offsets. The ordering dimension: the next most.
     std::vector<std::pair<size_t, size_t>> distinct(rank);  // (count, dim)
@@ -222,6 +244,20 @@ std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Sha
   return std::nullopt;
 }
 
+}  // namespace
+
+std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Shape& shape,
+                                           bool require_coverage) {
+  return CheckTilingOf(
+      boxes, [](const Box& b) -> const Box& { return b; }, shape, require_coverage);
+}
+
+std::optional<BoxCheckFailure> CheckTiling(std::span<const ChunkInfo> chunks, const Shape& shape,
+                                           bool require_coverage) {
+  return CheckTilingOf(
+      chunks, [](const ChunkInfo& c) -> const Box& { return c.box; }, shape, require_coverage);
+}
+
 // ---- global plan -----------------------------------------------------------------------------
 
 namespace {
@@ -229,13 +265,17 @@ namespace {
 // A unique piece to be written once: a tensor chunk or an object.
 struct Shard {
   uint64_t num_bytes = 0;
-  std::vector<ItemRef> holders;  // ascending rank
+  // The ranks that hold it, ascending: holder_count entries of `holders` from holder_begin
+  // (one shared array: most shards have one holder, and a vector each would cost an
+  // allocation per chunk).
+  uint32_t holder_begin = 0;
+  uint32_t holder_count = 0;
   ItemRef writer;
   int32_t tensor = -1;  // index into metadata.tensors, or -1 for an object
   uint32_t index = 0;   // chunk index within the tensor, or object index
 };
 
-std::string DescribeHolders(const std::vector<ItemRef>& holders) {
+std::string DescribeHolders(std::span<const ItemRef> holders) {
   std::vector<int32_t> ranks;
   for (const ItemRef& h : holders) ranks.push_back(h.rank);
   return (ranks.size() == 1 ? "rank " : "ranks ") + RanksToString(ranks);
@@ -273,6 +313,11 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
   plan.writes.resize(num_ranks);
   std::vector<Shard> shards;
   shards.reserve(total_items);
+  std::vector<ItemRef> holders;
+  holders.reserve(total_items);
+  auto holders_of = [&](const Shard& shard) {
+    return std::span<const ItemRef>(holders).subspan(shard.holder_begin, shard.holder_count);
+  };
   for (uint32_t g : group_order) {
     const std::vector<ItemRef>& refs = groups[g];
     const LocalItem& first = item_of(refs[0]);
@@ -289,7 +334,9 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
     }
     if (first.kind == ItemKind::kObject) {
       Shard shard;
-      shard.holders = refs;
+      shard.holder_begin = static_cast<uint32_t>(holders.size());
+      shard.holder_count = static_cast<uint32_t>(refs.size());
+      holders.insert(holders.end(), refs.begin(), refs.end());
       shard.num_bytes = first.num_bytes;
       shard.tensor = -1;
       shard.index = static_cast<uint32_t>(plan.metadata.objects.size());
@@ -349,36 +396,33 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
       if (holders.empty()) holders.push_back(sorted[0]);
       sorted = std::move(holders);
     }
-    std::vector<Box> unique_boxes;
-    std::vector<std::vector<ItemRef>> holders_of_box;
+    // One chunk per unique box; its holders are the run of equal boxes in `sorted`.
+    const size_t first_shard = shards.size();
+    info.chunks.reserve(sorted.size());
     for (const ItemRef& ref : sorted) {
       const Box& box = item_of(ref).box;
-      if (unique_boxes.empty() || unique_boxes.back() != box) {
-        unique_boxes.push_back(box);
-        holders_of_box.emplace_back();
+      if (info.chunks.empty() || info.chunks.back().box != box) {
+        info.chunks.push_back(ChunkInfo{box, {}});
+        Shard shard;
+        shard.holder_begin = static_cast<uint32_t>(holders.size());
+        shard.num_bytes = item_of(ref).num_bytes;
+        shard.tensor = tensor_index;
+        shard.index = static_cast<uint32_t>(info.chunks.size() - 1);
+        shards.push_back(shard);
       }
-      holders_of_box.back().push_back(ref);
+      holders.push_back(ref);
+      shards.back().holder_count += 1;
     }
-    if (auto failure = CheckTiling(unique_boxes, info.global_shape, !partial)) {
+    if (auto failure = CheckTiling(info.chunks, info.global_shape, !partial)) {
       std::string message = "key '" + key + "': " + failure->message;
       if (failure->first >= 0) {
-        message += " (held by " + DescribeHolders(holders_of_box[failure->first]);
+        message += " (held by " + DescribeHolders(holders_of(shards[first_shard + failure->first]));
         if (failure->second >= 0) {
-          message += " and " + DescribeHolders(holders_of_box[failure->second]);
+          message += " and " + DescribeHolders(holders_of(shards[first_shard + failure->second]));
         }
         message += ")";
       }
       return InvalidArgument(std::move(message));
-    }
-    info.chunks.reserve(unique_boxes.size());
-    for (size_t c = 0; c < unique_boxes.size(); ++c) {
-      Shard shard;
-      shard.holders = std::move(holders_of_box[c]);
-      shard.num_bytes = item_of(shard.holders[0]).num_bytes;
-      shard.tensor = tensor_index;
-      shard.index = static_cast<uint32_t>(c);
-      info.chunks.push_back(ChunkInfo{std::move(unique_boxes[c]), {}});
-      shards.push_back(std::move(shard));
     }
     plan.metadata.tensors.push_back(std::move(info));
   }
@@ -390,12 +434,12 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
     return "key '" + t.key + "' box " + t.chunks[shard.index].box.ToString();
   };
   for (Shard& shard : shards) {
-    auto main = std::find_if(shard.holders.begin(), shard.holders.end(), [&](const ItemRef& h) {
+    std::span<const ItemRef> held_by = holders_of(shard);
+    auto main = std::find_if(held_by.begin(), held_by.end(), [&](const ItemRef& h) {
       return IsMainReplica(item_of(h).replica_id);
     });
-    if (main == shard.holders.end()) {
-      return InvalidArgument(describe_shard(shard) + " is held by " +
-                             DescribeHolders(shard.holders) +
+    if (main == held_by.end()) {
+      return InvalidArgument(describe_shard(shard) + " is held by " + DescribeHolders(held_by) +
                              " but none holds the main replica (replica id all zeros)");
     }
     shard.writer = *main;
@@ -404,16 +448,17 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
     std::vector<uint32_t> order(shards.size());
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-      if (shards[a].holders.size() != shards[b].holders.size()) {
-        return shards[a].holders.size() < shards[b].holders.size();
+      if (shards[a].holder_count != shards[b].holder_count) {
+        return shards[a].holder_count < shards[b].holder_count;
       }
       return shards[a].num_bytes > shards[b].num_bytes;
     });
     std::vector<uint64_t> load(num_ranks, 0);
     for (uint32_t s : order) {
       Shard& shard = shards[s];
-      const ItemRef* best = &shard.holders[0];
-      for (const ItemRef& h : shard.holders) {
+      std::span<const ItemRef> held_by = holders_of(shard);
+      const ItemRef* best = &held_by[0];
+      for (const ItemRef& h : held_by) {
         if (load[h.rank] < load[best->rank]) best = &h;  // holders ascend by rank: ties by rank
       }
       shard.writer = *best;
@@ -472,45 +517,44 @@ Result<Metadata> FinishMetadata(const GlobalSavePlan& plan, std::span<const Writ
   Metadata metadata = plan.metadata;
   const size_t num_ranks = results.size();
   std::vector<uint32_t> file_base(num_ranks, 0);
-  // Per rank: item index -> position in results[r].items.
-  std::vector<std::unordered_map<uint32_t, uint32_t>> where(num_ranks);
+  // Per rank: item index -> position in results[r].items (kNone when not reported).
+  constexpr uint32_t kNone = ~uint32_t{0};
+  std::vector<std::vector<uint32_t>> where(num_ranks);
   for (size_t r = 0; r < num_ranks; ++r) {
     file_base[r] = static_cast<uint32_t>(metadata.files.size());
     metadata.files.insert(metadata.files.end(), results[r].files.begin(), results[r].files.end());
-    where[r].reserve(results[r].items.size());
     for (uint32_t k = 0; k < results[r].items.size(); ++k) {
       const WrittenItem& w = results[r].items[k];
       if (w.file >= results[r].files.size()) {
         return Internal("rank " + std::to_string(r) + " reported file index " +
                         std::to_string(w.file) + " of " + std::to_string(results[r].files.size()));
       }
+      if (w.item >= where[r].size()) where[r].resize(w.item + 1, kNone);
       where[r][w.item] = k;
     }
   }
-  auto locate = [&](const ItemRef& ref, const std::string& what) -> Result<ByteLocation> {
-    if (static_cast<size_t>(ref.rank) >= num_ranks) {
-      return Internal(what + ": writer rank " + std::to_string(ref.rank) + " has no result");
+  // The location of `ref`'s bytes; `describe` names them, called only for an error.
+  auto locate = [&](const ItemRef& ref, ByteLocation& out, auto&& describe) -> Status {
+    const size_t r = static_cast<size_t>(ref.rank);
+    if (r >= num_ranks || ref.item >= where[r].size() || where[r][ref.item] == kNone) {
+      return Internal(describe() + " was not reported written by rank " + std::to_string(ref.rank));
     }
-    auto it = where[ref.rank].find(ref.item);
-    if (it == where[ref.rank].end()) {
-      return Internal(what + " was not reported written by rank " + std::to_string(ref.rank));
-    }
-    const WrittenItem& w = results[ref.rank].items[it->second];
-    return ByteLocation{file_base[ref.rank] + w.file, w.offset, w.length, w.checksum};
+    const WrittenItem& w = results[r].items[where[r][ref.item]];
+    out = ByteLocation{file_base[r] + w.file, w.offset, w.length, w.checksum};
+    return Status::Ok();
   };
   for (size_t t = 0; t < metadata.tensors.size(); ++t) {
     TensorInfo& tensor = metadata.tensors[t];
     for (size_t c = 0; c < tensor.chunks.size(); ++c) {
-      TESSERA_ASSIGN_OR_RETURN(
-          tensor.chunks[c].location,
-          locate(plan.chunk_writers[t][c],
-                 "key '" + tensor.key + "' box " + tensor.chunks[c].box.ToString()));
+      TESSERA_RETURN_IF_ERROR(locate(plan.chunk_writers[t][c], tensor.chunks[c].location, [&] {
+        return "key '" + tensor.key + "' box " + tensor.chunks[c].box.ToString();
+      }));
     }
   }
   for (size_t o = 0; o < metadata.objects.size(); ++o) {
-    TESSERA_ASSIGN_OR_RETURN(
-        metadata.objects[o].location,
-        locate(plan.object_writers[o], "object '" + metadata.objects[o].key + "'"));
+    ObjectInfo& object = metadata.objects[o];
+    TESSERA_RETURN_IF_ERROR(locate(plan.object_writers[o], object.location,
+                                   [&] { return "object '" + object.key + "'"; }));
   }
   return metadata;
 }

@@ -93,6 +93,9 @@ struct BoxCheckFailure {
 };
 std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Shape& shape,
                                            bool require_coverage);
+// The same over the boxes of saved chunks.
+std::optional<BoxCheckFailure> CheckTiling(std::span<const ChunkInfo> chunks, const Shape& shape,
+                                           bool require_coverage);
 
 // Where one written item landed, reported by its writer.
 struct WrittenItem {
