@@ -33,7 +33,7 @@ struct DemoOptions {
   int ranks = 0;  // 0: the save layout's product
   int io_threads = 2;
   bool sync = true;
-  bool keep = true;  // leave the checkpoint in --out
+  std::string share_reads = "none";  // none | broadcast | allgather
 };
 int RunDemo(const DemoOptions& options);
 

@@ -79,7 +79,9 @@ int RunDemo(const DemoOptions& options) {
   // Load with the load layout, into zeroed buffers, and check every element.
   LoadOptions load_options;
   load_options.num_io_threads = options.io_threads;
-  std::atomic<uint64_t> read_bytes{0}, needed_bytes{0};
+  if (options.share_reads == "broadcast") load_options.read_sharing = ReadSharing::kBroadcast;
+  if (options.share_reads == "allgather") load_options.read_sharing = ReadSharing::kAllGather;
+  std::atomic<uint64_t> read_bytes{0}, needed_bytes{0}, received_bytes{0};
   double load_seconds = 0;
   statuses = RunLocalRanks(load_layout->ranks(), [&](Comm& comm) -> Status {
     RankState state = BuildRankState(config, *load_layout, comm.rank(), /*fill=*/false);
@@ -90,16 +92,21 @@ int RunDemo(const DemoOptions& options) {
     if (comm.rank() == 0) load_seconds = Seconds(start, Clock::now());
     read_bytes += report.bytes_read;
     needed_bytes += report.bytes_needed;
+    received_bytes += report.bytes_received;
     return AgreeOnStatus(comm,
                          CheckRankState(state).WithContext("rank " + std::to_string(comm.rank())));
   });
   // Every rank agreed on the outcome, so rank 0's status speaks for all.
   if (!statuses[0].ok()) return Fail(statuses[0].WithContext("load"));
   if (Status s = FirstError(statuses); !s.ok()) return Fail(s.WithContext("load"));
-  std::printf("load: %d ranks (%s) read %s for %s needed, %.3f s, %.2f GB/s\n",
+  std::printf("load: %d ranks (%s) needed %s, read %s from storage%s, %.3f s, %.2f GB/s\n",
               load_layout->ranks(), load_layout->ToString().c_str(),
-              FormatBytes(read_bytes).c_str(), FormatBytes(needed_bytes).c_str(), load_seconds,
-              read_bytes / load_seconds / 1e9);
+              FormatBytes(needed_bytes).c_str(), FormatBytes(read_bytes).c_str(),
+              options.share_reads == "none" ? ""
+                                            : (" and " + FormatBytes(received_bytes) +
+                                               " from other ranks (" + options.share_reads + ")")
+                                                  .c_str(),
+              load_seconds, needed_bytes / load_seconds / 1e9);
   std::printf(
       "verified: every element of the %s layout matches the state saved under %s "
       "(bit-exact), checkpoint in %s\n",
@@ -124,6 +131,10 @@ void AddDemoCommand(CLI::App& app, int* exit_code) {
   demo->add_option("--io-threads", options->io_threads, "I/O threads per rank")
       ->capture_default_str();
   demo->add_flag("--no-sync", *no_sync, "skip fsync (page-cache speed, no durability)");
+  demo->add_option("--share-reads", options->share_reads,
+                   "replicas read shared bytes once and exchange them: none|broadcast|allgather")
+      ->check(CLI::IsMember({"none", "broadcast", "allgather"}))
+      ->capture_default_str();
   demo->callback([=] {
     Result<uint64_t> size = ParseSize(*size_text);
     if (!size.ok()) {

@@ -65,17 +65,34 @@ enum class KeyPolicy {
   kSkip,   // leave it alone and report it in LoadReport
 };
 
+// How ranks that need the same bytes share the reading of them (the numbers are not written
+// to disk).
+enum class ReadSharing {
+  kNone,       // every rank reads everything it needs from storage (default)
+  kBroadcast,  // one rank reads each shared run, then broadcasts it, piece by piece
+  kAllGather,  // one rank reads each shared run, then all ranks exchange in all-gather rounds
+};
+
 struct LoadOptions {
   // A key this rank asks for that the checkpoint lacks. Default kError.
   KeyPolicy missing_keys = KeyPolicy::kError;
   // A key of the checkpoint that no rank asks for. Default kError.
   KeyPolicy unexpected_keys = KeyPolicy::kError;
-  // Check the XXH3-64 checksum of every chunk read whole (partial reads of a chunk, as in a
-  // resharded load, cannot be checked without reading the whole chunk; `tessera verify`
-  // checks everything). Default true; costs about one pass over the bytes at ~10 GB/s.
+  // Check the XXH3-64 checksum of every chunk this rank needs whole (a chunk of which a
+  // resharded load needs only part cannot be checked without reading all of it; `tessera
+  // verify` checks everything). Default true; costs one pass over the bytes at ~10 GB/s.
   bool verify_checksums = true;
   // Parallel readers per rank. Default 2.
   int num_io_threads = 2;
+  // Default kNone. With kBroadcast or kAllGather (the same on every rank), bytes that several
+  // ranks need (data-parallel replicas) are read from storage once between them and exchanged
+  // through the Comm: storage reads total the unique bytes needed. Costs an all-gather of every
+  // rank's read list, and the exchange, which sends each shared piece to every rank.
+  ReadSharing read_sharing = ReadSharing::kNone;
+  // Exchange memory per rank and round, in bytes: what a rank contributes to one all-gather
+  // round or one broadcast. Default 256 MiB. An all-gather round holds ranks x this in each
+  // rank; lower it for many ranks.
+  uint64_t exchange_bytes = 256ull << 20;
   // Where files come from. Default null: the local file system.
   std::shared_ptr<Storage> storage;
 };
@@ -87,6 +104,7 @@ struct LoadReport {
   uint64_t bytes_read = 0;                         // from storage by this rank
   uint64_t bytes_needed = 0;                       // bytes this rank's requests cover
   uint64_t read_calls = 0;                         // storage reads issued by this rank
+  uint64_t bytes_received = 0;                     // from other ranks (read sharing)
 };
 
 Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& comm,

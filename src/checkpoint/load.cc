@@ -6,6 +6,7 @@
 //
 // Nothing in the caller's memory is touched unless every rank's request is valid.
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <thread>
 
@@ -14,12 +15,94 @@
 #include "format/checksum.h"
 #include "format/manifest.h"
 #include "plan/load_plan.h"
+#include "plan/read_sharing.h"
 #include "tessera/checkpoint.h"
 
 namespace tessera {
 namespace {
 
 constexpr int kCoordinator = 0;
+
+}  // namespace
+
+namespace {
+
+// Reads `runs` with read sharing: every rank learns every rank's runs, each distinct run is read
+// by one of the ranks that need it, and the readers send the shared ones to the others.
+// COLLECTIVE; every rank returns the same status.
+Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const Metadata& metadata,
+                  const std::vector<ReadRun>& runs, const LoadOptions& options,
+                  LoadReport& report) {
+  std::vector<Bytes> all;
+  TESSERA_RETURN_IF_ERROR(comm.AllGather(EncodeRunKeys(runs), &all));
+  std::vector<std::vector<RunKey>> keys(all.size());
+  for (size_t r = 0; r < all.size(); ++r) {
+    TESSERA_ASSIGN_OR_RETURN(keys[r], DecodeRunKeys(all[r]));
+  }
+  all.clear();
+  const ReadAssignment assignment = AssignReads(keys);
+  const int me = comm.rank();
+  const std::vector<uint32_t>& mine = assignment.unique_of[me];
+  // Where each distinct run lands in this rank's memory, when this rank needs it.
+  std::vector<std::byte*> destination(assignment.unique.size(), nullptr);
+  std::vector<ReadRun> to_read;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    destination[mine[i]] = runs[i].destination;
+    if (assignment.reader[mine[i]] == me) to_read.push_back(runs[i]);
+  }
+  TESSERA_RETURN_IF_ERROR(
+      AgreeOnStatus(comm, ExecuteReads(storage, path, metadata, to_read, options, report)));
+
+  // Exchange: the same schedule on every rank.
+  const std::vector<std::vector<ExchangePiece>> rounds =
+      ScheduleExchange(assignment, comm.size(), options.exchange_bytes);
+  auto needs = [&](const ExchangePiece& p) {
+    return destination[p.unique_run] != nullptr && assignment.reader[p.unique_run] != me;
+  };
+  for (const std::vector<ExchangePiece>& round : rounds) {
+    if (options.read_sharing == ReadSharing::kBroadcast) {
+      for (const ExchangePiece& p : round) {
+        const int sender = assignment.reader[p.unique_run];
+        Bytes bytes;
+        if (sender == me) {
+          const std::byte* from = destination[p.unique_run] + p.begin;
+          bytes.assign(reinterpret_cast<const uint8_t*>(from),
+                       reinterpret_cast<const uint8_t*>(from) + p.length);
+        }
+        TESSERA_RETURN_IF_ERROR(comm.Broadcast(&bytes, sender));
+        if (needs(p)) {
+          std::memcpy(destination[p.unique_run] + p.begin, bytes.data(), p.length);
+          report.bytes_received += p.length;
+        }
+      }
+      continue;
+    }
+    // All-gather: each rank contributes the pieces it read, in schedule order.
+    Bytes contribution;
+    for (const ExchangePiece& p : round) {
+      if (assignment.reader[p.unique_run] != me) continue;
+      const auto* from = reinterpret_cast<const uint8_t*>(destination[p.unique_run] + p.begin);
+      contribution.insert(contribution.end(), from, from + p.length);
+    }
+    std::vector<Bytes> received;
+    TESSERA_RETURN_IF_ERROR(comm.AllGather(contribution, &received));
+    std::vector<uint64_t> cursor(comm.size(), 0);
+    for (const ExchangePiece& p : round) {
+      const int sender = assignment.reader[p.unique_run];
+      if (needs(p)) {
+        if (cursor[sender] + p.length > received[sender].size()) {
+          return Internal("read sharing: rank " + std::to_string(sender) + " sent " +
+                          std::to_string(received[sender].size()) + " bytes, fewer than planned");
+        }
+        std::memcpy(destination[p.unique_run] + p.begin, received[sender].data() + cursor[sender],
+                    p.length);
+        report.bytes_received += p.length;
+      }
+      cursor[sender] += p.length;
+    }
+  }
+  return Status::Ok();
+}
 
 }  // namespace
 
@@ -75,13 +158,14 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
   // 3. Read only if every rank's plan is good; then agree on the outcome.
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, plan_status));
   const RankReadPlan& plan = *planned;
-  Status read_status = ExecuteReads(*storage, path, metadata, plan.runs, options, report);
-  if (read_status.ok()) {
-    for (const ObjectRead& read : plan.objects) {
-      read_status =
-          ReadObject(*storage, path, metadata, *read.info, options, read.destination->data, report);
-      if (!read_status.ok()) break;
-    }
+  // ReadShared is collective and fails alike on every rank; ExecuteReads is local.
+  Status read_status = options.read_sharing != ReadSharing::kNone && comm.size() > 1
+                           ? ReadShared(comm, *storage, path, metadata, plan.runs, options, report)
+                           : ExecuteReads(*storage, path, metadata, plan.runs, options, report);
+  for (const ObjectRead& read : plan.objects) {
+    if (!read_status.ok()) break;
+    read_status =
+        ReadObject(*storage, path, metadata, *read.info, options, read.destination->data, report);
   }
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, read_status));
   return report;

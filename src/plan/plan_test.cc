@@ -7,6 +7,7 @@
 
 #include "plan/flat_range.h"
 #include "plan/load_plan.h"
+#include "plan/read_sharing.h"
 #include "plan/save_plan.h"
 #include "testing/test_util.h"
 
@@ -318,6 +319,37 @@ TEST(LoadPlanTest, RandomReshardingIsExact) {
     ForEachElement(
         want, [&](const std::vector<int64_t>& at) { EXPECT_EQ(out[k++], LinearIn(whole, at)); });
   }
+}
+
+TEST(ReadSharingTest, EachRunReadOnceByAHolderAndExchangeRoundsAreCapped) {
+  // Ranks 0-3 all need runs A (100 B) and B (50 B); rank 2 alone needs C (10 B).
+  const RunKey a{0, 0, 100}, b{0, 100, 50}, c{1, 0, 10};
+  std::vector<std::vector<RunKey>> runs = {{a, b}, {a, b}, {a, b, c}, {a, b}};
+  ReadAssignment assignment = AssignReads(runs);
+  ASSERT_EQ(assignment.unique.size(), 3u);
+  std::vector<uint64_t> read(4, 0);
+  for (size_t u = 0; u < assignment.unique.size(); ++u) {
+    const auto& holders = assignment.holders[u];
+    EXPECT_NE(std::find(holders.begin(), holders.end(), assignment.reader[u]), holders.end());
+    read[assignment.reader[u]] += assignment.unique[u].length;
+  }
+  EXPECT_EQ(assignment.reader[2], 2);  // C: only rank 2 needs it, so it goes first, to rank 2
+  EXPECT_EQ(read[0] + read[1] + read[2] + read[3], 160u);
+  EXPECT_EQ(assignment.reader[0], 0);  // A: least loaded, ties by rank
+  EXPECT_EQ(assignment.reader[1], 1);  // B: rank 0 now has 100 bytes
+  std::vector<std::vector<ExchangePiece>> rounds = ScheduleExchange(assignment, 4, 40);
+  uint64_t sent = 0;
+  for (const auto& round : rounds) {
+    std::vector<uint64_t> per_rank(4, 0);
+    for (const ExchangePiece& p : round) {
+      per_rank[assignment.reader[p.unique_run]] += p.length;
+      sent += p.length;
+      EXPECT_NE(p.unique_run, 2u) << "C is needed by one rank: never exchanged";
+    }
+    for (uint64_t bytes : per_rank) EXPECT_LE(bytes, 40u);
+  }
+  EXPECT_EQ(sent, 150u);
+  EXPECT_EQ(rounds.size(), 3u);  // A takes 100/40 -> 3 rounds; B fits alongside
 }
 
 }  // namespace

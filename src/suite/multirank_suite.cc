@@ -353,6 +353,32 @@ Status PlanCacheReusesPlansAndNoticesChanges(Comm& comm, const std::string& dir)
   return check(3);
 }
 
+// Data-parallel replicas load the same shards: with read sharing, storage reads add up to the
+// unique bytes needed, whatever the number of replicas, and every element still arrives.
+Status ReadSharingReadsEachByteOnce(Comm& comm, const std::string& dir, ReadSharing sharing) {
+  const workload::ModelConfig config = workload::ModelConfig::ForBytes(4 << 20, 2);
+  const workload::Layout layout = SaveLayout(comm.size());
+  workload::RankState saved = workload::BuildRankState(config, layout, comm.rank(), true);
+  TESSERA_RETURN_IF_ERROR(Save(saved.dict, dir + "/ck", comm).status());
+  workload::RankState loaded = workload::BuildRankState(config, layout, comm.rank(), false);
+  LoadOptions options;
+  options.read_sharing = sharing;
+  options.exchange_bytes = 64 << 10;  // many rounds
+  TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(loaded.dict, dir + "/ck", comm, options));
+  TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, workload::CheckRankState(loaded)));
+  std::vector<int64_t> totals = {static_cast<int64_t>(report.bytes_read),
+                                 static_cast<int64_t>(report.bytes_received)};
+  TESSERA_RETURN_IF_ERROR(comm.AllReduce(totals, ReduceOp::kSum));
+  // Every tensor byte once; the small "optimizer.step" object is read by every rank.
+  const int64_t object_bytes = 9;
+  const int64_t unique = static_cast<int64_t>(config.StateBytes()) - object_bytes;
+  TESSERA_RETURN_IF_ERROR(Expect(totals[0] == unique + object_bytes * comm.size(),
+                                 "storage reads (" + std::to_string(totals[0]) +
+                                     ") equal the unique bytes (" + std::to_string(unique) +
+                                     ") plus one object per rank"));
+  return Expect(layout.dp == 1 || totals[1] > 0, "replicas received their share by exchange");
+}
+
 }  // namespace
 
 const std::vector<MultiRankCase>& MultiRankCases() {
@@ -373,6 +399,14 @@ const std::vector<MultiRankCase>& MultiRankCases() {
       {"BalancedWritesSpreadReplicatedBytes", 1, BalancedWritesSpreadReplicatedBytes},
       {"ObjectsPerRankAndShared", 1, ObjectsPerRankAndShared},
       {"PlanCacheReusesPlansAndNoticesChanges", 1, PlanCacheReusesPlansAndNoticesChanges},
+      {"ReadSharingByAllGatherReadsEachByteOnce", 1,
+       [](Comm& c, const std::string& d) {
+         return ReadSharingReadsEachByteOnce(c, d, ReadSharing::kAllGather);
+       }},
+      {"ReadSharingByBroadcastReadsEachByteOnce", 1,
+       [](Comm& c, const std::string& d) {
+         return ReadSharingReadsEachByteOnce(c, d, ReadSharing::kBroadcast);
+       }},
   };
   return cases;
 }

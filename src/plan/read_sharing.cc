@@ -1,0 +1,101 @@
+#include "plan/read_sharing.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "core/byte_io.h"
+
+namespace tessera {
+
+Bytes EncodeRunKeys(std::span<const ReadRun> runs) {
+  Bytes out;
+  out.reserve(4 + runs.size() * 20);
+  ByteWriter w(&out);
+  w.Put<uint32_t>(static_cast<uint32_t>(runs.size()));
+  for (const ReadRun& run : runs) {
+    w.Put<uint32_t>(run.file_index);
+    w.Put<uint64_t>(run.file_offset);
+    w.Put<uint64_t>(run.length);
+  }
+  return out;
+}
+
+Result<std::vector<RunKey>> DecodeRunKeys(std::span<const uint8_t> bytes) {
+  ByteReader r(bytes);
+  uint32_t n = 0;
+  TESSERA_RETURN_IF_ERROR(r.Get(&n));
+  if (n > bytes.size() / 20) return DataLoss("run list: count " + std::to_string(n) + " too large");
+  std::vector<RunKey> keys(n);
+  for (RunKey& k : keys) {
+    TESSERA_RETURN_IF_ERROR(r.Get(&k.file_index));
+    TESSERA_RETURN_IF_ERROR(r.Get(&k.file_offset));
+    TESSERA_RETURN_IF_ERROR(r.Get(&k.length));
+  }
+  return keys;
+}
+
+ReadAssignment AssignReads(std::span<const std::vector<RunKey>> runs_by_rank) {
+  ReadAssignment a;
+  for (const auto& runs : runs_by_rank) a.unique.insert(a.unique.end(), runs.begin(), runs.end());
+  std::sort(a.unique.begin(), a.unique.end());
+  a.unique.erase(std::unique(a.unique.begin(), a.unique.end()), a.unique.end());
+  a.holders.resize(a.unique.size());
+  a.unique_of.resize(runs_by_rank.size());
+  for (size_t r = 0; r < runs_by_rank.size(); ++r) {
+    for (const RunKey& key : runs_by_rank[r]) {
+      uint32_t u = static_cast<uint32_t>(std::lower_bound(a.unique.begin(), a.unique.end(), key) -
+                                         a.unique.begin());
+      a.unique_of[r].push_back(u);
+      a.holders[u].push_back(static_cast<int32_t>(r));  // ranks visited in order: ascending
+    }
+  }
+  std::vector<uint32_t> order(a.unique.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) {
+    if (a.holders[x].size() != a.holders[y].size()) {
+      return a.holders[x].size() < a.holders[y].size();
+    }
+    return a.unique[x].length > a.unique[y].length;
+  });
+  std::vector<uint64_t> load(runs_by_rank.size(), 0);
+  a.reader.assign(a.unique.size(), -1);
+  for (uint32_t u : order) {
+    int32_t best = a.holders[u][0];
+    for (int32_t h : a.holders[u]) {
+      if (load[h] < load[best]) best = h;
+    }
+    a.reader[u] = best;
+    load[best] += a.unique[u].length;
+  }
+  return a;
+}
+
+std::vector<std::vector<ExchangePiece>> ScheduleExchange(const ReadAssignment& assignment,
+                                                         int num_ranks,
+                                                         uint64_t bytes_per_rank_per_round) {
+  const uint64_t cap = std::max<uint64_t>(bytes_per_rank_per_round, 1);
+  // Each sender fills its own sequence of rounds: its pieces go to the first round where it
+  // still has room, so senders proceed in parallel and the rounds are as few as the busiest
+  // sender needs.
+  std::vector<std::vector<ExchangePiece>> rounds;
+  std::vector<size_t> next_round(num_ranks, 0);
+  std::vector<uint64_t> used_in_next(num_ranks, 0);
+  for (uint32_t u = 0; u < assignment.unique.size(); ++u) {
+    if (assignment.holders[u].size() < 2) continue;
+    const int32_t sender = assignment.reader[u];
+    for (uint64_t begin = 0; begin < assignment.unique[u].length;) {
+      if (used_in_next[sender] == cap) {
+        ++next_round[sender];
+        used_in_next[sender] = 0;
+      }
+      const uint64_t n = std::min(cap - used_in_next[sender], assignment.unique[u].length - begin);
+      if (rounds.size() <= next_round[sender]) rounds.resize(next_round[sender] + 1);
+      rounds[next_round[sender]].push_back({u, begin, n});
+      used_in_next[sender] += n;
+      begin += n;
+    }
+  }
+  return rounds;
+}
+
+}  // namespace tessera

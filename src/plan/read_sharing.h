@@ -1,0 +1,58 @@
+// Read sharing: ranks that need the same bytes (data-parallel replicas loading the same shard)
+// read them from storage once between them and exchange them. Pure and deterministic: every
+// rank computes the same assignment and schedule from every rank's run list.
+#ifndef TESSERA_PLAN_READ_SHARING_H_
+#define TESSERA_PLAN_READ_SHARING_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "plan/load_plan.h"
+#include "tessera/comm.h"
+#include "tessera/status.h"
+
+namespace tessera {
+
+// The bytes a run reads: what makes two ranks' runs the same.
+struct RunKey {
+  uint32_t file_index = 0;
+  uint64_t file_offset = 0;
+  uint64_t length = 0;
+  friend auto operator<=>(const RunKey&, const RunKey&) = default;
+};
+
+Bytes EncodeRunKeys(std::span<const ReadRun> runs);
+Result<std::vector<RunKey>> DecodeRunKeys(std::span<const uint8_t> bytes);
+
+struct ReadAssignment {
+  std::vector<RunKey> unique;                 // every distinct run, sorted
+  std::vector<int32_t> reader;                // per unique run: the rank that reads it
+  std::vector<std::vector<int32_t>> holders;  // per unique run: ranks that need it, ascending
+  // unique_of[r][i]: the unique run of rank r's run i.
+  std::vector<std::vector<uint32_t>> unique_of;
+};
+
+// Assigns each distinct run to one of the ranks that need it: runs needed by fewer ranks first,
+// larger first, each to the least-loaded (in bytes) of its ranks, ties by rank. The total read
+// from storage is the unique bytes needed.
+ReadAssignment AssignReads(std::span<const std::vector<RunKey>> runs_by_rank);
+
+// One piece of a shared run sent by its reader to the other ranks that need it.
+struct ExchangePiece {
+  uint32_t unique_run = 0;
+  uint64_t begin = 0;  // byte offset within the run
+  uint64_t length = 0;
+};
+
+// The exchange in rounds, the same on every rank: each round, every rank contributes at most
+// `bytes_per_rank_per_round` bytes (the pieces it read), so an all-gather round holds at most
+// ranks x that. A run larger than the cap is cut into pieces. Runs needed by one rank only are
+// not exchanged.
+std::vector<std::vector<ExchangePiece>> ScheduleExchange(const ReadAssignment& assignment,
+                                                         int num_ranks,
+                                                         uint64_t bytes_per_rank_per_round);
+
+}  // namespace tessera
+
+#endif  // TESSERA_PLAN_READ_SHARING_H_
