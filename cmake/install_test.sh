@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs the build tree to a temporary prefix, builds examples/cmake_consumer against it with
+# find_package(tessera), and runs it. Usage: install_test.sh SOURCE_DIR BUILD_DIR
+set -euo pipefail
+source_dir="$1"
+build_dir="$2"
+work="$(mktemp -d "${TMPDIR:-/tmp}/tessera-install-XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+cmake --install "$build_dir" --prefix "$work/prefix" > "$work/install.log"
+test -f "$work/prefix/lib/cmake/tessera/tesseraConfig.cmake" || {
+  echo "no tesseraConfig.cmake installed"; exit 1; }
+cmake -S "$source_dir/examples/cmake_consumer" -B "$work/consumer" -G Ninja \
+  -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release > "$work/configure.log"
+cmake --build "$work/consumer" > "$work/build.log"
+"$work/consumer/consumer" "$work/checkpoint"
