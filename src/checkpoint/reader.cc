@@ -10,6 +10,9 @@
 namespace tessera {
 namespace {
 
+// Bytes per read call: large enough to stream, small enough to checksum while in cache.
+constexpr uint64_t kReadPiece = 8u << 20;
+
 std::string Hex(uint64_t v) {
   char buf[19];
   std::snprintf(buf, sizeof(buf), "%016" PRIx64, v);
@@ -101,16 +104,21 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
     ChecksumStream checksum;  // of the whole chunk whose runs are being read
     for (size_t i = bounds[slice]; i < bounds[slice + 1]; ++i) {
       const ReadRun& run = runs[i];
-      Status s = files[run.file_index]->ReadAt(run.file_offset, run.destination, run.length);
-      if (!s.ok()) {
-        statuses[slice] =
-            s.WithContext("reading " + DescribeChunk(metadata, run.tensor, run.chunk));
-        return;
+      const bool check = run.whole_chunk && options.verify_checksums;
+      if (check && run.chunk_first) checksum.Reset();
+      // In pieces, each checksummed right after it is read, while it is in cache.
+      for (uint64_t done = 0; done < run.length;) {
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(kReadPiece, run.length - done));
+        Status s = files[run.file_index]->ReadAt(run.file_offset + done, run.destination + done, n);
+        if (!s.ok()) {
+          statuses[slice] =
+              s.WithContext("reading " + DescribeChunk(metadata, run.tensor, run.chunk));
+          return;
+        }
+        if (check) checksum.Update(run.destination + done, n);
+        done += n;
       }
-      if (!run.whole_chunk || !options.verify_checksums) continue;
-      if (run.chunk_first) checksum.Reset();
-      checksum.Update(run.destination, run.length);
-      if (!run.chunk_last) continue;
+      if (!check || !run.chunk_last) continue;
       const ByteLocation& where = metadata.tensors[run.tensor].chunks[run.chunk].location;
       const uint64_t actual = checksum.Digest();
       if (actual != where.checksum) {
@@ -129,7 +137,7 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
   for (std::thread& t : threads) t.join();
   for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
   report.bytes_read += total;
-  report.read_calls += runs.size();
+  for (const ReadRun& run : runs) report.read_calls += (run.length + kReadPiece - 1) / kReadPiece;
   return Status::Ok();
 }
 
