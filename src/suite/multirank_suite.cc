@@ -4,6 +4,7 @@
 #include <numeric>
 #include <random>
 
+#include "tessera/async_save.h"
 #include "tessera/checkpoint.h"
 #include "tessera/fault_injecting_storage.h"
 #include "workload/model_state.h"
@@ -379,6 +380,46 @@ Status ReadSharingReadsEachByteOnce(Comm& comm, const std::string& dir, ReadShar
   return Expect(layout.dp == 1 || totals[1] > 0, "replicas received their share by exchange");
 }
 
+// A training loop: all-reduces on the caller's comm while saves run in the background; each
+// checkpoint holds the values of the step that staged it.
+Status AsyncSaveDuringTraining(Comm& comm, const std::string& dir) {
+  std::vector<float> weights(4096);
+  auto dict = [&] {
+    StateDict state;
+    (void)state.Add(ShardedTensor::Shard("w", TensorView(weights.data(), DType::kF32, {4096}),
+                                         {4096 * comm.size()}, {4096 * comm.rank()}));
+    return state;
+  };
+  std::vector<std::pair<AsyncSaveHandle, int>> saves;
+  for (int step = 0; step < 12; ++step) {
+    std::vector<int64_t> gradient = {step, 1};
+    TESSERA_RETURN_IF_ERROR(comm.AllReduce(gradient, ReduceOp::kSum));
+    TESSERA_RETURN_IF_ERROR(Expect(gradient[0] == step * comm.size() && gradient[1] == comm.size(),
+                                   "the training all-reduce is not disturbed by the save"));
+    std::fill(weights.begin(), weights.end(), static_cast<float>(step));
+    if (step % 4 == 1) {
+      AsyncSaveOptions options;
+      options.when_busy = step % 8 == 1 ? WhenBusy::kQueue : WhenBusy::kWait;
+      StateDict state = dict();
+      TESSERA_ASSIGN_OR_RETURN(
+          AsyncSaveHandle handle,
+          AsyncSave(state, dir + "/step" + std::to_string(step), comm, options));
+      saves.emplace_back(handle, step);
+    }
+  }
+  for (auto& [handle, step] : saves) {
+    TESSERA_RETURN_IF_ERROR(handle.Wait());
+    std::fill(weights.begin(), weights.end(), -1.0f);
+    StateDict state = dict();
+    TESSERA_RETURN_IF_ERROR(Load(state, dir + "/step" + std::to_string(step), comm).status());
+    TESSERA_RETURN_IF_ERROR(
+        Expect(std::all_of(weights.begin(), weights.end(),
+                           [&](float v) { return v == static_cast<float>(step); }),
+               "checkpoint of step " + std::to_string(step) + " holds that step's values"));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 const std::vector<MultiRankCase>& MultiRankCases() {
@@ -399,6 +440,7 @@ const std::vector<MultiRankCase>& MultiRankCases() {
       {"BalancedWritesSpreadReplicatedBytes", 1, BalancedWritesSpreadReplicatedBytes},
       {"ObjectsPerRankAndShared", 1, ObjectsPerRankAndShared},
       {"PlanCacheReusesPlansAndNoticesChanges", 1, PlanCacheReusesPlansAndNoticesChanges},
+      {"AsyncSaveDuringTraining", 1, AsyncSaveDuringTraining},
       {"ReadSharingByAllGatherReadsEachByteOnce", 1,
        [](Comm& c, const std::string& d) {
          return ReadSharingReadsEachByteOnce(c, d, ReadSharing::kAllGather);
