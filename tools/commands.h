@@ -34,6 +34,7 @@ struct DemoOptions {
   int io_threads = 2;
   bool sync = true;
   std::string share_reads = "none";  // none | broadcast | allgather
+  std::string comm = "local";        // local | mpi
 };
 int RunDemo(const DemoOptions& options);
 

@@ -9,6 +9,7 @@
 #include "tessera/checkpoint.h"
 #include "tessera/local_comm.h"
 #include "tools/commands.h"
+#include "tools/ranks.h"
 #include "workload/model_state.h"
 
 namespace tessera::tools {
@@ -34,83 +35,104 @@ int RunDemo(const DemoOptions& options) {
                                 " does not match --save-layout " + options.save_layout + " (" +
                                 std::to_string(save_layout->ranks()) + " ranks)"));
   }
+  Result<std::unique_ptr<RankRunner>> runner = RankRunner::Create(options.comm);
+  if (!runner.ok()) return Fail(runner.status());
+  const bool print = (*runner)->printer();
   const ModelConfig config = ModelConfig::ForBytes(options.size_bytes);
-  std::printf(
-      "model: hidden %lld, ffn %lld, vocab %lld, %lld layers; state %s (BF16 params + "
-      "F32 Adam moments)\n",
-      static_cast<long long>(config.hidden), static_cast<long long>(config.ffn),
-      static_cast<long long>(config.vocab), static_cast<long long>(config.layers),
-      FormatBytes(config.StateBytes()).c_str());
+  if (print) {
+    std::printf(
+        "model: hidden %lld, ffn %lld, vocab %lld, %lld layers; state %s (BF16 params "
+        "+ F32 Adam moments)\n",
+        static_cast<long long>(config.hidden), static_cast<long long>(config.ffn),
+        static_cast<long long>(config.vocab), static_cast<long long>(config.layers),
+        FormatBytes(config.StateBytes()).c_str());
+  }
 
   SaveOptions save_options;
   save_options.num_io_threads = options.io_threads;
   save_options.sync = options.sync ? SyncPolicy::kFull : SyncPolicy::kNone;
   save_options.user_metadata = {{"producer", "tessera demo"}, {"layout", save_layout->ToString()}};
 
+  // Sums over ranks, computed with an all-reduce so that MPI runs print totals too.
+  auto sum = [](Comm& comm, std::vector<int64_t> values) -> Result<std::vector<int64_t>> {
+    TESSERA_RETURN_IF_ERROR(comm.AllReduce(values, ReduceOp::kSum));
+    return values;
+  };
+
   // Save with the save layout.
-  std::atomic<uint64_t> held_bytes{0}, written_bytes{0};
-  uint64_t total_bytes = 0;
+  uint64_t held_bytes = 0, total_bytes = 0;
   double save_seconds = 0;
-  std::vector<Status> statuses = RunLocalRanks(save_layout->ranks(), [&](Comm& comm) -> Status {
-    RankState state = BuildRankState(config, *save_layout, comm.rank(), /*fill=*/true);
-    held_bytes += state.bytes;
+  Status saved = (*runner)->Run(save_layout->ranks(), [&](Comm& comm, bool active) -> Status {
+    RankState state;
+    if (active) state = BuildRankState(config, *save_layout, comm.rank(), /*fill=*/true);
     TESSERA_RETURN_IF_ERROR(comm.Barrier());
     Clock::time_point start = Clock::now();
     TESSERA_ASSIGN_OR_RETURN(SaveReport report, Save(state.dict, options.out, comm, save_options));
     TESSERA_RETURN_IF_ERROR(comm.Barrier());
+    const double seconds = Seconds(start, Clock::now());
+    TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> totals,
+                             sum(comm, {static_cast<int64_t>(state.bytes)}));
     if (comm.rank() == 0) {
-      save_seconds = Seconds(start, Clock::now());
+      save_seconds = seconds;
       total_bytes = report.total_bytes;
+      held_bytes = totals[0];
     }
-    written_bytes += report.bytes_written;
     return Status::Ok();
   });
-  if (Status s = FirstError(statuses); !s.ok()) return Fail(s.WithContext("save"));
+  if (!saved.ok()) return Fail(saved.WithContext("save"));
   Result<Metadata> metadata = ReadMetadata(options.out);
   if (!metadata.ok()) return Fail(metadata.status());
-  std::printf(
-      "save: %d ranks (%s) held %s, wrote %s once (replicas deduplicated) in %zu files, "
-      "%llu chunks, %.3f s, %.2f GB/s%s\n",
-      save_layout->ranks(), save_layout->ToString().c_str(), FormatBytes(held_bytes).c_str(),
-      FormatBytes(total_bytes).c_str(), metadata->files.size(),
-      static_cast<unsigned long long>(metadata->TotalChunks()), save_seconds,
-      total_bytes / save_seconds / 1e9, options.sync ? " (fsync'ed)" : " (page cache, no fsync)");
+  if (print) {
+    std::printf(
+        "save: %d ranks (%s) held %s, wrote %s once (replicas deduplicated) in %zu "
+        "files, %llu chunks, %.3f s, %.2f GB/s%s\n",
+        save_layout->ranks(), save_layout->ToString().c_str(), FormatBytes(held_bytes).c_str(),
+        FormatBytes(total_bytes).c_str(), metadata->files.size(),
+        static_cast<unsigned long long>(metadata->TotalChunks()), save_seconds,
+        total_bytes / save_seconds / 1e9, options.sync ? " (fsync'ed)" : " (page cache, no fsync)");
+  }
 
   // Load with the load layout, into zeroed buffers, and check every element.
   LoadOptions load_options;
   load_options.num_io_threads = options.io_threads;
   if (options.share_reads == "broadcast") load_options.read_sharing = ReadSharing::kBroadcast;
   if (options.share_reads == "allgather") load_options.read_sharing = ReadSharing::kAllGather;
-  std::atomic<uint64_t> read_bytes{0}, needed_bytes{0}, received_bytes{0};
+  uint64_t read_bytes = 0, needed_bytes = 0, received_bytes = 0;
   double load_seconds = 0;
-  statuses = RunLocalRanks(load_layout->ranks(), [&](Comm& comm) -> Status {
-    RankState state = BuildRankState(config, *load_layout, comm.rank(), /*fill=*/false);
+  Status loaded = (*runner)->Run(load_layout->ranks(), [&](Comm& comm, bool active) -> Status {
+    RankState state;
+    if (active) state = BuildRankState(config, *load_layout, comm.rank(), /*fill=*/false);
     TESSERA_RETURN_IF_ERROR(comm.Barrier());
     Clock::time_point start = Clock::now();
     TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(state.dict, options.out, comm, load_options));
     TESSERA_RETURN_IF_ERROR(comm.Barrier());
-    if (comm.rank() == 0) load_seconds = Seconds(start, Clock::now());
-    read_bytes += report.bytes_read;
-    needed_bytes += report.bytes_needed;
-    received_bytes += report.bytes_received;
+    const double seconds = Seconds(start, Clock::now());
+    TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> totals,
+                             sum(comm, {static_cast<int64_t>(report.bytes_read),
+                                        static_cast<int64_t>(report.bytes_needed),
+                                        static_cast<int64_t>(report.bytes_received)}));
+    if (comm.rank() == 0) {
+      load_seconds = seconds;
+      read_bytes = totals[0], needed_bytes = totals[1], received_bytes = totals[2];
+    }
     return AgreeOnStatus(comm,
                          CheckRankState(state).WithContext("rank " + std::to_string(comm.rank())));
   });
-  // Every rank agreed on the outcome, so rank 0's status speaks for all.
-  if (!statuses[0].ok()) return Fail(statuses[0].WithContext("load"));
-  if (Status s = FirstError(statuses); !s.ok()) return Fail(s.WithContext("load"));
-  std::printf("load: %d ranks (%s) needed %s, read %s from storage%s, %.3f s, %.2f GB/s\n",
-              load_layout->ranks(), load_layout->ToString().c_str(),
-              FormatBytes(needed_bytes).c_str(), FormatBytes(read_bytes).c_str(),
-              options.share_reads == "none" ? ""
-                                            : (" and " + FormatBytes(received_bytes) +
-                                               " from other ranks (" + options.share_reads + ")")
-                                                  .c_str(),
-              load_seconds, needed_bytes / load_seconds / 1e9);
-  std::printf(
-      "verified: every element of the %s layout matches the state saved under %s "
-      "(bit-exact), checkpoint in %s\n",
-      load_layout->ToString().c_str(), save_layout->ToString().c_str(), options.out.c_str());
+  if (!loaded.ok()) return Fail(loaded.WithContext("load"));
+  if (print) {
+    std::printf("load: %d ranks (%s) needed %s, read %s from storage%s, %.3f s, %.2f GB/s\n",
+                load_layout->ranks(), load_layout->ToString().c_str(),
+                FormatBytes(needed_bytes).c_str(), FormatBytes(read_bytes).c_str(),
+                options.share_reads == "none" ? ""
+                                              : (" and " + FormatBytes(received_bytes) +
+                                                 " from other ranks (" + options.share_reads + ")")
+                                                    .c_str(),
+                load_seconds, needed_bytes / load_seconds / 1e9);
+    std::printf(
+        "verified: every element of the %s layout matches the state saved under %s "
+        "(bit-exact), checkpoint in %s\n",
+        load_layout->ToString().c_str(), save_layout->ToString().c_str(), options.out.c_str());
+  }
   return 0;
 }
 
@@ -131,6 +153,9 @@ void AddDemoCommand(CLI::App& app, int* exit_code) {
   demo->add_option("--io-threads", options->io_threads, "I/O threads per rank")
       ->capture_default_str();
   demo->add_flag("--no-sync", *no_sync, "skip fsync (page-cache speed, no durability)");
+  demo->add_option("--comm", options->comm, "local (threads of this process) or mpi (mpirun)")
+      ->check(CLI::IsMember({"local", "mpi"}))
+      ->capture_default_str();
   demo->add_option("--share-reads", options->share_reads,
                    "replicas read shared bytes once and exchange them: none|broadcast|allgather")
       ->check(CLI::IsMember({"none", "broadcast", "allgather"}))
