@@ -89,7 +89,10 @@ class [[nodiscard]] Result {
   }
 
   bool ok() const { return value_.has_value(); }
-  const Status& status() const { return status_; }
+  const Status& status() const& { return status_; }
+  // By value on a temporary, so `TESSERA_RETURN_IF_ERROR(Save(...).status())` never refers
+  // to a destroyed Result.
+  Status status() && { return std::move(status_); }
 
   // Requires ok().
   T& value() & { return *value_; }

@@ -1,0 +1,16 @@
+// The `tessera._tessera` extension module: the C++ half of the Python bindings. The Python
+// package (python/tessera/) builds on it; see docs/PYTHON.md.
+#include <pybind11/pybind11.h>
+
+#include "py_checkpoint.h"
+#include "py_comm.h"
+#include "py_state.h"
+#include "py_status.h"
+
+PYBIND11_MODULE(_tessera, m) {
+  m.doc() = "tessera: distributed checkpoints of sharded tensors (C++ core)";
+  tessera::python::RegisterStatus(m);
+  tessera::python::RegisterState(m);
+  tessera::python::RegisterComm(m);
+  tessera::python::RegisterCheckpoint(m);
+}

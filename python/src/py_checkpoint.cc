@@ -1,0 +1,278 @@
+// Save, Load, AsyncSave, ReadMetadata, Verify and the structs they take and return. Every call
+// into the library releases the GIL.
+#include "py_checkpoint.h"
+
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "py_comm.h"
+#include "py_state.h"
+#include "py_status.h"
+#include "tessera/async_save.h"
+#include "tessera/checkpoint.h"
+
+namespace py = pybind11;
+
+namespace tessera::python {
+namespace {
+
+std::string BoxRepr(const Box& box) { return box.ToString(); }
+
+// Runs `call` (returning a Result) without the GIL and returns its value or throws.
+template <typename F>
+auto WithoutGil(F&& call) {
+  auto result = [&] {
+    py::gil_scoped_release release;
+    return call();
+  }();
+  return ValueOrThrow(std::move(result));
+}
+
+void RegisterOptions(py::module_& m) {
+  py::enum_<SyncPolicy>(m, "SyncPolicy")
+      .value("FULL", SyncPolicy::kFull)
+      .value("NONE", SyncPolicy::kNone);
+  py::enum_<KeyPolicy>(m, "KeyPolicy")
+      .value("ERROR", KeyPolicy::kError)
+      .value("SKIP", KeyPolicy::kSkip);
+  py::enum_<ReadSharing>(m, "ReadSharing")
+      .value("NONE", ReadSharing::kNone)
+      .value("BROADCAST", ReadSharing::kBroadcast)
+      .value("ALL_GATHER", ReadSharing::kAllGather);
+  py::enum_<WhenBusy>(m, "WhenBusy")
+      .value("WAIT", WhenBusy::kWait)
+      .value("QUEUE", WhenBusy::kQueue);
+
+  // Field for field the C++ structs (checkpoint.h documents each default and cost); the
+  // Python functions set them from keyword arguments of the same names.
+  py::class_<SaveOptions>(m, "SaveOptions")
+      .def(py::init<>())
+      .def_readwrite("num_io_threads", &SaveOptions::num_io_threads)
+      .def_readwrite("sync", &SaveOptions::sync)
+      .def_readwrite("balance_writes", &SaveOptions::balance_writes)
+      .def_readwrite("user_metadata", &SaveOptions::user_metadata)
+      .def_readwrite("remove_stale_files", &SaveOptions::remove_stale_files)
+      .def_readwrite("plan_cache", &SaveOptions::plan_cache);
+  py::class_<LoadOptions>(m, "LoadOptions")
+      .def(py::init<>())
+      .def_readwrite("missing_keys", &LoadOptions::missing_keys)
+      .def_readwrite("unexpected_keys", &LoadOptions::unexpected_keys)
+      .def_readwrite("verify_checksums", &LoadOptions::verify_checksums)
+      .def_readwrite("num_io_threads", &LoadOptions::num_io_threads)
+      .def_readwrite("read_sharing", &LoadOptions::read_sharing)
+      .def_readwrite("exchange_bytes", &LoadOptions::exchange_bytes);
+  py::class_<AsyncSaveOptions>(m, "AsyncSaveOptions")
+      .def(py::init<>())
+      .def_readwrite("save", &AsyncSaveOptions::save)
+      .def_readwrite("when_busy", &AsyncSaveOptions::when_busy);
+}
+
+void RegisterReports(py::module_& m) {
+  py::class_<SaveReport>(m, "SaveReport")
+      .def_readonly("save_id", &SaveReport::save_id)
+      .def_readonly("bytes_written", &SaveReport::bytes_written, "by this rank (data files)")
+      .def_readonly("total_bytes", &SaveReport::total_bytes, "by all ranks")
+      .def_readonly("files_written", &SaveReport::files_written, "by this rank")
+      .def_readonly("plan_cache_hit", &SaveReport::plan_cache_hit,
+                    "the plan of the previous save was reused")
+      .def("__repr__", [](const SaveReport& r) {
+        return "SaveReport(save_id='" + r.save_id +
+               "', bytes_written=" + std::to_string(r.bytes_written) +
+               ", total_bytes=" + std::to_string(r.total_bytes) +
+               ", files_written=" + std::to_string(r.files_written) +
+               ", plan_cache_hit=" + (r.plan_cache_hit ? "True" : "False") + ")";
+      });
+  // dynamic_attr: tessera.load attaches the loaded state dict as `state_dict`.
+  py::class_<LoadReport>(m, "LoadReport", py::dynamic_attr())
+      .def_readonly("missing_keys", &LoadReport::missing_keys)
+      .def_readonly("unexpected_keys", &LoadReport::unexpected_keys)
+      .def_readonly("shape_mismatched_keys", &LoadReport::shape_mismatched_keys)
+      .def_readonly("bytes_read", &LoadReport::bytes_read)
+      .def_readonly("bytes_needed", &LoadReport::bytes_needed)
+      .def_readonly("read_calls", &LoadReport::read_calls)
+      .def_readonly("bytes_received", &LoadReport::bytes_received, "from other ranks")
+      .def("__repr__", [](const LoadReport& r) {
+        return "LoadReport(missing_keys=" + std::to_string(r.missing_keys.size()) +
+               ", unexpected_keys=" + std::to_string(r.unexpected_keys.size()) +
+               ", shape_mismatched_keys=" + std::to_string(r.shape_mismatched_keys.size()) +
+               ", bytes_read=" + std::to_string(r.bytes_read) +
+               ", bytes_needed=" + std::to_string(r.bytes_needed) +
+               ", read_calls=" + std::to_string(r.read_calls) +
+               ", bytes_received=" + std::to_string(r.bytes_received) + ")";
+      });
+  py::class_<VerifyReport>(m, "VerifyReport")
+      .def_readonly("chunks_checked", &VerifyReport::chunks_checked)
+      .def_readonly("bytes_checked", &VerifyReport::bytes_checked)
+      .def_readonly("files_checked", &VerifyReport::files_checked)
+      .def("__repr__", [](const VerifyReport& r) {
+        return "VerifyReport(chunks_checked=" + std::to_string(r.chunks_checked) +
+               ", bytes_checked=" + std::to_string(r.bytes_checked) +
+               ", files_checked=" + std::to_string(r.files_checked) + ")";
+      });
+}
+
+void RegisterMetadata(py::module_& m) {
+  py::class_<Box>(m, "Box")
+      .def_readonly("offsets", &Box::offsets)
+      .def_readonly("sizes", &Box::sizes)
+      .def("__repr__", &BoxRepr);
+  py::class_<ByteLocation>(m, "ByteLocation")
+      .def_readonly("file_index", &ByteLocation::file_index)
+      .def_readonly("offset", &ByteLocation::offset)
+      .def_readonly("length", &ByteLocation::length)
+      .def_readonly("checksum", &ByteLocation::checksum);
+  py::class_<ChunkInfo>(m, "ChunkInfo")
+      .def_readonly("box", &ChunkInfo::box)
+      .def_readonly("location", &ChunkInfo::location)
+      .def("__repr__", [](const ChunkInfo& c) { return "ChunkInfo(" + c.box.ToString() + ")"; });
+  py::class_<TensorInfo>(m, "TensorInfo")
+      .def_readonly("key", &TensorInfo::key)
+      .def_property_readonly("dtype",
+                             [](const TensorInfo& t) { return std::string(DTypeName(t.dtype)); })
+      .def_property_readonly("shape", [](const TensorInfo& t) { return t.global_shape; })
+      .def_readonly("chunks", &TensorInfo::chunks)
+      .def_readonly("partial", &TensorInfo::partial)
+      .def_property_readonly("nbytes",
+                             [](const TensorInfo& t) {
+                               uint64_t n = 0;
+                               for (const ChunkInfo& c : t.chunks) n += c.location.length;
+                               return n;
+                             })
+      .def("__repr__", [](const TensorInfo& t) {
+        return "TensorInfo('" + t.key + "', " + std::string(DTypeName(t.dtype)) + ", " +
+               ShapeToString(t.global_shape) + ", " + std::to_string(t.chunks.size()) + " chunks)";
+      });
+  py::class_<ObjectInfo>(m, "ObjectInfo")
+      .def_readonly("key", &ObjectInfo::key)
+      .def_readonly("location", &ObjectInfo::location)
+      .def_property_readonly("nbytes", [](const ObjectInfo& o) { return o.location.length; })
+      .def("__repr__", [](const ObjectInfo& o) {
+        return "ObjectInfo('" + o.key + "', " + std::to_string(o.location.length) + " bytes)";
+      });
+  py::class_<FileInfo>(m, "FileInfo")
+      .def_readonly("name", &FileInfo::name)
+      .def_readonly("size", &FileInfo::size)
+      .def("__repr__", [](const FileInfo& f) {
+        return "FileInfo('" + f.name + "', " + std::to_string(f.size) + " bytes)";
+      });
+  py::class_<Metadata>(m, "Metadata")
+      .def_readonly("format_version", &Metadata::format_version)
+      .def_readonly("save_id", &Metadata::save_id)
+      .def_readonly("num_ranks", &Metadata::num_ranks)
+      .def_readonly("tensors", &Metadata::tensors)
+      .def_readonly("objects", &Metadata::objects)
+      .def_readonly("files", &Metadata::files)
+      .def_readonly("user_metadata", &Metadata::user_metadata)
+      .def(
+          "find_tensor",
+          [](const Metadata& m, const std::string& key) -> std::optional<TensorInfo> {
+            const TensorInfo* t = m.FindTensor(key);
+            return t ? std::optional<TensorInfo>(*t) : std::nullopt;
+          },
+          py::arg("key"), "The tensor saved under `key`, or None.")
+      .def(
+          "find_object",
+          [](const Metadata& m, const std::string& key) -> std::optional<ObjectInfo> {
+            const ObjectInfo* o = m.FindObject(key);
+            return o ? std::optional<ObjectInfo>(*o) : std::nullopt;
+          },
+          py::arg("key"), "The object saved under `key`, or None.")
+      .def_property_readonly("total_tensor_bytes", &Metadata::TotalTensorBytes)
+      .def_property_readonly("total_chunks", &Metadata::TotalChunks)
+      .def("__repr__", [](const Metadata& m) {
+        return "Metadata(save_id='" + m.save_id + "', num_ranks=" + std::to_string(m.num_ranks) +
+               ", " + std::to_string(m.tensors.size()) + " tensors, " +
+               std::to_string(m.objects.size()) + " objects, " + std::to_string(m.files.size()) +
+               " files)";
+      });
+}
+
+void RegisterAsync(py::module_& m) {
+  py::class_<AsyncSaveHandle>(m, "AsyncSaveHandle",
+                              "An asynchronous save in flight (tessera.async_save).")
+      .def(
+          "wait",
+          [](const AsyncSaveHandle& h) {
+            Status status;
+            {
+              py::gil_scoped_release release;
+              status = h.Wait();
+            }
+            ThrowIfError(status);
+            return *h.report();
+          },
+          "Blocks until the save is committed and returns its SaveReport, or raises its error "
+          "(the same on every rank).")
+      .def("done", &AsyncSaveHandle::Done, "True once the save is committed or failed.")
+      .def(
+          "exception",
+          [](const AsyncSaveHandle& h) -> py::object {
+            std::optional<Status> status = h.TryStatus();
+            if (!status || status->ok()) return py::none();
+            return StatusToException(*status);
+          },
+          "The exception the save failed with; None while in flight or after success.")
+      .def_property_readonly(
+          "report", [](const AsyncSaveHandle& h) { return h.report(); },
+          "The SaveReport once committed, else None.")
+      .def("__repr__", [](const AsyncSaveHandle& h) {
+        std::optional<Status> status = h.TryStatus();
+        if (!status) return std::string("<tessera.AsyncSaveHandle in flight>");
+        return "<tessera.AsyncSaveHandle " + status->ToString() + ">";
+      });
+}
+
+}  // namespace
+
+void RegisterCheckpoint(py::module_& m) {
+  RegisterOptions(m);
+  RegisterReports(m);
+  RegisterMetadata(m);
+  RegisterAsync(m);
+
+  m.def(
+      "_save",
+      [](StateBuilder& state, const std::string& path, const CommHandle* comm,
+         const SaveOptions& options) {
+        Comm* c = comm ? &comm->get() : nullptr;
+        return WithoutGil([&] {
+          return c ? Save(state.dict(), path, *c, options) : Save(state.dict(), path, options);
+        });
+      },
+      py::arg("state"), py::arg("path"), py::arg("comm"), py::arg("options"));
+  m.def(
+      "_load",
+      [](StateBuilder& state, const std::string& path, const CommHandle* comm,
+         const LoadOptions& options) {
+        Comm* c = comm ? &comm->get() : nullptr;
+        return WithoutGil([&] {
+          return c ? Load(state.dict(), path, *c, options) : Load(state.dict(), path, options);
+        });
+      },
+      py::arg("state"), py::arg("path"), py::arg("comm"), py::arg("options"));
+  m.def(
+      "_async_save",
+      [](StateBuilder& state, const std::string& path, const CommHandle& comm,
+         const AsyncSaveOptions& options) {
+        Comm& c = comm.get();
+        return WithoutGil([&] { return AsyncSave(state.dict(), path, c, options); });
+      },
+      py::arg("state"), py::arg("path"), py::arg("comm"), py::arg("options"));
+  m.def(
+      "read_metadata",
+      [](const std::string& path) { return WithoutGil([&] { return ReadMetadata(path); }); },
+      py::arg("path"),
+      "Reads and checks the manifest of the checkpoint at `path`: its keys, dtypes, shapes,\n"
+      "chunks, files and user metadata.");
+  m.def(
+      "verify", [](const std::string& path) { return WithoutGil([&] { return Verify(path); }); },
+      py::arg("path"),
+      "Re-reads every chunk and object of the checkpoint at `path` and checks checksums, file\n"
+      "sizes and exact coverage; raises the first problem found.");
+}
+
+}  // namespace tessera::python

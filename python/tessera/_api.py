@@ -1,0 +1,265 @@
+"""save, load, async_save, load_all, read_metadata, verify: thin wrappers that flatten the
+state dict (tessera/_state.py), set the C++ options from keyword arguments and call the
+extension module without the GIL."""
+
+import atexit
+import os
+import threading
+
+from . import _state
+from . import _tessera
+from ._errors import _INVALID_ARGUMENT, Error, InvalidArgumentError, invalid_argument
+
+# Keyword arguments that are not fields of the C++ options structs.
+_NOT_OPTIONS = {"missing_keys", "unexpected_keys", "storage", "save", "when_busy"}
+
+
+def _set_options(function, opts, options):
+    """Sets the fields of a C++ options struct (SaveOptions, LoadOptions) from keyword
+    arguments of the same names. An enum field also takes its value's name in any case
+    (sync="none", read_sharing="broadcast"); sync also takes a bool."""
+    for name, value in options.items():
+        if name.startswith("_") or name in _NOT_OPTIONS or not hasattr(opts, name):
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+        current = getattr(opts, name)
+        members = getattr(type(current), "__members__", None)
+        if members is not None:
+            if name == "sync" and isinstance(value, bool):
+                value = "full" if value else "none"
+            if isinstance(value, str):
+                if value.upper() not in members:
+                    raise ValueError(f"{function}(): {name} must be one of "
+                                     f"{[m.lower() for m in members]}, not {value!r}")
+                value = members[value.upper()]
+        if name == "user_metadata":
+            value = dict(value or {})
+            if _state.STRUCTURE_KEY in value:
+                raise invalid_argument(f"user_metadata key '{_state.STRUCTURE_KEY}' is reserved")
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+                raise TypeError("user_metadata must map str to str")
+        setattr(opts, name, value)
+    return opts
+
+
+def _comm_handle(comm):
+    if comm is None or isinstance(comm, _tessera.Comm):
+        return comm
+    raise TypeError(f"comm must be a tessera.Comm or None, not {type(comm).__name__} (wrap a "
+                    "torch.distributed group with tessera.torch_dist_comm(group), an mpi4py "
+                    "communicator with tessera.mpi_comm(comm))")
+
+
+def _status_of(error):
+    """(status code, message) of an exception raised while preparing a call."""
+    if isinstance(error, Error):
+        return error.status_code, str(error)
+    return _INVALID_ARGUMENT, f"{type(error).__name__}: {error}"
+
+
+def _prepare(comm, prepare):
+    """Runs prepare() (flattening, checking, options) on this rank. With several ranks, all
+    of them then learn whether every rank succeeded (one small collective), so bad input on
+    one rank fails the call on every rank instead of leaving the others waiting in the next
+    collective. The failing rank raises its own exception; the others a tessera.Error of the
+    same status naming it."""
+    error = None
+    try:
+        result = prepare()
+    except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
+        error = e
+    if comm is not None and comm.size > 1:
+        code, message = (0, "") if error is None else _status_of(error)
+        try:
+            _tessera._agree_on_status(comm, code, message)
+        except Error:
+            if error is None:
+                raise
+    if error is not None:
+        raise error
+    return result
+
+
+def _prepare_save(function, state_dict, comm, options):
+    comm = _comm_handle(comm)
+
+    def prepare():
+        flat = _state.Flat(state_dict)
+        builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=False)
+        return flat, builder, _set_options(function, _tessera.SaveOptions(), options)
+
+    flat, builder, opts = _prepare(comm, prepare)
+    if comm is not None and comm.size > 1:
+        # Rank 0's structure is the one saved: tell it what it cannot see (one small gather).
+        summaries = comm.gather(flat.rank_summary(), 0)
+        if comm.rank == 0:
+            flat.merge_rank_summaries(summaries)
+    metadata = opts.user_metadata
+    metadata[_state.STRUCTURE_KEY] = flat.structure
+    opts.user_metadata = metadata
+    return comm, builder, opts
+
+
+def save(state_dict, path, *, comm=None, **options):
+    """Saves `state_dict` as a checkpoint directory at `path`. COLLECTIVE over `comm`: every
+    rank calls it with the same path and options, in the same order.
+
+    Options (fields of SaveOptions, include/tessera/checkpoint.h, which documents each default
+    and cost): num_io_threads=2, sync=True ("full"; False or "none": no fsync at all),
+    balance_writes=False, user_metadata={} (str -> str; rank 0's is kept),
+    remove_stale_files=True, plan_cache=True.
+
+    Returns a SaveReport.
+    """
+    comm, builder, opts = _prepare_save("save", state_dict, comm, options)
+    return _tessera._save(builder, os.fspath(path), comm, opts)
+
+
+def _load_options(strict, options):
+    opts = _tessera.LoadOptions()
+    policy = _tessera.KeyPolicy.ERROR if strict else _tessera.KeyPolicy.SKIP
+    opts.missing_keys = policy
+    opts.unexpected_keys = policy
+    return _set_options("load", opts, options)
+
+
+def _load_prepared(state_dict, flat, builder, path, comm, opts):
+    try:
+        report = _tessera._load(builder, path, comm, opts)
+    except InvalidArgumentError as e:
+        if "= kSkip" in str(e):
+            e.add_note("(in Python: tessera.load(..., strict=False) loads the keys both sides "
+                       "have and reports the others)")
+        raise
+    new_values = _state.decode_objects(flat, builder, set(report.missing_keys))
+    if new_values:
+        state_dict = _state.map_leaves(state_dict, lambda i, leaf: new_values.get(i, leaf))
+    report.state_dict = state_dict
+    return report
+
+
+def load(state_dict, path, *, comm=None, strict=True, **options):
+    """Loads the checkpoint at `path` into `state_dict`, in place: every tensor and array is
+    written straight into its memory (any layout, whatever the layout of the save); every
+    object is replaced by the loaded one (in the dict or list holding it; a tuple holding one
+    is rebuilt). COLLECTIVE over `comm`.
+
+    strict=True: a key the checkpoint lacks (MissingKeysError) or a key of the checkpoint that
+    no rank asks for (InvalidArgumentError) is an error, and nothing is loaded. strict=False
+    loads the keys both sides have and reports the rest.
+
+    Options (fields of LoadOptions): verify_checksums=True, num_io_threads=2,
+    read_sharing="none" ("broadcast", "all_gather"), exchange_bytes=256 MiB.
+
+    Returns a LoadReport (missing_keys, unexpected_keys, shape_mismatched_keys, bytes_read,
+    ...) whose `state_dict` is the loaded state dict: `state_dict` itself, or a new one when
+    its root is a tuple holding a replaced object.
+    """
+    comm = _comm_handle(comm)
+
+    def prepare():
+        flat = _state.Flat(state_dict)
+        builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=True)
+        return flat, builder, _load_options(strict, options), os.fspath(path)
+
+    flat, builder, opts, path = _prepare(comm, prepare)
+    return _load_prepared(state_dict, flat, builder, path, comm, opts)
+
+
+def load_all(path, *, comm=None, tensor_type=None, **options):
+    """Loads the whole checkpoint at `path` into a new state dict, built from its metadata.
+
+    Saved from Python: the same containers (dict, OrderedDict, list, tuple, namedtuple) and
+    leaves: torch tensors where torch tensors were saved, NumPy arrays where arrays were
+    (a ShardedTensor comes back as the whole global tensor), objects unpickled, bytes as bytes.
+    Otherwise (e.g. saved from C++): a flat dict {key: tensor or bytes}, tensors as NumPy
+    arrays. tensor_type="numpy" or "torch" forces the tensor type. A dtype the chosen library
+    lacks comes back as integers of the same width holding the raw bits (see docs/PYTHON.md).
+
+    COLLECTIVE over `comm`: every rank reads the manifest and loads every tensor whole.
+    Options as for load.
+    """
+    comm = _comm_handle(comm)
+
+    def prepare():
+        if tensor_type not in (None, "numpy", "torch"):
+            raise ValueError(
+                f"tensor_type must be None, 'numpy' or 'torch', not {tensor_type!r}")
+        template = _state.template_from_metadata(read_metadata(path), tensor_type)
+        flat = _state.Flat(template)
+        builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=True)
+        return template, flat, builder, _load_options(True, options), os.fspath(path)
+
+    template, flat, builder, opts, path = _prepare(comm, prepare)
+    report = _load_prepared(template, flat, builder, path, comm, opts)
+    return _state.unwrap(report.state_dict)
+
+
+def read_metadata(path):
+    """The Metadata of the checkpoint at `path` (keys, dtypes, shapes, chunks, files, user
+    metadata), from its manifest."""
+    return _tessera.read_metadata(os.fspath(path))
+
+
+def verify(path):
+    """Re-reads every chunk and object of the checkpoint at `path`: checksums, file sizes,
+    exact coverage. Returns a VerifyReport or raises the first problem found (usually a
+    CorruptCheckpointError)."""
+    return _tessera.verify(os.fspath(path))
+
+
+# ---- asynchronous saves ------------------------------------------------------------------
+
+_default_comm = None
+_default_comm_lock = threading.Lock()
+_default_comm_submit_lock = threading.Lock()
+_in_flight = set()  # handles of async saves not yet seen done (waited for at exit)
+
+
+def _single_rank_comm():
+    # One for the process: the asynchronous saver and its staging buffers live with the Comm,
+    # and are reused from save to save.
+    global _default_comm
+    with _default_comm_lock:
+        if _default_comm is None:
+            _default_comm = _tessera.single_rank_comm()
+        return _default_comm
+
+
+def async_save(state_dict, path, *, comm=None, when_busy="wait", **options):
+    """Saves like save(), but returns as soon as the state is copied into staging buffers;
+    the checkpoint is written and committed in the background. The caller may change its
+    tensors and use `comm` at once. COLLECTIVE over `comm`.
+
+    when_busy="wait" (default): wait for an earlier async save on the same comm before
+    staging (one staged copy in memory at most); "queue": stage now and queue (two at most).
+
+    Returns an AsyncSaveHandle: wait() (the SaveReport, or raises the save's error), done(),
+    exception(), report. The interpreter waits at exit for saves still in flight.
+    """
+    if when_busy not in ("wait", "queue"):
+        raise ValueError(f"when_busy must be 'wait' or 'queue', not {when_busy!r}")
+    lock = None
+    if comm is None:
+        # The process-wide comm: a Comm is used by one thread at a time.
+        comm, lock = _single_rank_comm(), _default_comm_submit_lock
+    comm, builder, save_opts = _prepare_save("async_save", state_dict, comm, options)
+    opts = _tessera.AsyncSaveOptions()
+    opts.save = save_opts
+    opts.when_busy = _tessera.WhenBusy.WAIT if when_busy == "wait" else _tessera.WhenBusy.QUEUE
+    if lock is None:
+        handle = _tessera._async_save(builder, os.fspath(path), comm, opts)
+    else:
+        with lock:
+            handle = _tessera._async_save(builder, os.fspath(path), comm, opts)
+    _in_flight.difference_update([h for h in _in_flight if h.done()])
+    _in_flight.add(handle)
+    return handle
+
+
+@atexit.register
+def _wait_for_async_saves():
+    for handle in list(_in_flight):
+        try:
+            handle.wait()
+        except Exception:  # noqa: BLE001 (its owner had the chance to look; nothing to do now)
+            pass

@@ -1,0 +1,134 @@
+"""The exceptions tessera raises.
+
+Every error of the C++ library is a status: a code and a message naming the key, the box, the
+rank and the file. At the Python boundary it becomes an exception whose message is the status
+message, unchanged, and whose class follows the code:
+
+======================  ========================================  ==========================
+status code             exception                                 also an instance of
+======================  ========================================  ==========================
+InvalidArgument         InvalidArgumentError                      ValueError
+OutOfRange              InvalidArgumentError                      ValueError
+NotFound (of keys)      MissingKeysError                          ValueError
+NotFound (of files)     NotFoundError                             FileNotFoundError (OSError)
+AlreadyExists           AlreadyExistsError                        FileExistsError (OSError)
+FailedPrecondition      FailedPreconditionError                   OSError
+IOError                 StorageError                              OSError
+DataLoss                CorruptCheckpointError                    RuntimeError
+Unimplemented           UnimplementedError                        NotImplementedError
+Internal                InternalError                             RuntimeError
+Aborted                 CommError                                 RuntimeError
+DeadlineExceeded        CommTimeoutError                          CommError, TimeoutError
+======================  ========================================  ==========================
+
+All of them derive from :class:`tessera.Error`, which carries ``code`` (the status code name,
+e.g. ``"DataLoss"``) and ``status_code`` (its number, see include/tessera/status.h).
+"""
+
+# Numbers of include/tessera/status.h (StatusCode); part of the bindings' contract.
+_OK = 0
+_INVALID_ARGUMENT = 1
+_NOT_FOUND = 2
+_ALREADY_EXISTS = 3
+_FAILED_PRECONDITION = 4
+_OUT_OF_RANGE = 5
+_DATA_LOSS = 6
+_IO_ERROR = 7
+_UNIMPLEMENTED = 8
+_INTERNAL = 9
+_ABORTED = 10
+_DEADLINE_EXCEEDED = 11
+
+
+class Error(Exception):
+    """Base of every exception tessera raises for a failed library call."""
+
+    code = "Unknown"
+    status_code = -1
+
+    def __str__(self):
+        return Exception.__str__(self)
+
+
+class InvalidArgumentError(Error, ValueError):
+    """The caller's input is wrong: a shape, dtype, box, key or option."""
+
+
+class MissingKeysError(InvalidArgumentError):
+    """A load asked for keys the checkpoint lacks (``strict=False`` skips them)."""
+
+
+class NotFoundError(Error, FileNotFoundError):
+    """A file or directory does not exist."""
+
+
+class AlreadyExistsError(Error, FileExistsError):
+    """A file or directory already exists."""
+
+
+class FailedPreconditionError(Error, OSError):
+    """The storage is not in a state the call can work with, e.g. a directory holding no
+    committed checkpoint."""
+
+
+class StorageError(Error, OSError):
+    """The operating system refused an operation."""
+
+
+class CorruptCheckpointError(Error, RuntimeError):
+    """Checksum mismatch, truncated or missing data file, corrupt manifest."""
+
+
+class UnimplementedError(Error, NotImplementedError):
+    """E.g. a manifest of a newer format version."""
+
+
+class InternalError(Error, RuntimeError):
+    """A bug in tessera."""
+
+
+class CommError(Error, RuntimeError):
+    """A collective gave up: another rank failed or aborted."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A collective timed out waiting for its peers."""
+
+
+for _cls in (Error, InvalidArgumentError, MissingKeysError, NotFoundError, AlreadyExistsError,
+             FailedPreconditionError, StorageError, CorruptCheckpointError, UnimplementedError,
+             InternalError, CommError, CommTimeoutError):
+    _cls.__module__ = "tessera"
+
+_CLASSES = {
+    _INVALID_ARGUMENT: InvalidArgumentError,
+    _NOT_FOUND: NotFoundError,
+    _ALREADY_EXISTS: AlreadyExistsError,
+    _FAILED_PRECONDITION: FailedPreconditionError,
+    _OUT_OF_RANGE: InvalidArgumentError,
+    _DATA_LOSS: CorruptCheckpointError,
+    _IO_ERROR: StorageError,
+    _UNIMPLEMENTED: UnimplementedError,
+    _INTERNAL: InternalError,
+    _ABORTED: CommError,
+    _DEADLINE_EXCEEDED: CommTimeoutError,
+}
+
+# The one NotFound the library returns for keys rather than files (src/plan/load_plan.cc).
+_MISSING_KEYS_TEXT = " has no key "
+
+
+def from_status(status_code, code_name, message):
+    """The exception (not raised) for a status; called by the extension module."""
+    cls = _CLASSES.get(status_code, InternalError)
+    if status_code == _NOT_FOUND and _MISSING_KEYS_TEXT in message:
+        cls = MissingKeysError
+    error = cls(message)
+    error.code = code_name
+    error.status_code = status_code
+    return error
+
+
+def invalid_argument(message):
+    """An InvalidArgumentError raised by the Python layer itself."""
+    return from_status(_INVALID_ARGUMENT, "InvalidArgument", message)

@@ -1,0 +1,546 @@
+"""Python state dicts <-> the flat list of entries the C++ library saves and loads.
+
+A state dict is a nested structure of containers (dict, collections.OrderedDict, list, tuple,
+namedtuple) whose leaves are:
+
+- torch tensors and NumPy arrays: whole tensors, replicated over the ranks (replica id
+  (rank,), so rank 0 writes them);
+- ShardedTensor: one rank's piece of a global tensor;
+- bytes / bytearray: stored as they are (a ShardedObject of those bytes);
+- ShardedObject: an object with an explicit replica id;
+- anything else: pickled, stored as a ShardedObject.
+
+Keys are the dotted paths of the leaves ("model.layers.0.weight"; a list index is a path
+element). The container structure is saved as JSON in the user metadata under
+STRUCTURE_KEY, so load_all rebuilds the same container types.
+"""
+
+import collections
+import importlib
+import json
+import pickle
+
+from . import _dtypes
+from . import _tessera
+from ._errors import invalid_argument
+
+STRUCTURE_KEY = "tessera.python.structure"
+STRUCTURE_VERSION = 1
+
+
+def _as_ints(value, what):
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value]
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of ints, not {type(value).__name__}") from None
+
+
+def _replica(value):
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return _as_ints(value, "replica_id")
+
+
+class ShardedTensor:
+    """One rank's piece of a global tensor (see include/tessera/sharded_tensor.h).
+
+    data: a contiguous CPU torch tensor or NumPy array: the local box
+        [global_offset, global_offset + local_shape), or, with flat_range=(begin, end), the
+        elements begin..end-1 of the row-major flattening of that box (how a distributed
+        optimizer shards).
+    global_shape: the shape of the whole tensor; default data's shape (a whole tensor).
+    global_offset: where the local box starts; default all zeros.
+    replica_id: an int or a tuple of ints; all zeros (the default) is the main replica, the
+        one that is written. Holders of the same box with other ids are deduplicated.
+    local_shape: the shape of the local box; required with flat_range.
+    allow_shape_mismatch: load only: load the part of the box that lies inside the saved tensor
+        when the saved global shape differs.
+    partial: save only: the ranks together may hold only part of the tensor.
+    dtype: a tessera dtype name ("BF16", "F8_E4M3", ...) for data holding raw bits in an
+        integer array of the same width (e.g. bfloat16 in a NumPy uint16 array).
+    key: the key to save under instead of the leaf's dotted path.
+    """
+
+    __slots__ = ("data", "global_shape", "global_offset", "replica_id", "flat_range",
+                 "local_shape", "allow_shape_mismatch", "partial", "dtype", "key")
+
+    def __init__(self, data, global_shape=None, global_offset=None, *, replica_id=(),
+                 flat_range=None, local_shape=None, allow_shape_mismatch=False, partial=False,
+                 dtype=None, key=None):
+        self.data = data
+        self.global_shape = _as_ints(global_shape, "global_shape")
+        self.global_offset = _as_ints(global_offset, "global_offset")
+        self.replica_id = _replica(replica_id)
+        if flat_range is not None:
+            if isinstance(flat_range, slice):
+                flat_range = (flat_range.start or 0, flat_range.stop)
+            flat_range = tuple(_as_ints(flat_range, "flat_range"))
+            if len(flat_range) != 2:
+                raise ValueError("flat_range must be (begin, end)")
+        self.flat_range = flat_range
+        self.local_shape = _as_ints(local_shape, "local_shape")
+        self.allow_shape_mismatch = bool(allow_shape_mismatch)
+        self.partial = bool(partial)
+        if dtype is not None and dtype not in _dtypes.DTYPE_NAMES:
+            raise ValueError(f"unknown tessera dtype {dtype!r}; one of {_dtypes.DTYPE_NAMES}")
+        self.dtype = dtype
+        self.key = key
+
+    def __repr__(self):
+        shape = tuple(getattr(self.data, "shape", ()))
+        return (f"ShardedTensor(data shape {shape}, global_shape={self.global_shape}, "
+                f"global_offset={self.global_offset}, replica_id={self.replica_id}, "
+                f"flat_range={self.flat_range})")
+
+
+class ShardedObject:
+    """An object with an explicit replica id: bytes/bytearray are stored as they are, any
+    other value pickled. Only the main replica (all zeros, the default) is written, so a value
+    held by one rank only (e.g. that rank's RNG state under its own key) is saved from it.
+    After a load, `value` holds what was loaded."""
+
+    __slots__ = ("value", "replica_id", "key")
+
+    def __init__(self, value, replica_id=(), *, key=None):
+        self.value = value
+        self.replica_id = _replica(replica_id)
+        self.key = key
+
+    def __repr__(self):
+        return f"ShardedObject({self.value!r}, replica_id={self.replica_id})"
+
+
+# ---- traversal ---------------------------------------------------------------------------
+
+def _is_namedtuple(value):
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _items(value):
+    """(kind, [(key, child)]) of a container, or (None, None) for a leaf."""
+    t = type(value)
+    if t is dict or t is collections.OrderedDict:
+        return ("dict" if t is dict else "odict"), list(value.items())
+    if t is list:
+        return "list", list(enumerate(value))
+    if t is tuple:
+        return "tuple", list(enumerate(value))
+    if _is_namedtuple(value):
+        return "namedtuple", list(enumerate(value))
+    return None, None
+
+
+def _path_text(path):
+    return ".".join(path) if path else "the state dict"
+
+
+def _walk(value, path, visit):
+    """Visits the leaves in depth-first order (visit(path, leaf) returns the leaf's structure
+    node) and returns the structure node of `value`."""
+    kind, items = _items(value)
+    if kind is None:
+        return visit(path, value)
+    node = {kind: []}
+    for k, child in items:
+        if kind in ("dict", "odict"):
+            if type(k) not in (str, int):
+                raise invalid_argument(
+                    f"{_path_text(path)}: dict key {k!r} of type {type(k).__name__}: "
+                    "tessera state dicts take str and int keys")
+            node[kind].append([k, _walk(child, path + (str(k),), visit)])
+        else:
+            node[kind].append(_walk(child, path + (str(k),), visit))
+    if kind == "namedtuple":
+        t = type(value)
+        node["type"] = f"{t.__module__}:{t.__qualname__}"
+        node["fields"] = list(t._fields)
+    return node
+
+
+def map_leaves(value, fn, counter=None):
+    """Replaces each leaf by fn(index, leaf) (indices in _walk's order). Dicts and lists are
+    updated in place; a tuple holding a replaced leaf is rebuilt. Returns the new value."""
+    if counter is None:
+        counter = [0]
+    kind, items = _items(value)
+    if kind is None:
+        index = counter[0]
+        counter[0] += 1
+        return fn(index, value)
+    if kind in ("dict", "odict", "list"):
+        for k, child in items:
+            new = map_leaves(child, fn, counter)
+            if new is not child:
+                value[k] = new
+        return value
+    children = [child for _, child in items]
+    new = [map_leaves(child, fn, counter) for child in children]
+    if all(a is b for a, b in zip(new, children)):
+        return value
+    return type(value)._make(new) if kind == "namedtuple" else tuple(new)
+
+
+# ---- flattening ----------------------------------------------------------------------------
+
+class Leaf:
+    """One leaf of a flattened state dict."""
+
+    __slots__ = ("key", "value", "is_tensor", "encoding")
+
+    def __init__(self, key, value, is_tensor, encoding=None):
+        self.key = key
+        self.value = value          # the leaf itself (tensor, array, ShardedTensor, object)
+        self.is_tensor = is_tensor
+        self.encoding = encoding    # objects: "bytes", "bytearray" or "pickle"
+
+
+def _encoding(value):
+    if isinstance(value, bytes):
+        return "bytes"
+    if isinstance(value, bytearray):
+        return "bytearray"
+    return "pickle"
+
+
+def _lib(data):
+    if _dtypes.is_torch_tensor(data):
+        return "torch"
+    if _dtypes.is_numpy_array(data):
+        return "numpy"
+    raise invalid_argument(
+        f"ShardedTensor data must be a torch tensor or a NumPy array, not {type(data).__name__}")
+
+
+class Flat:
+    """A state dict flattened: its leaves in depth-first order and its structure."""
+
+    def __init__(self, state_dict):
+        if _items(state_dict)[0] is None:
+            raise TypeError("a state dict must be a dict, list or tuple, not "
+                            f"{type(state_dict).__name__}")
+        self.leaves = []
+        self.entries = []  # by build(): the StateBuilder index of each leaf
+        self._root = _walk(state_dict, (), self._visit)
+        self._extra = {}
+
+    @property
+    def structure(self):
+        """The JSON text saved under STRUCTURE_KEY."""
+        structure = {"version": STRUCTURE_VERSION, "root": self._root}
+        if self._extra:
+            structure["extra"] = self._extra
+        return json.dumps(structure, separators=(",", ":"))
+
+    def rank_summary(self):
+        """What rank 0 needs to know of this rank's leaves that rank 0 may not hold (see
+        merge_rank_summaries): the encodings of its ShardedObjects, the libraries of its
+        tensors. Small: one entry per ShardedObject."""
+        objects = [[leaf.key, leaf.encoding] for leaf in self.leaves
+                   if isinstance(leaf.value, ShardedObject)]
+        libs = sorted({_lib(leaf.value.data if isinstance(leaf.value, ShardedTensor)
+                            else leaf.value) for leaf in self.leaves if leaf.is_tensor})
+        return json.dumps({"objects": objects, "libs": libs}).encode()
+
+    def merge_rank_summaries(self, summaries):
+        """On rank 0, with every rank's rank_summary(): records the encodings of objects only
+        other ranks hold, and the tensor library all ranks use (if one), so load_all decodes
+        and types the leaves rank 0's structure lacks."""
+        own = {leaf.key for leaf in self.leaves}
+        objects, libs = {}, set()
+        for summary in summaries:
+            summary = json.loads(summary)
+            libs.update(summary["libs"])
+            for key, encoding in summary["objects"]:
+                if key not in own:
+                    objects.setdefault(key, encoding)
+        if objects:
+            self._extra["objects"] = objects
+        if len(libs) == 1:
+            self._extra["lib"] = libs.pop()
+
+    def _visit(self, path, value):
+        key = ".".join(path)
+        if isinstance(value, ShardedTensor):
+            key = value.key or key
+            self.leaves.append(Leaf(key, value, True))
+            return {"tensor": key, "lib": _lib(value.data), "sharded": True}
+        if _dtypes.is_torch_tensor(value) or _dtypes.is_numpy_array(value):
+            self.leaves.append(Leaf(key, value, True))
+            return {"tensor": key, "lib": "torch" if _dtypes.is_torch_tensor(value) else "numpy"}
+        if isinstance(value, ShardedObject):
+            key = value.key or key
+            encoding = _encoding(value.value)
+            self.leaves.append(Leaf(key, value, False, encoding))
+            return {"object": key, "encoding": encoding, "sharded": True}
+        encoding = _encoding(value)
+        self.leaves.append(Leaf(key, value, False, encoding))
+        return {"object": key, "encoding": encoding}
+
+    def build(self, rank, for_load):
+        """The StateBuilder of the leaves; plain tensors and objects get replica id (rank,)."""
+        builder = _tessera.StateBuilder()
+        self.entries = []
+        for leaf in self.leaves:
+            if leaf.is_tensor:
+                self.entries.append(_add_tensor(builder, leaf.key, leaf.value, rank, for_load))
+                continue
+            value = leaf.value
+            replica = [rank]
+            if isinstance(value, ShardedObject):
+                replica = value.replica_id
+                value = value.value
+            if for_load:
+                data = b""
+            elif leaf.encoding == "pickle":
+                try:
+                    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception as e:
+                    raise invalid_argument(
+                        f"object '{leaf.key}': cannot be pickled: {type(e).__name__}: {e}"
+                    ) from e
+            else:
+                data = bytes(value)
+            self.entries.append(builder.add_object(leaf.key, data, replica))
+        return builder
+
+
+def _add_tensor(builder, key, value, rank, for_load):
+    spec = {}
+    dtype = None
+    data = value
+    if isinstance(value, ShardedTensor):
+        data = value.data
+        dtype = value.dtype
+        spec = dict(global_shape=value.global_shape, global_offset=value.global_offset or [],
+                    local_shape=value.local_shape or [], replica_id=value.replica_id,
+                    flat_range=value.flat_range,
+                    allow_shape_mismatch=value.allow_shape_mismatch, partial=value.partial)
+    else:
+        spec = dict(replica_id=[rank])
+    if _dtypes.is_torch_tensor(data):
+        return _add_torch(builder, key, data, dtype, spec)
+    if _dtypes.is_numpy_array(data):
+        name = dtype or _dtypes.numpy_dtype_name(data.dtype)
+        if name is None:
+            raise invalid_argument(
+                f"tensor '{key}': NumPy dtype {data.dtype} has no tessera dtype (supported: "
+                "float16/32/64, int8..64, uint8..64, bool, in native byte order)")
+        return builder.add_buffer(key, data, name, writable=for_load, **spec)
+    raise invalid_argument(
+        f"tensor '{key}': data must be a torch tensor or a NumPy array, not "
+        f"{type(data).__name__}")
+
+
+def _add_torch(builder, key, tensor, dtype, spec):
+    if tensor.device.type != "cpu":
+        raise invalid_argument(
+            f"tensor '{key}': on device {tensor.device}; tessera reads and writes host memory "
+            "(move it with .cpu(), and back after a load)")
+    if tensor.layout != _torch_strided():
+        raise invalid_argument(f"tensor '{key}': layout {tensor.layout} is not supported "
+                               "(dense tensors only)")
+    name = _dtypes.torch_dtype_name(tensor.dtype)
+    if dtype is not None:
+        if tensor.element_size() != _dtypes.itemsize(dtype):
+            raise invalid_argument(
+                f"tensor '{key}': items of {tensor.element_size()} bytes cannot hold dtype "
+                f"{dtype}")
+        name = dtype
+    if name is None:
+        raise invalid_argument(f"tensor '{key}': torch dtype {tensor.dtype} has no tessera dtype")
+    if not tensor.is_contiguous():
+        raise invalid_argument(
+            f"tensor '{key}': the tensor is not contiguous (tessera reads and writes row-major "
+            "memory in place; pass t.contiguous() to save, or load into a contiguous tensor)")
+    return builder.add_pointer(key, tensor.data_ptr(), name, list(tensor.shape), tensor, **spec)
+
+
+def _torch_strided():
+    import torch  # noqa: PLC0415
+    return torch.strided
+
+
+def decode_objects(flat, builder, skipped):
+    """After a load: the new value of each object leaf, by leaf index (ShardedObject leaves
+    are updated in place instead). Keys in `skipped` (not loaded) are left alone."""
+    new_values = {}
+    for index, (leaf, entry) in enumerate(zip(flat.leaves, flat.entries)):
+        if leaf.is_tensor or leaf.key in skipped:
+            continue
+        data = builder.object_data(entry)
+        current = leaf.value.value if isinstance(leaf.value, ShardedObject) else leaf.value
+        if isinstance(current, bytes):
+            value = data
+        elif isinstance(current, bytearray):
+            value = bytearray(data)
+        else:
+            try:
+                value = pickle.loads(data)
+            except Exception as e:
+                raise invalid_argument(
+                    f"object '{leaf.key}': the stored bytes are not a pickle ({type(e).__name__}: "
+                    f"{e}); load into a bytes placeholder to get the raw bytes") from e
+        if isinstance(leaf.value, ShardedObject):
+            leaf.value.value = value
+        else:
+            new_values[index] = value
+    return new_values
+
+
+# ---- state dicts from metadata ---------------------------------------------------------------
+
+class _Pickled:
+    """Placeholder of an object leaf stored pickled (load_all)."""
+
+
+def _allocate(info, lib, key=None):
+    """An uninitialised tensor for `info` (a TensorInfo), as a ShardedTensor naming its key
+    (the saved one, whatever its place in the structure) and its dtype (the array may hold raw
+    bits)."""
+    shape = tuple(info.shape)
+    if lib == "torch":
+        import torch  # noqa: PLC0415
+        dtype, _ = _dtypes.torch_dtype(info.dtype)
+        data = torch.empty(shape, dtype=dtype)
+    else:
+        np = _dtypes._numpy()
+        dtype, _ = _dtypes.numpy_dtype(info.dtype)
+        data = np.empty(shape, dtype=dtype)
+    return ShardedTensor(data, dtype=info.dtype, key=key)
+
+
+def _namedtuple_type(node):
+    module, _, qualname = node["type"].partition(":")
+    try:
+        t = importlib.import_module(module)
+        for part in qualname.split("."):
+            t = getattr(t, part)
+        if isinstance(t, type) and issubclass(t, tuple) and list(t._fields) == node["fields"]:
+            return t
+    except Exception:  # noqa: BLE001 (any failure: fall back to an equivalent type)
+        pass
+    name = qualname.rpartition(".")[2] or "namedtuple"
+    return collections.namedtuple(name, node["fields"])
+
+
+def template_from_metadata(metadata, tensor_type):
+    """A state dict with a freshly allocated tensor for every tensor of the checkpoint and a
+    placeholder for every object, in the saved container structure when the checkpoint has one
+    (saved from Python), else a flat dict by key."""
+    tensors = {t.key: t for t in metadata.tensors}
+    objects = {o.key for o in metadata.objects}
+    used = set()
+
+    def build(node):
+        if "tensor" in node:
+            key = node["tensor"]
+            if key not in tensors:
+                raise invalid_argument(f"the saved structure names tensor '{key}' but the "
+                                       "checkpoint has no such tensor")
+            used.add(key)
+            return _allocate(tensors[key], tensor_type or node.get("lib", "numpy"), key)
+        if "object" in node:
+            key = node["object"]
+            used.add(key)
+            encoding = node.get("encoding")
+            placeholder = b"" if encoding == "bytes" else bytearray() if encoding == "bytearray" \
+                else _Pickled()
+            return ShardedObject(placeholder, key=key)
+        if "dict" in node:
+            return {k: build(v) for k, v in node["dict"]}
+        if "odict" in node:
+            return collections.OrderedDict((k, build(v)) for k, v in node["odict"])
+        if "list" in node:
+            return [build(v) for v in node["list"]]
+        if "tuple" in node:
+            return tuple(build(v) for v in node["tuple"])
+        if "namedtuple" in node:
+            return _namedtuple_type(node)._make(build(v) for v in node["namedtuple"])
+        raise invalid_argument(f"unknown node in the saved structure: {sorted(node)}")
+
+    text = metadata.user_metadata.get(STRUCTURE_KEY)
+    root = {}
+    extra = {}
+    if text is not None:
+        structure = json.loads(text)
+        if structure.get("version") != STRUCTURE_VERSION:
+            raise invalid_argument(
+                f"the saved structure has version {structure.get('version')}; this tessera "
+                f"reads version {STRUCTURE_VERSION}")
+        root = build(structure["root"])
+        extra = structure.get("extra", {})
+    # Keys the structure does not name (saved from C++, or only by ranks other than rank 0):
+    # placed by their dotted path under the containers they share with the structure.
+    rest = sorted((set(tensors) | objects) - used)
+    if rest and not isinstance(root, dict):
+        raise invalid_argument(
+            f"the checkpoint has keys outside its saved structure ({rest[0]!r}, ...) and the "
+            f"structure's root is a {type(root).__name__}, not a dict")
+    lib = tensor_type or extra.get("lib", "numpy")
+    encodings = extra.get("objects", {})
+    for key in rest:
+        if key in tensors:
+            value = _allocate(tensors[key], lib, key)
+        else:
+            encoding = encodings.get(key, "bytes")
+            value = ShardedObject(b"" if encoding == "bytes" else bytearray()
+                                  if encoding == "bytearray" else _Pickled(), key=key)
+        _place(root, key, value)
+    return root
+
+
+def _child(container, name):
+    """The child of a dict or list named by the path element `name`, or None."""
+    if isinstance(container, dict):
+        if name in container:
+            return container[name]
+        if name.lstrip("-").isdigit() and int(name) in container:
+            return container[int(name)]
+        return None
+    if isinstance(container, list) and name.isdigit() and int(name) < len(container):
+        return container[int(name)]
+    return None
+
+
+def _place(root, key, value):
+    """Puts `value` at its dotted `key` below `root` (a dict): down the longest existing path
+    of dicts and lists; then, in the deepest dict reached, under nested new dicts (one per
+    path element) when that dict holds only dicts, else as one entry keyed by the rest of the
+    path (dict keys may hold dots, as in a torch module's state_dict)."""
+    node, parts = root, key.split(".")
+    while True:
+        for n in range(len(parts) - 1, 0, -1):
+            child = _child(node, ".".join(parts[:n]))
+            if isinstance(child, (dict, list)):
+                node, parts = child, parts[n:]
+                break
+        else:
+            break
+    if isinstance(node, dict) and node and all(type(v) is dict for v in node.values()):
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        parts = parts[-1:]
+    rest = ".".join(parts)
+    if not isinstance(node, dict) or rest in node:
+        node, rest = root, key
+    if rest in node:
+        raise invalid_argument(f"key '{key}' collides with the saved structure")
+    node[rest] = value
+
+
+def _unwrap_leaf(_, leaf):
+    if isinstance(leaf, ShardedTensor):
+        return leaf.data
+    if isinstance(leaf, ShardedObject):
+        return leaf.value
+    return leaf
+
+
+def unwrap(value):
+    """load_all: the ShardedTensor and ShardedObject wrappers of the template -> their
+    contents."""
+    return map_leaves(value, _unwrap_leaf)

@@ -1,0 +1,156 @@
+"""A tessera Comm over a torch.distributed process group (gloo, CPU tensors).
+
+The C++ library calls these methods (taking the GIL) for its few, small collectives: plans,
+write results, the manifest. Variable-size byte buffers travel as uint8 tensors after their
+sizes. Split makes a new gloo group over a prefix of the default store, joined by the members
+only (dist.new_group would need every rank of the job), so an asynchronous save gets a group
+of its own and its collectives never mix with the caller's.
+"""
+
+import datetime
+import uuid
+
+_OPS = None
+
+
+def _ops():
+    global _OPS
+    if _OPS is None:
+        import torch.distributed as dist  # noqa: PLC0415
+        _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    return _OPS
+
+
+def _to_tensor(data, size):
+    import torch  # noqa: PLC0415
+    out = torch.zeros(max(size, 1), dtype=torch.uint8)
+    if data:
+        out[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
+
+
+def _to_bytes(tensor, size):
+    return tensor[:size].numpy().tobytes()
+
+
+class TorchDistImpl:
+    """The Python side of tessera.torch_dist_comm(): methods over a c10d ProcessGroup."""
+
+    def __init__(self, pg, rank, size, store, timeout):
+        self.pg = pg
+        self.rank = rank
+        self.size = size
+        self._store = store
+        self._timeout = timeout
+
+    # -- helpers --------------------------------------------------------------------------
+    def _int64(self, values):
+        import torch  # noqa: PLC0415
+        return torch.tensor(values, dtype=torch.int64)
+
+    def _all_gather_sizes(self, n):
+        import torch  # noqa: PLC0415
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.pg.allgather([out], [self._int64([n])]).wait()
+        return [int(t[0]) for t in out]
+
+    # -- the Comm interface --------------------------------------------------------------------
+    def barrier(self):
+        self.pg.barrier().wait()
+
+    def broadcast(self, data, root):
+        from torch.distributed import BroadcastOptions  # noqa: PLC0415
+        opts = BroadcastOptions()
+        opts.rootRank = root
+        size = self._int64([len(data) if self.rank == root else 0])
+        self.pg.broadcast([size], opts).wait()
+        n = int(size[0])
+        buf = _to_tensor(data if self.rank == root else b"", n)
+        self.pg.broadcast([buf], opts).wait()
+        return _to_bytes(buf, n)
+
+    def all_gather(self, data):
+        import torch  # noqa: PLC0415
+        sizes = self._all_gather_sizes(len(data))
+        n = max(sizes)
+        out = [torch.zeros(max(n, 1), dtype=torch.uint8) for _ in range(self.size)]
+        self.pg.allgather([out], [_to_tensor(data, n)]).wait()
+        return [_to_bytes(t, s) for t, s in zip(out, sizes)]
+
+    def gather(self, data, root):
+        import torch  # noqa: PLC0415
+        from torch.distributed import GatherOptions  # noqa: PLC0415
+        sizes = self._all_gather_sizes(len(data))
+        n = max(sizes)
+        opts = GatherOptions()
+        opts.rootRank = root
+        out = ([[torch.zeros(max(n, 1), dtype=torch.uint8) for _ in range(self.size)]]
+               if self.rank == root else [])
+        self.pg.gather(out, [_to_tensor(data, n)], opts).wait()
+        if self.rank != root:
+            return None
+        return [_to_bytes(t, s) for t, s in zip(out[0], sizes)]
+
+    def scatter(self, chunks, root):
+        import torch  # noqa: PLC0415
+        from torch.distributed import ScatterOptions  # noqa: PLC0415
+        opts = ScatterOptions()
+        opts.rootRank = root
+        sizes = self._int64([len(c) for c in chunks] if self.rank == root else [0] * self.size)
+        self.pg.broadcast([sizes], _broadcast_options(root)).wait()
+        n = int(sizes.max())
+        inputs = [[_to_tensor(c, n) for c in chunks]] if self.rank == root else []
+        out = torch.zeros(max(n, 1), dtype=torch.uint8)
+        self.pg.scatter([out], inputs, opts).wait()
+        return _to_bytes(out, int(sizes[self.rank]))
+
+    def all_reduce(self, values, op):
+        from torch.distributed import AllreduceOptions  # noqa: PLC0415
+        if not values:
+            return []
+        opts = AllreduceOptions()
+        opts.reduceOp = _ops()[op]
+        tensor = self._int64(list(values))
+        self.pg.allreduce([tensor], opts).wait()
+        return tensor.tolist()
+
+    def split(self, color, key):
+        import pickle  # noqa: PLC0415
+        from torch.distributed import PrefixStore, ProcessGroupGloo  # noqa: PLC0415
+        token = uuid.uuid4().hex if self.rank == 0 else ""
+        entries = [pickle.loads(b) for b in self.all_gather(pickle.dumps((color, key, token)))]
+        token = entries[0][2]
+        members = sorted((r for r in range(self.size) if entries[r][0] == color),
+                         key=lambda r: (entries[r][1], r))
+        rank = members.index(self.rank)
+        store = PrefixStore(f"tessera/split/{token}/{color}/", self._store)
+        pg = ProcessGroupGloo(store, rank, len(members), self._timeout)
+        return TorchDistImpl(pg, rank, len(members), self._store, self._timeout)
+
+
+def _broadcast_options(root):
+    from torch.distributed import BroadcastOptions  # noqa: PLC0415
+    opts = BroadcastOptions()
+    opts.rootRank = root
+    return opts
+
+
+def torch_dist_comm(group=None, *, timeout=datetime.timedelta(minutes=30)):
+    """A tessera.Comm over a torch.distributed process group (default: the whole job), which
+    must be a gloo group (CPU tensors). torch.distributed must be initialised. `timeout` is
+    that of the groups made for asynchronous saves. COLLECTIVE: every rank of the group calls
+    it."""
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+    from . import _tessera  # noqa: PLC0415
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call "
+                           "torch.distributed.init_process_group('gloo', ...) first")
+    pg = group if group is not None else c10d._get_default_group()
+    backend = dist.get_backend(pg)
+    if backend != "gloo":
+        raise ValueError(f"tessera.torch_dist_comm needs a gloo group, not {backend} "
+                         "(make one with torch.distributed.new_group(backend='gloo'))")
+    impl = TorchDistImpl(pg, dist.get_rank(pg), dist.get_world_size(pg),
+                         c10d._get_default_store(), timeout)
+    return _tessera.python_comm(impl)

@@ -1,0 +1,39 @@
+"""Shared helpers of the Python tests (run by ctest with PYTHONPATH=build/python)."""
+
+import os
+import shutil
+import socket
+
+import numpy as np
+import pytest
+
+# The `tessera` command-line tool of the same build (set by python/CMakeLists.txt).
+CLI = os.environ.get("TESSERA_CLI") or shutil.which("tessera")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def raw_bytes(value):
+    """The bytes of a tensor or array, for bit-exact comparisons (NaNs included)."""
+    if isinstance(value, np.ndarray):
+        return value.tobytes()
+    import torch
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return value.contiguous().view(ints[value.element_size()]).numpy().tobytes()
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A path for a checkpoint directory (not created)."""
+    return str(tmp_path / "ckpt")
+
+
+@pytest.fixture
+def cli():
+    if not CLI or not os.path.exists(CLI):
+        pytest.skip("the tessera command-line tool is not built (TESSERA_CLI unset)")
+    return CLI

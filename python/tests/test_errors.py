@@ -1,0 +1,301 @@
+"""Bad input and broken checkpoints raise the right exceptions, with the library's message;
+nothing aborts the interpreter."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import tessera
+from tessera import _tessera
+
+
+@pytest.mark.parametrize("code, cls, builtin", [
+    (1, tessera.InvalidArgumentError, ValueError),
+    (2, tessera.NotFoundError, FileNotFoundError),
+    (3, tessera.AlreadyExistsError, FileExistsError),
+    (4, tessera.FailedPreconditionError, OSError),
+    (5, tessera.InvalidArgumentError, ValueError),
+    (6, tessera.CorruptCheckpointError, RuntimeError),
+    (7, tessera.StorageError, OSError),
+    (8, tessera.UnimplementedError, NotImplementedError),
+    (9, tessera.InternalError, RuntimeError),
+    (10, tessera.CommError, RuntimeError),
+    (11, tessera.CommTimeoutError, TimeoutError),
+])
+def test_status_codes_map_to_exception_classes(code, cls, builtin):
+    with pytest.raises(cls) as info:
+        _tessera._raise_status(code, "the message")
+    assert isinstance(info.value, builtin) and isinstance(info.value, tessera.Error)
+    assert str(info.value) == "the message" and info.value.status_code == code
+    assert info.type is cls
+
+
+def test_not_found_of_keys_is_a_value_error():
+    with pytest.raises(tessera.MissingKeysError) as info:
+        _tessera._raise_status(2, "the checkpoint at /x has no key 'a'")
+    assert isinstance(info.value, ValueError) and info.value.code == "NotFound"
+
+
+@pytest.fixture
+def saved(ckpt):
+    tessera.save({"w": np.arange(12, dtype=np.float32).reshape(3, 4), "step": 5}, ckpt)
+    return ckpt
+
+
+def test_missing_key(saved):
+    with pytest.raises(tessera.MissingKeysError, match="has no key 'absent'") as info:
+        tessera.load({"w": np.zeros((3, 4), np.float32), "step": 0, "absent": np.zeros(1)},
+                     saved)
+    assert any("strict=False" in note for note in info.value.__notes__)
+
+
+def test_unexpected_key(saved):
+    with pytest.raises(tessera.InvalidArgumentError, match="keys no rank asked for: 'step'"):
+        tessera.load({"w": np.zeros((3, 4), np.float32)}, saved)
+
+
+def test_strict_false_loads_what_both_sides_have(saved):
+    w = np.zeros((3, 4), np.float32)
+    report = tessera.load({"w": w, "absent": np.full(2, 7.0)}, saved, strict=False)
+    assert report.missing_keys == ["absent"] and report.unexpected_keys == ["step"]
+    assert np.array_equal(w, np.arange(12, dtype=np.float32).reshape(3, 4))
+    assert np.array_equal(report.state_dict["absent"], np.full(2, 7.0))
+
+
+def test_nothing_is_written_when_the_load_fails(saved):
+    w = np.full((3, 4), -1, np.float32)
+    with pytest.raises(ValueError):
+        tessera.load({"w": w, "step": 0, "absent": np.zeros(1)}, saved)
+    assert (w == -1).all()
+
+
+def test_dtype_and_shape_mismatch(saved):
+    with pytest.raises(tessera.InvalidArgumentError, match="'w'.*dtype F32"):
+        tessera.load({"w": np.zeros((3, 4), np.float64), "step": 0}, saved)
+    with pytest.raises(tessera.InvalidArgumentError, match="'w'.*shape"):
+        tessera.load({"w": np.zeros((3, 5), np.float32), "step": 0}, saved)
+
+
+def test_allow_shape_mismatch_loads_the_common_part(saved):
+    w = np.full((4, 4), -1, np.float32)  # e.g. a padded vocabulary
+    report = tessera.load({"w": tessera.ShardedTensor(w, allow_shape_mismatch=True), "step": 0},
+                          saved)
+    assert report.shape_mismatched_keys == ["w"]
+    assert np.array_equal(w[:3], np.arange(12, dtype=np.float32).reshape(3, 4))
+    assert (w[3] == -1).all()
+
+
+def test_missing_checkpoint_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        tessera.load({"w": np.zeros(1)}, str(tmp_path / "nothing"))
+    with pytest.raises(FileNotFoundError):
+        tessera.read_metadata(tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError):
+        tessera.load_all(tmp_path / "nothing")
+
+
+def test_directory_without_manifest(tmp_path):
+    with pytest.raises(tessera.FailedPreconditionError, match="no committed checkpoint") as info:
+        tessera.verify(str(tmp_path))
+    assert isinstance(info.value, OSError)
+
+
+def test_save_under_a_regular_file(tmp_path):
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(OSError):
+        tessera.save({"w": np.zeros(2)}, str(tmp_path / "file" / "ckpt"))
+
+
+def data_files(path):
+    return [f.name for f in tessera.read_metadata(path).files]
+
+
+def test_corrupt_chunk(saved):
+    metadata = tessera.read_metadata(saved)
+    location = metadata.find_tensor("w").chunks[0].location
+    name = metadata.files[location.file_index].name
+    with open(os.path.join(saved, name), "r+b") as f:
+        f.seek(location.offset + 5)
+        byte = f.read(1)
+        f.seek(location.offset + 5)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(tessera.CorruptCheckpointError, match="checksum mismatch.*'w'") as info:
+        tessera.verify(saved)
+    assert isinstance(info.value, RuntimeError) and info.value.code == "DataLoss"
+    with pytest.raises(tessera.CorruptCheckpointError):
+        tessera.load({"w": np.zeros((3, 4), np.float32), "step": 0}, saved)
+
+
+def test_missing_data_file(saved):
+    for name in data_files(saved):
+        os.remove(os.path.join(saved, name))
+    with pytest.raises(tessera.CorruptCheckpointError, match="missing"):
+        tessera.load_all(saved)
+
+
+def test_truncated_manifest(saved):
+    manifest = [n for n in os.listdir(saved) if n not in data_files(saved)]
+    assert len(manifest) == 1
+    path = os.path.join(saved, manifest[0])
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(tessera.CorruptCheckpointError):
+        tessera.read_metadata(saved)
+
+
+def test_non_contiguous_tensors(ckpt):
+    with pytest.raises(ValueError, match="'t'.*not contiguous"):
+        tessera.save({"t": torch.zeros(3, 4).t()}, ckpt)
+    with pytest.raises(ValueError, match="'a'.*not contiguous"):
+        tessera.save({"a": np.zeros((4, 4))[:, ::2]}, ckpt)
+    with pytest.raises(ValueError, match="'a'.*not contiguous"):
+        tessera.save({"a": np.asfortranarray(np.zeros((3, 4)))}, ckpt)
+    # Non-contiguous strides on dimensions of size 1 do not matter.
+    tessera.save({"a": np.zeros((4, 4))[:1, :], "t": torch.zeros(3, 1).t()}, ckpt)
+
+
+def test_read_only_array_cannot_be_loaded_into(ckpt):
+    a = np.ones(3)
+    tessera.save({"a": a}, ckpt)
+    a.flags.writeable = False
+    with pytest.raises(ValueError, match="'a'.*read-only"):
+        tessera.load({"a": a}, ckpt)
+
+
+def test_unsupported_tensors(ckpt):
+    with pytest.raises(ValueError, match="'c'.*complex128"):
+        tessera.save({"c": np.zeros(2, dtype=np.complex128)}, ckpt)
+    with pytest.raises(ValueError, match="'c'.*complex64"):
+        tessera.save({"c": torch.zeros(2, dtype=torch.complex64)}, ckpt)
+    with pytest.raises(ValueError, match="'m'.*meta"):
+        tessera.save({"m": torch.empty(2, device="meta")}, ckpt)
+    with pytest.raises(ValueError, match="'s'.*layout"):
+        tessera.save({"s": torch.zeros(2, 2).to_sparse()}, ckpt)
+    with pytest.raises(ValueError, match="'b'.*byte order|'b'.*>f4"):
+        tessera.save({"b": np.zeros(2, dtype=">f4")}, ckpt)
+    with pytest.raises(ValueError, match="cannot hold dtype BF16"):
+        tessera.save({"w": tessera.ShardedTensor(np.zeros(2, np.float32), dtype="BF16")}, ckpt)
+    with pytest.raises(ValueError, match="unknown tessera dtype"):
+        tessera.ShardedTensor(np.zeros(2), dtype="F128")
+
+
+def test_bad_state_dicts(ckpt):
+    with pytest.raises(TypeError, match="must be a dict, list or tuple"):
+        tessera.save(np.zeros(2), ckpt)
+    with pytest.raises(ValueError, match="dict key"):
+        tessera.save({("a", 1): np.zeros(2)}, ckpt)
+    with pytest.raises(ValueError, match="duplicate key 'a.b'"):
+        tessera.save({"a.b": np.zeros(1), "a": {"b": np.zeros(1)}}, ckpt)
+    with pytest.raises(ValueError, match="object 'f'.*pickle"):
+        tessera.save({"f": lambda: 1}, ckpt)
+    with pytest.raises(ValueError, match="outside the global shape"):
+        tessera.save({"w": tessera.ShardedTensor(np.zeros(3), (4,), (2,))}, ckpt)
+    with pytest.raises(ValueError, match="flat range"):
+        tessera.save({"w": tessera.ShardedTensor(np.zeros(3), (4,), flat_range=(0, 2),
+                                                 local_shape=(4,))}, ckpt)
+    with pytest.raises(ValueError, match="cover"):
+        tessera.save({"w": tessera.ShardedTensor(np.zeros(3), (4,))}, ckpt)
+    with pytest.raises(OSError):
+        tessera.read_metadata(ckpt)
+
+
+def test_bad_arguments(ckpt):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fsync'"):
+        tessera.save({"w": np.zeros(2)}, ckpt, fsync=False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'strict_shapes'"):
+        tessera.load({"w": np.zeros(2)}, ckpt, strict_shapes=False)
+    with pytest.raises(TypeError, match="comm must be a tessera.Comm"):
+        tessera.save({"w": np.zeros(2)}, ckpt, comm=object())
+    with pytest.raises(ValueError, match="reserved"):
+        tessera.save({"w": np.zeros(2)}, ckpt, user_metadata={tessera.STRUCTURE_KEY: "x"})
+    with pytest.raises(TypeError):
+        tessera.save({"w": np.zeros(2)}, ckpt, user_metadata={"step": 3})
+    with pytest.raises(ValueError, match="num_io_threads"):
+        tessera.save({"w": np.zeros(2)}, ckpt, num_io_threads=0)
+    with pytest.raises(ValueError, match="sync must be one of"):
+        tessera.save({"w": np.zeros(2)}, ckpt, sync="sometimes")
+    with pytest.raises(TypeError):
+        tessera.save({"w": np.zeros(2)}, ckpt, num_io_threads="two")
+    with pytest.raises(ValueError, match="when_busy"):
+        tessera.async_save({"w": np.zeros(2)}, ckpt, when_busy="never")
+
+
+def test_not_a_pickle_in_an_object_placeholder(ckpt):
+    tessera.save({"raw": b"\x00not a pickle"}, ckpt)
+    with pytest.raises(ValueError, match="'raw'.*not a pickle"):
+        tessera.load({"raw": None}, ckpt)
+    assert tessera.load({"raw": b""}, ckpt).state_dict["raw"] == b"\x00not a pickle"
+
+
+def test_interpreter_survives_errors_in_rank_functions(ckpt):
+    def fn(comm):
+        if comm.rank == 1:
+            raise KeyError("rank 1 failed")
+        tessera.save({"w": np.zeros(2)}, ckpt, comm=comm)
+
+    with pytest.raises(KeyError, match="rank 1 failed") as info:
+        tessera.run_local(3, fn)
+    assert "rank 1 of 3" in info.value.__notes__[0]
+    with pytest.raises(OSError):  # no checkpoint was committed
+        tessera.read_metadata(ckpt)
+
+
+def test_collective_failure_on_one_rank_fails_every_rank(ckpt):
+    def fn(comm):
+        data = np.zeros(2) if comm.rank == 0 else np.zeros(3)  # shapes disagree
+        tessera.save({"w": data}, ckpt, comm=comm)
+
+    with pytest.raises(tessera.InvalidArgumentError, match="'w'.*global shape"):
+        tessera.run_local(2, fn)
+    with pytest.raises(FileNotFoundError):
+        tessera.read_metadata(ckpt)
+
+
+def test_bad_input_on_one_rank_fails_every_rank(ckpt):
+    """Found by the Python layer on rank 1 before any collective: every rank learns of it."""
+    def fn(comm):
+        w = np.zeros((4, 4)).T if comm.rank == 1 else np.zeros((4, 4))
+        try:
+            tessera.save({"w": w}, ckpt, comm=comm)
+        except ValueError as e:
+            return type(e).__name__, str(e)
+        return None
+
+    results = tessera.run_local(3, fn)
+    assert results[1][0] == "InvalidArgumentError" and "not contiguous" in results[1][1]
+    for r in (0, 2):
+        assert results[r][0] == "InvalidArgumentError"
+        assert results[r][1].startswith("rank 1: tensor 'w'") and "not contiguous" in results[r][1]
+
+    def load(comm):
+        state = {"w": np.zeros(2)} if comm.rank == 0 else {("bad", "key"): np.zeros(2)}
+        with pytest.raises(ValueError, match="dict key"):
+            tessera.load(state, ckpt, comm=comm)
+
+    tessera.run_local(2, load)
+
+
+def test_a_comm_outlives_its_rank_function():
+    comms = tessera.run_local(2, lambda comm: comm)
+    with pytest.raises(RuntimeError, match="run_local"):
+        comms[0].barrier()
+    assert "finished" in repr(comms[1])
+
+
+def test_errors_of_a_python_comm_become_comm_errors(ckpt):
+    class Broken:
+        rank, size = 0, 1
+
+        def all_gather(self, data):
+            raise ConnectionError("link down")
+
+        def __getattr__(self, name):
+            raise ConnectionError("link down")
+
+    comm = tessera.python_comm(Broken())
+    with pytest.raises(tessera.CommError, match="python comm .*ConnectionError: link down"):
+        tessera.save({"w": np.zeros(2)}, ckpt, comm=comm)
+    with pytest.raises(ValueError, match="not a valid rank"):
+        tessera.python_comm(type("Bad", (), {"rank": 2, "size": 2})())

@@ -1,0 +1,100 @@
+"""tessera over torch.distributed (gloo): two processes started by torch.multiprocessing."""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import tessera
+from conftest import free_port
+
+FULL = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+
+
+def worker(rank, size, port, path):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=60))
+    try:
+        comm = tessera.torch_dist_comm()
+        assert (comm.rank, comm.size) == (rank, size)
+
+        # The collectives, as the library sees them.
+        assert comm.all_gather(b"r" * rank) == [b"r" * r for r in range(size)]
+        assert comm.broadcast(b"from 1" if rank == 1 else None, 1) == b"from 1"
+        gathered = comm.gather(bytes([rank]) * 3, 0)
+        assert gathered == ([bytes([r]) * 3 for r in range(size)] if rank == 0 else None)
+        assert comm.all_reduce([rank, -rank], "min") == [0, -(size - 1)]
+        comm.barrier()
+
+        # Save: rows split over the ranks, a replicated bias, objects.
+        half = FULL.shape[0] // size
+        state = {"fc": {"weight": tessera.ShardedTensor(FULL[rank * half:(rank + 1) * half].clone(),
+                                                        FULL.shape, (rank * half, 0)),
+                        "bias": torch.ones(6, dtype=torch.bfloat16)},
+                 "step": 42, "rng": {str(rank): tessera.ShardedObject(torch.get_rng_state())}}
+        report = tessera.save(state, path, comm=comm)
+        assert report.bytes_written > 0
+
+        # Load under another layout: columns.
+        cols = FULL.shape[1] // size
+        local = torch.zeros(FULL.shape[0], cols)
+        target = {"fc": {"weight": tessera.ShardedTensor(local, FULL.shape, (0, rank * cols)),
+                         "bias": torch.zeros(6, dtype=torch.bfloat16)},
+                  "step": None, "rng": {str(rank): tessera.ShardedObject(None)}}
+        # Strict: every key of the checkpoint is asked for by some rank (each rank its own rng).
+        report = tessera.load(target, path, comm=comm)
+        assert torch.equal(local, FULL[:, rank * cols:(rank + 1) * cols])
+        assert torch.equal(target["fc"]["bias"], torch.ones(6, dtype=torch.bfloat16))
+        assert target["step"] == 42 and torch.is_tensor(target["rng"][str(rank)].value)
+        assert report.unexpected_keys == [] and report.missing_keys == []
+
+        # Asynchronous: the caller's own collectives run while the save is in flight.
+        handle = tessera.async_save(state, path + "_async", comm=comm)
+        x = torch.ones(1)
+        dist.all_reduce(x)
+        assert x.item() == size
+        handle.wait()
+
+        # Bad input on one rank only: the other does not wait for it in a collective.
+        w = torch.zeros(4, 4) if rank == 0 else torch.zeros(4, 4).t()
+        try:
+            tessera.save({"w": w}, path + "_bad", comm=comm)
+        except ValueError as e:
+            assert "not contiguous" in str(e) and (rank == 1 or "rank 1" in str(e)), e
+        else:
+            raise AssertionError("a save with a non-contiguous tensor succeeded")
+
+        # An error on one rank fails the save on every rank, with the same message.
+        bad = {"w": torch.zeros(2 + rank)}
+        try:
+            tessera.save(bad, path + "_bad", comm=comm)
+        except ValueError as e:
+            assert "global shape" in str(e), e
+        else:
+            raise AssertionError("a save with disagreeing shapes succeeded")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes(tmp_path):
+    path = str(tmp_path / "ckpt")
+    mp.start_processes(worker, args=(2, free_port(), path), nprocs=2, join=True,
+                       start_method="spawn")
+    for p in (path, path + "_async"):
+        tessera.verify(p)
+        loaded = tessera.load_all(p)
+        assert torch.equal(loaded["fc"]["weight"], FULL)
+        assert loaded["step"] == 42 and sorted(loaded["rng"]) == ["0", "1"]
+        assert torch.is_tensor(loaded["rng"]["1"])
+    assert tessera.read_metadata(path).num_ranks == 2
+    with pytest.raises(OSError):  # the failed save committed nothing
+        tessera.read_metadata(path + "_bad")
+
+
+def test_torch_dist_comm_needs_an_initialised_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        tessera.torch_dist_comm()
