@@ -365,12 +365,12 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
     if (coordinator) {
       std::string save_id;
       Status status = [&]() -> Status {
-        std::vector<LocalPlan> plans(gathered.size());
+        std::vector<std::span<const uint8_t>> bodies(gathered.size());
         for (size_t r = 0; r < gathered.size(); ++r) {
-          const std::string who = "rank " + std::to_string(r);
-          TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> body, Open(gathered[r], who));
-          TESSERA_ASSIGN_OR_RETURN(plans[r], DecodeLocalPlan(body));
+          TESSERA_ASSIGN_OR_RETURN(bodies[r], Open(gathered[r], "rank " + std::to_string(r)));
         }
+        TESSERA_ASSIGN_OR_RETURN(std::vector<LocalPlan> plans,
+                                 DecodeLocalPlans(bodies, options.num_io_threads));
         gathered.clear();
         TESSERA_ASSIGN_OR_RETURN(
             GlobalSavePlan plan,

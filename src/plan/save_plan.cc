@@ -6,6 +6,7 @@
 #include <queue>
 #include <set>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 
 #include "core/byte_io.h"
@@ -133,6 +134,32 @@ Result<LocalPlan> DecodeLocalPlan(std::span<const uint8_t> bytes) {
   }
   if (!r.AtEnd()) return DataLoss("local plan: trailing bytes");
   return plan;
+}
+
+Result<std::vector<LocalPlan>> DecodeLocalPlans(std::span<const std::span<const uint8_t>> encoded,
+                                                int threads) {
+  std::vector<LocalPlan> plans(encoded.size());
+  std::vector<Status> statuses(encoded.size());
+  auto decode_range = [&](size_t begin, size_t end) {
+    for (size_t r = begin; r < end; ++r) {
+      Result<LocalPlan> plan = DecodeLocalPlan(encoded[r]);
+      if (plan.ok()) {
+        plans[r] = std::move(*plan);
+      } else {
+        statuses[r] = plan.status().WithContext("plan of rank " + std::to_string(r));
+      }
+    }
+  };
+  const size_t parts = std::clamp<size_t>(threads, 1, std::max<size_t>(1, encoded.size() / 16));
+  std::vector<std::thread> workers;
+  for (size_t p = 1; p < parts; ++p) {
+    workers.emplace_back(decode_range, encoded.size() * p / parts,
+                         encoded.size() * (p + 1) / parts);
+  }
+  decode_range(0, encoded.size() / parts);
+  for (std::thread& t : workers) t.join();
+  for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
+  return plans;
 }
 
 // ---- tiling check ----------------------------------------------------------------------------

@@ -51,6 +51,10 @@ Result<LocalPlan> BuildLocalPlan(const StateDict& state);
 // Compact binary encoding (what travels to the coordinator) and its inverse.
 Bytes EncodeLocalPlan(const LocalPlan& plan);
 Result<LocalPlan> DecodeLocalPlan(std::span<const uint8_t> bytes);
+// Decodes every rank's plan (entry r from rank r) with up to `threads` threads. Errors name the
+// rank.
+Result<std::vector<LocalPlan>> DecodeLocalPlans(std::span<const std::span<const uint8_t>> encoded,
+                                                int threads);
 
 struct SavePlanOptions {
   bool balance_writes = false;  // see SaveOptions::balance_writes
