@@ -1,11 +1,14 @@
 // Comm: how ranks move bytes between them. tessera's save and load are written against this
 // interface only; implementations: a single-rank one (NewSingleRankComm), an in-process one
-// that runs N ranks as N threads with real message passing (local_comm.h), and MPI (its own
-// target, later).
+// that runs N ranks as N threads with real message passing (local_comm.h), and MPI
+// (mpi_comm.h, its own target tessera::mpi).
 //
 // COLLECTIVE calls must be made by every rank of the communicator, in the same order. A
-// collective that cannot complete (a peer failed, called Abort, or timed out) returns an error
-// on every rank that reaches it; it never hangs forever.
+// collective that cannot complete (a peer failed or called Abort) returns an error on every
+// rank that reaches it. LocalComm also times out a peer that never comes; MPI has no timeout,
+// so a rank that stops calling collectives leaves its peers waiting. tessera's own protocols
+// never rely on either: a rank that fails still takes part in every collective and reports its
+// failure through them, so every rank returns the same error.
 //
 // Thread safety: a Comm is used by one thread at a time. Different Comms (e.g. one from Split)
 // may be used concurrently from different threads.

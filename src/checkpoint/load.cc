@@ -109,10 +109,6 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
 Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
                         const LoadOptions& options) {
   std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
-  if (options.num_io_threads < 1) {
-    return InvalidArgument("LoadOptions::num_io_threads must be at least 1, got " +
-                           std::to_string(options.num_io_threads));
-  }
   // 1. The manifest, read once and shared.
   Bytes manifest;
   if (comm.rank() == kCoordinator) {
@@ -126,8 +122,13 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
   manifest = Bytes();
 
   // 2. Plan this rank's reads; learn which keys any rank asked for.
+  // A bad option is reported through the collectives below, like a bad request.
   Result<RankReadPlan> planned =
-      PlanRankReads(metadata, state, path, options.missing_keys == KeyPolicy::kSkip);
+      options.num_io_threads >= 1
+          ? PlanRankReads(metadata, state, path, options.missing_keys == KeyPolicy::kSkip)
+          : Result<RankReadPlan>(InvalidArgument("LoadOptions::num_io_threads must be at least "
+                                                 "1, got " +
+                                                 std::to_string(options.num_io_threads)));
   const size_t num_keys = metadata.tensors.size() + metadata.objects.size();
   std::vector<int64_t> asked = planned.ok() ? planned->asked : std::vector<int64_t>(num_keys, 0);
   TESSERA_RETURN_IF_ERROR(comm.AllReduce(asked, ReduceOp::kMax));

@@ -328,16 +328,18 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
   const int rank = comm.rank();
   const bool coordinator = rank == kCoordinator;
-  if (options.num_io_threads < 1) {
-    return InvalidArgument("SaveOptions::num_io_threads must be at least 1, got " +
-                           std::to_string(options.num_io_threads));
-  }
 
   // 1. Local plan. When every rank's plan (and the options that shape the global plan) equal
   // those of this comm's previous successful save, one all-reduce replaces the gather, the
   // global planning and the scatter: each rank reuses its write list, the coordinator its
   // global plan.
-  Result<LocalPlan> local = BuildLocalPlan(state);
+  // A bad option is reported through the first collective like a bad state: a rank that
+  // returned here would leave its peers waiting.
+  Result<LocalPlan> local =
+      options.num_io_threads >= 1
+          ? BuildLocalPlan(state)
+          : Result<LocalPlan>(InvalidArgument("SaveOptions::num_io_threads must be at least 1, "
+                                              "got " + std::to_string(options.num_io_threads)));
   Bytes encoded_plan = local.ok() ? EncodeLocalPlan(*local) : Bytes();
   const uint64_t plan_key = Checksum(encoded_plan.data(), encoded_plan.size()) ^
                             (options.balance_writes ? 0x9e3779b97f4a7c15ULL : 0) ^

@@ -1,0 +1,893 @@
+// MpiComm: a Comm over an MPI communicator. See include/tessera/mpi_comm.h for the contract.
+//
+// Every collective is: Begin (one MPI_Iallreduce of a fixed-size header, the same result on
+// every rank), then the collective's own MPI calls. The header makes failures and argument
+// mismatches collective decisions: a rank that failed (bad argument, aborted) still takes part
+// in the header, flagged, and every rank then agrees on the status of the lowest flagged rank,
+// broadcast from it. Once agreed, the status is sticky: later collectives return it at once,
+// on every rank, without touching MPI.
+//
+// All MPI operations are nonblocking ones followed by a wait, so that without
+// MPI_THREAD_MULTIPLE the wait can poll MPI_Test under a process-wide lock that it releases
+// between polls (see Wait).
+#include "tessera/mpi_comm.h"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "mpi/mpi_internal.h"
+
+namespace tessera {
+namespace {
+
+using mpi_internal::Rounds;
+
+// ---- process-wide state ------------------------------------------------------------------
+
+std::atomic<int> g_provided_thread_level{-1};  // recorded when tessera initialised MPI
+std::atomic<bool> g_initialized_by_tessera{false};
+
+// Serialises tessera's MPI calls when MPI does not provide MPI_THREAD_MULTIPLE.
+std::mutex& SerialMpiMutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+// Holds SerialMpiMutex when `serialized`, else nothing.
+class MaybeLock {
+ public:
+  explicit MaybeLock(bool serialized) {
+    if (serialized) lock_ = std::unique_lock<std::mutex>(SerialMpiMutex());
+  }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+};
+
+void FinalizeAtExit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+bool MpiIsUsable() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  return initialized && !finalized;
+}
+
+// ---- the header ----------------------------------------------------------------------------
+
+enum class Kind : int64_t {
+  kBarrier = 1,
+  kBroadcast,
+  kGather,
+  kAllGather,
+  kScatter,
+  kAllReduce,
+  kSplit,
+};
+
+std::string KindName(int64_t kind) {
+  switch (static_cast<Kind>(kind)) {
+    case Kind::kBarrier:
+      return "Barrier";
+    case Kind::kBroadcast:
+      return "Broadcast";
+    case Kind::kGather:
+      return "Gather";
+    case Kind::kAllGather:
+      return "AllGather";
+    case Kind::kScatter:
+      return "Scatter";
+    case Kind::kAllReduce:
+      return "AllReduce";
+    case Kind::kSplit:
+      return "Split";
+  }
+  return "collective " + std::to_string(kind);
+}
+
+std::string ReduceOpName(int64_t op) {
+  switch (static_cast<ReduceOp>(op)) {
+    case ReduceOp::kSum:
+      return "kSum";
+    case ReduceOp::kMin:
+      return "kMin";
+    case ReduceOp::kMax:
+      return "kMax";
+  }
+  return "ReduceOp " + std::to_string(op);
+}
+
+// Header fields. Every field is reduced with MAX except kTotal (SUM); a field and its negation
+// side by side give the maximum and the minimum over the ranks.
+enum Field : int {
+  kFailed,         // 1 when this rank failed or was aborted
+  kNegFailedRank,  // -rank when failed, else INT64_MIN: the maximum names the lowest failed rank
+  kKind,           // Kind
+  kNegKind,
+  kRoot,  // root, or -1 for collectives without one
+  kNegRoot,
+  kValue,  // AllReduce: the number of values; Split: the color
+  kNegValue,
+  kReduceOp,  // AllReduce: the ReduceOp
+  kNegReduceOp,
+  kMaxCount,  // Broadcast: the root's size (-1 elsewhere); Gather, AllGather: own size;
+              // Scatter: the root's largest buffer (0 elsewhere)
+  kTotal,     // Gather, AllGather: own size; Scatter: the root's total (0 elsewhere)
+  kNumFields,
+};
+
+using Header = std::array<int64_t, kNumFields>;
+
+void SetPair(Header& h, Field field, int64_t value) {
+  h[field] = value;
+  h[field + 1] = -value;
+}
+
+Header NewHeader(Kind kind) {
+  Header h{};
+  SetPair(h, kKind, static_cast<int64_t>(kind));
+  SetPair(h, kRoot, -1);
+  h[kNegFailedRank] = INT64_MIN;
+  return h;
+}
+
+// The MPI reduction of headers: a header is one element of a contiguous datatype, so MPI never
+// splits one across calls.
+void ReduceHeaders(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
+  const auto* a = static_cast<const int64_t*>(in);
+  auto* b = static_cast<int64_t*>(inout);
+  for (int h = 0; h < *len; ++h, a += kNumFields, b += kNumFields) {
+    for (int f = 0; f < kNumFields; ++f) {
+      b[f] = f == kTotal
+                 ? static_cast<int64_t>(static_cast<uint64_t>(a[f]) + static_cast<uint64_t>(b[f]))
+                 : std::max(a[f], b[f]);
+    }
+  }
+}
+
+struct HeaderMpi {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  MPI_Op op = MPI_OP_NULL;
+  int error = MPI_SUCCESS;
+};
+
+// Created once per process, after MPI_Init, and kept until exit.
+const HeaderMpi& GetHeaderMpi() {
+  static HeaderMpi header;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::lock_guard<std::mutex> lock(SerialMpiMutex());
+    header.error = MPI_Type_contiguous(kNumFields, MPI_INT64_T, &header.type);
+    if (header.error == MPI_SUCCESS) header.error = MPI_Type_commit(&header.type);
+    if (header.error == MPI_SUCCESS) {
+      header.error = MPI_Op_create(&ReduceHeaders, /*commute=*/1, &header.op);
+    }
+  });
+  return header;
+}
+
+// ---- statuses on the wire --------------------------------------------------------------------
+
+// The code as 4 little-endian bytes, then the message.
+Bytes EncodeStatus(const Status& status) {
+  const auto code = static_cast<uint32_t>(status.code());
+  Bytes out;
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(code >> (8 * i)));
+  out.insert(out.end(), status.message().begin(), status.message().end());
+  return out;
+}
+
+Status DecodeStatus(const Bytes& in, int from) {
+  uint32_t code = 0;
+  if (in.size() >= 4) {
+    for (int i = 0; i < 4; ++i) code |= static_cast<uint32_t>(in[i]) << (8 * i);
+  }
+  if (in.size() < 4 || code == 0 || code > static_cast<uint32_t>(StatusCode::kDeadlineExceeded)) {
+    return Aborted("rank " + std::to_string(from) + " aborted with a malformed status of " +
+                   std::to_string(in.size()) + " bytes");
+  }
+  return Status(static_cast<StatusCode>(code), std::string(in.begin() + 4, in.end()));
+}
+
+// ---- abort state -------------------------------------------------------------------------------
+
+// Whether a communicator is aborted, on this rank. `pending`: this rank was aborted (Abort, its
+// parent's abort, a failed MPI call) and will say so in its next collective's header. `agreed`:
+// every rank knows; collectives return it without communicating. Children (from Split) inherit
+// an abort as pending. Thread-safe: Abort may come from any thread.
+class AbortState {
+ public:
+  // First abort wins; later ones, and aborts of an agreed communicator, are ignored.
+  void Abort(const Status& status) {
+    std::vector<std::weak_ptr<AbortState>> children;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!pending_.ok() || !agreed_.ok()) return;
+      pending_ = status;
+      children = children_;
+    }
+    for (const auto& weak : children) {
+      if (auto child = weak.lock()) child->Abort(status);
+    }
+  }
+
+  void Agree(const Status& status) {
+    std::vector<std::weak_ptr<AbortState>> children;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      agreed_ = status;
+      children.swap(children_);
+    }
+    for (const auto& weak : children) {
+      if (auto child = weak.lock()) child->Abort(status);
+    }
+  }
+
+  // (agreed, pending)
+  std::pair<Status, Status> Get() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {agreed_, pending_};
+  }
+
+  void AddChild(const std::shared_ptr<AbortState>& child) {
+    Status status;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      status = agreed_.ok() ? pending_ : agreed_;
+      if (status.ok()) {
+        std::erase_if(children_, [](const auto& weak) { return weak.expired(); });
+        children_.push_back(child);
+        return;
+      }
+    }
+    child->Abort(status);
+  }
+
+ private:
+  std::mutex mu_;
+  Status pending_;
+  Status agreed_;
+  std::vector<std::weak_ptr<AbortState>> children_;
+};
+
+// ---- the communicator ---------------------------------------------------------------------------
+
+struct Settings {
+  MpiCommOptions options;
+  bool serialized = false;  // MPI_THREAD_MULTIPLE not provided: lock and poll
+  HeaderMpi header;
+};
+
+class MpiComm final : public Comm {
+ public:
+  // Takes ownership of `comm`.
+  MpiComm(MPI_Comm comm, int rank, int size, std::shared_ptr<const Settings> settings)
+      : comm_(comm), rank_(rank), size_(size), settings_(std::move(settings)) {}
+
+  ~MpiComm() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    MaybeLock lock(serialized());
+    MPI_Comm_free(&comm_);
+  }
+
+  // Wraps an MPI communicator this Comm will own: sets MPI_ERRORS_RETURN and reads rank and
+  // size. Frees `comm` on failure. `op` names the caller in errors.
+  static Result<std::unique_ptr<MpiComm>> Adopt(MPI_Comm comm,
+                                                std::shared_ptr<const Settings> settings,
+                                                std::string_view op, int parent_rank) {
+    int rank = 0, size = 0;
+    int rc;
+    const char* call = "MPI_Comm_set_errhandler";
+    {
+      MaybeLock lock(settings->serialized);
+      rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+      if (rc == MPI_SUCCESS) {
+        call = "MPI_Comm_rank";
+        rc = MPI_Comm_rank(comm, &rank);
+      }
+      if (rc == MPI_SUCCESS) {
+        call = "MPI_Comm_size";
+        rc = MPI_Comm_size(comm, &size);
+      }
+      if (rc != MPI_SUCCESS) MPI_Comm_free(&comm);
+    }
+    if (rc != MPI_SUCCESS) return mpi_internal::MpiErrorStatus(rc, call, op, parent_rank);
+    return std::make_unique<MpiComm>(comm, rank, size, std::move(settings));
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  Status Barrier() override {
+    Header h = NewHeader(Kind::kBarrier);
+    return Begin(Kind::kBarrier, h, Status::Ok()).status();
+  }
+
+  Status Broadcast(Bytes* data, int root) override {
+    constexpr std::string_view kOp = "Broadcast";
+    Status local = CheckRoot(kOp, root);
+    if (local.ok() && data == nullptr) local = InvalidArgument(Where(kOp) + ": data is null");
+    Header h = NewHeader(Kind::kBroadcast);
+    SetPair(h, kRoot, root);
+    h[kMaxCount] = local.ok() && rank_ == root ? static_cast<int64_t>(data->size()) : -1;
+    TESSERA_ASSIGN_OR_RETURN(Agreed agreed, Begin(Kind::kBroadcast, h, local));
+    const int64_t size = agreed.max_count;
+    if (rank_ != root) data->resize(size);
+    return BcastData(data->data(), size, root, kOp);
+  }
+
+  Status Gather(const Bytes& send, std::vector<Bytes>* received, int root) override {
+    constexpr std::string_view kOp = "Gather";
+    Status local = CheckRoot(kOp, root);
+    if (local.ok() && rank_ == root && received == nullptr) {
+      local = InvalidArgument(Where(kOp) + ": received is null on the root");
+    }
+    const auto mine = static_cast<int64_t>(send.size());
+    Header h = NewHeader(Kind::kGather);
+    SetPair(h, kRoot, root);
+    h[kMaxCount] = h[kTotal] = mine;
+    TESSERA_ASSIGN_OR_RETURN(Agreed agreed, Begin(Kind::kGather, h, local));
+    const bool is_root = rank_ == root;
+    std::vector<Bytes> out(is_root ? size_ : 0);
+    const Rounds rounds = Schedule(agreed);
+    if (rounds.rounds > 0) {
+      std::vector<int64_t> counts(is_root ? size_ : 0);
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Igather", kOp, [&](MPI_Request* request) {
+        return MPI_Igather(&mine, 1, MPI_INT64_T, counts.data(), 1, MPI_INT64_T, root, comm_,
+                           request);
+      }));
+      for (int r = 0; is_root && r < size_; ++r) {
+        if (r != rank_) out[r].resize(counts[r]);
+      }
+      std::vector<int> piece(is_root ? size_ : 0), displs(is_root ? size_ : 0);
+      Bytes staging;
+      for (int64_t k = 0; k < rounds.rounds; ++k) {
+        if (is_root) {
+          // The root's own bytes stay put (MPI_IN_PLACE, count 0); it copies them below.
+          int64_t total = 0;
+          for (int r = 0; r < size_; ++r) {
+            piece[r] = r == rank_ ? 0 : static_cast<int>(rounds.Size(counts[r], k));
+            displs[r] = static_cast<int>(total);
+            total += piece[r];
+          }
+          staging.resize(total);
+        }
+        const void* sendbuf = is_root ? MPI_IN_PLACE : send.data() + rounds.Begin(mine, k);
+        const int sendcount = is_root ? 0 : static_cast<int>(rounds.Size(mine, k));
+        TESSERA_RETURN_IF_ERROR(Run("MPI_Igatherv", kOp, [&](MPI_Request* request) {
+          return MPI_Igatherv(sendbuf, sendcount, MPI_BYTE, staging.data(), piece.data(),
+                              displs.data(), MPI_BYTE, root, comm_, request);
+        }));
+        for (int r = 0; is_root && r < size_; ++r) {
+          if (piece[r] > 0) {
+            std::memcpy(out[r].data() + rounds.Begin(counts[r], k), staging.data() + displs[r],
+                        piece[r]);
+          }
+        }
+      }
+    }
+    if (is_root) {
+      out[rank_] = send;
+      *received = std::move(out);
+    }
+    return Status::Ok();
+  }
+
+  Status AllGather(const Bytes& send, std::vector<Bytes>* received) override {
+    constexpr std::string_view kOp = "AllGather";
+    Status local;
+    if (received == nullptr) local = InvalidArgument(Where(kOp) + ": received is null");
+    const auto mine = static_cast<int64_t>(send.size());
+    Header h = NewHeader(Kind::kAllGather);
+    h[kMaxCount] = h[kTotal] = mine;
+    TESSERA_ASSIGN_OR_RETURN(Agreed agreed, Begin(Kind::kAllGather, h, local));
+    std::vector<Bytes> out(size_);
+    const Rounds rounds = Schedule(agreed);
+    if (rounds.rounds > 0) {
+      std::vector<int64_t> counts(size_);
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallgather", kOp, [&](MPI_Request* request) {
+        return MPI_Iallgather(&mine, 1, MPI_INT64_T, counts.data(), 1, MPI_INT64_T, comm_, request);
+      }));
+      for (int r = 0; r < size_; ++r) {
+        if (r != rank_) out[r].resize(counts[r]);
+      }
+      std::vector<int> piece(size_), displs(size_);
+      Bytes staging;
+      for (int64_t k = 0; k < rounds.rounds; ++k) {
+        int64_t total = 0;
+        for (int r = 0; r < size_; ++r) {
+          piece[r] = static_cast<int>(rounds.Size(counts[r], k));
+          displs[r] = static_cast<int>(total);
+          total += piece[r];
+        }
+        staging.resize(total);
+        TESSERA_RETURN_IF_ERROR(Run("MPI_Iallgatherv", kOp, [&](MPI_Request* request) {
+          return MPI_Iallgatherv(send.data() + rounds.Begin(mine, k), piece[rank_], MPI_BYTE,
+                                 staging.data(), piece.data(), displs.data(), MPI_BYTE, comm_,
+                                 request);
+        }));
+        for (int r = 0; r < size_; ++r) {
+          if (r != rank_ && piece[r] > 0) {
+            std::memcpy(out[r].data() + rounds.Begin(counts[r], k), staging.data() + displs[r],
+                        piece[r]);
+          }
+        }
+      }
+    }
+    out[rank_] = send;
+    *received = std::move(out);
+    return Status::Ok();
+  }
+
+  Status Scatter(const std::vector<Bytes>& send, Bytes* received, int root) override {
+    constexpr std::string_view kOp = "Scatter";
+    const bool is_root = rank_ == root;
+    Status local = CheckRoot(kOp, root);
+    if (local.ok() && received == nullptr) {
+      local = InvalidArgument(Where(kOp) + ": received is null");
+    }
+    if (local.ok() && is_root && static_cast<int64_t>(send.size()) != size_) {
+      local = InvalidArgument(Where(kOp) + ": the root passed " + std::to_string(send.size()) +
+                              " buffers for " + std::to_string(size_) + " ranks");
+    }
+    Header h = NewHeader(Kind::kScatter);
+    SetPair(h, kRoot, root);
+    if (local.ok() && is_root) {
+      for (const Bytes& b : send) {
+        h[kMaxCount] = std::max<int64_t>(h[kMaxCount], static_cast<int64_t>(b.size()));
+        h[kTotal] += static_cast<int64_t>(b.size());
+      }
+    }
+    TESSERA_ASSIGN_OR_RETURN(Agreed agreed, Begin(Kind::kScatter, h, local));
+    Bytes out;
+    const Rounds rounds = Schedule(agreed);
+    if (rounds.rounds > 0) {
+      std::vector<int64_t> counts(is_root ? size_ : 0);
+      for (int r = 0; is_root && r < size_; ++r) counts[r] = static_cast<int64_t>(send[r].size());
+      int64_t mine = 0;
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Iscatter", kOp, [&](MPI_Request* request) {
+        return MPI_Iscatter(counts.data(), 1, MPI_INT64_T, &mine, 1, MPI_INT64_T, root, comm_,
+                            request);
+      }));
+      if (!is_root) out.resize(mine);
+      std::vector<int> piece(is_root ? size_ : 0), displs(is_root ? size_ : 0);
+      Bytes staging;
+      for (int64_t k = 0; k < rounds.rounds; ++k) {
+        if (is_root) {
+          // The root keeps its own buffer (MPI_IN_PLACE, count 0) and copies it below.
+          int64_t total = 0;
+          for (int r = 0; r < size_; ++r) {
+            piece[r] = r == rank_ ? 0 : static_cast<int>(rounds.Size(counts[r], k));
+            displs[r] = static_cast<int>(total);
+            total += piece[r];
+          }
+          staging.resize(total);
+          for (int r = 0; r < size_; ++r) {
+            if (piece[r] > 0) {
+              std::memcpy(staging.data() + displs[r], send[r].data() + rounds.Begin(counts[r], k),
+                          piece[r]);
+            }
+          }
+        }
+        void* recvbuf = is_root ? MPI_IN_PLACE : out.data() + rounds.Begin(mine, k);
+        const int recvcount = is_root ? 0 : static_cast<int>(rounds.Size(mine, k));
+        TESSERA_RETURN_IF_ERROR(Run("MPI_Iscatterv", kOp, [&](MPI_Request* request) {
+          return MPI_Iscatterv(staging.data(), piece.data(), displs.data(), MPI_BYTE, recvbuf,
+                               recvcount, MPI_BYTE, root, comm_, request);
+        }));
+      }
+    }
+    if (is_root) out = send[rank_];
+    *received = std::move(out);
+    return Status::Ok();
+  }
+
+  Status AllReduce(std::span<int64_t> values, ReduceOp op) override {
+    constexpr std::string_view kOp = "AllReduce";
+    Status local;
+    if (op != ReduceOp::kSum && op != ReduceOp::kMin && op != ReduceOp::kMax) {
+      local = InvalidArgument(Where(kOp) + ": unknown " + ReduceOpName(static_cast<int>(op)));
+    }
+    const auto count = static_cast<int64_t>(values.size());
+    Header h = NewHeader(Kind::kAllReduce);
+    SetPair(h, kValue, count);
+    SetPair(h, kReduceOp, static_cast<int64_t>(op));
+    TESSERA_ASSIGN_OR_RETURN(Agreed agreed, Begin(Kind::kAllReduce, h, local));
+    if (agreed.value_min != agreed.value_max) {
+      // Every rank is here: find who differs from rank 0, for the message.
+      std::vector<int64_t> counts(size_);
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallgather", kOp, [&](MPI_Request* request) {
+        return MPI_Iallgather(&count, 1, MPI_INT64_T, counts.data(), 1, MPI_INT64_T, comm_,
+                              request);
+      }));
+      int other = 1;
+      while (other < size_ - 1 && counts[other] == counts[0]) ++other;
+      return FailEverywhere(InvalidArgument(Where(kOp) + ": rank " + std::to_string(other) +
+                                            " passed " + std::to_string(counts[other]) +
+                                            " values, rank 0 passed " + std::to_string(counts[0])));
+    }
+    if (agreed.op_min != agreed.op_max) {
+      return FailEverywhere(InvalidArgument(Where(kOp) + ": the ranks passed different ops, " +
+                                            ReduceOpName(agreed.op_min) + " and " +
+                                            ReduceOpName(agreed.op_max)));
+    }
+    // A sum on uint64 wraps around on overflow, like LocalComm, instead of undefined behaviour.
+    const MPI_Datatype type = op == ReduceOp::kSum ? MPI_UINT64_T : MPI_INT64_T;
+    const MPI_Op mpi_op = op == ReduceOp::kSum ? MPI_SUM : op == ReduceOp::kMin ? MPI_MIN : MPI_MAX;
+    const int64_t chunk = settings_->options.max_message_bytes / int64_t{sizeof(int64_t)};
+    for (int64_t begin = 0; begin < count; begin += chunk) {
+      const int n = static_cast<int>(std::min(chunk, count - begin));
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallreduce", kOp, [&](MPI_Request* request) {
+        return MPI_Iallreduce(MPI_IN_PLACE, values.data() + begin, n, type, mpi_op, comm_, request);
+      }));
+    }
+    return Status::Ok();
+  }
+
+  Result<std::unique_ptr<Comm>> Split(int color, int key) override {
+    constexpr std::string_view kOp = "Split";
+    Header h = NewHeader(Kind::kSplit);
+    SetPair(h, kValue, color);
+    TESSERA_ASSIGN_OR_RETURN(Agreed agreed, Begin(Kind::kSplit, h, Status::Ok()));
+    int mpi_color = color;
+    if (agreed.value_min < 0) {
+      // MPI colors must be non-negative: number the distinct colors 0, 1, ...
+      std::vector<int64_t> colors(size_);
+      const int64_t mine = color;
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallgather", kOp, [&](MPI_Request* request) {
+        return MPI_Iallgather(&mine, 1, MPI_INT64_T, colors.data(), 1, MPI_INT64_T, comm_, request);
+      }));
+      std::sort(colors.begin(), colors.end());
+      colors.erase(std::unique(colors.begin(), colors.end()), colors.end());
+      mpi_color =
+          static_cast<int>(std::lower_bound(colors.begin(), colors.end(), mine) - colors.begin());
+    }
+    MPI_Comm child = MPI_COMM_NULL;
+    int rc;
+    {
+      MaybeLock lock(serialized());
+      rc = MPI_Comm_split(comm_, mpi_color, key, &child);
+    }
+    if (rc != MPI_SUCCESS) return Failed(rc, "MPI_Comm_split", kOp);
+    TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<MpiComm> comm, Adopt(child, settings_, kOp, rank_));
+    state_->AddChild(comm->state_);
+    return std::unique_ptr<Comm>(std::move(comm));
+  }
+
+  void Abort(const Status& reason) override {
+    state_->Abort(Aborted("rank " + std::to_string(rank_) + " aborted: " + reason.ToString()));
+  }
+
+ private:
+  // What every rank learns from the header.
+  struct Agreed {
+    int64_t max_count = 0;
+    int64_t total = 0;
+    int64_t value_min = 0, value_max = 0;
+    int64_t op_min = 0, op_max = 0;
+  };
+
+  bool serialized() const { return settings_->serialized; }
+
+  std::string Where(std::string_view op) const {
+    return std::string(op) + " on rank " + std::to_string(rank_);
+  }
+
+  Status CheckRoot(std::string_view op, int root) const {
+    if (root >= 0 && root < size_) return Status::Ok();
+    return InvalidArgument(Where(op) + ": root " + std::to_string(root) +
+                           " is not a rank of a communicator of size " + std::to_string(size_));
+  }
+
+  Rounds Schedule(const Agreed& agreed) const {
+    return Rounds::For(agreed.max_count, agreed.total, size_, settings_->options.max_message_bytes);
+  }
+
+  // Starts a collective: returns the agreed abort status at once if there is one; otherwise
+  // exchanges headers. `local`: this rank's own error (a bad argument), or OK. When any rank
+  // failed or was aborted, every rank adopts the lowest such rank's abort status and returns
+  // it (a rank returns its own `local` error instead). When the ranks disagree on the
+  // collective or its root, every rank fails with InvalidArgument.
+  Result<Agreed> Begin(Kind kind, Header& h, const Status& local) {
+    const std::string op = KindName(static_cast<int64_t>(kind));
+    auto [agreed_abort, pending] = state_->Get();
+    if (!agreed_abort.ok()) return agreed_abort;
+    const bool failed = !pending.ok() || !local.ok();
+    h[kFailed] = failed ? 1 : 0;
+    h[kNegFailedRank] = failed ? -static_cast<int64_t>(rank_) : INT64_MIN;
+    Header result{};
+    TESSERA_RETURN_IF_ERROR(Run("MPI_Iallreduce", op, [&](MPI_Request* request) {
+      return MPI_Iallreduce(h.data(), result.data(), 1, settings_->header.type,
+                            settings_->header.op, comm_, request);
+    }));
+    if (result[kFailed] != 0) {
+      const int who = static_cast<int>(-result[kNegFailedRank]);
+      Bytes encoded;
+      if (who == rank_) {
+        encoded = EncodeStatus(pending.ok() ? Aborted("rank " + std::to_string(rank_) +
+                                                      " aborted: " + local.ToString())
+                                            : pending);
+      }
+      TESSERA_RETURN_IF_ERROR(BcastSized(&encoded, who, op));
+      Status announced = DecodeStatus(encoded, who);
+      state_->Agree(announced);
+      if (pending.ok() && !local.ok()) return local;
+      return announced;
+    }
+    if (result[kKind] != -result[kNegKind]) {
+      return FailEverywhere(InvalidArgument(
+          Where(op) + ": the ranks called different collectives at the same point: " +
+          KindName(-result[kNegKind]) + " and " + KindName(result[kKind])));
+    }
+    if (result[kRoot] != -result[kNegRoot]) {
+      return FailEverywhere(InvalidArgument(Where(op) + ": the ranks passed different roots, " +
+                                            std::to_string(-result[kNegRoot]) + " and " +
+                                            std::to_string(result[kRoot])));
+    }
+    Agreed agreed;
+    agreed.max_count = result[kMaxCount];
+    agreed.total = result[kTotal];
+    agreed.value_max = result[kValue];
+    agreed.value_min = -result[kNegValue];
+    agreed.op_max = result[kReduceOp];
+    agreed.op_min = -result[kNegReduceOp];
+    return agreed;
+  }
+
+  // An error every rank detected in the same collective: aborts the communicator for later
+  // collectives (every rank does the same) and returns `error`.
+  Status FailEverywhere(Status error) {
+    state_->Agree(Aborted("an earlier collective failed on every rank: " + error.ToString()));
+    return error;
+  }
+
+  // An MPI call failed: the communicator's state is unknown. Aborts it (the next collective
+  // tells the peers, if MPI still can) and returns the error.
+  Status Failed(int rc, std::string_view call, std::string_view op) {
+    Status error = mpi_internal::MpiErrorStatus(rc, call, op, rank_);
+    state_->Abort(Aborted("rank " + std::to_string(rank_) + " aborted: " + error.ToString()));
+    return error;
+  }
+
+  // Runs one nonblocking MPI operation to completion. `start(&request)` starts it.
+  template <typename Start>
+  Status Run(std::string_view call, std::string_view op, Start&& start) {
+    MPI_Request request = MPI_REQUEST_NULL;
+    int rc;
+    {
+      MaybeLock lock(serialized());
+      rc = start(&request);
+    }
+    if (rc != MPI_SUCCESS) return Failed(rc, call, op);
+    if (!serialized()) {
+      rc = MPI_Wait(&request, MPI_STATUS_IGNORE);
+    } else {
+      // Poll, releasing the lock between polls so that another thread's operation (on a
+      // parent or child communicator) can progress too.
+      for (int polls = 0;; ++polls) {
+        int done = 0;
+        {
+          std::lock_guard<std::mutex> lock(SerialMpiMutex());
+          rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+        }
+        if (rc != MPI_SUCCESS || done) break;
+        if (polls < 100) {
+          std::this_thread::yield();
+        } else {
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+      }
+    }
+    if (rc != MPI_SUCCESS) return Failed(rc, call, op);
+    return Status::Ok();
+  }
+
+  Status BcastData(uint8_t* data, int64_t size, int root, std::string_view op) {
+    const int64_t chunk = settings_->options.max_message_bytes;
+    for (int64_t begin = 0; begin < size; begin += chunk) {
+      const int n = static_cast<int>(std::min(chunk, size - begin));
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Ibcast", op, [&](MPI_Request* request) {
+        return MPI_Ibcast(data + begin, n, MPI_BYTE, root, comm_, request);
+      }));
+    }
+    return Status::Ok();
+  }
+
+  // Broadcasts `*bytes` from `root`: its size, then its data.
+  Status BcastSized(Bytes* bytes, int root, std::string_view op) {
+    int64_t size = static_cast<int64_t>(bytes->size());
+    TESSERA_RETURN_IF_ERROR(Run("MPI_Ibcast", op, [&](MPI_Request* request) {
+      return MPI_Ibcast(&size, 1, MPI_INT64_T, root, comm_, request);
+    }));
+    if (rank_ != root) bytes->resize(size);
+    return BcastData(bytes->data(), size, root, op);
+  }
+
+  MPI_Comm comm_;
+  const int rank_;
+  const int size_;
+  const std::shared_ptr<const Settings> settings_;
+  const std::shared_ptr<AbortState> state_ = std::make_shared<AbortState>();
+};
+
+}  // namespace
+
+namespace mpi_internal {
+
+namespace {
+
+const char* ErrorClassName(int error_class) {
+  switch (error_class) {
+    case MPI_ERR_BUFFER:
+      return "MPI_ERR_BUFFER";
+    case MPI_ERR_COUNT:
+      return "MPI_ERR_COUNT";
+    case MPI_ERR_TYPE:
+      return "MPI_ERR_TYPE";
+    case MPI_ERR_TAG:
+      return "MPI_ERR_TAG";
+    case MPI_ERR_COMM:
+      return "MPI_ERR_COMM";
+    case MPI_ERR_RANK:
+      return "MPI_ERR_RANK";
+    case MPI_ERR_ROOT:
+      return "MPI_ERR_ROOT";
+    case MPI_ERR_GROUP:
+      return "MPI_ERR_GROUP";
+    case MPI_ERR_OP:
+      return "MPI_ERR_OP";
+    case MPI_ERR_ARG:
+      return "MPI_ERR_ARG";
+    case MPI_ERR_TRUNCATE:
+      return "MPI_ERR_TRUNCATE";
+    case MPI_ERR_REQUEST:
+      return "MPI_ERR_REQUEST";
+    case MPI_ERR_NO_MEM:
+      return "MPI_ERR_NO_MEM";
+    case MPI_ERR_INTERN:
+      return "MPI_ERR_INTERN";
+    case MPI_ERR_OTHER:
+      return "MPI_ERR_OTHER";
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace
+
+Status MpiErrorStatus(int error, std::string_view call, std::string_view op, int rank) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  std::string message;
+  if (MPI_Error_string(error, text, &length) == MPI_SUCCESS && length > 0) {
+    message.assign(text, length);
+  } else {
+    message = "unknown MPI error";
+  }
+  int error_class = error;
+  if (MPI_Error_class(error, &error_class) != MPI_SUCCESS) error_class = MPI_ERR_UNKNOWN;
+  const char* class_name = ErrorClassName(error_class);
+  // Open MPI's text starts with the class name already; say it once.
+  if (class_name != nullptr && message.rfind(class_name, 0) != 0) {
+    message = std::string(class_name) + ": " + message;
+  }
+  message = std::string(op) + " on rank " + std::to_string(rank) + ": " + std::string(call) +
+            " failed: " + message + " (MPI error " + std::to_string(error) + ")";
+  switch (error_class) {
+    case MPI_ERR_BUFFER:
+    case MPI_ERR_COUNT:
+    case MPI_ERR_TYPE:
+    case MPI_ERR_TAG:
+    case MPI_ERR_COMM:
+    case MPI_ERR_RANK:
+    case MPI_ERR_ROOT:
+    case MPI_ERR_GROUP:
+    case MPI_ERR_OP:
+    case MPI_ERR_ARG:
+    case MPI_ERR_TRUNCATE:
+    case MPI_ERR_REQUEST:
+      return Internal(std::move(message));
+    default:
+      return IOError(std::move(message));
+  }
+}
+
+}  // namespace mpi_internal
+
+Result<std::unique_ptr<Comm>> NewMpiComm(MPI_Comm user_comm, const MpiCommOptions& options) {
+  if (options.max_message_bytes < 8 || options.max_message_bytes > INT_MAX) {
+    return InvalidArgument("NewMpiComm: MpiCommOptions::max_message_bytes must be in [8, " +
+                           std::to_string(INT_MAX) + "], got " +
+                           std::to_string(options.max_message_bytes));
+  }
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized) {
+    return FailedPrecondition(
+        "NewMpiComm: MPI is not initialised (call MPI_Init_thread first, or use "
+        "NewMpiWorldComm)");
+  }
+  if (finalized) return FailedPrecondition("NewMpiComm: MPI has been finalised");
+  if (user_comm == MPI_COMM_NULL) return InvalidArgument("NewMpiComm: the communicator is null");
+
+  auto settings = std::make_shared<Settings>();
+  settings->options = options;
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&provided);
+  settings->serialized = provided < MPI_THREAD_MULTIPLE;
+  settings->header = GetHeaderMpi();
+  if (settings->header.error != MPI_SUCCESS) {
+    return mpi_internal::MpiErrorStatus(settings->header.error, "MPI_Type_contiguous/MPI_Op_create",
+                                        "NewMpiComm", -1);
+  }
+
+  int rank = -1;
+  int rc;
+  MPI_Comm dup = MPI_COMM_NULL;
+  {
+    MaybeLock lock(settings->serialized);
+    int is_inter = 0;
+    rc = MPI_Comm_test_inter(user_comm, &is_inter);
+    if (rc == MPI_SUCCESS && is_inter) {
+      return InvalidArgument("NewMpiComm: intercommunicators are not supported");
+    }
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(user_comm, &rank);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_dup(user_comm, &dup);
+  }
+  if (rc != MPI_SUCCESS)
+    return mpi_internal::MpiErrorStatus(rc, "MPI_Comm_dup", "NewMpiComm", rank);
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<MpiComm> comm,
+                           MpiComm::Adopt(dup, std::move(settings), "NewMpiComm", rank));
+  return std::unique_ptr<Comm>(std::move(comm));
+}
+
+Result<std::unique_ptr<Comm>> NewMpiWorldComm(const MpiCommOptions& options) {
+  {
+    static std::mutex init_mu;
+    std::lock_guard<std::mutex> lock(init_mu);
+    int initialized = 0, finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    if (finalized) return FailedPrecondition("NewMpiWorldComm: MPI has been finalised");
+    if (!initialized) {
+      int provided = MPI_THREAD_SINGLE;
+      const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      if (rc != MPI_SUCCESS) {
+        return mpi_internal::MpiErrorStatus(rc, "MPI_Init_thread", "NewMpiWorldComm", -1);
+      }
+      g_provided_thread_level.store(provided);
+      g_initialized_by_tessera.store(true);
+      std::atexit(&FinalizeAtExit);
+    }
+  }
+  return NewMpiComm(MPI_COMM_WORLD, options);
+}
+
+int MpiProvidedThreadLevel() {
+  if (!MpiIsUsable()) return g_provided_thread_level.load();
+  int provided = -1;
+  if (MPI_Query_thread(&provided) != MPI_SUCCESS) return -1;
+  return provided;
+}
+
+bool MpiInitializedByTessera() { return g_initialized_by_tessera.load(); }
+
+}  // namespace tessera
