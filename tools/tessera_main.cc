@@ -13,6 +13,8 @@ int main(int argc, char** argv) {
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks that print JSON");
   bench->require_subcommand(1);
   AddBenchPlanCommand(*bench, &exit_code);
+  AddBenchIoCommand(*bench, &exit_code);
+  AddBenchAsyncCommand(*bench, &exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }

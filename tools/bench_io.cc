@@ -1,0 +1,576 @@
+// tessera bench io: save and load against the hardware, measured in the same run.
+//
+// R ranks (threads of this process, talking through LocalComm) hold a synthetic Megatron-style
+// state (workload::BuildRankState) of about --size bytes under the save layout, by default
+// tp=R: every split tensor is cut in R equal parts and every rank writes the same bytes (the
+// tiny replicated norms are written once, by rank 0). Each repeat runs these phases:
+//
+//   save          tessera Save into a fresh checkpoint directory
+//   raw_write     the same ranks write the same bytes per rank (each rank's share of the
+//                 checkpoint payload, from the same memory) to plain files, one file per I/O
+//                 thread, with pwrite; with --sync, fdatasync per file, then fsync of the file
+//                 directory and its parent (what a durable save needs at the least)
+//   load          tessera Load of that checkpoint under the save layout
+//   raw_read      the same ranks pread the raw files back into the load's destination memory
+//   reshard_load  tessera Load under another layout with the same rank count
+//
+// in a fixed order that alternates tessera and raw: even repeats run save, raw_write, load,
+// raw_read, reshard_load; odd repeats run raw_write, save, raw_read, load, reshard_load, so
+// neither side always goes first. Nothing is dropped from the page cache (reads are served
+// from it); before each phase, outside the timing, syncfs() writes back whatever earlier
+// phases left dirty, so no phase pays for another's writeback (--no-flush turns that off).
+// Every destination is allocated and touched before any timing. A phase is timed on rank 0
+// from a barrier before it to a barrier after it. --warmup repeats (default 1) run first and
+// are reported apart: on this VM the first writes of a process land on page-cache pages the
+// guest has not touched yet and run 2-4x slower, for the raw baseline as for tessera. Each
+// figure is the best of the --repeat timed samples; every sample is reported too. The first
+// repeat (a warm-up one by default) checks every loaded element.
+//
+// Memory: getrusage's ru_maxrss covers the whole process, which holds the save, load and
+// reshard states at once. What one phase adds on top of the memory it starts with is measured
+// too (*_extra_rss_bytes): rank 0 resets the kernel's high-water mark (/proc/self/clear_refs)
+// before the phase and reads VmHWM after it.
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tessera/checkpoint.h"
+#include "tessera/local_comm.h"
+#include "tools/commands.h"
+#include "workload/model_state.h"
+
+namespace tessera::tools {
+namespace {
+
+using ::tessera::workload::BuildRankState;
+using ::tessera::workload::CheckRankState;
+using ::tessera::workload::Layout;
+using ::tessera::workload::ModelConfig;
+using ::tessera::workload::ParseLayout;
+using ::tessera::workload::RankState;
+using Clock = std::chrono::steady_clock;
+
+// Largest single pwrite/pread of the raw baseline: PosixStorageOptions' default.
+constexpr size_t kRawPiece = 64u << 20;
+
+struct BenchIoOptions {
+  int ranks = 2;
+  std::string size = "1GiB";
+  bool sync = false;
+  std::string comm = "local";
+  int io_threads = 2;
+  int repeat = 3;
+  int warmup = 1;
+  std::string dir = "/tmp";
+  std::string save_layout;       // default: tp<ranks>
+  std::string reshard_layout;    // default: see DefaultReshardLayout
+  bool flush = true;             // syncfs before each phase, outside the timing
+  bool check = true;             // check every loaded element in the first repeat
+  bool verify_checksums = true;  // LoadOptions::verify_checksums
+};
+
+// tp<R/2>,dp2 for an even R (a TP change plus a DP split of the moments' flat ranges);
+// tp1,dp<R> for an odd R; tp1 for one rank (the same layout: nothing to reshard).
+std::string DefaultReshardLayout(int ranks) {
+  if (ranks == 1) return "tp1,dp1";
+  if (ranks % 2 == 0) return "tp" + std::to_string(ranks / 2) + ",dp2";
+  return "tp1,dp" + std::to_string(ranks);
+}
+
+// ---- the raw baseline --------------------------------------------------------------------------
+
+struct Segment {
+  std::byte* data;
+  uint64_t size;
+};
+
+// The first `limit` bytes of the state's buffers, in order.
+std::vector<Segment> StateSegments(const RankState& state, uint64_t limit) {
+  std::vector<Segment> out;
+  for (const auto& buffer : state.buffers) {
+    if (limit == 0) break;
+    const uint64_t n = std::min<uint64_t>(limit, buffer->size());
+    if (n == 0) continue;
+    out.push_back({reinterpret_cast<std::byte*>(buffer->data()), n});
+    limit -= n;
+  }
+  return out;
+}
+
+// Cuts the concatenation of `segments` into `parts` contiguous pieces of about equal bytes.
+std::vector<std::vector<Segment>> SplitSegments(const std::vector<Segment>& segments, int parts) {
+  uint64_t total = 0;
+  for (const Segment& s : segments) total += s.size;
+  std::vector<std::vector<Segment>> out(parts);
+  size_t i = 0;
+  uint64_t used = 0;  // of segments[i]
+  for (int p = 0; p < parts; ++p) {
+    const uint64_t begin = total * p / parts, end = total * (p + 1) / parts;
+    uint64_t want = end - begin;
+    while (want > 0 && i < segments.size()) {
+      const uint64_t n = std::min(want, segments[i].size - used);
+      out[p].push_back({segments[i].data + used, n});
+      want -= n;
+      used += n;
+      if (used == segments[i].size) ++i, used = 0;
+    }
+  }
+  return out;
+}
+
+// Touches every page of every buffer, so no timed phase pays for first-touch page faults.
+void TouchPages(const RankState& state) {
+  const long page = sysconf(_SC_PAGESIZE);
+  for (const auto& buffer : state.buffers) {
+    volatile uint8_t* p = buffer->data();
+    for (size_t i = 0; i < buffer->size(); i += page) p[i] = p[i];
+  }
+}
+
+Status SyncPath(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return IOErrorFromErrno("open directory " + path, errno);
+  const int r = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (r != 0) return IOErrorFromErrno("fsync directory " + path, err);
+  return Status::Ok();
+}
+
+Status RawWriteFile(const std::string& path, const std::vector<Segment>& segments, bool sync) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return IOErrorFromErrno("open " + path, errno);
+  Status status;
+  uint64_t offset = 0;
+  for (const Segment& s : segments) {
+    for (uint64_t done = 0; done < s.size && status.ok();) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(kRawPiece, s.size - done));
+      const ssize_t r = ::pwrite(fd, s.data + done, n, static_cast<off_t>(offset));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) status = IOErrorFromErrno("pwrite " + path, r < 0 ? errno : EIO);
+      done += r > 0 ? r : 0;
+      offset += r > 0 ? r : 0;
+    }
+  }
+  if (status.ok() && sync && ::fdatasync(fd) != 0) {
+    status = IOErrorFromErrno("fdatasync " + path, errno);
+  }
+  ::close(fd);
+  return status;
+}
+
+Status RawReadFile(const std::string& path, const std::vector<Segment>& segments) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return IOErrorFromErrno("open " + path, errno);
+  Status status;
+  uint64_t offset = 0;
+  for (const Segment& s : segments) {
+    for (uint64_t done = 0; done < s.size && status.ok();) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(kRawPiece, s.size - done));
+      const ssize_t r = ::pread(fd, s.data + done, n, static_cast<off_t>(offset));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) status = IOErrorFromErrno("pread " + path, r < 0 ? errno : EIO);
+      done += r > 0 ? r : 0;
+      offset += r > 0 ? r : 0;
+    }
+  }
+  ::close(fd);
+  return status;
+}
+
+// Runs fn(t) for t in [0, n): threads 1..n-1 on new threads, 0 on the calling one (as Save and
+// Load do). Returns the first error.
+Status RunThreads(int n, const std::function<Status(int)>& fn) {
+  std::vector<Status> statuses(n);
+  std::vector<std::thread> threads;
+  for (int t = 1; t < n; ++t) threads.emplace_back([&, t] { statuses[t] = fn(t); });
+  statuses[0] = fn(0);
+  for (std::thread& t : threads) t.join();
+  for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
+  return Status::Ok();
+}
+
+std::string RawFile(const std::string& dir, int rank, int thread) {
+  return dir + "/raw-r" + std::to_string(rank) + "-t" + std::to_string(thread) + ".bin";
+}
+
+// ---- memory -------------------------------------------------------------------------------------
+
+// A "VmXXX:  1234 kB" line of /proc/self/status, in bytes; 0 when unavailable.
+uint64_t ProcStatusBytes(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const size_t n = std::strlen(field);
+  while (std::getline(in, line)) {
+    if (line.compare(0, n, field) == 0 && line.size() > n && line[n] == ':') {
+      return std::strtoull(line.c_str() + n + 1, nullptr, 10) * 1024;
+    }
+  }
+  return 0;
+}
+
+uint64_t MaxRssBytes() {
+  struct rusage usage;
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return 0;
+  return static_cast<uint64_t>(usage.ru_maxrss) * 1024;  // KiB on Linux
+}
+
+// Resets VmHWM to the current RSS. False when the kernel does not allow it.
+bool ResetPeakRss() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return static_cast<bool>(out);
+}
+
+// ---- the benchmark ------------------------------------------------------------------------------
+
+enum Phase { kSave, kRawWrite, kLoad, kRawRead, kReshard, kNumPhases };
+constexpr const char* kPhaseNames[kNumPhases] = {"save", "raw_write", "load", "raw_read",
+                                                 "reshard_load"};
+
+struct Results {
+  std::vector<double> seconds[kNumPhases];
+  uint64_t extra_rss[kNumPhases] = {};  // max over samples
+  bool rss_tracked = true;
+  uint64_t process_peak_rss = 0;  // VmHWM seen before each reset
+  uint64_t total_bytes = 0;       // checkpoint payload
+  std::vector<uint64_t> written_per_rank, raw_per_rank;
+  std::vector<uint64_t> save_held, load_held, reshard_held;
+  uint64_t load_bytes_read = 0, load_bytes_needed = 0;
+  uint64_t reshard_bytes_read = 0, reshard_bytes_needed = 0;
+  int files_per_rank = 0;
+  std::vector<bool> plan_cache_hits;  // of each save sample
+  bool checked = false;
+};
+
+int RunBenchIo(const BenchIoOptions& o) {
+  if (o.comm != "local") {
+    return Fail(InvalidArgument("bench io: --comm '" + o.comm +
+                                "' is not supported yet; the only Comm is 'local' (ranks as "
+                                "threads of this process)"));
+  }
+  if (o.ranks < 1 || o.io_threads < 1 || o.repeat < 1 || o.warmup < 0) {
+    return Fail(
+        InvalidArgument("bench io needs --ranks, --io-threads and --repeat >= 1, --warmup >= 0"));
+  }
+  Result<uint64_t> size = ParseSize(o.size);
+  if (!size.ok()) return Fail(size.status());
+  const std::string save_text =
+      o.save_layout.empty() ? "tp" + std::to_string(o.ranks) : o.save_layout;
+  const std::string reshard_text =
+      o.reshard_layout.empty() ? DefaultReshardLayout(o.ranks) : o.reshard_layout;
+  Result<Layout> save_layout = ParseLayout(save_text);
+  if (!save_layout.ok()) return Fail(save_layout.status());
+  Result<Layout> reshard_layout = ParseLayout(reshard_text);
+  if (!reshard_layout.ok()) return Fail(reshard_layout.status());
+  for (const Layout* l : {&*save_layout, &*reshard_layout}) {
+    if (l->ranks() != o.ranks) {
+      return Fail(InvalidArgument("bench io: layout " + l->ToString() + " has " +
+                                  std::to_string(l->ranks()) + " ranks, --ranks is " +
+                                  std::to_string(o.ranks)));
+    }
+  }
+  const ModelConfig config = ModelConfig::ForBytes(*size);
+
+  // A fresh directory for this run, removed at the end whatever happens.
+  const std::string dir_template = o.dir + "/tessera-bench-io-XXXXXX";
+  std::string pattern = dir_template;
+  if (::mkdtemp(pattern.data()) == nullptr) {
+    return Fail(IOErrorFromErrno("creating a directory " + dir_template + " (--dir)", errno));
+  }
+  const std::string run_dir = pattern;
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir, ignored);
+    }
+  } cleanup{run_dir};
+  const int run_dir_fd = ::open(run_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (run_dir_fd < 0) return Fail(IOErrorFromErrno("open " + run_dir, errno));
+
+  SaveOptions save_options;
+  save_options.num_io_threads = o.io_threads;
+  save_options.sync = o.sync ? SyncPolicy::kFull : SyncPolicy::kNone;
+  LoadOptions load_options;
+  load_options.num_io_threads = o.io_threads;
+  load_options.verify_checksums = o.verify_checksums;
+
+  Results res;
+  res.written_per_rank.assign(o.ranks, 0);
+  res.raw_per_rank.assign(o.ranks, 0);
+  res.save_held.assign(o.ranks, 0);
+  res.load_held.assign(o.ranks, 0);
+  res.reshard_held.assign(o.ranks, 0);
+  std::mutex mu;
+
+  std::vector<Status> statuses = RunLocalRanks(o.ranks, [&](Comm& comm) -> Status {
+    const int rank = comm.rank();
+    const bool lead = rank == 0;
+    RankState saved = BuildRankState(config, *save_layout, rank, /*fill=*/true);
+    RankState loaded = BuildRankState(config, *save_layout, rank, /*fill=*/false);
+    RankState resharded = BuildRankState(config, *reshard_layout, rank, /*fill=*/false);
+    for (const RankState* s : {&saved, &loaded, &resharded}) TouchPages(*s);
+    res.save_held[rank] = saved.bytes;
+    res.load_held[rank] = loaded.bytes;
+    res.reshard_held[rank] = resharded.bytes;
+
+    // Times `body` on rank 0 from a barrier before it to a barrier after it.
+    auto timed = [&](Phase phase, const std::function<Status()>& body) -> Status {
+      uint64_t rss_before = 0;
+      if (lead) {
+        if (o.flush) ::syncfs(run_dir_fd);
+        res.process_peak_rss = std::max(res.process_peak_rss, ProcStatusBytes("VmHWM"));
+        res.rss_tracked = res.rss_tracked && ResetPeakRss();
+        rss_before = ProcStatusBytes("VmRSS");
+      }
+      TESSERA_RETURN_IF_ERROR(comm.Barrier());
+      const Clock::time_point start = Clock::now();
+      TESSERA_RETURN_IF_ERROR_CTX(body(), kPhaseNames[phase]);
+      TESSERA_RETURN_IF_ERROR(comm.Barrier());
+      if (lead) {
+        res.seconds[phase].push_back(std::chrono::duration<double>(Clock::now() - start).count());
+        const uint64_t peak = ProcStatusBytes("VmHWM");
+        res.process_peak_rss = std::max(res.process_peak_rss, peak);
+        if (peak > rss_before)
+          res.extra_rss[phase] = std::max(res.extra_rss[phase], peak - rss_before);
+      }
+      return Status::Ok();
+    };
+
+    std::vector<Segment> raw_source, raw_destination;
+    for (int k = 0; k < o.warmup + o.repeat; ++k) {
+      const std::string ckpt = run_dir + "/ckpt-" + std::to_string(k);
+      const std::string raw = run_dir + "/raw-" + std::to_string(k);
+      if (lead && ::mkdir(raw.c_str(), 0755) != 0) {
+        return IOErrorFromErrno("mkdir " + raw, errno);
+      }
+      auto save = [&]() -> Status {
+        return timed(kSave, [&]() -> Status {
+          TESSERA_ASSIGN_OR_RETURN(SaveReport report, Save(saved.dict, ckpt, comm, save_options));
+          res.written_per_rank[rank] = report.bytes_written;
+          if (lead) res.total_bytes = report.total_bytes;
+          if (lead) res.files_per_rank = report.files_written;
+          if (lead) res.plan_cache_hits.push_back(report.plan_cache_hit);
+          return Status::Ok();
+        });
+      };
+      auto raw_write = [&]() -> Status {
+        return timed(kRawWrite, [&]() -> Status {
+          auto parts = SplitSegments(raw_source, o.io_threads);
+          TESSERA_RETURN_IF_ERROR(RunThreads(o.io_threads, [&](int t) {
+            return RawWriteFile(RawFile(raw, rank, t), parts[t], o.sync);
+          }));
+          if (!o.sync) return Status::Ok();
+          TESSERA_RETURN_IF_ERROR(comm.Barrier());  // every file written before the dir syncs
+          if (lead) TESSERA_RETURN_IF_ERROR(SyncPath(raw));
+          if (lead) TESSERA_RETURN_IF_ERROR(SyncPath(run_dir));
+          return Status::Ok();
+        });
+      };
+      auto load = [&](Phase phase, RankState& state) -> Status {
+        return timed(phase, [&]() -> Status {
+          TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(state.dict, ckpt, comm, load_options));
+          if (k == 0) {
+            std::lock_guard<std::mutex> lock(mu);
+            (phase == kLoad ? res.load_bytes_read : res.reshard_bytes_read) += report.bytes_read;
+            (phase == kLoad ? res.load_bytes_needed : res.reshard_bytes_needed) +=
+                report.bytes_needed;
+          }
+          return Status::Ok();
+        });
+      };
+      auto raw_read = [&]() -> Status {
+        return timed(kRawRead, [&]() -> Status {
+          auto parts = SplitSegments(raw_destination, o.io_threads);
+          return RunThreads(o.io_threads,
+                            [&](int t) { return RawReadFile(RawFile(raw, rank, t), parts[t]); });
+        });
+      };
+      // The raw baseline writes exactly the payload bytes this rank's save writes; it needs
+      // one save to know them.
+      if (k % 2 == 0) TESSERA_RETURN_IF_ERROR(save());
+      if (k == 0) {
+        res.raw_per_rank[rank] = res.written_per_rank[rank];
+        raw_source = StateSegments(saved, res.raw_per_rank[rank]);
+        raw_destination = StateSegments(loaded, res.raw_per_rank[rank]);
+      }
+      TESSERA_RETURN_IF_ERROR(raw_write());
+      if (k % 2 == 1) TESSERA_RETURN_IF_ERROR(save());
+      if (k % 2 == 0) {
+        TESSERA_RETURN_IF_ERROR(load(kLoad, loaded));
+        if (k == 0 && o.check) {
+          TESSERA_RETURN_IF_ERROR(
+              AgreeOnStatus(comm, CheckRankState(loaded).WithContext("checking the load")));
+        }
+        TESSERA_RETURN_IF_ERROR(raw_read());
+      } else {
+        TESSERA_RETURN_IF_ERROR(raw_read());
+        TESSERA_RETURN_IF_ERROR(load(kLoad, loaded));
+      }
+      TESSERA_RETURN_IF_ERROR(load(kReshard, resharded));
+      if (k == 0 && o.check) {
+        TESSERA_RETURN_IF_ERROR(
+            AgreeOnStatus(comm, CheckRankState(resharded).WithContext("checking the reshard")));
+        if (lead) res.checked = true;
+      }
+      TESSERA_RETURN_IF_ERROR(comm.Barrier());
+      if (lead) {  // outside any timing: the next repeat starts from an empty directory
+        std::error_code ignored;
+        std::filesystem::remove_all(ckpt, ignored);
+        std::filesystem::remove_all(raw, ignored);
+      }
+    }
+    return Status::Ok();
+  });
+  ::close(run_dir_fd);
+  if (Status s = FirstError(statuses); !s.ok()) return Fail(s.WithContext("bench io"));
+
+  // The warm-up samples come first; the figures are the best of the others.
+  std::vector<double> warmup_seconds[kNumPhases];
+  for (int p = 0; p < kNumPhases; ++p) {
+    std::vector<double>& samples = res.seconds[p];
+    warmup_seconds[p].assign(samples.begin(), samples.begin() + o.warmup);
+    samples.erase(samples.begin(), samples.begin() + o.warmup);
+  }
+  auto best = [&](Phase p) {
+    return *std::min_element(res.seconds[p].begin(), res.seconds[p].end());
+  };
+  auto sum = [](const std::vector<uint64_t>& v) {
+    uint64_t s = 0;
+    for (uint64_t x : v) s += x;
+    return s;
+  };
+  const double save_s = best(kSave), raw_write_s = best(kRawWrite), load_s = best(kLoad),
+               raw_read_s = best(kRawRead), reshard_s = best(kReshard);
+  const uint64_t raw_bytes = sum(res.raw_per_rank);
+  const uint64_t held = sum(res.save_held) + sum(res.load_held) + sum(res.reshard_held);
+
+  nlohmann::json out;
+  out["bytes"] = res.total_bytes;
+  out["requested_bytes"] = *size;
+  out["ranks"] = o.ranks;
+  out["comm"] = o.comm;
+  out["sync"] = o.sync;
+  out["io_threads"] = o.io_threads;
+  out["repeat"] = o.repeat;
+  out["warmup"] = o.warmup;
+  out["verify_checksums"] = o.verify_checksums;
+  out["save_layout"] = save_layout->ToString();
+  out["reshard_layout"] = reshard_layout->ToString();
+  out["model"] = {{"hidden", config.hidden},
+                  {"ffn", config.ffn},
+                  {"vocab", config.vocab},
+                  {"layers", config.layers}};
+  out["save_seconds"] = save_s;
+  out["raw_write_seconds"] = raw_write_s;
+  out["save_over_raw"] = raw_write_s / save_s;
+  out["save_gb_per_s"] = res.total_bytes / save_s / 1e9;
+  out["raw_write_gb_per_s"] = raw_bytes / raw_write_s / 1e9;
+  out["load_seconds"] = load_s;
+  out["raw_read_seconds"] = raw_read_s;
+  out["load_over_raw"] = raw_read_s / load_s;
+  out["load_gb_per_s"] = res.load_bytes_read / load_s / 1e9;
+  out["raw_read_gb_per_s"] = raw_bytes / raw_read_s / 1e9;
+  out["load_bytes_read"] = res.load_bytes_read;
+  out["load_bytes_needed"] = res.load_bytes_needed;
+  out["reshard_load_seconds"] = reshard_s;
+  out["reshard_load_gb_per_s"] = res.reshard_bytes_read / reshard_s / 1e9;
+  out["reshard_bytes_read"] = res.reshard_bytes_read;
+  out["reshard_bytes_needed"] = res.reshard_bytes_needed;
+  out["reshard_bytes_read_over_needed"] = res.reshard_bytes_needed
+                                              ? static_cast<double>(res.reshard_bytes_read) /
+                                                    static_cast<double>(res.reshard_bytes_needed)
+                                              : 0.0;
+  out["raw_bytes"] = raw_bytes;
+  out["bytes_written_per_rank"] = res.written_per_rank;
+  out["data_files_per_rank"] = res.files_per_rank;
+  out["peak_rss_bytes"] =
+      std::max(MaxRssBytes(), std::max(res.process_peak_rss, ProcStatusBytes("VmHWM")));
+  out["state_bytes_held"] = held;
+  out["save_state_bytes"] = sum(res.save_held);
+  out["load_state_bytes"] = sum(res.load_held);
+  out["reshard_state_bytes"] = sum(res.reshard_held);
+  if (res.rss_tracked) {
+    out["save_extra_rss_bytes"] = res.extra_rss[kSave];
+    out["load_extra_rss_bytes"] = res.extra_rss[kLoad];
+    out["reshard_load_extra_rss_bytes"] = res.extra_rss[kReshard];
+    out["raw_read_extra_rss_bytes"] = res.extra_rss[kRawRead];
+  }
+  nlohmann::json samples, warmup_samples;
+  for (int p = 0; p < kNumPhases; ++p) {
+    samples[kPhaseNames[p]] = res.seconds[p];
+    warmup_samples[kPhaseNames[p]] = warmup_seconds[p];
+  }
+  out["samples_seconds"] = samples;
+  out["warmup_samples_seconds"] = warmup_samples;
+  out["save_plan_cache_hit_samples"] = res.plan_cache_hits;  // warm-up ones first
+  out["phase_order"] =
+      "even repeats: save, raw_write, load, raw_read, reshard_load; odd repeats: raw_write, "
+      "save, raw_read, load, reshard_load";
+  out["flush_between_phases"] = o.flush;
+  out["checked"] = res.checked;
+  out["dir"] = run_dir + " (removed)";
+  std::printf("%s\n", out.dump(2).c_str());
+  return 0;
+}
+
+}  // namespace
+
+void AddBenchIoCommand(CLI::App& bench, int* exit_code) {
+  auto o = std::make_shared<BenchIoOptions>();
+  auto json = std::make_shared<bool>(true);
+  auto no_flush = std::make_shared<bool>(false);
+  auto no_check = std::make_shared<bool>(false);
+  auto no_verify = std::make_shared<bool>(false);
+  CLI::App* io = bench.add_subcommand(
+      "io",
+      "Save, load and resharded load of a synthetic state by R ranks, against raw "
+      "pwrite/pread of the same bytes in the same run");
+  io->add_option("--ranks", o->ranks, "ranks (threads of this process)")->capture_default_str();
+  io->add_option("--size", o->size, "state size, e.g. 256MiB, 1GiB")->capture_default_str();
+  io->add_flag("--sync", o->sync,
+               "fdatasync every file and fsync the directory (default: page cache only)");
+  io->add_option("--comm", o->comm, "how ranks talk: local (threads)")->capture_default_str();
+  io->add_option("--io-threads", o->io_threads, "I/O threads (and files) per rank")
+      ->capture_default_str();
+  io->add_option("--repeat", o->repeat, "samples of each phase; the best is reported")
+      ->capture_default_str();
+  io->add_option("--warmup", o->warmup, "untimed repeats first (reported apart)")
+      ->capture_default_str();
+  io->add_option("--dir", o->dir, "where the run's temporary directory goes")
+      ->capture_default_str();
+  io->add_option("--save-layout", o->save_layout, "layout of the save (default tp<ranks>)");
+  io->add_option("--reshard-layout", o->reshard_layout,
+                 "layout of the resharded load (default tp<ranks/2>,dp2; tp1,dp<ranks> if odd)");
+  io->add_flag("--no-flush", *no_flush, "do not syncfs between phases");
+  io->add_flag("--no-check", *no_check, "do not check the loaded elements");
+  io->add_flag("--no-verify-checksums", *no_verify,
+               "load without checking chunk checksums (LoadOptions::verify_checksums = false)");
+  io->add_flag("--json", *json, "print JSON (the only output format)");
+  io->callback([=] {
+    o->flush = !*no_flush;
+    o->check = !*no_check;
+    o->verify_checksums = !*no_verify;
+    *exit_code = RunBenchIo(*o);
+  });
+}
+
+}  // namespace tessera::tools
