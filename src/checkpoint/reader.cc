@@ -10,7 +10,10 @@
 namespace tessera {
 namespace {
 
-// Bytes per read call: large enough to stream, small enough to checksum while in cache.
+// Bytes per read call. A run that is checksummed is read in pieces small enough to stay in the
+// CPU's cache between the kernel's copy and the hash (measured here: the hash then adds ~25% to
+// the copy, against ~100% when it reads the bytes back from memory); others in large pieces.
+constexpr uint64_t kCheckedReadPiece = 512u << 10;
 constexpr uint64_t kReadPiece = 8u << 20;
 
 std::string Hex(uint64_t v) {
@@ -100,6 +103,7 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
   }
   bounds.push_back(runs.size());
   std::vector<Status> statuses(bounds.size() - 1);
+  std::vector<uint64_t> calls(bounds.size() - 1, 0);
   auto work = [&](size_t slice) {
     ChecksumStream checksum;  // of the whole chunk whose runs are being read
     for (size_t i = bounds[slice]; i < bounds[slice + 1]; ++i) {
@@ -107,8 +111,9 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
       const bool check = run.whole_chunk && options.verify_checksums;
       if (check && run.chunk_first) checksum.Reset();
       // In pieces, each checksummed right after it is read, while it is in cache.
-      for (uint64_t done = 0; done < run.length;) {
-        const size_t n = static_cast<size_t>(std::min<uint64_t>(kReadPiece, run.length - done));
+      const uint64_t piece = check ? kCheckedReadPiece : kReadPiece;
+      for (uint64_t done = 0; done < run.length; ++calls[slice]) {
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(piece, run.length - done));
         Status s = files[run.file_index]->ReadAt(run.file_offset + done, run.destination + done, n);
         if (!s.ok()) {
           statuses[slice] =
@@ -137,7 +142,7 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
   for (std::thread& t : threads) t.join();
   for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
   report.bytes_read += total;
-  for (const ReadRun& run : runs) report.read_calls += (run.length + kReadPiece - 1) / kReadPiece;
+  for (uint64_t c : calls) report.read_calls += c;
   return Status::Ok();
 }
 

@@ -28,9 +28,9 @@ namespace tessera {
 namespace {
 
 constexpr int kCoordinator = 0;
-// Bytes checksummed and written per WriteAt: large enough to stream, small enough that the
-// checksum pass leaves the bytes in cache for the write that follows.
-constexpr size_t kWritePiece = 8u << 20;
+// Bytes checksummed and then written per WriteAt: small enough that the bytes the hash just
+// read are still in the CPU's cache when the kernel copies them (see reader.cc).
+constexpr size_t kWritePiece = 512u << 10;
 
 std::string NewSaveId(const std::vector<std::string>& existing_names) {
   std::random_device device;

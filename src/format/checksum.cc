@@ -1,12 +1,14 @@
 #include "format/checksum.h"
 
-// The whole of xxHash is compiled into this file, so nothing needs to link libxxhash.
-#define XXH_INLINE_ALL
+// Debian's libxxhash picks the fastest XXH3 kernel for this CPU at run time (SSE2, AVX2,
+// AVX-512): on AVX-512 machines about twice the speed of the SSE2 code an -O2 build of the
+// inline header would get. The hash values are the same whatever the kernel.
+#include <xxh_x86dispatch.h>
 #include <xxhash.h>
 
 namespace tessera {
 
-uint64_t Checksum(const void* data, size_t n) { return XXH3_64bits(data, n); }
+uint64_t Checksum(const void* data, size_t n) { return XXH3_64bits_dispatch(data, n); }
 
 ChecksumStream::ChecksumStream() : state_(XXH3_createState()) {
   XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_));
@@ -17,7 +19,7 @@ ChecksumStream::~ChecksumStream() { XXH3_freeState(static_cast<XXH3_state_t*>(st
 void ChecksumStream::Reset() { XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_)); }
 
 void ChecksumStream::Update(const void* data, size_t n) {
-  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, n);
+  XXH3_64bits_update_dispatch(static_cast<XXH3_state_t*>(state_), data, n);
 }
 
 uint64_t ChecksumStream::Digest() const {
