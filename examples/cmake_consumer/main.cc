@@ -26,7 +26,8 @@ int main(int argc, char** argv) {
   }
   std::vector<float> whole(16, 0.0f);
   StateDict state;
-  Status added = state.Add(ShardedTensor::Whole("w", TensorView(whole.data(), DType::kF32, {4, 4})));
+  Status added =
+      state.Add(ShardedTensor::Whole("w", TensorView(whole.data(), DType::kF32, {4, 4})));
   Result<LoadReport> loaded = added.ok() ? Load(state, dir) : Result<LoadReport>(added);
   if (!loaded.ok()) {
     std::fprintf(stderr, "load: %s\n", loaded.status().ToString().c_str());
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::printf("consumer: saved 2 shards and loaded the whole tensor through find_package(tessera)\n");
+  std::printf(
+      "consumer: saved 2 shards and loaded the whole tensor through find_package(tessera)\n");
   return 0;
 }

@@ -339,7 +339,8 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
       options.num_io_threads >= 1
           ? BuildLocalPlan(state)
           : Result<LocalPlan>(InvalidArgument("SaveOptions::num_io_threads must be at least 1, "
-                                              "got " + std::to_string(options.num_io_threads)));
+                                              "got " +
+                                              std::to_string(options.num_io_threads)));
   Bytes encoded_plan = local.ok() ? EncodeLocalPlan(*local) : Bytes();
   const uint64_t plan_key = Checksum(encoded_plan.data(), encoded_plan.size()) ^
                             (options.balance_writes ? 0x9e3779b97f4a7c15ULL : 0) ^
