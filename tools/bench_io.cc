@@ -50,9 +50,11 @@
 #include <thread>
 #include <vector>
 
+#include "checkpoint/envelope.h"
 #include "tessera/checkpoint.h"
 #include "tessera/local_comm.h"
 #include "tools/commands.h"
+#include "tools/ranks.h"
 #include "workload/model_state.h"
 
 namespace tessera::tools {
@@ -260,12 +262,12 @@ struct Results {
   bool checked = false;
 };
 
-int RunBenchIo(const BenchIoOptions& o) {
-  if (o.comm != "local") {
-    return Fail(InvalidArgument("bench io: --comm '" + o.comm +
-                                "' is not supported yet; the only Comm is 'local' (ranks as "
-                                "threads of this process)"));
-  }
+int RunBenchIo(const BenchIoOptions& options) {
+  Result<std::unique_ptr<RankRunner>> runner = RankRunner::Create(options.comm);
+  if (!runner.ok()) return Fail(runner.status());
+  // Under MPI every process of the world is a rank.
+  BenchIoOptions o = options;
+  if ((*runner)->fixed_size() > 0) o.ranks = (*runner)->fixed_size();
   if (o.ranks < 1 || o.io_threads < 1 || o.repeat < 1 || o.warmup < 0) {
     return Fail(
         InvalidArgument("bench io needs --ranks, --io-threads and --repeat >= 1, --warmup >= 0"));
@@ -289,23 +291,6 @@ int RunBenchIo(const BenchIoOptions& o) {
   }
   const ModelConfig config = ModelConfig::ForBytes(*size);
 
-  // A fresh directory for this run, removed at the end whatever happens.
-  const std::string dir_template = o.dir + "/tessera-bench-io-XXXXXX";
-  std::string pattern = dir_template;
-  if (::mkdtemp(pattern.data()) == nullptr) {
-    return Fail(IOErrorFromErrno("creating a directory " + dir_template + " (--dir)", errno));
-  }
-  const std::string run_dir = pattern;
-  struct Cleanup {
-    std::string dir;
-    ~Cleanup() {
-      std::error_code ignored;
-      std::filesystem::remove_all(dir, ignored);
-    }
-  } cleanup{run_dir};
-  const int run_dir_fd = ::open(run_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (run_dir_fd < 0) return Fail(IOErrorFromErrno("open " + run_dir, errno));
-
   SaveOptions save_options;
   save_options.num_io_threads = o.io_threads;
   save_options.sync = o.sync ? SyncPolicy::kFull : SyncPolicy::kNone;
@@ -319,18 +304,45 @@ int RunBenchIo(const BenchIoOptions& o) {
   res.save_held.assign(o.ranks, 0);
   res.load_held.assign(o.ranks, 0);
   res.reshard_held.assign(o.ranks, 0);
-  std::mutex mu;
 
-  std::vector<Status> statuses = RunLocalRanks(o.ranks, [&](Comm& comm) -> Status {
+  std::string run_dir;
+  Status status = (*runner)->Run(o.ranks, [&](Comm& comm, bool) -> Status {
     const int rank = comm.rank();
     const bool lead = rank == 0;
+    // A fresh directory for this run, made by rank 0 and shared with the others (under MPI
+    // they are other processes), removed at the end whatever happens.
+    Bytes dir_message;
+    if (lead) {
+      std::string pattern = o.dir + "/tessera-bench-io-XXXXXX";
+      Status made = ::mkdtemp(pattern.data()) != nullptr
+                        ? Status::Ok()
+                        : IOErrorFromErrno("creating a directory in " + o.dir + " (--dir)", errno);
+      dir_message = Seal(made, Bytes(pattern.begin(), pattern.end()));
+    }
+    TESSERA_RETURN_IF_ERROR(comm.Broadcast(&dir_message, 0));
+    TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> dir_bytes, Open(dir_message, "rank 0"));
+    const std::string run_dir_here(dir_bytes.begin(), dir_bytes.end());
+    if (lead) run_dir = run_dir_here;
+    struct Cleanup {
+      std::string dir;
+      bool lead;
+      ~Cleanup() {
+        std::error_code ignored;
+        if (lead) std::filesystem::remove_all(dir, ignored);
+      }
+    } cleanup{run_dir_here, lead};
+    const int run_dir_fd = ::open(run_dir_here.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (run_dir_fd < 0) return IOErrorFromErrno("open " + run_dir_here, errno);
+    struct CloseFd {
+      int fd;
+      ~CloseFd() { ::close(fd); }
+    } close_fd{run_dir_fd};
+    // This rank's figures; summed over the ranks at the end.
+    uint64_t written = 0, load_read = 0, load_needed = 0, reshard_read = 0, reshard_needed = 0;
     RankState saved = BuildRankState(config, *save_layout, rank, /*fill=*/true);
     RankState loaded = BuildRankState(config, *save_layout, rank, /*fill=*/false);
     RankState resharded = BuildRankState(config, *reshard_layout, rank, /*fill=*/false);
     for (const RankState* s : {&saved, &loaded, &resharded}) TouchPages(*s);
-    res.save_held[rank] = saved.bytes;
-    res.load_held[rank] = loaded.bytes;
-    res.reshard_held[rank] = resharded.bytes;
 
     // Times `body` on rank 0 from a barrier before it to a barrier after it.
     auto timed = [&](Phase phase, const std::function<Status()>& body) -> Status {
@@ -357,15 +369,15 @@ int RunBenchIo(const BenchIoOptions& o) {
 
     std::vector<Segment> raw_source, raw_destination;
     for (int k = 0; k < o.warmup + o.repeat; ++k) {
-      const std::string ckpt = run_dir + "/ckpt-" + std::to_string(k);
-      const std::string raw = run_dir + "/raw-" + std::to_string(k);
+      const std::string ckpt = run_dir_here + "/ckpt-" + std::to_string(k);
+      const std::string raw = run_dir_here + "/raw-" + std::to_string(k);
       if (lead && ::mkdir(raw.c_str(), 0755) != 0) {
         return IOErrorFromErrno("mkdir " + raw, errno);
       }
       auto save = [&]() -> Status {
         return timed(kSave, [&]() -> Status {
           TESSERA_ASSIGN_OR_RETURN(SaveReport report, Save(saved.dict, ckpt, comm, save_options));
-          res.written_per_rank[rank] = report.bytes_written;
+          written = report.bytes_written;
           if (lead) res.total_bytes = report.total_bytes;
           if (lead) res.files_per_rank = report.files_written;
           if (lead) res.plan_cache_hits.push_back(report.plan_cache_hit);
@@ -381,7 +393,7 @@ int RunBenchIo(const BenchIoOptions& o) {
           if (!o.sync) return Status::Ok();
           TESSERA_RETURN_IF_ERROR(comm.Barrier());  // every file written before the dir syncs
           if (lead) TESSERA_RETURN_IF_ERROR(SyncPath(raw));
-          if (lead) TESSERA_RETURN_IF_ERROR(SyncPath(run_dir));
+          if (lead) TESSERA_RETURN_IF_ERROR(SyncPath(run_dir_here));
           return Status::Ok();
         });
       };
@@ -389,10 +401,8 @@ int RunBenchIo(const BenchIoOptions& o) {
         return timed(phase, [&]() -> Status {
           TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(state.dict, ckpt, comm, load_options));
           if (k == 0) {
-            std::lock_guard<std::mutex> lock(mu);
-            (phase == kLoad ? res.load_bytes_read : res.reshard_bytes_read) += report.bytes_read;
-            (phase == kLoad ? res.load_bytes_needed : res.reshard_bytes_needed) +=
-                report.bytes_needed;
+            (phase == kLoad ? load_read : reshard_read) = report.bytes_read;
+            (phase == kLoad ? load_needed : reshard_needed) = report.bytes_needed;
           }
           return Status::Ok();
         });
@@ -408,9 +418,8 @@ int RunBenchIo(const BenchIoOptions& o) {
       // one save to know them.
       if (k % 2 == 0) TESSERA_RETURN_IF_ERROR(save());
       if (k == 0) {
-        res.raw_per_rank[rank] = res.written_per_rank[rank];
-        raw_source = StateSegments(saved, res.raw_per_rank[rank]);
-        raw_destination = StateSegments(loaded, res.raw_per_rank[rank]);
+        raw_source = StateSegments(saved, written);
+        raw_destination = StateSegments(loaded, written);
       }
       TESSERA_RETURN_IF_ERROR(raw_write());
       if (k % 2 == 1) TESSERA_RETURN_IF_ERROR(save());
@@ -438,10 +447,40 @@ int RunBenchIo(const BenchIoOptions& o) {
         std::filesystem::remove_all(raw, ignored);
       }
     }
+    // Per-rank figures, each rank filling its own slots, summed; peak memory, the largest.
+    const int n = o.ranks;
+    std::vector<int64_t> totals(5 * n + 4, 0);
+    totals[0 * n + rank] = static_cast<int64_t>(written);
+    totals[1 * n + rank] = static_cast<int64_t>(written);  // the raw baseline's bytes
+    totals[2 * n + rank] = static_cast<int64_t>(saved.bytes);
+    totals[3 * n + rank] = static_cast<int64_t>(loaded.bytes);
+    totals[4 * n + rank] = static_cast<int64_t>(resharded.bytes);
+    totals[5 * n + 0] = static_cast<int64_t>(load_read);
+    totals[5 * n + 1] = static_cast<int64_t>(load_needed);
+    totals[5 * n + 2] = static_cast<int64_t>(reshard_read);
+    totals[5 * n + 3] = static_cast<int64_t>(reshard_needed);
+    TESSERA_RETURN_IF_ERROR(comm.AllReduce(totals, ReduceOp::kSum));
+    std::vector<int64_t> peak = {
+        static_cast<int64_t>(std::max(MaxRssBytes(), ProcStatusBytes("VmHWM")))};
+    TESSERA_RETURN_IF_ERROR(comm.AllReduce(peak, ReduceOp::kMax));
+    if (lead) {
+      for (int r = 0; r < n; ++r) {
+        res.written_per_rank[r] = totals[0 * n + r];
+        res.raw_per_rank[r] = totals[1 * n + r];
+        res.save_held[r] = totals[2 * n + r];
+        res.load_held[r] = totals[3 * n + r];
+        res.reshard_held[r] = totals[4 * n + r];
+      }
+      res.load_bytes_read = totals[5 * n + 0];
+      res.load_bytes_needed = totals[5 * n + 1];
+      res.reshard_bytes_read = totals[5 * n + 2];
+      res.reshard_bytes_needed = totals[5 * n + 3];
+      res.process_peak_rss = std::max<uint64_t>(res.process_peak_rss, peak[0]);
+    }
     return Status::Ok();
   });
-  ::close(run_dir_fd);
-  if (Status s = FirstError(statuses); !s.ok()) return Fail(s.WithContext("bench io"));
+  if (!status.ok()) return Fail(status.WithContext("bench io"));
+  if (!(*runner)->printer()) return 0;
 
   // The warm-up samples come first; the figures are the best of the others.
   std::vector<double> warmup_seconds[kNumPhases];
@@ -466,7 +505,7 @@ int RunBenchIo(const BenchIoOptions& o) {
   nlohmann::json out;
   out["bytes"] = res.total_bytes;
   out["requested_bytes"] = *size;
-  out["ranks"] = o.ranks;
+  out["ranks"] = o.ranks;  // under MPI: processes
   out["comm"] = o.comm;
   out["sync"] = o.sync;
   out["io_threads"] = o.io_threads;
@@ -548,7 +587,11 @@ void AddBenchIoCommand(CLI::App& bench, int* exit_code) {
   io->add_option("--size", o->size, "state size, e.g. 256MiB, 1GiB")->capture_default_str();
   io->add_flag("--sync", o->sync,
                "fdatasync every file and fsync the directory (default: page cache only)");
-  io->add_option("--comm", o->comm, "how ranks talk: local (threads)")->capture_default_str();
+  io->add_option("--comm", o->comm,
+                 "how ranks talk: local (threads of this process) or mpi (one rank per mpirun "
+                 "process; --ranks is then the world size)")
+      ->check(CLI::IsMember({"local", "mpi"}))
+      ->capture_default_str();
   io->add_option("--io-threads", o->io_threads, "I/O threads (and files) per rank")
       ->capture_default_str();
   io->add_option("--repeat", o->repeat, "samples of each phase; the best is reported")

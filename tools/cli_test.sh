@@ -72,5 +72,33 @@ mkdir "$work/empty"
 msg="$("$tessera" verify "$work/empty" 2>&1)"; rc=$?
 [ $rc -ne 0 ] && echo "$msg" | grep -q "no committed checkpoint"; check "verify of a directory without manifest fails clearly" $?
 
+# The benchmarks run and print JSON with the fields the issues ask for (small sizes: a smoke
+# test, not a measurement).
+"$tessera" bench plan --ranks 64 --tensors 16 --sampled-load-ranks 2 > "$work/plan.json"
+check "bench plan exits 0" $?
+"$tessera" bench io --ranks 2 --size 8MiB --repeat 1 --warmup 0 --json > "$work/io.json"
+check "bench io exits 0" $?
+"$tessera" bench async --ranks 2 --size 8MiB --saves 2 --rss-size 2MiB --rss-saves 4 > "$work/async.json"
+check "bench async exits 0" $?
+$python - "$work" <<'PY'
+import json, sys, os
+d = sys.argv[1]
+plan = json.load(open(os.path.join(d, "plan.json")))
+for k in ["ranks", "tensors", "chunks", "save_plan_seconds", "validate_seconds", "load_plan_seconds", "manifest_bytes"]:
+    assert k in plan, k
+assert plan["chunks"] == 64 * 16, plan["chunks"]
+io = json.load(open(os.path.join(d, "io.json")))
+for k in ["bytes", "ranks", "save_seconds", "raw_write_seconds", "save_over_raw", "load_seconds",
+          "raw_read_seconds", "load_over_raw", "reshard_load_seconds",
+          "reshard_bytes_read_over_needed", "peak_rss_bytes"]:
+    assert k in io, k
+assert io["checked"] is True and io["reshard_bytes_read_over_needed"] <= 1.05
+a = json.load(open(os.path.join(d, "async.json")))
+for k in ["bytes", "blocking_seconds", "memcpy_seconds", "blocking_over_memcpy", "total_seconds",
+          "sync_save_seconds", "rss_growth_after_100_saves_bytes"]:
+    assert k in a, k
+PY
+check "bench plan, io and async print the JSON fields the issues name" $?
+
 if [ $failures -ne 0 ]; then echo "$failures check(s) failed"; exit 1; fi
 echo "all CLI checks passed"
