@@ -30,7 +30,7 @@ namespace {
 constexpr int kCoordinator = 0;
 // Bytes checksummed and then written per WriteAt: small enough that the bytes the hash just
 // read are still in the CPU's cache when the kernel copies them (see reader.cc).
-constexpr size_t kWritePiece = 512u << 10;
+constexpr size_t kWritePiece = 256u << 10;
 
 std::string NewSaveId(const std::vector<std::string>& existing_names) {
   std::random_device device;
