@@ -82,6 +82,11 @@ struct LoadOptions {
   // resharded load needs only part cannot be checked without reading all of it; `tessera
   // verify` checks everything). Default true; costs one pass over the bytes at ~10 GB/s.
   bool verify_checksums = true;
+  // Also check the chunks this rank needs only part of, by reading each of them whole (in
+  // pieces, through a 256 KiB buffer per I/O thread) and copying out the parts it needs.
+  // Default false: a resharded load then reads more than the bytes it needs (up to whole
+  // chunks), in exchange for every byte it loads being checked.
+  bool verify_partial_chunks = false;
   // Parallel readers per rank. Default 2.
   int num_io_threads = 2;
   // Default kNone. With kBroadcast or kAllGather (the same on every rank), bytes that several

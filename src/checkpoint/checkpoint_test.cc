@@ -316,6 +316,49 @@ TEST_F(CorruptionTest, FlippedByteIsACheckumMismatchNamingKeyChunkAndFile) {
   }
 }
 
+TEST(PartialChunkVerificationTest, CatchesCorruptionOutsideTheNeededPartOnlyWhenAsked) {
+  TempDir dir;
+  const std::string path = dir.Sub("ck");
+  std::vector<int32_t> full(8 * 16);
+  for (size_t i = 0; i < full.size(); ++i) full[i] = static_cast<int32_t>(i);
+  StateDict state;
+  ASSERT_OK(state.Add(ShardedTensor::Whole("m", TensorView(full.data(), DType::kI32, {8, 16}))));
+  ASSERT_OK(Save(state, path));
+  // Columns 2..5 of every row: a part of the one chunk, in 8 runs.
+  auto load_part = [&](bool verify_partial) -> Result<std::vector<int32_t>> {
+    std::vector<int32_t> out(8 * 4, -1);
+    StateDict part;
+    TESSERA_RETURN_IF_ERROR(part.Add(
+        ShardedTensor::Shard("m", TensorView(out.data(), DType::kI32, {8, 4}), {8, 16}, {0, 2})));
+    LoadOptions o;
+    o.verify_partial_chunks = verify_partial;
+    TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(part, path, o));
+    if (verify_partial && report.bytes_read != full.size() * 4) {
+      return Internal("expected the whole chunk read, got " + std::to_string(report.bytes_read));
+    }
+    return out;
+  };
+  for (bool verify_partial : {false, true}) {
+    ASSERT_OK_AND_ASSIGN(std::vector<int32_t> got, load_part(verify_partial));
+    for (int r = 0; r < 8; ++r)
+      for (int c = 0; c < 4; ++c) EXPECT_EQ(got[r * 4 + c], r * 16 + 2 + c);
+  }
+  // Corrupt column 10 of row 3: a byte this load does not need.
+  ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path));
+  const std::string file = path + "/" + m.files[0].name;
+  const uint64_t at = m.tensors[0].chunks[0].location.offset + (3 * 16 + 10) * 4;
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(at);
+    f.put('\x7f');
+  }
+  EXPECT_OK(load_part(false));  // not read, not noticed
+  Result<std::vector<int32_t>> checked = load_part(true);
+  ASSERT_FALSE(checked.ok());
+  EXPECT_EQ(checked.status().code(), StatusCode::kDataLoss);
+  EXPECT_THAT(checked.status().message(), HasSubstr("checksum mismatch in key 'm' chunk 0"));
+}
+
 TEST_F(CorruptionTest, TruncatedAndMissingDataFiles) {
   std::filesystem::resize_file(data_file_, offset_ + 1000);
   for (Status s : {LoadIt(), Verify(path_).status()}) {

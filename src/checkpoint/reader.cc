@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cstring>
 #include <thread>
 
 #include "format/checksum.h"
@@ -76,10 +77,113 @@ Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage& storage, const std::
   return file;
 }
 
+namespace {
+
+// Reads, with options.num_io_threads threads, every chunk that `runs` (sorted by file and
+// offset, none of them covering its chunk whole) touch, whole and in pieces through one small
+// buffer per thread: checks each chunk's checksum and copies out the parts the runs need.
+Status ReadPartialChunksChecked(const std::vector<std::unique_ptr<ReadableFile>>& files,
+                                const std::string& dir, const Metadata& metadata,
+                                const std::vector<ReadRun>& runs, const LoadOptions& options,
+                                LoadReport& report) {
+  // Groups of consecutive runs of one chunk (CoalesceRuns never merges across chunks).
+  std::vector<std::pair<size_t, size_t>> groups;  // [begin, end) into runs
+  uint64_t total = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (i == 0 || runs[i].tensor != runs[i - 1].tensor || runs[i].chunk != runs[i - 1].chunk) {
+      groups.emplace_back(i, i);
+      total += metadata.tensors[runs[i].tensor].chunks[runs[i].chunk].location.length;
+    }
+    groups.back().second = i + 1;
+  }
+  // Contiguous ranges of groups of about equal bytes, one per thread.
+  const size_t num_threads =
+      std::min<size_t>(static_cast<size_t>(options.num_io_threads), groups.size());
+  std::vector<size_t> bounds = {0};
+  uint64_t acc = 0;
+  for (size_t g = 0; g < groups.size() && bounds.size() < num_threads; ++g) {
+    const ReadRun& first = runs[groups[g].first];
+    acc += metadata.tensors[first.tensor].chunks[first.chunk].location.length;
+    if (acc * num_threads >= total * bounds.size()) bounds.push_back(g + 1);
+  }
+  bounds.push_back(groups.size());
+  std::vector<Status> statuses(bounds.size() - 1);
+  std::vector<uint64_t> calls(bounds.size() - 1, 0);
+  auto work = [&](size_t slice) {
+    std::vector<std::byte> buffer(kCheckedReadPiece);
+    for (size_t g = bounds[slice]; g < bounds[slice + 1]; ++g) {
+      const auto [begin, end] = groups[g];
+      const ReadRun& first = runs[begin];
+      const ByteLocation& where = metadata.tensors[first.tensor].chunks[first.chunk].location;
+      const ReadableFile& file = *files[first.file_index];
+      ChecksumStream checksum;
+      size_t next = begin;  // first run not yet wholly before the current piece
+      for (uint64_t done = 0; done < where.length; ++calls[slice]) {
+        const uint64_t n = std::min<uint64_t>(kCheckedReadPiece, where.length - done);
+        const uint64_t piece_begin = where.offset + done, piece_end = piece_begin + n;
+        Status s = file.ReadAt(piece_begin, buffer.data(), n);
+        if (!s.ok()) {
+          statuses[slice] =
+              s.WithContext("reading " + DescribeChunk(metadata, first.tensor, first.chunk));
+          return;
+        }
+        checksum.Update(buffer.data(), n);
+        for (size_t r = next; r < end && runs[r].file_offset < piece_end; ++r) {
+          const ReadRun& run = runs[r];
+          const uint64_t from = std::max(run.file_offset, piece_begin);
+          const uint64_t to = std::min(run.file_offset + run.length, piece_end);
+          if (from < to) {
+            std::memcpy(run.destination + (from - run.file_offset),
+                        buffer.data() + (from - piece_begin), to - from);
+          }
+          if (run.file_offset + run.length <= piece_end) next = r + 1;
+        }
+        done += n;
+      }
+      if (checksum.Digest() != where.checksum) {
+        statuses[slice] =
+            DataLoss("checksum mismatch in " + DescribeChunk(metadata, first.tensor, first.chunk) +
+                     " of file " + JoinPath(dir, metadata.files[first.file_index].name) +
+                     " at offset " + std::to_string(where.offset) + ": expected " +
+                     Hex(where.checksum) + ", got " + Hex(checksum.Digest()));
+        return;
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t s = 1; s < statuses.size(); ++s) threads.emplace_back(work, s);
+  if (!statuses.empty()) work(0);
+  for (std::thread& t : threads) t.join();
+  for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
+  report.bytes_read += total;
+  for (uint64_t c : calls) report.read_calls += c;
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& metadata,
                     const std::vector<ReadRun>& runs, const LoadOptions& options,
                     LoadReport& report) {
   if (runs.empty()) return Status::Ok();
+  if (options.verify_partial_chunks && options.verify_checksums) {
+    // Runs of chunks needed whole go the usual way; the others through whole-chunk reads.
+    std::vector<ReadRun> whole, partial;
+    for (const ReadRun& run : runs) (run.whole_chunk ? whole : partial).push_back(run);
+    if (!partial.empty()) {
+      LoadOptions usual = options;
+      usual.verify_partial_chunks = false;
+      TESSERA_RETURN_IF_ERROR(ExecuteReads(storage, dir, metadata, whole, usual, report));
+      std::vector<std::unique_ptr<ReadableFile>> files(metadata.files.size());
+      for (const ReadRun& run : partial) {
+        if (files[run.file_index]) continue;
+        TESSERA_ASSIGN_OR_RETURN(files[run.file_index],
+                                 OpenDataFile(storage, dir, metadata, run.file_index,
+                                              DescribeChunk(metadata, run.tensor, run.chunk)));
+      }
+      return ReadPartialChunksChecked(files, dir, metadata, partial, options, report);
+    }
+  }
   // Open every file once, up front.
   std::vector<std::unique_ptr<ReadableFile>> files(metadata.files.size());
   uint64_t total = 0;

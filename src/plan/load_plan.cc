@@ -116,8 +116,9 @@ void CoalesceRuns(std::vector<ReadRun>& runs) {
     if (out > 0) {
       ReadRun& last = runs[out - 1];
       const ReadRun& next = runs[i];
-      if (last.file_index == next.file_index &&
-          last.file_offset + last.length == next.file_offset &&
+      // Runs of different chunks stay apart, so every run belongs to one chunk.
+      if (last.file_index == next.file_index && last.tensor == next.tensor &&
+          last.chunk == next.chunk && last.file_offset + last.length == next.file_offset &&
           last.destination + last.length == next.destination && !last.whole_chunk &&
           !next.whole_chunk) {
         last.length += next.length;
