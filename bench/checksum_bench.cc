@@ -41,10 +41,10 @@ int main() {
       XXH3_freeState(state);
       copy_and_hash = std::min(copy_and_hash, seconds(start));
     }
-    std::printf("    {\"piece_bytes\": %zu, \"copy_seconds\": %.4f, \"copy_and_hash_seconds\": %.4f, "
-                "\"copy_and_hash_over_copy\": %.3f}%s\n",
-                piece, copy, copy_and_hash, copy_and_hash / copy,
-                p + 1 < std::size(pieces) ? "," : "");
+    std::printf(
+        "    {\"piece_bytes\": %zu, \"copy_seconds\": %.4f, \"copy_and_hash_seconds\": %.4f, "
+        "\"copy_and_hash_over_copy\": %.3f}%s\n",
+        piece, copy, copy_and_hash, copy_and_hash / copy, p + 1 < std::size(pieces) ? "," : "");
   }
   std::printf("  ]\n}\n");
   return 0;
