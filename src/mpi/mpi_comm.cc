@@ -333,6 +333,19 @@ class MpiComm final : public Comm {
     return BcastData(data->data(), size, root, kOp);
   }
 
+  // The root's layout of round `k` of a Gather or Scatter: piece[r] bytes of rank r at
+  // displs[r], none of its own (it copies those itself). Returns the round's total bytes.
+  int64_t RootRound(const Rounds& rounds, const std::vector<int64_t>& counts, int64_t k,
+                    std::vector<int>& piece, std::vector<int>& displs) const {
+    int64_t total = 0;
+    for (int r = 0; r < size_; ++r) {
+      piece[r] = r == rank_ ? 0 : static_cast<int>(rounds.Size(counts[r], k));
+      displs[r] = static_cast<int>(total);
+      total += piece[r];
+    }
+    return total;
+  }
+
   Status Gather(const Bytes& send, std::vector<Bytes>* received, int root) override {
     constexpr std::string_view kOp = "Gather";
     Status local = CheckRoot(kOp, root);
@@ -361,13 +374,7 @@ class MpiComm final : public Comm {
       for (int64_t k = 0; k < rounds.rounds; ++k) {
         if (is_root) {
           // The root's own bytes stay put (MPI_IN_PLACE, count 0); it copies them below.
-          int64_t total = 0;
-          for (int r = 0; r < size_; ++r) {
-            piece[r] = r == rank_ ? 0 : static_cast<int>(rounds.Size(counts[r], k));
-            displs[r] = static_cast<int>(total);
-            total += piece[r];
-          }
-          staging.resize(total);
+          staging.resize(RootRound(rounds, counts, k, piece, displs));
         }
         const void* sendbuf = is_root ? MPI_IN_PLACE : send.data() + rounds.Begin(mine, k);
         const int sendcount = is_root ? 0 : static_cast<int>(rounds.Size(mine, k));
@@ -472,13 +479,7 @@ class MpiComm final : public Comm {
       for (int64_t k = 0; k < rounds.rounds; ++k) {
         if (is_root) {
           // The root keeps its own buffer (MPI_IN_PLACE, count 0) and copies it below.
-          int64_t total = 0;
-          for (int r = 0; r < size_; ++r) {
-            piece[r] = r == rank_ ? 0 : static_cast<int>(rounds.Size(counts[r], k));
-            displs[r] = static_cast<int>(total);
-            total += piece[r];
-          }
-          staging.resize(total);
+          staging.resize(RootRound(rounds, counts, k, piece, displs));
           for (int r = 0; r < size_; ++r) {
             if (piece[r] > 0) {
               std::memcpy(staging.data() + displs[r], send[r].data() + rounds.Begin(counts[r], k),
