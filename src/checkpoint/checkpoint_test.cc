@@ -468,33 +468,38 @@ int LoadedGeneration(const std::string& path, std::shared_ptr<Storage> storage, 
   return -2;  // loaded, but neither generation: torn
 }
 
-TEST(CrashConsistencyTest, CrashAtEveryStepOfASaveOverAnExistingCheckpoint) {
-  // Count the operations of a save over an existing checkpoint.
-  int64_t total_ops = 0;
-  {
-    auto memory = std::make_shared<MemoryStorage>();
+// Saves generation 1 into a fresh MemoryStorage, then generation 2 over it through a
+// FaultInjectingStorage with `plan`. `first` is the first save's status, `second` the second's.
+struct SaveOverExisting {
+  std::shared_ptr<MemoryStorage> memory = std::make_shared<MemoryStorage>();
+  std::shared_ptr<FaultInjectingStorage> faulty;
+  Status first, second;
+
+  explicit SaveOverExisting(FaultPlan plan) {
     Generation g1(1), g2(2);
     SaveOptions o;
     o.storage = memory;
-    ASSERT_OK(Save(g1.Dict(), "/ck", o));
-    auto faulty = std::make_shared<FaultInjectingStorage>(memory);
+    first = Save(g1.Dict(), "/ck", o).status();
+    faulty = std::make_shared<FaultInjectingStorage>(memory, std::move(plan));
     o.storage = faulty;
-    ASSERT_OK(Save(g2.Dict(), "/ck", o));
-    total_ops = faulty->operation_count();
+    second = Save(g2.Dict(), "/ck", o).status();
   }
+};
+
+TEST(CrashConsistencyTest, CrashAtEveryStepOfASaveOverAnExistingCheckpoint) {
+  // Count the operations of a save over an existing checkpoint.
+  SaveOverExisting clean{FaultPlan{}};
+  ASSERT_OK(clean.first);
+  ASSERT_OK(clean.second);
+  const int64_t total_ops = clean.faulty->operation_count();
   ASSERT_GT(total_ops, 8);
   int old_seen = 0, new_seen = 0;
   for (int64_t n = 0; n <= total_ops; ++n) {
     SCOPED_TRACE("crash at operation " + std::to_string(n));
-    auto memory = std::make_shared<MemoryStorage>();
-    Generation g1(1), g2(2);
-    SaveOptions o;
-    o.storage = memory;
-    ASSERT_OK(Save(g1.Dict(), "/ck", o));
-    auto faulty = std::make_shared<FaultInjectingStorage>(
-        memory, FaultPlan{.fail_at = n, .crash = true, .path_filter = ""});
-    o.storage = faulty;
-    Status saved = Save(g2.Dict(), "/ck", o).status();
+    SaveOverExisting run{FaultPlan{.fail_at = n, .crash = true, .path_filter = ""}};
+    ASSERT_OK(run.first);
+    const Status& saved = run.second;
+    const std::shared_ptr<MemoryStorage>& memory = run.memory;
     memory->SimulateCrash();
     Status error;
     int gen = LoadedGeneration("/ck", memory, &error);
@@ -504,6 +509,7 @@ TEST(CrashConsistencyTest, CrashAtEveryStepOfASaveOverAnExistingCheckpoint) {
     }
     (gen == 1 ? old_seen : new_seen)++;
     // After the crash a new save must succeed and clean up.
+    SaveOptions o;
     o.storage = memory;
     Generation g3(1);
     ASSERT_OK(Save(g3.Dict(), "/ck", o));
@@ -517,19 +523,13 @@ TEST(CrashConsistencyTest, FailureAtEveryStepLeavesTheOldCheckpointOrTheNew) {
   int64_t n = 0;
   for (;; ++n) {
     SCOPED_TRACE("failure at operation " + std::to_string(n));
-    auto memory = std::make_shared<MemoryStorage>();
-    Generation g1(1), g2(2);
-    SaveOptions o;
-    o.storage = memory;
-    ASSERT_OK(Save(g1.Dict(), "/ck", o));
-    auto faulty = std::make_shared<FaultInjectingStorage>(
-        memory, FaultPlan{.fail_at = n, .crash = false, .path_filter = ""});
-    o.storage = faulty;
-    Status saved = Save(g2.Dict(), "/ck", o).status();
+    SaveOverExisting run{FaultPlan{.fail_at = n, .crash = false, .path_filter = ""}};
+    ASSERT_OK(run.first);
+    const Status& saved = run.second;
     Status error;
-    int gen = LoadedGeneration("/ck", memory, &error);
+    int gen = LoadedGeneration("/ck", run.memory, &error);
     if (saved.ok()) {
-      if (!faulty->fault_fired()) break;  // past the last operation
+      if (!run.faulty->fault_fired()) break;  // past the last operation
       EXPECT_EQ(gen, 2);
     } else {
       EXPECT_THAT(saved.message(), HasSubstr("injected fault"));
