@@ -95,6 +95,26 @@ py::bytes StateBuilder::ObjectData(size_t index) const {
   return py::bytes(reinterpret_cast<const char*>(object->data.data()), object->data.size());
 }
 
+namespace {
+
+// The keyword arguments shared by add_buffer and add_pointer, as a TensorSpec.
+TensorSpec MakeSpec(std::optional<Shape> global_shape, std::vector<int64_t> global_offset,
+                    Shape local_shape, ReplicaId replica_id,
+                    const std::optional<std::pair<int64_t, int64_t>>& flat_range,
+                    bool allow_shape_mismatch, bool partial) {
+  TensorSpec spec{std::move(global_shape),
+                  std::move(global_offset),
+                  std::move(local_shape),
+                  std::move(replica_id),
+                  std::nullopt,
+                  allow_shape_mismatch,
+                  partial};
+  if (flat_range) spec.flat_range = FlatRange{flat_range->first, flat_range->second};
+  return spec;
+}
+
+}  // namespace
+
 void RegisterState(py::module_& m) {
   py::class_<StateBuilder>(m, "StateBuilder",
                            "The entries of one save or load; built by tessera._state.")
@@ -107,14 +127,9 @@ void RegisterState(py::module_& m) {
              Shape local_shape, ReplicaId replica_id,
              std::optional<std::pair<int64_t, int64_t>> flat_range, bool allow_shape_mismatch,
              bool partial, bool writable) {
-            TensorSpec spec{std::move(global_shape),
-                            std::move(global_offset),
-                            std::move(local_shape),
-                            std::move(replica_id),
-                            std::nullopt,
-                            allow_shape_mismatch,
-                            partial};
-            if (flat_range) spec.flat_range = FlatRange{flat_range->first, flat_range->second};
+            TensorSpec spec =
+                MakeSpec(std::move(global_shape), std::move(global_offset), std::move(local_shape),
+                         std::move(replica_id), flat_range, allow_shape_mismatch, partial);
             return s.AddBuffer(std::move(key), std::move(data), dtype, spec, writable);
           },
           py::arg("key"), py::arg("data"), py::arg("dtype"), py::arg("global_shape") = py::none(),
@@ -129,14 +144,9 @@ void RegisterState(py::module_& m) {
              std::vector<int64_t> global_offset, Shape local_shape, ReplicaId replica_id,
              std::optional<std::pair<int64_t, int64_t>> flat_range, bool allow_shape_mismatch,
              bool partial) {
-            TensorSpec spec{std::move(global_shape),
-                            std::move(global_offset),
-                            std::move(local_shape),
-                            std::move(replica_id),
-                            std::nullopt,
-                            allow_shape_mismatch,
-                            partial};
-            if (flat_range) spec.flat_range = FlatRange{flat_range->first, flat_range->second};
+            TensorSpec spec =
+                MakeSpec(std::move(global_shape), std::move(global_offset), std::move(local_shape),
+                         std::move(replica_id), flat_range, allow_shape_mismatch, partial);
             return s.AddPointer(std::move(key), data_ptr, dtype, std::move(shape), std::move(owner),
                                 spec);
           },
