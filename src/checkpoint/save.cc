@@ -28,8 +28,11 @@ namespace tessera {
 namespace {
 
 constexpr int kCoordinator = 0;
-// Bytes checksummed and then written per WriteAt: small enough that the bytes the hash just
-// read are still in the CPU's cache when the kernel copies them (see reader.cc).
+// Bytes written and then checksummed per WriteAt: small enough that the bytes the kernel just
+// copied into the page cache are still in the CPU's cache when the hash reads them. Hashing
+// after the write, not before, lets the kernel's copy (not the hash) pull them from memory,
+// which it does faster: 1 GiB by 4 threads into the page cache took 0.167 s hashed after,
+// 0.177 s hashed before, 0.150 s with plain 64 MiB pwrites (medians of 6).
 constexpr size_t kWritePiece = 256u << 10;
 
 std::string NewSaveId(const std::vector<std::string>& existing_names) {
@@ -183,7 +186,7 @@ std::vector<FilePlan> PlanFiles(const LocalPlan& plan, const std::vector<uint32_
   return files;
 }
 
-// Writes one data file: header, then every item, checksumming each piece just before writing
+// Writes one data file: header, then every item, checksumming each piece just after writing
 // it, while it is in cache.
 Status WriteDataFile(Storage& storage, const std::string& dir, const StateDict& state,
                      const LocalPlan& plan, uint32_t file_index, const FilePlan& file,
@@ -199,8 +202,8 @@ Status WriteDataFile(Storage& storage, const std::string& dir, const StateDict& 
     ChecksumStream checksum;
     for (uint64_t done = 0; done < item.num_bytes;) {
       size_t n = static_cast<size_t>(std::min<uint64_t>(kWritePiece, item.num_bytes - done));
-      checksum.Update(data + done, n);
       TESSERA_RETURN_IF_ERROR(out->WriteAt(data_start + entry.begin + done, data + done, n));
+      checksum.Update(data + done, n);
       done += n;
     }
     result.items.push_back(WrittenItem{file.items[k], file_index, data_start + entry.begin,
