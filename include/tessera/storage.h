@@ -12,8 +12,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tessera/status.h"
@@ -32,12 +35,58 @@ class WritableFile {
   virtual const std::string& path() const = 0;
 };
 
+// Bytes of a file seen in memory (ReadableFile::Map). Move-only; the bytes stay readable
+// until the mapping is destroyed.
+class FileMapping {
+ public:
+  FileMapping() = default;
+  // `release` runs once, when the mapping is destroyed or assigned over.
+  FileMapping(std::span<const std::byte> bytes, std::function<void()> release)
+      : bytes_(bytes), release_(std::move(release)) {}
+  FileMapping(FileMapping&& other) noexcept
+      : bytes_(std::exchange(other.bytes_, {})), release_(std::exchange(other.release_, {})) {}
+  FileMapping& operator=(FileMapping&& other) noexcept {
+    if (this != &other) {
+      Release();
+      bytes_ = std::exchange(other.bytes_, {});
+      release_ = std::exchange(other.release_, {});
+    }
+    return *this;
+  }
+  FileMapping(const FileMapping&) = delete;
+  FileMapping& operator=(const FileMapping&) = delete;
+  ~FileMapping() { Release(); }
+
+  std::span<const std::byte> bytes() const { return bytes_; }
+
+ private:
+  void Release() {
+    if (release_) std::exchange(release_, {})();
+  }
+
+  std::span<const std::byte> bytes_;
+  std::function<void()> release_;
+};
+
 class ReadableFile {
  public:
   virtual ~ReadableFile() = default;
   // Reads exactly `n` bytes at `offset` into `dst`. Reading past the end of the file is a
   // kDataLoss error naming the path, the range and the file size (a truncated file).
   virtual Status ReadAt(uint64_t offset, void* dst, size_t n) const = 0;
+  // Optional: shows the `n` bytes at `offset` in memory, read-only, without copying them, so
+  // that a caller can copy and checksum them in one pass through the CPU cache. The default,
+  // and any implementation that cannot, returns kUnimplemented; a caller treats every error of
+  // Map as "use ReadAt" (which then reports what is really wrong). A range past the end of the
+  // file is the same kDataLoss error as ReadAt's.
+  // Contract: the file must not shrink while a mapping of it exists. On POSIX, touching a
+  // mapped page past a new end of file raises SIGBUS. tessera never shrinks a file it reads:
+  // data files are written once, under names no other save uses.
+  virtual Result<FileMapping> Map(uint64_t offset, size_t n) const {
+    (void)offset;
+    (void)n;
+    return Unimplemented("Map is not supported for " + path());
+  }
   // Size in bytes when the file was opened.
   virtual uint64_t size() const = 0;
   virtual const std::string& path() const = 0;
@@ -72,6 +121,11 @@ struct PosixStorageOptions {
   // Largest single pwrite/pread issued, in bytes; larger requests are split. Default 64 MiB:
   // big enough to stream at disk speed, small enough to stay interruptible.
   size_t max_io_bytes = 64u << 20;
+  // ReadableFile::Map through mmap(2). Verify and LoadOptions::verify_partial_chunks then hash
+  // chunks where they lie in the page cache instead of copying them first (Verify of 1 GiB:
+  // 0.115 s against 0.175 s). Turn it off for file systems where another process may shrink
+  // the files being read (see the contract of Map).
+  bool map_reads = true;
 };
 
 // Files on the local (or a shared) file system, through open/pread/pwrite/fdatasync/rename.

@@ -3,6 +3,7 @@
 // the operation, the path and the errno text.
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -97,16 +98,16 @@ class PosixWritableFile : public WritableFile {
 
 class PosixReadableFile : public ReadableFile {
  public:
-  PosixReadableFile(std::string path, int fd, uint64_t size, size_t max_io_bytes)
-      : path_(std::move(path)), fd_(fd), size_(size), max_io_bytes_(max_io_bytes) {}
+  PosixReadableFile(std::string path, int fd, uint64_t size, const PosixStorageOptions& options)
+      : path_(std::move(path)),
+        fd_(fd),
+        size_(size),
+        max_io_bytes_(options.max_io_bytes),
+        map_reads_(options.map_reads) {}
   ~PosixReadableFile() override { CloseFd(fd_, path_).IgnoreError(); }
 
   Status ReadAt(uint64_t offset, void* dst, size_t n) const override {
-    if (offset > size_ || n > size_ - offset) {
-      return DataLoss("read of " + path_ + " at offset " + std::to_string(offset) + " length " +
-                      std::to_string(n) + " is past the end of the file (size " +
-                      std::to_string(size_) + "; truncated?)");
-    }
+    TESSERA_RETURN_IF_ERROR(CheckRange(offset, n, "read"));
     auto* p = static_cast<uint8_t*>(dst);
     uint64_t pos = offset;
     size_t left = n;
@@ -133,14 +134,42 @@ class PosixReadableFile : public ReadableFile {
     return Status::Ok();
   }
 
+  // MAP_POPULATE: the pages are mapped in one call rather than faulted in one by one.
+  Result<FileMapping> Map(uint64_t offset, size_t n) const override {
+    if (!map_reads_) return Unimplemented("PosixStorageOptions::map_reads is off");
+    TESSERA_RETURN_IF_ERROR(CheckRange(offset, n, "mapping"));
+    if (n == 0) return FileMapping();
+    static const uint64_t page_size = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    const uint64_t start = offset / page_size * page_size;
+    const size_t length = n + static_cast<size_t>(offset - start);
+    void* address = ::mmap(nullptr, length, PROT_READ, MAP_SHARED | MAP_POPULATE, fd_,
+                           static_cast<off_t>(start));
+    if (address == MAP_FAILED) {
+      return IOErrorFromErrno("mmap " + path_ + " at offset " + std::to_string(offset) + " (" +
+                                  std::to_string(n) + " bytes)",
+                              errno);
+    }
+    return FileMapping(
+        std::span<const std::byte>(static_cast<const std::byte*>(address) + (offset - start), n),
+        [address, length] { ::munmap(address, length); });
+  }
+
   uint64_t size() const override { return size_; }
   const std::string& path() const override { return path_; }
 
  private:
+  Status CheckRange(uint64_t offset, size_t n, const char* what) const {
+    if (offset <= size_ && n <= size_ - offset) return Status::Ok();
+    return DataLoss(std::string(what) + " of " + path_ + " at offset " + std::to_string(offset) +
+                    " length " + std::to_string(n) + " is past the end of the file (size " +
+                    std::to_string(size_) + "; truncated?)");
+  }
+
   const std::string path_;
   const int fd_;
   const uint64_t size_;
   const size_t max_io_bytes_;
+  const bool map_reads_;
 };
 
 // open(2), retried on EINTR.
@@ -178,8 +207,8 @@ class PosixStorage : public Storage {
       CloseFd(fd, path).IgnoreError();
       return IOErrorFromErrno("open " + path + " for reading", EISDIR);
     }
-    return std::unique_ptr<ReadableFile>(std::make_unique<PosixReadableFile>(
-        path, fd, static_cast<uint64_t>(st.st_size), options_.max_io_bytes));
+    return std::unique_ptr<ReadableFile>(
+        std::make_unique<PosixReadableFile>(path, fd, static_cast<uint64_t>(st.st_size), options_));
   }
 
   Status CreateDirs(const std::string& path) override {

@@ -512,6 +512,43 @@ TEST_P(StorageTest, ConcurrentFileCreationInOneDirectory) {
   EXPECT_EQ(got, "f3_24");
 }
 
+// Map is optional: a storage either declines with kUnimplemented or shows exactly the bytes
+// ReadAt returns, at any offset, and rejects ranges past the end like ReadAt.
+TEST_P(StorageTest, MapShowsTheBytesOfReadAtOrIsUnimplemented) {
+  const std::vector<uint8_t> data = Pattern(3 * 4096 + 777, 11);
+  const std::string path = Path("mapped");
+  {
+    STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
+    STORAGE_ASSERT_OK(w->WriteAt(0, data.data(), data.size()));
+    STORAGE_ASSERT_OK(w->Close());
+  }
+  STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
+  Result<FileMapping> probe = r->Map(0, data.size());
+  if (!probe.ok()) {
+    EXPECT_EQ(probe.status().code(), StatusCode::kUnimplemented) << probe.status().ToString();
+    return;
+  }
+  const std::pair<uint64_t, size_t> ranges[] = {
+      {0, data.size()}, {1, 10}, {4095, 2}, {4096, 4096}, {5000, 8000}, {data.size() - 1, 1}};
+  for (const auto& [offset, n] : ranges) {
+    STORAGE_ASSIGN_OR_FAIL(FileMapping m, r->Map(offset, n));
+    ASSERT_EQ(m.bytes().size(), n) << "offset " << offset;
+    EXPECT_EQ(std::memcmp(m.bytes().data(), data.data() + offset, n), 0) << "offset " << offset;
+  }
+  STORAGE_ASSIGN_OR_FAIL(FileMapping empty, r->Map(data.size(), 0));
+  EXPECT_TRUE(empty.bytes().empty());
+  const Result<FileMapping> past = r->Map(data.size() - 5, 10);
+  EXPECT_EQ(past.status().code(), StatusCode::kDataLoss) << past.status().ToString();
+  EXPECT_THAT(past.status().message(), HasSubstr(path));
+  EXPECT_THAT(past.status().message(), HasSubstr("size " + std::to_string(data.size())));
+  EXPECT_EQ(r->Map(~uint64_t{0} - 2, 8).status().code(), StatusCode::kDataLoss);
+  // A mapping stays readable after its file object is gone and the file is removed.
+  STORAGE_ASSIGN_OR_FAIL(FileMapping kept, r->Map(100, 200));
+  r.reset();
+  STORAGE_ASSERT_OK(storage().Remove(path));
+  EXPECT_EQ(std::memcmp(kept.bytes().data(), data.data() + 100, 200), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     AllStorages, StorageTest,
     ::testing::Values(
@@ -588,6 +625,38 @@ TEST(PosixStorageTest, WritesLandInTheRealFile) {
   std::ifstream in(path, std::ios::binary);
   std::string got((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_EQ(got, "bytes on disk");
+}
+
+TEST(PosixStorageTest, MapIsOnByDefaultAndCanBeTurnedOff) {
+  PosixEnv env;
+  const std::string path = JoinPath(env.root(), "f");
+  STORAGE_ASSERT_OK(WriteFile(env.storage(), path, "mapped bytes"));
+  {
+    STORAGE_ASSIGN_OR_FAIL(auto r, NewPosixStorage()->NewReadableFile(path));
+    STORAGE_ASSIGN_OR_FAIL(FileMapping m, r->Map(7, 5));
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(m.bytes().data()), 5), "bytes");
+  }
+  STORAGE_ASSIGN_OR_FAIL(auto r, NewPosixStorage({.map_reads = false})->NewReadableFile(path));
+  const Result<FileMapping> m = r->Map(0, 5);
+  EXPECT_EQ(m.status().code(), StatusCode::kUnimplemented) << m.status().ToString();
+  EXPECT_THAT(m.status().message(), HasSubstr("map_reads"));
+}
+
+TEST(FileMappingTest, ReleasesExactlyOnceAcrossMoves) {
+  int releases = 0;
+  const std::byte bytes[4] = {};
+  {
+    FileMapping a(std::span<const std::byte>(bytes, 4), [&] { ++releases; });
+    FileMapping b(std::move(a));
+    EXPECT_TRUE(a.bytes().empty());
+    EXPECT_EQ(b.bytes().size(), 4u);
+    FileMapping c;
+    c = std::move(b);
+    EXPECT_EQ(releases, 0);
+    c = FileMapping(std::span<const std::byte>(bytes, 2), [&] { releases += 10; });
+    EXPECT_EQ(releases, 1);  // the first mapping, assigned over
+  }
+  EXPECT_EQ(releases, 11);
 }
 
 // ---- MemoryStorage: paths and the crash model ----------------------------------------------
