@@ -11,20 +11,23 @@
 //                 thread, with pwrite; with --sync, fdatasync per file, then fsync of the file
 //                 directory and its parent (what a durable save needs at the least)
 //   load          tessera Load of that checkpoint under the save layout
+//   raw_write_streamed   only with --sync: raw_write with 8 MiB pwrites, each followed by
+//                 sync_file_range(SYNC_FILE_RANGE_WRITE) so the disk writes while later bytes
+//                 are copied (what tessera's synced save does); the best a durable writer does
 //   raw_read      the same ranks pread the raw files back into the load's destination memory
 //   reshard_load  tessera Load under another layout with the same rank count
 //
-// in a fixed order that alternates tessera and raw: even repeats run save, raw_write, load,
-// raw_read, reshard_load; odd repeats run raw_write, save, raw_read, load, reshard_load, so
-// neither side always goes first. Nothing is dropped from the page cache (reads are served
-// from it); before each phase, outside the timing, syncfs() writes back whatever earlier
-// phases left dirty, so no phase pays for another's writeback (--no-flush turns that off).
-// Every destination is allocated and touched before any timing. A phase is timed on rank 0
-// from a barrier before it to a barrier after it. --warmup repeats (default 1) run first and
-// are reported apart: on this VM the first writes of a process land on page-cache pages the
-// guest has not touched yet and run 2-4x slower, for the raw baseline as for tessera. Each
-// figure is the best of the --repeat timed samples; every sample is reported too. The first
-// repeat (a warm-up one by default) checks every loaded element.
+// in a fixed order that alternates tessera and raw: even repeats run save, raw_write,
+// [raw_write_streamed], load, raw_read, reshard_load; odd repeats run [raw_write_streamed],
+// raw_write, save, raw_read, load, reshard_load, so neither side always goes first. Nothing is
+// dropped from the page cache (reads are served from it); before each phase, outside the timing,
+// syncfs() writes back whatever earlier phases left dirty, so no phase pays for another's writeback
+// (--no-flush turns that off). Every destination is allocated and touched before any timing. A
+// phase is timed on rank 0 from a barrier before it to a barrier after it. --warmup repeats
+// (default 1) run first and are reported apart: on this VM the first writes of a process land on
+// page-cache pages the guest has not touched yet and run 2-4x slower, for the raw baseline as for
+// tessera. Each figure is the best of the --repeat timed samples; every sample is reported too. The
+// first repeat (a warm-up one by default) checks every loaded element.
 //
 // Memory: getrusage's ru_maxrss covers the whole process, which holds the save, load and
 // reshard states at once. What one phase adds on top of the memory it starts with is measured
@@ -70,6 +73,7 @@ using Clock = std::chrono::steady_clock;
 
 // Largest single pwrite/pread of the raw baseline: PosixStorageOptions' default.
 constexpr size_t kRawPiece = 64u << 20;
+constexpr size_t kStreamedPiece = 8u << 20;
 
 struct BenchIoOptions {
   int ranks = 2;
@@ -155,17 +159,25 @@ Status SyncPath(const std::string& path) {
   return Status::Ok();
 }
 
-Status RawWriteFile(const std::string& path, const std::vector<Segment>& segments, bool sync) {
+// `streamed`: pieces of kStreamedPiece, each handed to the disk by sync_file_range as soon as
+// it is written.
+Status RawWriteFile(const std::string& path, const std::vector<Segment>& segments, bool sync,
+                    bool streamed = false) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return IOErrorFromErrno("open " + path, errno);
   Status status;
   uint64_t offset = 0;
+  const uint64_t piece = streamed ? kStreamedPiece : kRawPiece;
   for (const Segment& s : segments) {
     for (uint64_t done = 0; done < s.size && status.ok();) {
-      const size_t n = static_cast<size_t>(std::min<uint64_t>(kRawPiece, s.size - done));
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(piece, s.size - done));
       const ssize_t r = ::pwrite(fd, s.data + done, n, static_cast<off_t>(offset));
       if (r < 0 && errno == EINTR) continue;
       if (r <= 0) status = IOErrorFromErrno("pwrite " + path, r < 0 ? errno : EIO);
+      if (r > 0 && streamed &&
+          ::sync_file_range(fd, static_cast<off_t>(offset), r, SYNC_FILE_RANGE_WRITE) != 0) {
+        status = IOErrorFromErrno("sync_file_range " + path, errno);
+      }
       done += r > 0 ? r : 0;
       offset += r > 0 ? r : 0;
     }
@@ -243,9 +255,9 @@ bool ResetPeakRss() {
 
 // ---- the benchmark ------------------------------------------------------------------------------
 
-enum Phase { kSave, kRawWrite, kLoad, kRawRead, kReshard, kNumPhases };
-constexpr const char* kPhaseNames[kNumPhases] = {"save", "raw_write", "load", "raw_read",
-                                                 "reshard_load"};
+enum Phase { kSave, kRawWrite, kRawWriteStreamed, kLoad, kRawRead, kReshard, kNumPhases };
+constexpr const char* kPhaseNames[kNumPhases] = {"save", "raw_write", "raw_write_streamed",
+                                                 "load", "raw_read",  "reshard_load"};
 
 struct Results {
   std::vector<double> seconds[kNumPhases];
@@ -371,8 +383,11 @@ int RunBenchIo(const BenchIoOptions& options) {
     for (int k = 0; k < o.warmup + o.repeat; ++k) {
       const std::string ckpt = run_dir_here + "/ckpt-" + std::to_string(k);
       const std::string raw = run_dir_here + "/raw-" + std::to_string(k);
-      if (lead && ::mkdir(raw.c_str(), 0755) != 0) {
-        return IOErrorFromErrno("mkdir " + raw, errno);
+      const std::string raw_streamed = raw + "-streamed";
+      for (const std::string& dir : {raw, raw_streamed}) {
+        if (lead && ::mkdir(dir.c_str(), 0755) != 0) {
+          return IOErrorFromErrno("mkdir " + dir, errno);
+        }
       }
       auto save = [&]() -> Status {
         return timed(kSave, [&]() -> Status {
@@ -384,15 +399,17 @@ int RunBenchIo(const BenchIoOptions& options) {
           return Status::Ok();
         });
       };
-      auto raw_write = [&]() -> Status {
-        return timed(kRawWrite, [&]() -> Status {
+      auto raw_write = [&](Phase phase) -> Status {
+        const bool streamed = phase == kRawWriteStreamed;
+        const std::string& dir = streamed ? raw_streamed : raw;
+        return timed(phase, [&]() -> Status {
           auto parts = SplitSegments(raw_source, o.io_threads);
           TESSERA_RETURN_IF_ERROR(RunThreads(o.io_threads, [&](int t) {
-            return RawWriteFile(RawFile(raw, rank, t), parts[t], o.sync);
+            return RawWriteFile(RawFile(dir, rank, t), parts[t], o.sync, streamed);
           }));
           if (!o.sync) return Status::Ok();
           TESSERA_RETURN_IF_ERROR(comm.Barrier());  // every file written before the dir syncs
-          if (lead) TESSERA_RETURN_IF_ERROR(SyncPath(raw));
+          if (lead) TESSERA_RETURN_IF_ERROR(SyncPath(dir));
           if (lead) TESSERA_RETURN_IF_ERROR(SyncPath(run_dir_here));
           return Status::Ok();
         });
@@ -421,7 +438,9 @@ int RunBenchIo(const BenchIoOptions& options) {
         raw_source = StateSegments(saved, written);
         raw_destination = StateSegments(loaded, written);
       }
-      TESSERA_RETURN_IF_ERROR(raw_write());
+      if (o.sync && k % 2 == 1) TESSERA_RETURN_IF_ERROR(raw_write(kRawWriteStreamed));
+      TESSERA_RETURN_IF_ERROR(raw_write(kRawWrite));
+      if (o.sync && k % 2 == 0) TESSERA_RETURN_IF_ERROR(raw_write(kRawWriteStreamed));
       if (k % 2 == 1) TESSERA_RETURN_IF_ERROR(save());
       if (k % 2 == 0) {
         TESSERA_RETURN_IF_ERROR(load(kLoad, loaded));
@@ -445,6 +464,7 @@ int RunBenchIo(const BenchIoOptions& options) {
         std::error_code ignored;
         std::filesystem::remove_all(ckpt, ignored);
         std::filesystem::remove_all(raw, ignored);
+        std::filesystem::remove_all(raw_streamed, ignored);
       }
     }
     // Per-rank figures, each rank filling its own slots, summed; peak memory, the largest.
@@ -486,11 +506,13 @@ int RunBenchIo(const BenchIoOptions& options) {
   std::vector<double> warmup_seconds[kNumPhases];
   for (int p = 0; p < kNumPhases; ++p) {
     std::vector<double>& samples = res.seconds[p];
-    warmup_seconds[p].assign(samples.begin(), samples.begin() + o.warmup);
-    samples.erase(samples.begin(), samples.begin() + o.warmup);
+    const auto warm = samples.begin() + std::min<size_t>(o.warmup, samples.size());
+    warmup_seconds[p].assign(samples.begin(), warm);  // none for a phase that did not run
+    samples.erase(samples.begin(), warm);
   }
   auto best = [&](Phase p) {
-    return *std::min_element(res.seconds[p].begin(), res.seconds[p].end());
+    return res.seconds[p].empty() ? 0.0
+                                  : *std::min_element(res.seconds[p].begin(), res.seconds[p].end());
   };
   auto sum = [](const std::vector<uint64_t>& v) {
     uint64_t s = 0;
@@ -521,6 +543,11 @@ int RunBenchIo(const BenchIoOptions& options) {
   out["save_seconds"] = save_s;
   out["raw_write_seconds"] = raw_write_s;
   out["save_over_raw"] = raw_write_s / save_s;
+  if (o.sync) {
+    const double streamed_s = best(kRawWriteStreamed);
+    out["raw_write_streamed_seconds"] = streamed_s;
+    out["save_over_raw_streamed"] = streamed_s / save_s;
+  }
   out["save_gb_per_s"] = res.total_bytes / save_s / 1e9;
   out["raw_write_gb_per_s"] = raw_bytes / raw_write_s / 1e9;
   out["load_seconds"] = load_s;
@@ -562,8 +589,8 @@ int RunBenchIo(const BenchIoOptions& options) {
   out["warmup_samples_seconds"] = warmup_samples;
   out["save_plan_cache_hit_samples"] = res.plan_cache_hits;  // warm-up ones first
   out["phase_order"] =
-      "even repeats: save, raw_write, load, raw_read, reshard_load; odd repeats: raw_write, "
-      "save, raw_read, load, reshard_load";
+      "even repeats: save, raw_write, [raw_write_streamed], load, raw_read, reshard_load; odd "
+      "repeats: [raw_write_streamed], raw_write, save, raw_read, load, reshard_load";
   out["flush_between_phases"] = o.flush;
   out["checked"] = res.checked;
   out["dir"] = run_dir + " (removed)";

@@ -28,6 +28,15 @@ class WritableFile {
   virtual ~WritableFile() = default;
   // Writes `n` bytes at `offset`, all of them or an error (short writes are retried).
   virtual Status WriteAt(uint64_t offset, const void* data, size_t n) = 0;
+  // A hint: start writing bytes [offset, offset + n) to the device now, without waiting for
+  // them and without making them durable (only Sync does). A save with SyncPolicy::kFull calls
+  // it as it goes, so the device writes while later bytes are still being copied and the final
+  // Sync has little left to do. The default does nothing.
+  virtual Status StartWriteback(uint64_t offset, uint64_t n) {
+    (void)offset;
+    (void)n;
+    return Status::Ok();
+  }
   // Makes the written bytes durable (fdatasync). Until then a crash may lose them.
   virtual Status Sync() = 0;
   // Releases the file. Does not sync. Idempotent; the destructor closes too, ignoring errors.

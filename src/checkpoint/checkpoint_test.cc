@@ -597,6 +597,51 @@ TEST(CrashConsistencyTest, FailureAtEveryStepLeavesTheOldCheckpointOrTheNew) {
   EXPECT_GT(n, 8);
 }
 
+// A synced save hands every 8 MiB of a data file to StartWriteback as it goes. A failing
+// StartWriteback fails the save like a failing write: the error names the file, and the
+// previous checkpoint stays the committed one.
+TEST(CrashConsistencyTest, SyncedSaveStartsWritebackAndItsFailureKeepsTheOldCheckpoint) {
+  auto memory = std::make_shared<MemoryStorage>();
+  SaveOptions o;
+  o.storage = memory;
+  o.num_io_threads = 1;
+  Generation g1(1);
+  ASSERT_OK(Save(g1.Dict(), "/ck", o));
+  Owned big = MakeWhole("a", DType::kF32, {5, 1u << 20}, 9);  // 20 MiB: two writebacks
+  StateDict state;
+  ASSERT_OK(state.Add(big.tensor));
+  int writebacks_failed = 0;
+  for (int64_t n = 0;; ++n) {
+    auto faulty = std::make_shared<FaultInjectingStorage>(
+        memory, FaultPlan{.fail_at = n, .crash = false, .path_filter = ""});
+    o.storage = faulty;
+    const Status saved = Save(state, "/ck", o).status();
+    if (!faulty->fault_fired()) {
+      ASSERT_OK(saved);
+      break;
+    }
+    if (saved.message().find("(StartWriteback ") == std::string::npos) continue;
+    ++writebacks_failed;
+    EXPECT_EQ(saved.code(), StatusCode::kIOError) << saved.ToString();
+    EXPECT_THAT(saved.message(), HasSubstr("writing /ck/tsr-"));
+    Status error;
+    EXPECT_EQ(LoadedGeneration("/ck", memory, &error), 1) << error.ToString();
+  }
+  EXPECT_EQ(writebacks_failed, 2);
+  // Without kFull, no writeback is started: the page cache decides.
+  auto counting = std::make_shared<FaultInjectingStorage>(memory, FaultPlan{});
+  o.storage = counting;
+  o.sync = SyncPolicy::kNone;
+  ASSERT_OK(Save(state, "/ck2", o));
+  const int64_t unsynced_ops = counting->operation_count();
+  counting->SetPlan(FaultPlan{});
+  o.sync = SyncPolicy::kFull;
+  ASSERT_OK(Save(state, "/ck3", o));
+  // kFull adds: 2 writebacks, the data file's Sync, the manifest's Sync, SyncDir of the parent
+  // of the new directory and two SyncDir of the directory.
+  EXPECT_EQ(counting->operation_count() - unsynced_ops, 2 + 1 + 1 + 1 + 2);
+}
+
 TEST(CrashConsistencyTest, CrashDuringAFirstSaveLeavesNoCheckpoint) {
   auto memory = std::make_shared<MemoryStorage>();
   Generation g1(1);

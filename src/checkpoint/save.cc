@@ -35,6 +35,12 @@ constexpr int kCoordinator = 0;
 // 0.177 s hashed before, 0.150 s with plain 64 MiB pwrites (medians of 6).
 constexpr size_t kWritePiece = 256u << 10;
 
+// With SyncPolicy::kFull, every this many bytes written to a data file are handed to
+// WritableFile::StartWriteback, so the device writes while the rest is being copied instead of
+// all at the final fdatasync. 1 GiB by 4 threads, synced (medians of 5): 0.357 s, against
+// 0.512 s for 64 MiB pwrites and one fdatasync per file.
+constexpr uint64_t kWritebackStep = 8u << 20;
+
 std::string NewSaveId(const std::vector<std::string>& existing_names) {
   std::random_device device;
   std::mt19937_64 rng(
@@ -195,6 +201,8 @@ Status WriteDataFile(Storage& storage, const std::string& dir, const StateDict& 
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, storage.NewWritableFile(path));
   TESSERA_RETURN_IF_ERROR(out->WriteAt(0, file.header.data(), file.header.size()));
   const uint64_t data_start = file.header.size();
+  // With kFull, bytes up to here have been handed to StartWriteback.
+  uint64_t writeback_begin = 0;
   for (size_t k = 0; k < file.items.size(); ++k) {
     const LocalItem& item = plan.items[file.items[k]];
     const SafetensorsEntry& entry = file.entries[k];
@@ -202,9 +210,14 @@ Status WriteDataFile(Storage& storage, const std::string& dir, const StateDict& 
     ChecksumStream checksum;
     for (uint64_t done = 0; done < item.num_bytes;) {
       size_t n = static_cast<size_t>(std::min<uint64_t>(kWritePiece, item.num_bytes - done));
-      TESSERA_RETURN_IF_ERROR(out->WriteAt(data_start + entry.begin + done, data + done, n));
+      const uint64_t at = data_start + entry.begin + done;
+      TESSERA_RETURN_IF_ERROR(out->WriteAt(at, data + done, n));
       checksum.Update(data + done, n);
       done += n;
+      if (sync == SyncPolicy::kFull && at + n - writeback_begin >= kWritebackStep) {
+        TESSERA_RETURN_IF_ERROR(out->StartWriteback(writeback_begin, at + n - writeback_begin));
+        writeback_begin = at + n;
+      }
     }
     result.items.push_back(WrittenItem{file.items[k], file_index, data_start + entry.begin,
                                        item.num_bytes, checksum.Digest()});

@@ -54,6 +54,10 @@ class FaultInjectingWritableFile : public WritableFile {
     TESSERA_RETURN_IF_ERROR(state_->Check("WriteAt", base_->path()));
     return base_->WriteAt(offset, data, n);
   }
+  Status StartWriteback(uint64_t offset, uint64_t n) override {
+    TESSERA_RETURN_IF_ERROR(state_->Check("StartWriteback", base_->path()));
+    return base_->StartWriteback(offset, n);
+  }
   Status Sync() override {
     TESSERA_RETURN_IF_ERROR(state_->Check("Sync", base_->path()));
     return base_->Sync();

@@ -512,6 +512,22 @@ TEST_P(StorageTest, ConcurrentFileCreationInOneDirectory) {
   EXPECT_EQ(got, "f3_24");
 }
 
+// StartWriteback is a hint: it changes no byte, and Sync still makes them durable.
+TEST_P(StorageTest, StartWritebackKeepsTheBytes) {
+  const std::vector<uint8_t> data = Pattern(3 << 20, 5);
+  const std::string path = Path("streamed");
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
+  STORAGE_ASSERT_OK(w->WriteAt(0, data.data(), data.size() / 2));
+  STORAGE_ASSERT_OK(w->StartWriteback(0, data.size() / 2));
+  STORAGE_ASSERT_OK(w->WriteAt(data.size() / 2, data.data() + data.size() / 2, data.size() / 2));
+  STORAGE_ASSERT_OK(w->StartWriteback(data.size() / 2, data.size() / 2));
+  STORAGE_ASSERT_OK(w->StartWriteback(data.size(), 4096));  // past the end: nothing to do
+  STORAGE_ASSERT_OK(w->Sync());
+  STORAGE_ASSERT_OK(w->Close());
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
+  EXPECT_TRUE(got.size() == data.size() && std::memcmp(got.data(), data.data(), got.size()) == 0);
+}
+
 // Map is optional: a storage either declines with kUnimplemented or shows exactly the bytes
 // ReadAt returns, at any offset, and rejects ranges past the end like ReadAt.
 TEST_P(StorageTest, MapShowsTheBytesOfReadAtOrIsUnimplemented) {
@@ -640,6 +656,17 @@ TEST(PosixStorageTest, MapIsOnByDefaultAndCanBeTurnedOff) {
   const Result<FileMapping> m = r->Map(0, 5);
   EXPECT_EQ(m.status().code(), StatusCode::kUnimplemented) << m.status().ToString();
   EXPECT_THAT(m.status().message(), HasSubstr("map_reads"));
+}
+
+TEST(PosixStorageTest, StartWritebackOfAClosedFileFails) {
+  PosixEnv env;
+  const std::string path = JoinPath(env.root(), "f");
+  STORAGE_ASSIGN_OR_FAIL(auto w, env.storage().NewWritableFile(path));
+  STORAGE_ASSERT_OK(w->WriteAt(0, "x", 1));
+  STORAGE_ASSERT_OK(w->Close());
+  const Status s = w->StartWriteback(0, 1);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr(path));
 }
 
 TEST(FileMappingTest, ReleasesExactlyOnceAcrossMoves) {
