@@ -355,6 +355,9 @@ int RunBenchIo(const BenchIoOptions& options) {
     RankState loaded = BuildRankState(config, *save_layout, rank, /*fill=*/false);
     RankState resharded = BuildRankState(config, *reshard_layout, rank, /*fill=*/false);
     for (const RankState* s : {&saved, &loaded, &resharded}) TouchPages(*s);
+    // Every rank's state is resident before rank 0 takes the first RSS reading: else the first
+    // phase's *_extra_rss_bytes would count the other ranks' pages as they are touched.
+    TESSERA_RETURN_IF_ERROR(comm.Barrier());
 
     // Times `body` on rank 0 from a barrier before it to a barrier after it.
     auto timed = [&](Phase phase, const std::function<Status()>& body) -> Status {
@@ -579,6 +582,8 @@ int RunBenchIo(const BenchIoOptions& options) {
     out["load_extra_rss_bytes"] = res.extra_rss[kLoad];
     out["reshard_load_extra_rss_bytes"] = res.extra_rss[kReshard];
     out["raw_read_extra_rss_bytes"] = res.extra_rss[kRawRead];
+    out["raw_write_extra_rss_bytes"] = res.extra_rss[kRawWrite];
+    if (o.sync) out["raw_write_streamed_extra_rss_bytes"] = res.extra_rss[kRawWriteStreamed];
   }
   nlohmann::json samples, warmup_samples;
   for (int p = 0; p < kNumPhases; ++p) {
