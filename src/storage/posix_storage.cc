@@ -156,6 +156,15 @@ class PosixReadableFile : public ReadableFile {
     if (!map_reads_) return Unimplemented("PosixStorageOptions::map_reads is off");
     TESSERA_RETURN_IF_ERROR(CheckRange(offset, n, "mapping"));
     if (n == 0) return FileMapping();
+    // A file shrunk since it was opened would raise SIGBUS where the caller touches the
+    // mapping past its new end: refuse here instead (the caller's ReadAt then reports it).
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) return IOErrorFromErrno("fstat " + path_, errno);
+    if (static_cast<uint64_t>(st.st_size) < offset + n) {
+      return DataLoss("mapping of " + path_ + " at offset " + std::to_string(offset) + " length " +
+                      std::to_string(n) + ": the file shrank to " + std::to_string(st.st_size) +
+                      " bytes after it was opened (size " + std::to_string(size_) + ")");
+    }
     static const uint64_t page_size = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
     const uint64_t start = offset / page_size * page_size;
     const size_t length = n + static_cast<size_t>(offset - start);

@@ -264,6 +264,21 @@ TEST_P(StorageTest, ReadOfFileTruncatedAfterOpenIsDataLoss) {
   EXPECT_THAT(s.message(), HasSubstr(path));
 }
 
+// Mapping a file that shrank after it was opened is an error, never a mapping past its end
+// (whose pages would raise SIGBUS when touched).
+TEST_P(StorageTest, MapOfFileTruncatedAfterOpenFails) {
+  const std::string path = Path("shrinks");
+  STORAGE_ASSERT_OK(WriteFile(storage(), path, std::string(3 << 20, 'x')));
+  STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));  // truncates
+  const Result<FileMapping> m = r->Map(1 << 20, 1 << 20);
+  ASSERT_FALSE(m.ok());
+  if (m.status().code() == StatusCode::kUnimplemented) return;
+  EXPECT_EQ(m.status().code(), StatusCode::kDataLoss) << m.status().ToString();
+  EXPECT_THAT(m.status().message(), HasSubstr("shrank to 0 bytes"));
+  EXPECT_THAT(m.status().message(), HasSubstr(path));
+}
+
 TEST_P(StorageTest, NewWritableFileTruncatesExistingFile) {
   const std::string path = Path("t");
   STORAGE_ASSERT_OK(WriteFile(storage(), path, "long old contents"));
