@@ -517,6 +517,14 @@ int RunBenchIo(const BenchIoOptions& options) {
     return res.seconds[p].empty() ? 0.0
                                   : *std::min_element(res.seconds[p].begin(), res.seconds[p].end());
   };
+  // The median sample (the upper one of an even count): less sensitive than the best to one
+  // lucky or unlucky sample on a shared machine.
+  auto median = [&](Phase p) {
+    std::vector<double> v = res.seconds[p];
+    if (v.empty()) return 0.0;
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
   auto sum = [](const std::vector<uint64_t>& v) {
     uint64_t s = 0;
     for (uint64_t x : v) s += x;
@@ -550,12 +558,15 @@ int RunBenchIo(const BenchIoOptions& options) {
     const double streamed_s = best(kRawWriteStreamed);
     out["raw_write_streamed_seconds"] = streamed_s;
     out["save_over_raw_streamed"] = streamed_s / save_s;
+    out["median_save_over_raw_streamed"] = median(kRawWriteStreamed) / median(kSave);
   }
   out["save_gb_per_s"] = res.total_bytes / save_s / 1e9;
   out["raw_write_gb_per_s"] = raw_bytes / raw_write_s / 1e9;
   out["load_seconds"] = load_s;
   out["raw_read_seconds"] = raw_read_s;
   out["load_over_raw"] = raw_read_s / load_s;
+  out["median_save_over_raw"] = median(kRawWrite) / median(kSave);
+  out["median_load_over_raw"] = median(kRawRead) / median(kLoad);
   out["load_gb_per_s"] = res.load_bytes_read / load_s / 1e9;
   out["raw_read_gb_per_s"] = raw_bytes / raw_read_s / 1e9;
   out["load_bytes_read"] = res.load_bytes_read;
