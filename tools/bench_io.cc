@@ -22,12 +22,13 @@
 // raw_write, save, raw_read, load, reshard_load, so neither side always goes first. Nothing is
 // dropped from the page cache (reads are served from it); before each phase, outside the timing,
 // syncfs() writes back whatever earlier phases left dirty, so no phase pays for another's writeback
-// (--no-flush turns that off). Every destination is allocated and touched before any timing. A
-// phase is timed on rank 0 from a barrier before it to a barrier after it. --warmup repeats
-// (default 1) run first and are reported apart: on this VM the first writes of a process land on
-// page-cache pages the guest has not touched yet and run 2-4x slower, for the raw baseline as for
-// tessera. Each figure is the best of the --repeat timed samples; every sample is reported too. The
-// first repeat (a warm-up one by default) checks every loaded element.
+// (--no-flush turns that off). With --drop-caches (root), the page cache is also dropped before
+// every read phase, so loads and raw reads come from the disk. Every destination is allocated and
+// touched before any timing. A phase is timed on rank 0 from a barrier before it to a barrier after
+// it. --warmup repeats (default 1) run first and are reported apart: on this VM the first writes of
+// a process land on page-cache pages the guest has not touched yet and run 2-4x slower, for the raw
+// baseline as for tessera. Each figure is the best of the --repeat timed samples; every sample is
+// reported too. The first repeat (a warm-up one by default) checks every loaded element.
 //
 // Memory: getrusage's ru_maxrss covers the whole process, which holds the save, load and
 // reshard states at once. What one phase adds on top of the memory it starts with is measured
@@ -87,6 +88,7 @@ struct BenchIoOptions {
   std::string save_layout;       // default: tp<ranks>
   std::string reshard_layout;    // default: see DefaultReshardLayout
   bool flush = true;             // syncfs before each phase, outside the timing
+  bool drop_caches = false;      // drop the page cache before each read phase (root)
   bool check = true;             // check every loaded element in the first repeat
   bool verify_checksums = true;  // LoadOptions::verify_checksums
 };
@@ -253,6 +255,17 @@ bool ResetPeakRss() {
   return static_cast<bool>(out);
 }
 
+constexpr const char* kDropCachesPath = "/proc/sys/vm/drop_caches";
+
+// Drops the clean pages of this machine's page cache ("1": page cache only, not dentries and
+// inodes). The caller writes back dirty pages first (syncfs), else they stay cached.
+bool DropPageCache() {
+  std::ofstream out(kDropCachesPath);
+  out << "1";
+  out.flush();
+  return static_cast<bool>(out);
+}
+
 // ---- the benchmark ------------------------------------------------------------------------------
 
 enum Phase { kSave, kRawWrite, kRawWriteStreamed, kLoad, kRawRead, kReshard, kNumPhases };
@@ -300,6 +313,11 @@ int RunBenchIo(const BenchIoOptions& options) {
                                   std::to_string(l->ranks()) + " ranks, --ranks is " +
                                   std::to_string(o.ranks)));
     }
+  }
+  if (o.drop_caches && !DropPageCache()) {
+    return Fail(FailedPrecondition(std::string("bench io --drop-caches: cannot write ") +
+                                   kDropCachesPath + ": " + std::strerror(errno) +
+                                   " (it needs root)"));
   }
   const ModelConfig config = ModelConfig::ForBytes(*size);
 
@@ -363,7 +381,11 @@ int RunBenchIo(const BenchIoOptions& options) {
     auto timed = [&](Phase phase, const std::function<Status()>& body) -> Status {
       uint64_t rss_before = 0;
       if (lead) {
-        if (o.flush) ::syncfs(run_dir_fd);
+        if (o.flush || o.drop_caches) ::syncfs(run_dir_fd);
+        // Checked to work before the first phase (RunBenchIo): a failure here is not expected.
+        if (o.drop_caches && (phase == kLoad || phase == kRawRead || phase == kReshard)) {
+          DropPageCache();
+        }
         res.process_peak_rss = std::max(res.process_peak_rss, ProcStatusBytes("VmHWM"));
         res.rss_tracked = res.rss_tracked && ResetPeakRss();
         rss_before = ProcStatusBytes("VmRSS");
@@ -608,6 +630,7 @@ int RunBenchIo(const BenchIoOptions& options) {
       "even repeats: save, raw_write, [raw_write_streamed], load, raw_read, reshard_load; odd "
       "repeats: [raw_write_streamed], raw_write, save, raw_read, load, reshard_load";
   out["flush_between_phases"] = o.flush;
+  out["page_cache_dropped_before_reads"] = o.drop_caches;
   out["checked"] = res.checked;
   out["dir"] = run_dir + " (removed)";
   std::printf("%s\n", out.dump(2).c_str());
@@ -647,6 +670,9 @@ void AddBenchIoCommand(CLI::App& bench, int* exit_code) {
   io->add_option("--reshard-layout", o->reshard_layout,
                  "layout of the resharded load (default tp<ranks/2>,dp2; tp1,dp<ranks> if odd)");
   io->add_flag("--no-flush", *no_flush, "do not syncfs between phases");
+  io->add_flag("--drop-caches", o->drop_caches,
+               "drop the page cache before every read phase, so reads come from the disk (root; "
+               "under MPI, on rank 0's machine)");
   io->add_flag("--no-check", *no_check, "do not check the loaded elements");
   io->add_flag("--no-verify-checksums", *no_verify,
                "load without checking chunk checksums (LoadOptions::verify_checksums = false)");

@@ -53,6 +53,9 @@ def main():
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--size", default="1GiB")
     ap.add_argument("--sync", action="store_true", help="fdatasync every file (both sides)")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="drop the page cache before every load (both sides; root): loads "
+                         "read the disk")
     ap.add_argument("--rounds", type=int, default=3, help="tessera, dcp alternations")
     ap.add_argument("--repeat", type=int, default=1, help="timed samples per phase in each run")
     ap.add_argument("--warmup", type=int, default=1, help="untimed repeats first in each run")
@@ -65,7 +68,8 @@ def main():
     args = ap.parse_args()
 
     common = ["--ranks", str(args.ranks), "--size", args.size, "--repeat", str(args.repeat),
-              "--warmup", str(args.warmup), "--dir", args.dir] + (["--sync"] if args.sync else [])
+              "--warmup", str(args.warmup), "--dir", args.dir] + (["--sync"] if args.sync else []) + \
+        (["--drop-caches"] if args.drop_caches else [])
     tessera_cmd = [args.tessera or find_tessera(), "bench", "io", "--io-threads",
                    str(args.io_threads), "--json"] + common
     dcp_cmd = [args.python, os.path.join(HERE, "dcp_bench.py"), "--json"] + common
@@ -94,6 +98,7 @@ def main():
         "bytes": first_t["bytes"],
         "ranks": args.ranks,
         "sync": args.sync,
+        "drop_caches": args.drop_caches,
         "rounds": args.rounds,
         "repeat_per_run": args.repeat,
         "warmup_per_run": args.warmup,

@@ -56,7 +56,8 @@ file as __mp_main__) install it too.
 Method, as in `tessera bench io`: every tensor is allocated and filled before any timing; each
 repeat saves into a fresh directory, then loads it under the same layout, then under the
 reshard layout; before each phase, outside the timing, syncfs() writes back what earlier phases
-left dirty; nothing is dropped from the page cache. A phase is timed on rank 0 from a barrier
+left dirty; nothing is dropped from the page cache (with --drop-caches, as root, it is dropped
+before every load, so loads read the disk). A phase is timed on rank 0 from a barrier
 before it to a barrier after it. --warmup repeats (default 1) run first and are reported apart
 (on this VM a process's first writes land on page-cache pages the guest never touched and run
 2-4x slower); the figures are the best of the --repeat timed samples. The first repeat checks
@@ -277,6 +278,15 @@ def syncfs(path):
         os.close(fd)
 
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def drop_page_cache():
+    """Drops this machine's clean page-cache pages (root only); callers write back first."""
+    with open(DROP_CACHES, "w") as f:
+        f.write("1")
+
+
 def worker(rank, o):
     dist.init_process_group("gloo", init_method="file://" + os.path.join(o["run_dir"], "store"),
                             rank=rank, world_size=o["ranks"])
@@ -297,8 +307,10 @@ def worker(rank, o):
     reshard_read = 0
 
     def timed(name, fn):
-        if lead and o["flush"]:
+        if lead and (o["flush"] or o["drop_caches"]):
             syncfs(o["run_dir"])
+        if lead and o["drop_caches"] and name != "save":
+            drop_page_cache()
         dist.barrier()
         start = time.perf_counter()
         fn()
@@ -391,17 +403,21 @@ def main():
     ap.add_argument("--dir", default="/tmp", help="where the run's temporary directory goes")
     ap.add_argument("--no-reshard", action="store_true", help="skip the resharded load")
     ap.add_argument("--no-flush", action="store_true", help="no syncfs between phases")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="drop the page cache before every load, so loads read the disk (root)")
     ap.add_argument("--no-check", action="store_true", help="do not check loaded elements")
     ap.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     args = ap.parse_args()
     if args.ranks < 1 or args.repeat < 1 or args.warmup < 0:
         raise SystemExit("dcp_bench: --ranks and --repeat must be >= 1, --warmup >= 0")
+    if args.drop_caches and not os.access(DROP_CACHES, os.W_OK):
+        raise SystemExit(f"dcp_bench: --drop-caches: cannot write {DROP_CACHES} (it needs root)")
     run_dir = tempfile.mkdtemp(prefix="dcp-bench-", dir=args.dir)
     try:
         o = {"ranks": args.ranks, "size": parse_size(args.size), "sync": args.sync,
              "repeat": args.repeat, "warmup": args.warmup, "run_dir": run_dir,
              "reshard": not args.no_reshard and args.ranks > 1, "flush": not args.no_flush,
-             "check": not args.no_check}
+             "check": not args.no_check, "drop_caches": args.drop_caches}
         mp.spawn(worker, args=(o,), nprocs=args.ranks, join=True)
         with open(os.path.join(run_dir, "result.json")) as f:
             out = json.load(f)
