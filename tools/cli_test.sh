@@ -32,6 +32,11 @@ PY
 check "inspect --json is one JSON document with keys, dtypes, shapes, chunks" $?
 
 "$tessera" verify "$work/ck" > /dev/null; check "verify passes on a good checkpoint" $?
+[ "$("$tessera" verify --threads 1 "$work/ck")" = "$("$tessera" verify --threads 8 "$work/ck")" ]
+check "verify says the same with 1 and 8 threads" $?
+msg="$("$tessera" verify --threads 0 "$work/ck" 2>&1)"; rc=$?
+[ $rc -ne 0 ] && echo "$msg" | grep -q "num_threads must be at least 1, got 0"
+check "verify --threads 0 fails, naming the option" $?
 
 # A flipped byte inside a chunk: verify fails and names the key and the file.
 cp -r "$work/ck" "$work/flip"

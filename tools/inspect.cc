@@ -139,8 +139,8 @@ int RunInspect(const std::string& path, bool json) {
   return 0;
 }
 
-int RunVerify(const std::string& path) {
-  Result<VerifyReport> report = Verify(path);
+int RunVerify(const std::string& path, int threads) {
+  Result<VerifyReport> report = Verify(path, VerifyOptions{.num_threads = threads});
   if (!report.ok()) return Fail(report.status());
   std::printf(
       "verified %s: %llu chunks, %s in %d files; checksums match, every tensor covered "
@@ -163,7 +163,10 @@ void AddInspectCommands(CLI::App& app, int* exit_code) {
   CLI::App* verify = app.add_subcommand(
       "verify", "Re-read every chunk, check checksums and that chunks cover each tensor exactly");
   verify->add_option("PATH", *verify_path, "checkpoint directory")->required();
-  verify->callback([=] { *exit_code = RunVerify(*verify_path); });
+  auto verify_threads = std::make_shared<int>(VerifyOptions().num_threads);
+  verify->add_option("--threads", *verify_threads, "data files checked at once")
+      ->capture_default_str();
+  verify->callback([=] { *exit_code = RunVerify(*verify_path, *verify_threads); });
 }
 
 }  // namespace tessera::tools

@@ -133,8 +133,17 @@ struct VerifyReport {
   int files_checked = 0;
 };
 
+struct VerifyOptions {
+  // Data files checked at once, each by one thread, each read sequentially.
+  int num_threads = 2;
+  // Where the files are; null means local files (NewPosixStorage()).
+  std::shared_ptr<Storage> storage = nullptr;
+};
+
 // Re-reads every chunk and object, checks checksums, file sizes, and that every tensor's
-// chunks cover it exactly. The first problem found is returned, naming key, chunk and file.
+// chunks cover it exactly. The first problem found is returned, naming key, chunk and file
+// (with several threads: the problem of the first file, in manifest order, that has one).
+Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& options);
 Result<VerifyReport> Verify(const std::string& path, std::shared_ptr<Storage> storage = nullptr);
 
 }  // namespace tessera

@@ -417,6 +417,51 @@ TEST(MappedReadTest, PartialChunkChecksAndVerifyAgreeWithAndWithoutMapping) {
   }
 }
 
+// Verify checks files on several threads; what it reports does not depend on how many: the
+// same totals, and with two corrupt files the error of the first one in manifest order.
+TEST(VerifyTest, ThreadsChangeNeitherTheReportNorWhichErrorIsReturned) {
+  TempDir dir;
+  const std::string path = dir.Sub("ck");
+  std::vector<Owned> owned;
+  StateDict state;
+  for (int i = 0; i < 6; ++i) {
+    owned.push_back(MakeWhole("t" + std::to_string(i), DType::kF32, {64, 64}, 100 + i));
+  }
+  for (Owned& o : owned) ASSERT_OK(state.Add(o.tensor));
+  SaveOptions so;
+  so.num_io_threads = 4;  // 4 data files
+  ASSERT_OK(Save(state, path, so));
+  ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path));
+  ASSERT_EQ(m.files.size(), 4u);
+  ASSERT_OK_AND_ASSIGN(VerifyReport one, Verify(path, VerifyOptions{.num_threads = 1}));
+  ASSERT_OK_AND_ASSIGN(VerifyReport four, Verify(path, VerifyOptions{.num_threads = 4}));
+  EXPECT_EQ(one.files_checked, 4);
+  EXPECT_EQ(four.files_checked, 4);
+  EXPECT_EQ(four.chunks_checked, one.chunks_checked);
+  EXPECT_EQ(four.bytes_checked, one.bytes_checked);
+  EXPECT_EQ(one.bytes_checked, 6u * 64 * 64 * 4);
+
+  // Flip a byte of the first chunk of files 1 and 3.
+  for (uint32_t f : {3u, 1u}) {
+    for (const TensorInfo& t : m.tensors) {
+      if (t.chunks[0].location.file_index != f) continue;
+      std::fstream out(path + "/" + m.files[f].name,
+                       std::ios::in | std::ios::out | std::ios::binary);
+      out.seekp(t.chunks[0].location.offset + 7);
+      out.put('\x55');
+      break;
+    }
+  }
+  for (int threads : {1, 2, 4, 8}) {
+    const Status s = Verify(path, VerifyOptions{.num_threads = threads}).status();
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << threads << ": " << s.ToString();
+    EXPECT_THAT(s.message(), HasSubstr(m.files[1].name)) << threads;
+  }
+  const Status bad = Verify(path, VerifyOptions{.num_threads = 0}).status();
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), HasSubstr("num_threads"));
+}
+
 TEST_F(CorruptionTest, TruncatedAndMissingDataFiles) {
   std::filesystem::resize_file(data_file_, offset_ + 1000);
   for (Status s : {LoadIt(), Verify(path_).status()}) {
