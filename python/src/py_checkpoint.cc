@@ -269,10 +269,14 @@ void RegisterCheckpoint(py::module_& m) {
       "Reads and checks the manifest of the checkpoint at `path`: its keys, dtypes, shapes,\n"
       "chunks, files and user metadata.");
   m.def(
-      "verify", [](const std::string& path) { return WithoutGil([&] { return Verify(path); }); },
-      py::arg("path"),
+      "verify",
+      [](const std::string& path, int num_threads) {
+        return WithoutGil([&] { return Verify(path, VerifyOptions{.num_threads = num_threads}); });
+      },
+      py::arg("path"), py::arg("num_threads") = VerifyOptions().num_threads,
       "Re-reads every chunk and object of the checkpoint at `path` and checks checksums, file\n"
-      "sizes and exact coverage; raises the first problem found.");
+      "sizes and exact coverage, `num_threads` data files at once; raises the first problem\n"
+      "found (that of the first file, in manifest order, that has one).");
 }
 
 }  // namespace tessera::python

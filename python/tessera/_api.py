@@ -200,11 +200,12 @@ def read_metadata(path):
     return _tessera.read_metadata(os.fspath(path))
 
 
-def verify(path):
+def verify(path, num_threads=2):
     """Re-reads every chunk and object of the checkpoint at `path`: checksums, file sizes,
-    exact coverage. Returns a VerifyReport or raises the first problem found (usually a
-    CorruptCheckpointError)."""
-    return _tessera.verify(os.fspath(path))
+    exact coverage, `num_threads` data files at once. Returns a VerifyReport or raises the
+    first problem found (usually a CorruptCheckpointError; an InvalidArgumentError for
+    num_threads < 1)."""
+    return _tessera.verify(os.fspath(path), num_threads)
 
 
 # ---- asynchronous saves ------------------------------------------------------------------

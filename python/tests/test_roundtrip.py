@@ -260,3 +260,6 @@ def test_options_reach_the_library(ckpt):
     report = tessera.load(target, ckpt, verify_checksums=False, num_io_threads=3)
     assert report.bytes_read == report.bytes_needed == 4 * (1 << 16) + 80
     assert tessera.verify(ckpt).files_checked == 1
+    assert tessera.verify(ckpt, num_threads=4).files_checked == 1
+    with pytest.raises(tessera.InvalidArgumentError, match="num_threads must be at least 1"):
+        tessera.verify(ckpt, num_threads=0)
