@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstring>
-#include <optional>
 #include <thread>
 
 #include "format/checksum.h"
@@ -22,9 +21,9 @@ constexpr uint64_t kReadPiece = 8u << 20;
 // (LoadOptions::verify_partial_chunks) is hashed where it lies in a mapping of the file
 // (ReadableFile::Map) when the storage offers one, and only the needed parts are copied. One
 // window at a time: the window bounds the file pages a thread keeps mapped (and counted in its
-// RSS). Chunks shorter than kMinMappedRead use ReadAt, whose one system call costs less than
-// mapping and unmapping.
+// RSS).
 constexpr uint64_t kMapWindow = 4u << 20;
+// Shorter ranges use ReadAt, whose one system call costs less than mapping and unmapping.
 constexpr uint64_t kMinMappedRead = 1u << 20;
 
 std::string Hex(uint64_t v) {
@@ -39,16 +38,14 @@ std::string DescribeChunk(const Metadata& metadata, uint32_t tensor, uint32_t ch
          t.chunks[chunk].box.ToString();
 }
 
-// Maps `n` bytes at `offset` of `file` when it is worth it and the storage can; an empty
-// result means "use ReadAt" (every error of Map does, see ReadableFile::Map).
+}  // namespace
+
 std::optional<FileMapping> MapIfWorthIt(const ReadableFile& file, uint64_t offset, uint64_t n) {
   if (n < kMinMappedRead) return std::nullopt;
   Result<FileMapping> mapping = file.Map(offset, static_cast<size_t>(n));
   if (!mapping.ok()) return std::nullopt;
   return std::move(*mapping);
 }
-
-}  // namespace
 
 Result<Bytes> ReadManifestBytes(Storage& storage, const std::string& dir) {
   TESSERA_ASSIGN_OR_RETURN(FileType dir_type, storage.Stat(dir));

@@ -23,22 +23,18 @@ Result<Metadata> ReadMetadata(const std::string& path, std::shared_ptr<Storage> 
 namespace {
 
 // Bytes read (or mapped) and checksummed per call: bounded memory whatever the chunk size.
+// Long pieces are hashed where they lie in a mapping of the file when the storage maps
+// (MapIfWorthIt): no copy at all.
 constexpr size_t kVerifyPiece = 16u << 20;
-// Pieces at least this long are hashed where they lie in a mapping of the file, when the
-// storage offers one (ReadableFile::Map): no copy at all.
-constexpr size_t kMinMappedPiece = 1u << 20;
 
 Status CheckBytes(const ReadableFile& file, const ByteLocation& where, const std::string& what,
                   std::vector<uint8_t>& buffer, VerifyReport& report) {
   ChecksumStream checksum;
   for (uint64_t done = 0; done < where.length;) {
     size_t n = static_cast<size_t>(std::min<uint64_t>(kVerifyPiece, where.length - done));
-    Result<FileMapping> mapping = n >= kMinMappedPiece
-                                      ? file.Map(where.offset + done, n)
-                                      : Result<FileMapping>(Unimplemented("small piece"));
-    if (mapping.ok()) {
+    if (std::optional<FileMapping> mapping = MapIfWorthIt(file, where.offset + done, n)) {
       checksum.Update(mapping->bytes().data(), n);
-    } else {  // every error of Map means "use ReadAt", which reports what is really wrong
+    } else {
       buffer.resize(n);
       TESSERA_RETURN_IF_ERROR_CTX(file.ReadAt(where.offset + done, buffer.data(), n),
                                   "reading " + what);
