@@ -82,9 +82,8 @@ struct LoadOptions {
   // resharded load needs only part cannot be checked without reading all of it; `tessera
   // verify` checks everything). Default true; costs one pass over the bytes at ~10 GB/s.
   bool verify_checksums = true;
-  // Also check the chunks this rank needs only part of, by hashing each of them whole (where
-  // it lies in a mapping of the file when the storage maps, ReadableFile::Map; else through a
-  // 256 KiB buffer per I/O thread) and copying out the parts it needs.
+  // Also check the chunks this rank needs only part of, by reading each of them whole (in
+  // pieces, through a 256 KiB buffer per I/O thread) and copying out the parts it needs.
   // Default false: a resharded load then reads more than the bytes it needs (up to whole
   // chunks), in exchange for every byte it loads being checked.
   bool verify_partial_chunks = false;

@@ -13,18 +13,10 @@ namespace {
 
 // Bytes per read call. A run that is checksummed is read in pieces small enough to stay in the
 // CPU's cache between the kernel's copy and the hash (bench/checksum_bench.cc: the hash then
-// adds ~20-30% to the copy, against ~100% when it reads the bytes back from memory); others in
+// adds ~20% to the copy, against ~100% when it reads the bytes back from memory); others in
 // large pieces.
 constexpr uint64_t kCheckedReadPiece = 256u << 10;
 constexpr uint64_t kReadPiece = 8u << 20;
-// A chunk that is checked whole although only parts of it are needed
-// (LoadOptions::verify_partial_chunks) is hashed where it lies in a mapping of the file
-// (ReadableFile::Map) when the storage offers one, and only the needed parts are copied. One
-// window at a time: the window bounds the file pages a thread keeps mapped (and counted in its
-// RSS).
-constexpr uint64_t kMapWindow = 4u << 20;
-// Shorter ranges use ReadAt, whose one system call costs less than mapping and unmapping.
-constexpr uint64_t kMinMappedRead = 1u << 20;
 
 std::string Hex(uint64_t v) {
   char buf[19];
@@ -39,13 +31,6 @@ std::string DescribeChunk(const Metadata& metadata, uint32_t tensor, uint32_t ch
 }
 
 }  // namespace
-
-std::optional<FileMapping> MapIfWorthIt(const ReadableFile& file, uint64_t offset, uint64_t n) {
-  if (n < kMinMappedRead) return std::nullopt;
-  Result<FileMapping> mapping = file.Map(offset, static_cast<size_t>(n));
-  if (!mapping.ok()) return std::nullopt;
-  return std::move(*mapping);
-}
 
 Result<Bytes> ReadManifestBytes(Storage& storage, const std::string& dir) {
   TESSERA_ASSIGN_OR_RETURN(FileType dir_type, storage.Stat(dir));
@@ -97,6 +82,8 @@ namespace {
 // Reads, with options.num_io_threads threads, every chunk that `runs` (sorted by file and
 // offset, none of them covering its chunk whole) touch, whole and in pieces through one small
 // buffer per thread: checks each chunk's checksum and copies out the parts the runs need.
+// Hashing the chunks where they lie in a mapping of the file, copying only the needed parts,
+// measured slower (tessera_bench_io_patterns: partial_chunk_load_mapped).
 Status ReadPartialChunksChecked(const std::vector<std::unique_ptr<ReadableFile>>& files,
                                 const std::string& dir, const Metadata& metadata,
                                 const std::vector<ReadRun>& runs, const LoadOptions& options,
@@ -133,39 +120,23 @@ Status ReadPartialChunksChecked(const std::vector<std::unique_ptr<ReadableFile>>
       const ReadableFile& file = *files[first.file_index];
       ChecksumStream checksum;
       size_t next = begin;  // first run not yet wholly before the current piece
-      // Through a mapping when there is one: hashed where it lies, only the needed parts copied.
-      std::optional<FileMapping> mapping;
-      uint64_t window_begin = 0, window_end = 0;  // of `mapping`, relative to where.offset
-      for (uint64_t done = 0; done < where.length;) {
-        if (done == window_end) {
-          window_begin = done;
-          window_end = done + std::min(kMapWindow, where.length - done);
-          mapping.reset();  // unmap the previous window first
-          mapping = MapIfWorthIt(file, where.offset + window_begin, window_end - window_begin);
-          if (mapping) ++calls[slice];
-        }
-        const uint64_t n = std::min<uint64_t>(kCheckedReadPiece, window_end - done);
+      for (uint64_t done = 0; done < where.length; ++calls[slice]) {
+        const uint64_t n = std::min<uint64_t>(kCheckedReadPiece, where.length - done);
         const uint64_t piece_begin = where.offset + done, piece_end = piece_begin + n;
-        const std::byte* piece = buffer.data();
-        if (mapping) {
-          piece = mapping->bytes().data() + (done - window_begin);
-        } else {
-          Status s = file.ReadAt(piece_begin, buffer.data(), n);
-          ++calls[slice];
-          if (!s.ok()) {
-            statuses[slice] =
-                s.WithContext("reading " + DescribeChunk(metadata, first.tensor, first.chunk));
-            return;
-          }
+        Status s = file.ReadAt(piece_begin, buffer.data(), n);
+        if (!s.ok()) {
+          statuses[slice] =
+              s.WithContext("reading " + DescribeChunk(metadata, first.tensor, first.chunk));
+          return;
         }
-        checksum.Update(piece, n);
+        checksum.Update(buffer.data(), n);
         for (size_t r = next; r < end && runs[r].file_offset < piece_end; ++r) {
           const ReadRun& run = runs[r];
           const uint64_t from = std::max(run.file_offset, piece_begin);
           const uint64_t to = std::min(run.file_offset + run.length, piece_end);
           if (from < to) {
-            std::memcpy(run.destination + (from - run.file_offset), piece + (from - piece_begin),
-                        to - from);
+            std::memcpy(run.destination + (from - run.file_offset),
+                        buffer.data() + (from - piece_begin), to - from);
           }
           if (run.file_offset + run.length <= piece_end) next = r + 1;
         }
@@ -248,9 +219,8 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
       if (check && run.chunk_first) checksum.Reset();
       // In pieces, each checksummed right after it is read, while it is in cache. Through
       // pread, not a mapping (ReadableFile::Map): copying out of a mapping and hashing the copy
-      // measured slower in `tessera bench io` (load 0.118-0.151 s against 0.115-0.133 s,
-      // docs/PERFORMANCE.md), though faster in a micro-benchmark on files written in large
-      // pieces.
+      // measured no faster (build/tessera_bench_io_patterns, page_cache_read_seconds) and
+      // slower in `tessera bench io`.
       const uint64_t piece = check ? kCheckedReadPiece : kReadPiece;
       for (uint64_t done = 0; done < run.length; ++calls[slice]) {
         const size_t n = static_cast<size_t>(std::min<uint64_t>(piece, run.length - done));

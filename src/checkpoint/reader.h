@@ -2,7 +2,6 @@
 #ifndef TESSERA_CHECKPOINT_READER_H_
 #define TESSERA_CHECKPOINT_READER_H_
 
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,11 +25,6 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
 Status ReadObject(Storage& storage, const std::string& dir, const Metadata& metadata,
                   const ObjectInfo& object, const LoadOptions& options, std::vector<uint8_t>& out,
                   LoadReport& report);
-
-// Maps `n` bytes at `offset` of `file` (ReadableFile::Map) when the range is long enough for a
-// mapping to pay (1 MiB) and the storage maps; nullopt means "use ReadAt" (every error of Map
-// does).
-std::optional<FileMapping> MapIfWorthIt(const ReadableFile& file, uint64_t offset, uint64_t n);
 
 // Opens a data file of the manifest, checking that it exists and has the recorded size.
 // `needed_by` names what needs it, for the error message.

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cinttypes>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "checkpoint/reader.h"
@@ -23,9 +24,21 @@ Result<Metadata> ReadMetadata(const std::string& path, std::shared_ptr<Storage> 
 namespace {
 
 // Bytes read (or mapped) and checksummed per call: bounded memory whatever the chunk size.
-// Long pieces are hashed where they lie in a mapping of the file when the storage maps
-// (MapIfWorthIt): no copy at all.
 constexpr size_t kVerifyPiece = 16u << 20;
+// Pieces at least this long are hashed where they lie in a mapping of the file when the
+// storage maps (ReadableFile::Map): no copy at all (tessera_bench_io_patterns: verify_mapped
+// 0.14-0.17 s against verify_pread 0.21 s for 1 GiB). Shorter ones use ReadAt, whose one
+// system call costs less than mapping and unmapping.
+constexpr size_t kMinMappedPiece = 1u << 20;
+
+// A mapping of `n` bytes at `offset` when worth it and the storage maps; nullopt means "use
+// ReadAt" (every error of Map does: ReadAt then reports what is really wrong).
+std::optional<FileMapping> MapIfWorthIt(const ReadableFile& file, uint64_t offset, size_t n) {
+  if (n < kMinMappedPiece) return std::nullopt;
+  Result<FileMapping> mapping = file.Map(offset, n);
+  if (!mapping.ok()) return std::nullopt;
+  return std::move(*mapping);
+}
 
 Status CheckBytes(const ReadableFile& file, const ByteLocation& where, const std::string& what,
                   std::vector<uint8_t>& buffer, VerifyReport& report) {
