@@ -84,10 +84,10 @@ class ReadableFile {
   // kDataLoss error naming the path, the range and the file size (a truncated file).
   virtual Status ReadAt(uint64_t offset, void* dst, size_t n) const = 0;
   // Optional: shows the `n` bytes at `offset` in memory, read-only, without copying them, so
-  // that a caller can checksum them where they lie (Verify does). The default,
-  // and any implementation that cannot, returns kUnimplemented; a caller treats every error of
-  // Map as "use ReadAt" (which then reports what is really wrong). A range past the end of the
-  // file is the same kDataLoss error as ReadAt's.
+  // that a caller can checksum them where they lie (Verify does). The default, and any
+  // implementation that cannot, returns kUnimplemented; a caller treats every error of Map as
+  // "use ReadAt" (which then reports what is really wrong). A range past the end of the file
+  // is the same kDataLoss error as ReadAt's.
   // Contract: the file must not shrink while a mapping of it exists. On POSIX, touching a
   // mapped page past a new end of file raises SIGBUS; Map refuses a range past the file's
   // current end, but cannot stop another process from truncating later. tessera never
