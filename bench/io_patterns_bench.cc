@@ -232,58 +232,30 @@ int main(int argc, char** argv) {
   };
   std::printf("{\n  \"threads\": %d,\n  \"bytes\": %zu,\n  \"rounds\": %d,\n", kThreads,
               kThreads * n, o.rounds);
+  // One timed variant: every thread writes its file with `pieces` or `synced`.
+  auto piecewise = [&](size_t piece, HashAt hash) {
+    return [&, piece, hash] {
+      return b.TimeWrite(0, [&](int fd, char* m) { pieces(fd, m, piece, hash); });
+    };
+  };
+  auto durable = [&](int flags, size_t piece, bool streamed, bool wait_before) {
+    return [&, flags, piece, streamed, wait_before] {
+      return b.TimeWrite(flags,
+                         [&](int fd, char* m) { synced(fd, m, piece, streamed, wait_before); });
+    };
+  };
   Print("page_cache_write_seconds",
-        RunAll(o.rounds,
-               {{"plain_64MiB_pwrites",
-                 [&] {
-                   return b.TimeWrite(
-                       0, [&](int fd, char* m) { pieces(fd, m, kRawPiece, HashAt::kNone); });
-                 }},
-                {"256KiB_pwrites",
-                 [&] {
-                   return b.TimeWrite(
-                       0, [&](int fd, char* m) { pieces(fd, m, kPiece, HashAt::kNone); });
-                 }},
-                {"256KiB_hash_before_write",
-                 [&] {
-                   return b.TimeWrite(
-                       0, [&](int fd, char* m) { pieces(fd, m, kPiece, HashAt::kBefore); });
-                 }},
-                {"256KiB_hash_after_write",
-                 [&] {
-                   return b.TimeWrite(
-                       0, [&](int fd, char* m) { pieces(fd, m, kPiece, HashAt::kAfter); });
-                 }},
-                {"2MiB_hash_after_write",
-                 [&] {
-                   return b.TimeWrite(
-                       0, [&](int fd, char* m) { pieces(fd, m, 2u << 20, HashAt::kAfter); });
-                 }}}),
+        RunAll(o.rounds, {{"plain_64MiB_pwrites", piecewise(kRawPiece, HashAt::kNone)},
+                          {"256KiB_pwrites", piecewise(kPiece, HashAt::kNone)},
+                          {"256KiB_hash_before_write", piecewise(kPiece, HashAt::kBefore)},
+                          {"256KiB_hash_after_write", piecewise(kPiece, HashAt::kAfter)},
+                          {"2MiB_hash_after_write", piecewise(2u << 20, HashAt::kAfter)}}),
         false);
   Print("synced_write_seconds",
-        RunAll(o.rounds, {{"plain_64MiB_then_fdatasync",
-                           [&] {
-                             return b.TimeWrite(0, [&](int fd, char* m) {
-                               synced(fd, m, kRawPiece, false, false);
-                             });
-                           }},
-                          {"8MiB_sync_file_range_each",
-                           [&] {
-                             return b.TimeWrite(0, [&](int fd, char* m) {
-                               synced(fd, m, kStreamed, true, false);
-                             });
-                           }},
-                          {"8MiB_sync_file_range_wait_before",
-                           [&] {
-                             return b.TimeWrite(
-                                 0, [&](int fd, char* m) { synced(fd, m, kStreamed, true, true); });
-                           }},
-                          {"8MiB_o_direct",
-                           [&] {
-                             return b.TimeWrite(O_DIRECT, [&](int fd, char* m) {
-                               synced(fd, m, kStreamed, false, false);
-                             });
-                           }}}),
+        RunAll(o.rounds, {{"plain_64MiB_then_fdatasync", durable(0, kRawPiece, false, false)},
+                          {"8MiB_sync_file_range_each", durable(0, kStreamed, true, false)},
+                          {"8MiB_sync_file_range_wait_before", durable(0, kStreamed, true, true)},
+                          {"8MiB_o_direct", durable(O_DIRECT, kStreamed, false, false)}}),
         false);
 
   b.PrepareReadFiles();
