@@ -10,6 +10,7 @@
 #define TESSERA_CHECKPOINT_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -47,6 +48,15 @@ struct SaveOptions {
   // all-reduce instead of gathering, validating and scattering plans. Default true. The cache
   // lives with the Comm.
   bool plan_cache = true;
+  // Key prefixes whose chunks and objects go into data files of their own (Megatron-Core's
+  // separation_hint), e.g. {"optimizer."}: removing such a prefix later (RemoveKeys) deletes
+  // whole files instead of rewriting them. Recorded in the manifest. Default none. Costs up to
+  // num_io_threads more files per prefix and rank.
+  std::vector<std::string> separate_prefixes;
+  // Called on each rank with the bytes it has written so far and the bytes it writes in all,
+  // from one thread (the calling one), every 100 ms while data files are written and once at
+  // the end. Default none.
+  std::function<void(uint64_t done, uint64_t total)> progress;
   // Where files go. Default null: the local file system (NewPosixStorage()).
   std::shared_ptr<Storage> storage;
 };

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "tessera/box.h"
+#include "tessera/metadata.h"
 #include "tessera/status.h"
 #include "tessera/tensor_view.h"
 
@@ -68,6 +69,10 @@ struct ShardedObject {
   std::string key;
   std::vector<uint8_t> data;  // on load, replaced by the stored bytes
   ReplicaId replica_id;       // empty means main replica
+  // What the bytes are: recorded in the manifest, so a reader (Python) knows how to give them
+  // back, and used when writing another format (a torch.save archive for PyTorch DCP). On
+  // load, set to the stored encoding. Default kBytes.
+  ObjectEncoding encoding = ObjectEncoding::kBytes;
 
   friend bool operator==(const ShardedObject&, const ShardedObject&) = default;
 };

@@ -316,7 +316,11 @@ TEST_F(CorruptionTest, FlippedByteIsACheckumMismatchNamingKeyChunkAndFile) {
   }
 }
 
-TEST(PartialChunkVerificationTest, CatchesCorruptionOutsideTheNeededPartOnlyWhenAsked) {
+// A load that needs part of a chunk checks the checksum blocks it touches, reading each whole:
+// a corrupt byte it does not need, in a block it needs, is caught. A checkpoint of format
+// version 1 has one checksum per chunk: its parts are checked only with verify_partial_chunks,
+// by reading the chunk whole.
+TEST(PartialChunkVerificationTest, CatchesCorruptionInTheBlocksALoadTouches) {
   TempDir dir;
   const std::string path = dir.Sub("ck");
   std::vector<int32_t> full(8 * 16);
@@ -324,7 +328,7 @@ TEST(PartialChunkVerificationTest, CatchesCorruptionOutsideTheNeededPartOnlyWhen
   StateDict state;
   ASSERT_OK(state.Add(ShardedTensor::Whole("m", TensorView(full.data(), DType::kI32, {8, 16}))));
   ASSERT_OK(Save(state, path));
-  // Columns 2..5 of every row: a part of the one chunk, in 8 runs.
+  // Columns 2..5 of every row: a part of the one chunk (one block), in 8 runs.
   auto load_part = [&](bool verify_partial) -> Result<std::vector<int32_t>> {
     std::vector<int32_t> out(8 * 4, -1);
     StateDict part;
@@ -333,7 +337,7 @@ TEST(PartialChunkVerificationTest, CatchesCorruptionOutsideTheNeededPartOnlyWhen
     LoadOptions o;
     o.verify_partial_chunks = verify_partial;
     TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(part, path, o));
-    if (verify_partial && report.bytes_read != full.size() * 4) {
+    if (report.bytes_read != full.size() * 4) {
       return Internal("expected the whole chunk read, got " + std::to_string(report.bytes_read));
     }
     return out;
@@ -352,17 +356,33 @@ TEST(PartialChunkVerificationTest, CatchesCorruptionOutsideTheNeededPartOnlyWhen
     f.seekp(at);
     f.put('\x7f');
   }
-  EXPECT_OK(load_part(false));  // not read, not noticed
-  Result<std::vector<int32_t>> checked = load_part(true);
-  ASSERT_FALSE(checked.ok());
-  EXPECT_EQ(checked.status().code(), StatusCode::kDataLoss);
-  EXPECT_THAT(checked.status().message(), HasSubstr("checksum mismatch in key 'm' chunk 0"));
+  for (bool verify_partial : {false, true}) {
+    Result<std::vector<int32_t>> checked = load_part(verify_partial);
+    ASSERT_FALSE(checked.ok());
+    EXPECT_EQ(checked.status().code(), StatusCode::kDataLoss);
+    EXPECT_THAT(checked.status().message(), HasSubstr("checksum mismatch in key 'm' chunk 0"));
+  }
+  // The same checkpoint under a version 1 manifest (whose one checksum covers the chunk).
+  {
+    std::ofstream out(path + "/tessera.manifest", std::ios::binary | std::ios::trunc);
+    const Bytes v1 = EncodeManifestVersion1(m);
+    out.write(reinterpret_cast<const char*>(v1.data()), v1.size());
+  }
+  LoadOptions unchecked;
+  std::vector<int32_t> out(8 * 4, -1);
+  StateDict part;
+  ASSERT_OK(part.Add(
+      ShardedTensor::Shard("m", TensorView(out.data(), DType::kI32, {8, 4}), {8, 16}, {0, 2})));
+  ASSERT_OK_AND_ASSIGN(LoadReport report, Load(part, path, unchecked));
+  EXPECT_EQ(report.bytes_read, 8u * 4 * 4);  // only what it needs, not checked
+  unchecked.verify_partial_chunks = true;
+  EXPECT_EQ(Load(part, path, unchecked).status().code(), StatusCode::kDataLoss);
 }
 
 // Verify hashes chunks where they lie in mapped pieces of the file when the storage maps
 // (PosixStorageOptions::map_reads, on by default), else reads them through a buffer. Both give
-// the same verdicts on a chunk of several MiB, and so does a partial load that checks the
-// chunk whole (verify_partial_chunks), also for a byte outside the part it loads.
+// the same verdicts on a chunk of several MiB, and so does a partial load, which checks the
+// checksum blocks it touches and only those.
 TEST(MappedReadTest, VerifyAndPartialChunkChecksAgreeWithAndWithoutMapping) {
   TempDir dir;
   const std::string path = dir.Sub("ck");
@@ -374,7 +394,6 @@ TEST(MappedReadTest, VerifyAndPartialChunkChecksAgreeWithAndWithoutMapping) {
   const Box lower_half({1300, 0}, {1300, 1003});
   const auto posix = [](bool map_reads) { return NewPosixStorage({.map_reads = map_reads}); };
   LoadOptions checked;
-  checked.verify_partial_chunks = true;
   const std::vector<uint8_t> want(big.bytes.begin() + big.bytes.size() / 2, big.bytes.end());
   for (bool map_reads : {true, false}) {
     checked.storage = posix(map_reads);
@@ -384,16 +403,33 @@ TEST(MappedReadTest, VerifyAndPartialChunkChecksAgreeWithAndWithoutMapping) {
     ASSERT_OK_AND_ASSIGN(VerifyReport report, Verify(path, posix(map_reads)));
     EXPECT_EQ(report.bytes_checked, big.bytes.size());
   }
-
-  // One flipped byte in the upper half, which the partial load does not need but must check.
-  const uint64_t flipped = (4u << 20) - 5;
-  ASSERT_LT(flipped, big.bytes.size() / 2);
   ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path));
-  {
+  ASSERT_EQ(m.checksum_block_bytes, kChecksumBlockBytes);
+  auto flip = [&](uint64_t byte) {
     std::fstream f(path + "/" + m.files[0].name, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(m.tensors[0].chunks[0].location.offset + flipped);
-    f.put(static_cast<char>(big.bytes[flipped] ^ 0x40));
+    f.seekp(m.tensors[0].chunks[0].location.offset + byte);
+    f.put(static_cast<char>(big.bytes[byte] ^ 0x40));
+  };
+  // A flipped byte in the upper half, in a block the partial load does not touch: only Verify
+  // sees it.
+  const uint64_t half = big.bytes.size() / 2;
+  const uint64_t far = (4u << 20) - 5;
+  ASSERT_LT(far / kChecksumBlockBytes, half / kChecksumBlockBytes);
+  flip(far);
+  for (bool map_reads : {true, false}) {
+    SCOPED_TRACE("map_reads " + std::to_string(map_reads));
+    checked.storage = posix(map_reads);
+    EXPECT_OK(LoadBox(path, checked, "big", DType::kF32, shape, lower_half).status());
+    const Status s = Verify(path, posix(map_reads)).status();
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+    EXPECT_THAT(s.message(), HasSubstr("checksum mismatch in key 'big' chunk 0"));
   }
+  // A flipped byte just before the lower half, in the block where it starts: the partial load
+  // does not need it, reads its block whole and sees it.
+  flip(far);  // restores it
+  const uint64_t near = half - 5;
+  ASSERT_EQ(near / kChecksumBlockBytes, half / kChecksumBlockBytes);
+  flip(near);
   for (bool map_reads : {true, false}) {
     SCOPED_TRACE("map_reads " + std::to_string(map_reads));
     checked.storage = posix(map_reads);
@@ -671,8 +707,9 @@ TEST(CrashConsistencyTest, SyncedSaveStartsWritebackAndItsFailureKeepsTheOldChec
   o.sync = SyncPolicy::kFull;
   ASSERT_OK(Save(state, "/ck3", o));
   // kFull adds: 2 writebacks, the data file's Sync, the manifest's Sync, SyncDir of the parent
-  // of the new directory and two SyncDir of the directory.
-  EXPECT_EQ(counting->operation_count() - unsynced_ops, 2 + 1 + 1 + 1 + 2);
+  // of the new directory and two SyncDir of the directory; for the in-progress marker its Sync
+  // and a SyncDir.
+  EXPECT_EQ(counting->operation_count() - unsynced_ops, 2 + 1 + 1 + 1 + 2 + 2);
 }
 
 TEST(CrashConsistencyTest, CrashDuringAFirstSaveLeavesNoCheckpoint) {

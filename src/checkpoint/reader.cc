@@ -79,86 +79,163 @@ Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage& storage, const std::
 
 namespace {
 
-// Reads, with options.num_io_threads threads, every chunk that `runs` (sorted by file and
-// offset, none of them covering its chunk whole) touch, whole and in pieces through one small
-// buffer per thread: checks each chunk's checksum and copies out the parts the runs need.
-// Hashing the chunks where they lie in a mapping of the file, copying only the needed parts,
-// measured slower (tessera_bench_io_patterns: partial_chunk_load_mapped).
-Status ReadPartialChunksChecked(const std::vector<std::unique_ptr<ReadableFile>>& files,
-                                const std::string& dir, const Metadata& metadata,
-                                const std::vector<ReadRun>& runs, const LoadOptions& options,
-                                LoadReport& report) {
-  // Groups of consecutive runs of one chunk (CoalesceRuns never merges across chunks).
-  std::vector<std::pair<size_t, size_t>> groups;  // [begin, end) into runs
-  uint64_t total = 0;
-  for (size_t i = 0; i < runs.size(); ++i) {
-    if (i == 0 || runs[i].tensor != runs[i - 1].tensor || runs[i].chunk != runs[i - 1].chunk) {
-      groups.emplace_back(i, i);
-      total += metadata.tensors[runs[i].tensor].chunks[runs[i].chunk].location.length;
+// A piece of a run that lies inside one checksum unit.
+struct Segment {
+  uint64_t file_offset = 0;
+  uint64_t length = 0;
+  std::byte* destination = nullptr;
+};
+
+// One read task: a checksum unit (a block of a chunk, or a whole chunk) and the segments of it
+// the load needs, or, without verification, one run.
+struct UnitRead {
+  uint32_t file_index = 0;
+  uint64_t offset = 0;  // of the unit in the file
+  uint64_t length = 0;
+  uint64_t checksum = 0;
+  bool check = false;   // compare the unit's checksum
+  bool direct = false;  // the segments are the whole unit: read them straight into place
+  uint32_t tensor = 0;  // for error messages
+  uint32_t chunk = 0;
+  uint32_t segments_begin = 0;  // into the segment array
+  uint32_t segments_end = 0;
+};
+
+// The checksum units of a chunk: blocks of `block` bytes (the last one shorter), or the whole
+// chunk when it has no block checksums.
+struct ChunkUnits {
+  const ByteLocation* location;
+  const std::vector<uint64_t>* blocks;
+  uint64_t block;
+  uint64_t UnitOf(uint64_t file_offset) const {
+    return blocks->empty() ? 0 : (file_offset - location->offset) / block;
+  }
+  uint64_t Begin(uint64_t unit) const { return location->offset + unit * block; }
+  uint64_t Length(uint64_t unit) const {
+    if (blocks->empty()) return location->length;
+    return std::min(block, location->length - unit * block);
+  }
+  uint64_t Checksum(uint64_t unit) const {
+    return unit == 0 ? location->checksum : (*blocks)[unit - 1];
+  }
+};
+
+// Turns runs (sorted by file and offset) into unit reads. A unit the runs cover whole is read
+// straight into place; a unit they cover in part is read whole through a buffer when it can be
+// checked (a block of a chunk, or a whole chunk with verify_partial_chunks), else its segments
+// are read unchecked.
+void PlanUnitReads(const Metadata& metadata, const std::vector<ReadRun>& runs,
+                   const LoadOptions& options, std::vector<UnitRead>& units,
+                   std::vector<Segment>& segments) {
+  const bool verify = options.verify_checksums && metadata.checksum != ChecksumKind::kNone;
+  for (const ReadRun& run : runs) {
+    const ChunkInfo& chunk = metadata.tensors[run.tensor].chunks[run.chunk];
+    const ChunkUnits chunk_units{&chunk.location, &chunk.block_checksums,
+                                 metadata.checksum_block_bytes};
+    for (uint64_t done = 0; done < run.length || run.length == 0;) {
+      const uint64_t at = run.file_offset + done;
+      const uint64_t unit = verify ? chunk_units.UnitOf(at) : 0;
+      const uint64_t unit_end = verify ? chunk_units.Begin(unit) + chunk_units.Length(unit)
+                                       : run.file_offset + run.length;
+      const uint64_t n = std::min(run.length - done, unit_end - at);
+      UnitRead* last = units.empty() ? nullptr : &units.back();
+      const bool same_unit = verify && last && last->tensor == run.tensor &&
+                             last->chunk == run.chunk && last->offset == chunk_units.Begin(unit);
+      if (!same_unit) {
+        UnitRead read;
+        read.file_index = run.file_index;
+        read.tensor = run.tensor;
+        read.chunk = run.chunk;
+        read.check = verify;
+        read.offset = verify ? chunk_units.Begin(unit) : at;
+        read.length = verify ? chunk_units.Length(unit) : n;
+        read.checksum = verify ? chunk_units.Checksum(unit) : 0;
+        read.segments_begin = read.segments_end = static_cast<uint32_t>(segments.size());
+        units.push_back(read);
+        last = &units.back();
+      }
+      segments.push_back(Segment{at, n, run.destination + done});
+      last->segments_end = static_cast<uint32_t>(segments.size());
+      done += n;
+      if (run.length == 0) break;
     }
-    groups.back().second = i + 1;
   }
-  // Contiguous ranges of groups of about equal bytes, one per thread.
-  const size_t num_threads =
-      std::min<size_t>(static_cast<size_t>(options.num_io_threads), groups.size());
-  std::vector<size_t> bounds = {0};
-  uint64_t acc = 0;
-  for (size_t g = 0; g < groups.size() && bounds.size() < num_threads; ++g) {
-    const ReadRun& first = runs[groups[g].first];
-    acc += metadata.tensors[first.tensor].chunks[first.chunk].location.length;
-    if (acc * num_threads >= total * bounds.size()) bounds.push_back(g + 1);
+  for (UnitRead& unit : units) {
+    uint64_t covered = 0;
+    for (uint32_t s = unit.segments_begin; s < unit.segments_end; ++s)
+      covered += segments[s].length;
+    unit.direct = covered == unit.length;
+    const ChunkInfo& chunk = metadata.tensors[unit.tensor].chunks[unit.chunk];
+    // A part of a chunk that has one checksum for all of it is checked only on request, by
+    // reading all of it (checkpoints of format version 1, or with no block size).
+    const bool whole_chunk_unit = chunk.block_checksums.empty() && unit.length > 0 &&
+                                  unit.length == chunk.location.length &&
+                                  metadata.checksum_block_bytes < unit.length;
+    if (!unit.direct && whole_chunk_unit && !options.verify_partial_chunks) unit.check = false;
+    if (!unit.check && !unit.direct) unit.direct = true;  // read only what is needed, unchecked
   }
-  bounds.push_back(groups.size());
-  std::vector<Status> statuses(bounds.size() - 1);
-  std::vector<uint64_t> calls(bounds.size() - 1, 0);
-  auto work = [&](size_t slice) {
-    std::vector<std::byte> buffer(kCheckedReadPiece);
-    for (size_t g = bounds[slice]; g < bounds[slice + 1]; ++g) {
-      const auto [begin, end] = groups[g];
-      const ReadRun& first = runs[begin];
-      const ByteLocation& where = metadata.tensors[first.tensor].chunks[first.chunk].location;
-      const ReadableFile& file = *files[first.file_index];
-      ChecksumStream checksum;
-      size_t next = begin;  // first run not yet wholly before the current piece
-      for (uint64_t done = 0; done < where.length; ++calls[slice]) {
-        const uint64_t n = std::min<uint64_t>(kCheckedReadPiece, where.length - done);
-        const uint64_t piece_begin = where.offset + done, piece_end = piece_begin + n;
-        Status s = file.ReadAt(piece_begin, buffer.data(), n);
-        if (!s.ok()) {
-          statuses[slice] =
-              s.WithContext("reading " + DescribeChunk(metadata, first.tensor, first.chunk));
-          return;
-        }
-        checksum.Update(buffer.data(), n);
-        for (size_t r = next; r < end && runs[r].file_offset < piece_end; ++r) {
-          const ReadRun& run = runs[r];
-          const uint64_t from = std::max(run.file_offset, piece_begin);
-          const uint64_t to = std::min(run.file_offset + run.length, piece_end);
-          if (from < to) {
-            std::memcpy(run.destination + (from - run.file_offset),
-                        buffer.data() + (from - piece_begin), to - from);
-          }
-          if (run.file_offset + run.length <= piece_end) next = r + 1;
-        }
+}
+
+std::string ChecksumMismatch(const std::string& dir, const Metadata& metadata, const UnitRead& unit,
+                             uint64_t actual) {
+  const ChunkInfo& chunk = metadata.tensors[unit.tensor].chunks[unit.chunk];
+  std::string where = "checksum mismatch in " + DescribeChunk(metadata, unit.tensor, unit.chunk);
+  if (unit.length != chunk.location.length) {
+    where += " (block of " + std::to_string(unit.length) + " bytes at chunk byte " +
+             std::to_string(unit.offset - chunk.location.offset) + ")";
+  }
+  return where + " of file " + JoinPath(dir, metadata.files[unit.file_index].name) + " at offset " +
+         std::to_string(unit.offset) + ": expected " + Hex(unit.checksum) + ", got " + Hex(actual);
+}
+
+// Performs one unit read. `buffer` holds kCheckedReadPiece bytes.
+Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata& metadata,
+                const UnitRead& unit, const std::vector<Segment>& segments,
+                std::vector<std::byte>& buffer, uint64_t& bytes_read, uint64_t& calls) {
+  auto context = [&] { return "reading " + DescribeChunk(metadata, unit.tensor, unit.chunk); };
+  ChecksumStream checksum;
+  if (unit.direct) {
+    // In pieces, each checksummed right after it is read, while it is in cache. Through
+    // pread, not a mapping (ReadableFile::Map): copying out of a mapping and hashing the copy
+    // measured no faster (build/tessera_bench_io_patterns, page_cache_read_seconds) and
+    // slower in `tessera bench io`.
+    const uint64_t piece = unit.check ? kCheckedReadPiece : kReadPiece;
+    for (uint32_t s = unit.segments_begin; s < unit.segments_end; ++s) {
+      const Segment& seg = segments[s];
+      for (uint64_t done = 0; done < seg.length; ++calls) {
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(piece, seg.length - done));
+        TESSERA_RETURN_IF_ERROR_CTX(file.ReadAt(seg.file_offset + done, seg.destination + done, n),
+                                    context());
+        if (unit.check) checksum.Update(seg.destination + done, n);
         done += n;
       }
-      if (checksum.Digest() != where.checksum) {
-        statuses[slice] =
-            DataLoss("checksum mismatch in " + DescribeChunk(metadata, first.tensor, first.chunk) +
-                     " of file " + JoinPath(dir, metadata.files[first.file_index].name) +
-                     " at offset " + std::to_string(where.offset) + ": expected " +
-                     Hex(where.checksum) + ", got " + Hex(checksum.Digest()));
-        return;
-      }
+      bytes_read += seg.length;
     }
-  };
-  std::vector<std::thread> threads;
-  for (size_t s = 1; s < statuses.size(); ++s) threads.emplace_back(work, s);
-  if (!statuses.empty()) work(0);
-  for (std::thread& t : threads) t.join();
-  for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
-  report.bytes_read += total;
-  for (uint64_t c : calls) report.read_calls += c;
+  } else {
+    // The whole unit through the buffer, checked, copying out the segments it needs.
+    uint32_t next = unit.segments_begin;  // first segment not yet wholly before the piece
+    for (uint64_t done = 0; done < unit.length; ++calls) {
+      const uint64_t n = std::min<uint64_t>(kCheckedReadPiece, unit.length - done);
+      const uint64_t piece_begin = unit.offset + done, piece_end = piece_begin + n;
+      TESSERA_RETURN_IF_ERROR_CTX(file.ReadAt(piece_begin, buffer.data(), n), context());
+      checksum.Update(buffer.data(), n);
+      for (uint32_t s = next; s < unit.segments_end && segments[s].file_offset < piece_end; ++s) {
+        const Segment& seg = segments[s];
+        const uint64_t from = std::max(seg.file_offset, piece_begin);
+        const uint64_t to = std::min(seg.file_offset + seg.length, piece_end);
+        if (from < to) {
+          std::memcpy(seg.destination + (from - seg.file_offset),
+                      buffer.data() + (from - piece_begin), to - from);
+        }
+        if (seg.file_offset + seg.length <= piece_end) next = s + 1;
+      }
+      done += n;
+    }
+    bytes_read += unit.length;
+  }
+  if (unit.check && checksum.Digest() != unit.checksum) {
+    return DataLoss(ChecksumMismatch(dir, metadata, unit, checksum.Digest()));
+  }
   return Status::Ok();
 }
 
@@ -168,91 +245,52 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
                     const std::vector<ReadRun>& runs, const LoadOptions& options,
                     LoadReport& report) {
   if (runs.empty()) return Status::Ok();
-  if (options.verify_partial_chunks && options.verify_checksums) {
-    // Runs of chunks needed whole go the usual way; the others through whole-chunk reads.
-    std::vector<ReadRun> whole, partial;
-    for (const ReadRun& run : runs) (run.whole_chunk ? whole : partial).push_back(run);
-    if (!partial.empty()) {
-      LoadOptions usual = options;
-      usual.verify_partial_chunks = false;
-      TESSERA_RETURN_IF_ERROR(ExecuteReads(storage, dir, metadata, whole, usual, report));
-      std::vector<std::unique_ptr<ReadableFile>> files(metadata.files.size());
-      for (const ReadRun& run : partial) {
-        if (files[run.file_index]) continue;
-        TESSERA_ASSIGN_OR_RETURN(files[run.file_index],
-                                 OpenDataFile(storage, dir, metadata, run.file_index,
-                                              DescribeChunk(metadata, run.tensor, run.chunk)));
-      }
-      return ReadPartialChunksChecked(files, dir, metadata, partial, options, report);
-    }
-  }
+  std::vector<UnitRead> units;
+  std::vector<Segment> segments;
+  PlanUnitReads(metadata, runs, options, units, segments);
   // Open every file once, up front.
   std::vector<std::unique_ptr<ReadableFile>> files(metadata.files.size());
   uint64_t total = 0;
-  for (const ReadRun& run : runs) {
-    total += run.length;
-    if (files[run.file_index]) continue;
-    TESSERA_ASSIGN_OR_RETURN(files[run.file_index],
-                             OpenDataFile(storage, dir, metadata, run.file_index,
-                                          DescribeChunk(metadata, run.tensor, run.chunk)));
+  for (const UnitRead& unit : units) {
+    total += unit.direct ? 0 : unit.length;
+    for (uint32_t s = unit.segments_begin; unit.direct && s < unit.segments_end; ++s) {
+      total += segments[s].length;
+    }
+    if (files[unit.file_index]) continue;
+    TESSERA_ASSIGN_OR_RETURN(files[unit.file_index],
+                             OpenDataFile(storage, dir, metadata, unit.file_index,
+                                          DescribeChunk(metadata, unit.tensor, unit.chunk)));
   }
-  // Contiguous slices of the (file, offset)-sorted runs, of about equal bytes, one per thread:
-  // each thread reads sequentially.
+  // Contiguous slices of the (file, offset)-sorted units, of about equal bytes, one per
+  // thread: each thread reads sequentially.
   const size_t num_threads =
-      std::min<size_t>(static_cast<size_t>(options.num_io_threads), runs.size());
+      std::min<size_t>(static_cast<size_t>(options.num_io_threads), units.size());
   std::vector<size_t> bounds = {0};
   uint64_t acc = 0;
-  for (size_t i = 0; i < runs.size() && bounds.size() < num_threads; ++i) {
-    acc += runs[i].length;
-    // Never split the runs of one checksummed chunk between two threads.
-    const bool inside_chunk = runs[i].whole_chunk && !runs[i].chunk_last;
-    if (!inside_chunk && acc * num_threads >= total * bounds.size()) bounds.push_back(i + 1);
+  for (size_t i = 0; i < units.size() && bounds.size() < num_threads; ++i) {
+    acc += units[i].length;
+    if (acc * num_threads >= total * bounds.size()) bounds.push_back(i + 1);
   }
-  bounds.push_back(runs.size());
-  std::vector<Status> statuses(bounds.size() - 1);
-  std::vector<uint64_t> calls(bounds.size() - 1, 0);
+  bounds.push_back(units.size());
+  const size_t slices = bounds.size() - 1;
+  std::vector<Status> statuses(slices);
+  std::vector<uint64_t> bytes(slices, 0), calls(slices, 0);
   auto work = [&](size_t slice) {
-    ChecksumStream checksum;  // of the whole chunk whose runs are being read
-    for (size_t i = bounds[slice]; i < bounds[slice + 1]; ++i) {
-      const ReadRun& run = runs[i];
-      const bool check = run.whole_chunk && options.verify_checksums;
-      if (check && run.chunk_first) checksum.Reset();
-      // In pieces, each checksummed right after it is read, while it is in cache. Through
-      // pread, not a mapping (ReadableFile::Map): copying out of a mapping and hashing the copy
-      // measured no faster (build/tessera_bench_io_patterns, page_cache_read_seconds) and
-      // slower in `tessera bench io`.
-      const uint64_t piece = check ? kCheckedReadPiece : kReadPiece;
-      for (uint64_t done = 0; done < run.length; ++calls[slice]) {
-        const size_t n = static_cast<size_t>(std::min<uint64_t>(piece, run.length - done));
-        Status s = files[run.file_index]->ReadAt(run.file_offset + done, run.destination + done, n);
-        if (!s.ok()) {
-          statuses[slice] =
-              s.WithContext("reading " + DescribeChunk(metadata, run.tensor, run.chunk));
-          return;
-        }
-        if (check) checksum.Update(run.destination + done, n);
-        done += n;
-      }
-      if (!check || !run.chunk_last) continue;
-      const ByteLocation& where = metadata.tensors[run.tensor].chunks[run.chunk].location;
-      const uint64_t actual = checksum.Digest();
-      if (actual != where.checksum) {
-        statuses[slice] =
-            DataLoss("checksum mismatch in " + DescribeChunk(metadata, run.tensor, run.chunk) +
-                     " of file " + JoinPath(dir, metadata.files[run.file_index].name) +
-                     " at offset " + std::to_string(where.offset) + ": expected " +
-                     Hex(where.checksum) + ", got " + Hex(actual));
-        return;
-      }
+    std::vector<std::byte> buffer(kCheckedReadPiece);
+    for (size_t i = bounds[slice]; i < bounds[slice + 1] && statuses[slice].ok(); ++i) {
+      statuses[slice] = ReadUnit(*files[units[i].file_index], dir, metadata, units[i], segments,
+                                 buffer, bytes[slice], calls[slice]);
     }
   };
   std::vector<std::thread> threads;
-  for (size_t s = 1; s < statuses.size(); ++s) threads.emplace_back(work, s);
-  work(0);
+  for (size_t s = 1; s < slices; ++s) threads.emplace_back(work, s);
+  if (slices > 0) work(0);
   for (std::thread& t : threads) t.join();
   for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
-  report.bytes_read += total;
-  for (uint64_t c : calls) report.read_calls += c;
+  for (size_t s = 0; s < slices; ++s) {
+    report.bytes_read += bytes[s];
+    report.read_calls += calls[s];
+  }
   return Status::Ok();
 }
 
@@ -265,7 +303,7 @@ Status ReadObject(Storage& storage, const std::string& dir, const Metadata& meta
   std::vector<uint8_t> bytes(object.location.length);
   TESSERA_RETURN_IF_ERROR_CTX(file->ReadAt(object.location.offset, bytes.data(), bytes.size()),
                               "reading " + what);
-  if (options.verify_checksums) {
+  if (options.verify_checksums && metadata.checksum != ChecksumKind::kNone) {
     uint64_t actual = Checksum(bytes.data(), bytes.size());
     if (actual != object.location.checksum) {
       return DataLoss("checksum mismatch in " + what + " of file " +

@@ -7,20 +7,17 @@
 //
 // Every message carries its sender's status (envelope.h), so a rank that fails at any step
 // still takes part in the remaining collectives and every rank returns the same error.
-#include <unistd.h>
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstring>
-#include <random>
-#include <set>
-#include <thread>
+#include <limits>
 
+#include "checkpoint/commit.h"
+#include "checkpoint/data_files.h"
 #include "checkpoint/envelope.h"
 #include "core/byte_io.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
-#include "format/safetensors.h"
 #include "plan/save_plan.h"
 #include "tessera/checkpoint.h"
 
@@ -28,78 +25,20 @@ namespace tessera {
 namespace {
 
 constexpr int kCoordinator = 0;
-// Bytes written and then checksummed per WriteAt: small enough that the bytes the kernel just
-// copied into the page cache are still in the CPU's cache when the hash reads them. Hashing
-// after the write, not before, lets the kernel's copy (not the hash) pull them from memory,
-// which it does faster (build/tessera_bench_io_patterns, page_cache_write_seconds: 1 GiB by 4
-// threads, 0.145 s hashed after, 0.168 s hashed before, 0.123 s not hashed).
-constexpr size_t kWritePiece = 256u << 10;
 
-// With SyncPolicy::kFull, every this many bytes written to a data file are handed to
-// WritableFile::StartWriteback, so the device writes while the rest is being copied instead of
-// all at the final fdatasync (tessera_bench_io_patterns, synced_write_seconds: 1 GiB by 4
-// threads, 0.44 s against 0.55 s for 64 MiB pwrites and one fdatasync per file).
-constexpr uint64_t kWritebackStep = 8u << 20;
-
-std::string NewSaveId(const std::vector<std::string>& existing_names) {
-  std::random_device device;
-  std::mt19937_64 rng(
-      (static_cast<uint64_t>(device()) << 32) ^ device() ^
-      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
-      (static_cast<uint64_t>(getpid()) << 16));
-  while (true) {
-    char id[17];
-    std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(rng()));
-    std::string prefix = "tsr-" + std::string(id);
-    bool used = std::any_of(existing_names.begin(), existing_names.end(),
-                            [&](const std::string& n) { return n.rfind(prefix, 0) == 0; });
-    if (!used) return id;
-  }
+std::vector<std::string> SortedUnique(std::vector<std::string> v) {
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+  return v;
 }
-
 // The last successful save's plan, kept with the Comm (Comm::GetOrCreateAttachment). Save on
 // one Comm runs on one thread at a time (the Comm contract), so no lock is needed.
 struct SavePlanCache {
   bool valid = false;
   uint64_t key = 0;             // hash of this rank's encoded local plan and the options
   std::vector<uint32_t> items;  // this rank's write list
-  std::string save_id;          // of that save; the next is derived from it
   std::shared_ptr<const GlobalSavePlan> global;  // coordinator only
 };
-
-// The save id after `previous`, computed alike on every rank without communication: a
-// bijective mix of the previous id, so a job never repeats one.
-std::string NextSaveId(const std::string& previous) {
-  uint64_t x = std::strtoull(previous.c_str(), nullptr, 16) + 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  char id[17];
-  std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(x));
-  return id;
-}
-
-// What rank 0 sends each rank after planning.
-struct Assignment {
-  std::string save_id;
-  std::vector<uint32_t> items;  // indices into the rank's local plan
-};
-
-Bytes EncodeAssignment(const Assignment& a) {
-  Bytes out;
-  ByteWriter w(&out);
-  w.PutString(a.save_id);
-  w.PutVector(a.items);
-  return out;
-}
-
-Result<Assignment> DecodeAssignment(std::span<const uint8_t> bytes) {
-  ByteReader r(bytes);
-  Assignment a;
-  TESSERA_RETURN_IF_ERROR(r.GetString(&a.save_id));
-  TESSERA_RETURN_IF_ERROR(r.GetVector(&a.items));
-  return a;
-}
 
 // What the coordinator tells every rank at the end of a save.
 struct Outcome {
@@ -135,206 +74,133 @@ Result<Outcome> DecodeOutcome(std::span<const uint8_t> bytes) {
   return o;
 }
 
-// The bytes of one local item.
-const std::byte* ItemData(const StateDict& state, const LocalItem& item) {
-  const StateEntry& entry = state.entries()[item.entry_index];
-  if (const auto* object = std::get_if<ShardedObject>(&entry)) {
-    return reinterpret_cast<const std::byte*>(object->data.data());
-  }
-  return std::get<ShardedTensor>(entry).data.bytes() + item.byte_offset;
+// Step 0 on the coordinator, before any rank writes: the directory, a fresh save id, and the
+// marker that protects this save's files from the cleanup of other saves into the directory.
+Result<std::string> PrepareDirectory(Storage& storage, const std::string& path, SyncPolicy sync) {
+  TESSERA_RETURN_IF_ERROR(CreateDurableDirs(storage, path, sync));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(path));
+  std::string save_id = NewSaveId(names);
+  TESSERA_RETURN_IF_ERROR(CreateSaveMarker(storage, path, save_id, sync));
+  return save_id;
 }
 
-struct FilePlan {
-  std::string name;
-  std::vector<uint32_t> items;  // indices into the local plan
-  std::vector<SafetensorsEntry> entries;
-  Bytes header;
-  uint64_t data_bytes = 0;
+// What every rank knows before writing: whether every rank's plan is the cached one, and the
+// save id the coordinator drew.
+struct Preamble {
+  bool cache_hit = false;
+  std::string save_id;
 };
 
-// Splits this rank's items over up to `num_files` files, balancing bytes: largest first to the
-// least-loaded file; within a file, items keep ascending order.
-std::vector<FilePlan> PlanFiles(const LocalPlan& plan, const std::vector<uint32_t>& items,
-                                int num_files, const std::string& save_id, int rank) {
-  num_files = std::max(1, std::min<int>(num_files, static_cast<int>(items.size())));
-  if (items.empty()) return {};
-  std::vector<uint32_t> by_size = items;
-  std::stable_sort(by_size.begin(), by_size.end(), [&](uint32_t a, uint32_t b) {
-    return plan.items[a].num_bytes > plan.items[b].num_bytes;
-  });
-  std::vector<FilePlan> files(num_files);
-  std::vector<uint64_t> load(num_files, 0);
-  for (uint32_t i : by_size) {
-    size_t f = std::min_element(load.begin(), load.end()) - load.begin();
-    files[f].items.push_back(i);
-    load[f] += plan.items[i].num_bytes;
+// One all-reduce: the minimum of every rank's cache hit, and the coordinator's outcome of
+// PrepareDirectory when it ran it (it does when its own plan is the cached one: only then can
+// every rank hit). The id travels as two 32-bit halves; other ranks contribute the maximum.
+// When the coordinator failed, a broadcast carries its error to every rank. COLLECTIVE.
+Result<Preamble> AgreeOnPreamble(Comm& comm, bool cache_hit, const Result<std::string>& prepared) {
+  constexpr int64_t kAny = std::numeric_limits<int64_t>::max();
+  std::vector<int64_t> values = {cache_hit ? 1 : 0, kAny, kAny, kAny};
+  if (comm.rank() == kCoordinator) {
+    const uint64_t id = prepared.ok() ? std::strtoull(prepared->c_str(), nullptr, 16) : 0;
+    values[1] = prepared.ok() ? 1 : 0;
+    values[2] = static_cast<int64_t>(id >> 32);
+    values[3] = static_cast<int64_t>(id & 0xffffffffu);
   }
-  for (int f = 0; f < num_files; ++f) {
-    FilePlan& file = files[f];
-    file.name = DataFileName(save_id, rank, f);
-    std::sort(file.items.begin(), file.items.end());
-    for (uint32_t i : file.items) {
-      const LocalItem& item = plan.items[i];
-      SafetensorsEntry e;
-      if (item.kind == ItemKind::kObject) {
-        e.name = item.key;
-        e.dtype = DType::kU8;
-        e.shape = {static_cast<int64_t>(item.num_bytes)};
-      } else {
-        e.name = ChunkEntryName(item.key, item.box, item.global_shape);
-        e.dtype = item.dtype;
-        e.shape = item.box.sizes;
+  TESSERA_RETURN_IF_ERROR(comm.AllReduce(values, ReduceOp::kMin));
+  if (values[1] != 1) {
+    Bytes error = comm.rank() == kCoordinator ? Seal(prepared.status()) : Bytes();
+    TESSERA_RETURN_IF_ERROR(comm.Broadcast(&error, kCoordinator));
+    Result<std::span<const uint8_t>> opened = Open(error, "the coordinator (rank 0)");
+    return opened.ok() ? Internal("the coordinator failed to prepare the save") : opened.status();
+  }
+  char id[17];
+  std::snprintf(id, sizeof(id), "%016llx",
+                static_cast<unsigned long long>((static_cast<uint64_t>(values[2]) << 32) |
+                                                static_cast<uint64_t>(values[3])));
+  return Preamble{values[0] == 1, id};
+}
+
+// Step 2 when the plan cache misses: gather the local plans, plan globally on the coordinator,
+// scatter each rank's write list. COLLECTIVE; every rank returns the same error.
+// The coordinator prepares the directory after planning (when it has not already), so a save
+// whose plan is refused leaves no trace; the save id travels with each rank's write list.
+Result<std::vector<uint32_t>> PlanWrites(Comm& comm, Storage& storage, const std::string& path,
+                                         const Result<LocalPlan>& local, Bytes encoded_plan,
+                                         const SaveOptions& options,
+                                         std::shared_ptr<const GlobalSavePlan>& global,
+                                         std::string& save_id) {
+  std::vector<Bytes> gathered;
+  TESSERA_RETURN_IF_ERROR(
+      comm.Gather(local.ok() ? Seal(Status::Ok(), std::move(encoded_plan)) : Seal(local.status()),
+                  &gathered, kCoordinator));
+  std::vector<Bytes> assignments;
+  if (comm.rank() == kCoordinator) {
+    Status status = [&]() -> Status {
+      std::vector<std::span<const uint8_t>> bodies(gathered.size());
+      for (size_t r = 0; r < gathered.size(); ++r) {
+        TESSERA_ASSIGN_OR_RETURN(bodies[r], Open(gathered[r], "rank " + std::to_string(r)));
       }
-      file.entries.push_back(std::move(e));
-    }
-    file.data_bytes = LayOutEntries(file.entries);
-  }
-  return files;
-}
-
-// Writes one data file: header, then every item, checksumming each piece just after writing
-// it, while it is in cache.
-Status WriteDataFile(Storage& storage, const std::string& dir, const StateDict& state,
-                     const LocalPlan& plan, uint32_t file_index, const FilePlan& file,
-                     SyncPolicy sync, WriteResult& result) {
-  const std::string path = JoinPath(dir, file.name);
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, storage.NewWritableFile(path));
-  TESSERA_RETURN_IF_ERROR(out->WriteAt(0, file.header.data(), file.header.size()));
-  const uint64_t data_start = file.header.size();
-  // With kFull, bytes up to here have been handed to StartWriteback.
-  uint64_t writeback_begin = 0;
-  for (size_t k = 0; k < file.items.size(); ++k) {
-    const LocalItem& item = plan.items[file.items[k]];
-    const SafetensorsEntry& entry = file.entries[k];
-    const std::byte* data = ItemData(state, item);
-    ChecksumStream checksum;
-    for (uint64_t done = 0; done < item.num_bytes;) {
-      size_t n = static_cast<size_t>(std::min<uint64_t>(kWritePiece, item.num_bytes - done));
-      const uint64_t at = data_start + entry.begin + done;
-      TESSERA_RETURN_IF_ERROR(out->WriteAt(at, data + done, n));
-      checksum.Update(data + done, n);
-      done += n;
-      if (sync == SyncPolicy::kFull && at + n - writeback_begin >= kWritebackStep) {
-        TESSERA_RETURN_IF_ERROR(out->StartWriteback(writeback_begin, at + n - writeback_begin));
-        writeback_begin = at + n;
+      TESSERA_ASSIGN_OR_RETURN(std::vector<LocalPlan> plans,
+                               DecodeLocalPlans(bodies, options.num_io_threads));
+      gathered.clear();
+      TESSERA_ASSIGN_OR_RETURN(
+          GlobalSavePlan plan,
+          BuildGlobalSavePlan(plans, {.balance_writes = options.balance_writes}));
+      global = std::make_shared<const GlobalSavePlan>(std::move(plan));
+      if (save_id.empty()) {
+        TESSERA_ASSIGN_OR_RETURN(save_id, PrepareDirectory(storage, path, options.sync));
       }
-    }
-    result.items.push_back(WrittenItem{file.items[k], file_index, data_start + entry.begin,
-                                       item.num_bytes, checksum.Digest()});
-  }
-  if (sync == SyncPolicy::kFull) TESSERA_RETURN_IF_ERROR(out->Sync());
-  TESSERA_RETURN_IF_ERROR(out->Close());
-  return Status::Ok();
-}
-
-// Step 3 on one rank: writes its files, one thread each.
-Result<WriteResult> WriteLocalFiles(Storage& storage, const std::string& dir,
-                                    const StateDict& state, const LocalPlan& plan,
-                                    const Assignment& assignment, int rank,
-                                    const SaveOptions& options) {
-  std::vector<FilePlan> files =
-      PlanFiles(plan, assignment.items, options.num_io_threads, assignment.save_id, rank);
-  std::map<std::string, std::string> header_metadata = {{"format", "pt"},
-                                                        {"tessera_save_id", assignment.save_id}};
-  for (FilePlan& file : files) {
-    TESSERA_ASSIGN_OR_RETURN(file.header, EncodeSafetensorsHeader(file.entries, header_metadata));
-  }
-  std::vector<WriteResult> partial(files.size());
-  std::vector<Status> statuses(files.size());
-  std::vector<std::thread> threads;
-  for (size_t f = 0; f + 1 < files.size(); ++f) {
-    threads.emplace_back([&, f] {
-      statuses[f] = WriteDataFile(storage, dir, state, plan, static_cast<uint32_t>(f), files[f],
-                                  options.sync, partial[f]);
-    });
-  }
-  if (!files.empty()) {  // the calling thread writes the last file
-    size_t f = files.size() - 1;
-    statuses[f] = WriteDataFile(storage, dir, state, plan, static_cast<uint32_t>(f), files[f],
-                                options.sync, partial[f]);
-  }
-  for (std::thread& t : threads) t.join();
-  for (size_t f = 0; f < files.size(); ++f) {
-    if (!statuses[f].ok()) {  // leave nothing behind: no manifest will refer to these files
-      for (const FilePlan& file : files) storage.Remove(JoinPath(dir, file.name)).IgnoreError();
-      return statuses[f].WithContext("writing " + JoinPath(dir, files[f].name));
+      return Status::Ok();
+    }();
+    assignments.resize(comm.size());
+    for (int r = 0; r < comm.size(); ++r) {
+      Bytes assignment;
+      if (status.ok()) {
+        ByteWriter writer(&assignment);
+        writer.PutString(save_id);
+        writer.PutVector(global->writes[r]);
+      }
+      assignments[r] = Seal(status, std::move(assignment));
     }
   }
-  WriteResult result;
-  for (size_t f = 0; f < files.size(); ++f) {
-    result.files.push_back(FileInfo{files[f].name, files[f].header.size() + files[f].data_bytes});
-    result.items.insert(result.items.end(), partial[f].items.begin(), partial[f].items.end());
-  }
-  return result;
+  Bytes mine;
+  TESSERA_RETURN_IF_ERROR(comm.Scatter(assignments, &mine, kCoordinator));
+  assignments.clear();
+  TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> body, Open(mine, "save planning"));
+  std::vector<uint32_t> items;
+  ByteReader reader(body);
+  TESSERA_RETURN_IF_ERROR(reader.GetString(&save_id));
+  TESSERA_RETURN_IF_ERROR(reader.GetVector(&items));
+  return items;
 }
 
-std::string ParentDir(const std::string& path) {
-  size_t end = path.find_last_not_of('/');
-  if (end == std::string::npos) return "/";
-  size_t slash = path.rfind('/', end);
-  if (slash == std::string::npos) return ".";
-  size_t parent_end = path.find_last_not_of('/', slash);
-  return parent_end == std::string::npos ? "/" : path.substr(0, parent_end + 1);
-}
-
-// Creates `path` and the missing directories above it. With kFull, syncs the parent of each
-// one created, so the checkpoint directory itself survives a crash, not only its contents.
-Status CreateDurableDirs(Storage& storage, const std::string& path, SyncPolicy sync) {
-  std::vector<std::string> missing;  // deepest first
-  for (std::string dir = path;;) {
-    TESSERA_ASSIGN_OR_RETURN(FileType type, storage.Stat(dir));
-    if (type == FileType::kDirectory) break;
-    if (type == FileType::kFile) {
-      return FailedPrecondition("cannot create checkpoint directory " + path + ": " + dir +
-                                " is a file");
+// Step 4 on the coordinator: the manifest from every rank's write results, committed, then the
+// cleanup.
+Outcome CommitOnCoordinator(Storage& storage, const std::string& path, const GlobalSavePlan& global,
+                            const std::vector<Bytes>& gathered, const std::string& save_id,
+                            const SaveOptions& options) {
+  Outcome outcome;
+  outcome.total_bytes = global.total_bytes;
+  outcome.status = [&]() -> Status {
+    std::vector<WriteResult> results(gathered.size());
+    for (size_t r = 0; r < gathered.size(); ++r) {
+      const std::string who = "rank " + std::to_string(r);
+      TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> result, Open(gathered[r], who));
+      TESSERA_ASSIGN_OR_RETURN(results[r], DecodeWriteResult(result));
     }
-    missing.push_back(dir);
-    std::string parent = ParentDir(dir);
-    if (parent == dir) break;
-    dir = std::move(parent);
-  }
-  if (missing.empty()) return Status::Ok();
-  TESSERA_RETURN_IF_ERROR_CTX(storage.CreateDirs(path), "creating checkpoint directory");
-  if (sync == SyncPolicy::kFull) {
-    for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
-      TESSERA_RETURN_IF_ERROR(storage.SyncDir(ParentDir(*it)));
-    }
-  }
-  return Status::Ok();
-}
-
-// Step 4 on the coordinator: the manifest under a temporary name, synced, renamed into place,
-// directory synced. Before it, the directory is synced so the data files' entries are durable
-// before anything can point at them.
-Status CommitManifest(Storage& storage, const std::string& dir, const Metadata& metadata,
-                      SyncPolicy sync, bool& renamed) {
-  const bool durable = sync == SyncPolicy::kFull;
-  if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(dir));
-  Bytes bytes = EncodeManifest(metadata);
-  const std::string temp = JoinPath(dir, TempManifestName(metadata.save_id));
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, storage.NewWritableFile(temp));
-  TESSERA_RETURN_IF_ERROR(out->WriteAt(0, bytes.data(), bytes.size()));
-  if (durable) TESSERA_RETURN_IF_ERROR(out->Sync());
-  TESSERA_RETURN_IF_ERROR(out->Close());
-  renamed = true;  // from here on the new manifest may be visible, even if Rename reports failure
-  TESSERA_RETURN_IF_ERROR(storage.Rename(temp, JoinPath(dir, kManifestFileName)));
-  if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(dir));
-  return Status::Ok();
-}
-
-// After a commit: removes tessera-named data files the new manifest does not list (the previous
-// save's, and those of interrupted saves) and stray temporary manifests. Best effort: a file
-// that cannot be removed now is removed by a later save.
-void RemoveStaleFiles(Storage& storage, const std::string& dir, const Metadata& metadata) {
-  Result<std::vector<std::string>> names = storage.ListDir(dir);
-  if (!names.ok()) return;
-  std::set<std::string> live;
-  for (const FileInfo& f : metadata.files) live.insert(f.name);
-  for (const std::string& name : *names) {
-    if ((IsTesseraDataFileName(name) && !live.count(name)) || IsTempManifestName(name)) {
-      storage.Remove(JoinPath(dir, name)).IgnoreError();
-    }
-  }
+    TESSERA_ASSIGN_OR_RETURN(Metadata metadata, FinishMetadata(global, results));
+    metadata.save_id = save_id;
+    metadata.user_metadata = options.user_metadata;
+    metadata.checksum_block_bytes = kChecksumBlockBytes;
+    metadata.separate_prefixes = SortedUnique(options.separate_prefixes);
+    metadata.save_time_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     std::chrono::system_clock::now().time_since_epoch())
+                                     .count();
+    TESSERA_RETURN_IF_ERROR_CTX(
+        CommitManifest(storage, path, metadata, options.sync, outcome.manifest_renamed),
+        "committing the manifest of " + path);
+    if (options.remove_stale_files) RemoveStaleFiles(storage, path, metadata);
+    return Status::Ok();
+  }();
+  return outcome;
 }
 
 }  // namespace
@@ -348,77 +214,65 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   // 1. Local plan. When every rank's plan (and the options that shape the global plan) equal
   // those of this comm's previous successful save, one all-reduce replaces the gather, the
   // global planning and the scatter: each rank reuses its write list, the coordinator its
-  // global plan.
-  // A bad option is reported through the first collective like a bad state: a rank that
-  // returned here would leave its peers waiting.
-  Result<LocalPlan> local =
-      options.num_io_threads >= 1
-          ? BuildLocalPlan(state)
-          : Result<LocalPlan>(InvalidArgument("SaveOptions::num_io_threads must be at least 1, "
-                                              "got " +
-                                              std::to_string(options.num_io_threads)));
+  // global plan. A bad option is reported through the first collective like a bad state: a
+  // rank that returned here would leave its peers waiting.
+  Result<LocalPlan> local = options.num_io_threads >= 1
+                                ? BuildLocalPlan(state)
+                                : Result<LocalPlan>(InvalidArgument(
+                                      "SaveOptions::num_io_threads must be at least 1, got " +
+                                      std::to_string(options.num_io_threads)));
   Bytes encoded_plan = local.ok() ? EncodeLocalPlan(*local) : Bytes();
   const uint64_t plan_key = Checksum(encoded_plan.data(), encoded_plan.size()) ^
                             (options.balance_writes ? 0x9e3779b97f4a7c15ULL : 0) ^
                             static_cast<uint64_t>(comm.size());
   std::shared_ptr<SavePlanCache> cache = comm.GetOrCreateAttachment<SavePlanCache>(
       "tessera.save_plan_cache", [] { return new SavePlanCache(); });
-  std::vector<int64_t> all_hit = {
-      options.plan_cache && local.ok() && cache->valid && cache->key == plan_key ? 1 : 0};
-  TESSERA_RETURN_IF_ERROR(comm.AllReduce(all_hit, ReduceOp::kMin));
-  const bool cache_hit = all_hit[0] == 1;
-
-  std::shared_ptr<const GlobalSavePlan> global;
-  Assignment assignment;
-  if (cache_hit) {
-    global = cache->global;  // null except on the coordinator
-    assignment = {NextSaveId(cache->save_id), cache->items};
-    TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
-  } else {
-    // 2. Gather the local plans; the coordinator plans; each rank receives its assignment.
-    std::vector<Bytes> gathered;
-    TESSERA_RETURN_IF_ERROR(
-        comm.Gather(local.ok() ? Seal(Status::Ok(), std::move(encoded_plan)) : Seal(local.status()),
-                    &gathered, kCoordinator));
-    std::vector<Bytes> assignments;
-    if (coordinator) {
-      std::string save_id;
-      Status status = [&]() -> Status {
-        std::vector<std::span<const uint8_t>> bodies(gathered.size());
-        for (size_t r = 0; r < gathered.size(); ++r) {
-          TESSERA_ASSIGN_OR_RETURN(bodies[r], Open(gathered[r], "rank " + std::to_string(r)));
-        }
-        TESSERA_ASSIGN_OR_RETURN(std::vector<LocalPlan> plans,
-                                 DecodeLocalPlans(bodies, options.num_io_threads));
-        gathered.clear();
-        TESSERA_ASSIGN_OR_RETURN(
-            GlobalSavePlan plan,
-            BuildGlobalSavePlan(plans, {.balance_writes = options.balance_writes}));
-        global = std::make_shared<const GlobalSavePlan>(std::move(plan));
-        TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
-        TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->ListDir(path));
-        save_id = NewSaveId(names);
-        return Status::Ok();
-      }();
-      assignments.resize(comm.size());
-      for (int r = 0; r < comm.size(); ++r) {
-        assignments[r] = status.ok() ? Seal(status, EncodeAssignment({save_id, global->writes[r]}))
-                                     : Seal(status);
-      }
+  const bool my_hit = options.plan_cache && local.ok() && cache->valid && cache->key == plan_key;
+  Result<std::string> prepared = coordinator && my_hit
+                                     ? PrepareDirectory(*storage, path, options.sync)
+                                     : Result<std::string>(std::string());
+  Result<Preamble> preamble = AgreeOnPreamble(comm, my_hit, prepared);
+  // The coordinator removes its marker when the save ends, whatever happens.
+  std::string save_id = preamble.ok() && preamble->cache_hit ? preamble->save_id : "";
+  struct MarkerGuard {
+    Storage* storage;
+    const std::string& path;
+    const std::string& save_id;
+    ~MarkerGuard() {
+      if (storage && !save_id.empty()) RemoveSaveMarker(*storage, path, save_id);
     }
-    Bytes mine;
-    TESSERA_RETURN_IF_ERROR(comm.Scatter(assignments, &mine, kCoordinator));
-    assignments.clear();
-    Result<std::span<const uint8_t>> body = Open(mine, "save planning");
-    if (!body.ok()) return body.status();  // the same error on every rank
-    TESSERA_ASSIGN_OR_RETURN(assignment, DecodeAssignment(*body));
+  } marker{coordinator ? storage.get() : nullptr, path, save_id};
+  if (coordinator && prepared.ok()) save_id = *prepared;
+  if (!preamble.ok()) return preamble.status();
+
+  // 2. Who writes what.
+  std::shared_ptr<const GlobalSavePlan> global;
+  std::vector<uint32_t> items;
+  if (preamble->cache_hit) {
+    global = cache->global;  // null except on the coordinator
+    items = cache->items;
+  } else {
+    TESSERA_ASSIGN_OR_RETURN(items, PlanWrites(comm, *storage, path, local, std::move(encoded_plan),
+                                               options, global, save_id));
   }
 
   // 3. Write this rank's files.
+  DataFileWriteOptions write_options;
+  write_options.num_threads = options.num_io_threads;
+  write_options.sync = options.sync;
+  write_options.checksum_block_bytes = kChecksumBlockBytes;
+  uint64_t my_bytes = 0;
+  for (uint32_t i : items) my_bytes += local->items[i].num_bytes;
+  if (options.progress) {
+    write_options.on_progress = [&](uint64_t done) { options.progress(done, my_bytes); };
+  }
   Result<WriteResult> written =
-      WriteLocalFiles(*storage, path, state, *local, assignment, rank, options);
+      WriteDataFiles(*storage, path, state, *local,
+                     PlanDataFiles(*local, items, options.num_io_threads, options.separate_prefixes,
+                                   save_id, rank),
+                     save_id, write_options);
   SaveReport report;
-  report.save_id = assignment.save_id;
+  report.save_id = save_id;
   if (written.ok()) {
     report.files_written = static_cast<int>(written->files.size());
     for (const WrittenItem& item : written->items) report.bytes_written += item.length;
@@ -431,25 +285,8 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   // 4. The coordinator commits the manifest, then tells everyone the outcome.
   Bytes outcome_bytes;
   if (coordinator) {
-    Outcome outcome;
-    outcome.total_bytes = global->total_bytes;
-    outcome.status = [&]() -> Status {
-      std::vector<WriteResult> results(gathered.size());
-      for (size_t r = 0; r < gathered.size(); ++r) {
-        const std::string who = "rank " + std::to_string(r);
-        TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> result, Open(gathered[r], who));
-        TESSERA_ASSIGN_OR_RETURN(results[r], DecodeWriteResult(result));
-      }
-      TESSERA_ASSIGN_OR_RETURN(Metadata metadata, FinishMetadata(*global, results));
-      metadata.save_id = assignment.save_id;
-      metadata.user_metadata = options.user_metadata;
-      TESSERA_RETURN_IF_ERROR_CTX(
-          CommitManifest(*storage, path, metadata, options.sync, outcome.manifest_renamed),
-          "committing the manifest of " + path);
-      if (options.remove_stale_files) RemoveStaleFiles(*storage, path, metadata);
-      return Status::Ok();
-    }();
-    outcome_bytes = EncodeOutcome(outcome);
+    outcome_bytes =
+        EncodeOutcome(CommitOnCoordinator(*storage, path, *global, gathered, save_id, options));
   }
   TESSERA_RETURN_IF_ERROR(comm.Broadcast(&outcome_bytes, kCoordinator));
   TESSERA_ASSIGN_OR_RETURN(Outcome outcome, DecodeOutcome(outcome_bytes));
@@ -457,11 +294,10 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   cache->valid = outcome.status.ok();
   if (cache->valid) {
     cache->key = plan_key;
-    cache->items = assignment.items;
-    cache->save_id = assignment.save_id;
+    cache->items = items;
     cache->global = coordinator ? global : nullptr;
   }
-  report.plan_cache_hit = cache_hit;
+  report.plan_cache_hit = preamble->cache_hit;
   if (!outcome.status.ok()) {
     // Unless the manifest may already point at them, nothing refers to this save's files.
     if (written.ok() && !outcome.manifest_renamed) {

@@ -40,27 +40,66 @@ std::optional<FileMapping> MapIfWorthIt(const ReadableFile& file, uint64_t offse
   return std::move(*mapping);
 }
 
-Status CheckBytes(const ReadableFile& file, const ByteLocation& where, const std::string& what,
-                  std::vector<uint8_t>& buffer, VerifyReport& report) {
+// The checksums a piece of bytes must match: one per block of `block` bytes (the last one
+// shorter), or one for all of it.
+struct ExpectedChecksums {
+  const ByteLocation* where;
+  const std::vector<uint64_t>* blocks;  // after the first; null or empty: one checksum
+  uint64_t block = 0;
+  uint64_t BlockLength() const {
+    return blocks == nullptr || blocks->empty() ? where->length : block;
+  }
+  uint64_t Of(uint64_t index) const { return index == 0 ? where->checksum : (*blocks)[index - 1]; }
+};
+
+// Reads the bytes of `expected.where` in pieces (mapped where worth it) and checks every
+// checksum block of them.
+Status CheckBytes(const ReadableFile& file, const ExpectedChecksums& expected,
+                  const std::string& what, std::vector<uint8_t>& buffer, VerifyReport& report) {
+  const ByteLocation& where = *expected.where;
+  const uint64_t block = std::max<uint64_t>(expected.BlockLength(), 1);
   ChecksumStream checksum;
+  uint64_t block_index = 0;
+  // Hashes `n` bytes that follow the ones before, closing every block they complete.
+  auto hash = [&](const void* data, uint64_t at, uint64_t n) -> Status {
+    const auto* p = static_cast<const uint8_t*>(data);
+    while (n > 0) {
+      const uint64_t block_end = std::min(where.length, (block_index + 1) * block);
+      const uint64_t take = std::min(n, block_end - at);
+      checksum.Update(p, take);
+      p += take, at += take, n -= take;
+      if (at == block_end) {
+        if (checksum.Digest() != expected.Of(block_index)) {
+          char detail[64];
+          std::snprintf(detail, sizeof(detail), "expected %016" PRIx64 ", got %016" PRIx64,
+                        expected.Of(block_index), checksum.Digest());
+          const std::string in_block =
+              block < where.length ? " (block of bytes [" + std::to_string(block_index * block) +
+                                         ", " + std::to_string(block_end) + ") of it)"
+                                   : "";
+          return DataLoss("checksum mismatch in " + what + in_block + " of file " + file.path() +
+                          " at offset " + std::to_string(where.offset) + ": " + detail);
+        }
+        checksum.Reset();
+        ++block_index;
+      }
+    }
+    return Status::Ok();
+  };
+  if (where.length == 0 && checksum.Digest() != where.checksum) {
+    return DataLoss("checksum mismatch in " + what + " of file " + file.path());
+  }
   for (uint64_t done = 0; done < where.length;) {
     size_t n = static_cast<size_t>(std::min<uint64_t>(kVerifyPiece, where.length - done));
     if (std::optional<FileMapping> mapping = MapIfWorthIt(file, where.offset + done, n)) {
-      checksum.Update(mapping->bytes().data(), n);
+      TESSERA_RETURN_IF_ERROR(hash(mapping->bytes().data(), done, n));
     } else {
       buffer.resize(n);
       TESSERA_RETURN_IF_ERROR_CTX(file.ReadAt(where.offset + done, buffer.data(), n),
                                   "reading " + what);
-      checksum.Update(buffer.data(), n);
+      TESSERA_RETURN_IF_ERROR(hash(buffer.data(), done, n));
     }
     done += n;
-  }
-  if (checksum.Digest() != where.checksum) {
-    char detail[64];
-    std::snprintf(detail, sizeof(detail), "expected %016" PRIx64 ", got %016" PRIx64,
-                  where.checksum, checksum.Digest());
-    return DataLoss("checksum mismatch in " + what + " of file " + file.path() + " at offset " +
-                    std::to_string(where.offset) + ": " + detail);
   }
   report.bytes_checked += where.length;
   return Status::Ok();
@@ -108,6 +147,7 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
   // What each file holds, in file order, so every file is opened once and read sequentially.
   struct Piece {
     ByteLocation where;
+    const std::vector<uint64_t>* blocks;  // null for objects
     std::string what;
     DType dtype;
     Shape shape;
@@ -117,14 +157,14 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
     for (size_t c = 0; c < tensor.chunks.size(); ++c) {
       const ChunkInfo& chunk = tensor.chunks[c];
       pieces[chunk.location.file_index].push_back(
-          {chunk.location,
+          {chunk.location, &chunk.block_checksums,
            "key '" + tensor.key + "' chunk " + std::to_string(c) + " " + chunk.box.ToString(),
            tensor.dtype, chunk.box.sizes});
     }
   }
   for (const ObjectInfo& object : metadata.objects) {
     pieces[object.location.file_index].push_back(
-        {object.location, "object '" + object.key + "'", DType::kU8,
+        {object.location, nullptr, "object '" + object.key + "'", DType::kU8,
          Shape{static_cast<int64_t>(object.location.length)}});
   }
   // One file, start to end, by one thread; its own report.
@@ -144,7 +184,8 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
     for (const Piece& piece : list) {
       TESSERA_RETURN_IF_ERROR(
           CheckEntry(by_offset, piece.where, piece.dtype, piece.shape, piece.what, file->path()));
-      TESSERA_RETURN_IF_ERROR(CheckBytes(*file, piece.where, piece.what, buffer, file_report));
+      const ExpectedChecksums expected{&piece.where, piece.blocks, metadata.checksum_block_bytes};
+      TESSERA_RETURN_IF_ERROR(CheckBytes(*file, expected, piece.what, buffer, file_report));
       file_report.chunks_checked += 1;
     }
     file_report.files_checked = 1;

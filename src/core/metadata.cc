@@ -24,7 +24,10 @@ const ObjectInfo* Metadata::FindObject(const std::string& key) const {
 uint64_t Metadata::TotalTensorBytes() const {
   uint64_t total = 0;
   for (const TensorInfo& t : tensors) {
-    for (const ChunkInfo& c : t.chunks) total += c.location.length;
+    const uint64_t element_size = DTypeSize(t.dtype);
+    for (const ChunkInfo& c : t.chunks) {
+      total += static_cast<uint64_t>(c.box.NumElements()) * element_size;
+    }
   }
   return total;
 }
@@ -33,6 +36,23 @@ uint64_t Metadata::TotalChunks() const {
   uint64_t total = 0;
   for (const TensorInfo& t : tensors) total += t.chunks.size();
   return total;
+}
+
+uint64_t NumChecksumBlocks(uint64_t length, uint64_t block_bytes) {
+  if (block_bytes == 0 || length <= block_bytes) return 1;
+  return (length + block_bytes - 1) / block_bytes;
+}
+
+const char* CheckpointFormatName(CheckpointFormat format) {
+  switch (format) {
+    case CheckpointFormat::kTessera:
+      return "tessera";
+    case CheckpointFormat::kTorchDist:
+      return "torch_dist";
+    case CheckpointFormat::kSafetensors:
+      return "safetensors";
+  }
+  return "unknown";
 }
 
 }  // namespace tessera

@@ -121,7 +121,7 @@ Metadata SampleMetadata() {
 }
 
 Status DecodeStatus(const Bytes& bytes) { return DecodeManifest(bytes, kSource).status(); }
-Status DecodeStatus(const Metadata& m) { return DecodeStatus(EncodeManifest(m)); }
+Status DecodeStatus(const Metadata& m) { return DecodeStatus(EncodeManifestVersion1(m)); }
 
 #define EXPECT_DECODE_ERROR(input, code_, substr)                                        \
   do {                                                                                   \
@@ -508,39 +508,40 @@ TEST(SafetensorsTest, IndependentPythonReader) {
   EXPECT_THAT(output, HasSubstr("INVALID")) << output;
 }
 
-// ---- manifest -----------------------------------------------------------------------------
+// ---- manifest, version 1 (the reader of old checkpoints; version 2: manifest_v2_test.cc) -----------------------------------------------------------------------------
 
-TEST(ManifestTest, RoundTrip) {
+TEST(ManifestV1Test, RoundTrip) {
   Metadata m = SampleMetadata();
-  Bytes bytes = EncodeManifest(m);
+  Bytes bytes = EncodeManifestVersion1(m);
   EXPECT_EQ(std::string(bytes.begin(), bytes.begin() + 8), "TSRMANIF");
   ASSERT_OK_AND_ASSIGN(Metadata decoded, DecodeManifest(bytes, kSource));
-  EXPECT_EQ(decoded.format_version, kFormatVersion);
+  EXPECT_EQ(decoded.format_version, 1u);
+  m.format_version = 1;
   EXPECT_EQ(decoded, m);
   // Deterministic: the same content gives the same bytes.
-  EXPECT_EQ(EncodeManifest(decoded), bytes);
+  EXPECT_EQ(EncodeManifestVersion1(decoded), bytes);
   // format_version in the struct is ignored by the encoder.
   m.format_version = 0;
-  EXPECT_EQ(EncodeManifest(m), bytes);
+  EXPECT_EQ(EncodeManifestVersion1(m), bytes);
 }
 
-TEST(ManifestTest, MinimalRoundTrip) {
+TEST(ManifestV1Test, MinimalRoundTrip) {
   Metadata m;
   m.save_id = "x";
-  ASSERT_OK_AND_ASSIGN(Metadata decoded, DecodeManifest(EncodeManifest(m), kSource));
-  m.format_version = kFormatVersion;
+  ASSERT_OK_AND_ASSIGN(Metadata decoded, DecodeManifest(EncodeManifestVersion1(m), kSource));
+  m.format_version = 1;
   EXPECT_EQ(decoded, m);
-  EXPECT_EQ(EncodeManifest(m).size(), 24u + 4 + 1 + 4 + 8 * 4 + 8);
+  EXPECT_EQ(EncodeManifestVersion1(m).size(), 24u + 4 + 1 + 4 + 8 * 4 + 8);
 }
 
-TEST(ManifestTest, LayoutMatchesTheSpec) {
+TEST(ManifestV1Test, LayoutMatchesTheSpec) {
   // One file, one 2-D tensor with one chunk, no metadata, no objects: check the bytes.
   Metadata m;
   m.save_id = "ab";
   m.num_ranks = 2;
   m.files = {{"f", 100}};
   m.tensors = {{"t", DType::kI16, {2, 3}, {Chunk(Box::Whole({2, 3}), DType::kI16, 0, 10, 5)}}};
-  Bytes b = EncodeManifest(m);
+  Bytes b = EncodeManifestVersion1(m);
   Bytes want;
   auto put = [&](uint64_t v, int n) {
     for (int i = 0; i < n; ++i) want.push_back(static_cast<uint8_t>(v >> (8 * i)));
@@ -581,8 +582,8 @@ TEST(ManifestTest, LayoutMatchesTheSpec) {
   EXPECT_EQ(b, want);
 }
 
-TEST(ManifestTest, RejectsBadMagic) {
-  Bytes b = EncodeManifest(SampleMetadata());
+TEST(ManifestV1Test, RejectsBadMagic) {
+  Bytes b = EncodeManifestVersion1(SampleMetadata());
   b[0] = 'X';
   EXPECT_DECODE_ERROR(b, StatusCode::kDataLoss, "not a tessera manifest");
   EXPECT_DECODE_ERROR(Bytes{}, StatusCode::kDataLoss, "not a tessera manifest");
@@ -590,25 +591,25 @@ TEST(ManifestTest, RejectsBadMagic) {
   EXPECT_DECODE_ERROR(ToBytes("{\"json\": true}"), StatusCode::kDataLoss, "not a tessera manifest");
 }
 
-TEST(ManifestTest, RejectsNewerVersion) {
-  Bytes b = EncodeManifest(SampleMetadata());
-  StoreU32(b, 8, 2);
+TEST(ManifestV1Test, RejectsNewerVersion) {
+  Bytes b = EncodeManifestVersion1(SampleMetadata());
+  StoreU32(b, 8, 3);
   Status s = DecodeStatus(b);
   EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
   EXPECT_EQ(s.message(), std::string(kSource) +
-                             ": manifest format version 2 is newer than this build of tessera "
-                             "supports (1)");
-  // Decided before anything else of the file is trusted: a v2 layout may differ entirely.
-  Bytes v2 = ToBytes("TSRMANIF");
-  v2.resize(12);
-  StoreU32(v2, 8, 2);
-  EXPECT_DECODE_ERROR(v2, StatusCode::kUnimplemented, "format version 2 is newer");
+                             ": manifest format version 3 is newer than this build of tessera "
+                             "supports (2)");
+  // Decided before anything else of the file is trusted: a v3 layout may differ entirely.
+  Bytes v3 = ToBytes("TSRMANIF");
+  v3.resize(12);
+  StoreU32(v3, 8, 3);
+  EXPECT_DECODE_ERROR(v3, StatusCode::kUnimplemented, "format version 3 is newer");
   StoreU32(b, 8, 0);
   EXPECT_DECODE_ERROR(Reseal(b), StatusCode::kDataLoss, "invalid manifest format version 0");
 }
 
-TEST(ManifestTest, RejectsChecksumMismatch) {
-  const Bytes good = EncodeManifest(SampleMetadata());
+TEST(ManifestV1Test, RejectsChecksumMismatch) {
+  const Bytes good = EncodeManifestVersion1(SampleMetadata());
   for (size_t at : {size_t{12}, size_t{30}, good.size() / 2, good.size() - 9, good.size() - 1}) {
     Bytes b = good;
     b[at] ^= 0x10;
@@ -620,8 +621,8 @@ TEST(ManifestTest, RejectsChecksumMismatch) {
   }
 }
 
-TEST(ManifestTest, RejectsTruncatedOrExtendedFile) {
-  const Bytes good = EncodeManifest(SampleMetadata());
+TEST(ManifestV1Test, RejectsTruncatedOrExtendedFile) {
+  const Bytes good = EncodeManifestVersion1(SampleMetadata());
   for (size_t n = 0; n < good.size(); ++n) {
     Bytes b(good.begin(), good.begin() + n);
     Status s = DecodeStatus(b);
@@ -635,16 +636,16 @@ TEST(ManifestTest, RejectsTruncatedOrExtendedFile) {
   EXPECT_DECODE_ERROR(longer, StatusCode::kDataLoss, "1 unexpected bytes after its checksum");
 }
 
-TEST(ManifestTest, RejectsFlags) {
-  Bytes b = EncodeManifest(SampleMetadata());
+TEST(ManifestV1Test, RejectsFlags) {
+  Bytes b = EncodeManifestVersion1(SampleMetadata());
   StoreU32(b, 12, 4);
   EXPECT_DECODE_ERROR(b, StatusCode::kDataLoss, "checksum mismatch");
   EXPECT_DECODE_ERROR(Reseal(b), StatusCode::kUnimplemented, "manifest sets flags 0x4");
 }
 
-TEST(ManifestTest, RejectsTruncatedBody) {
+TEST(ManifestV1Test, RejectsTruncatedBody) {
   // Resealed prefixes of the body: the checksum matches, the body parser must catch it.
-  const Bytes good = EncodeManifest(SampleMetadata());
+  const Bytes good = EncodeManifestVersion1(SampleMetadata());
   for (size_t body = 0; body + 32 < good.size(); ++body) {
     Bytes b(good.begin(), good.begin() + 24 + body);
     b.resize(b.size() + 8);
@@ -659,33 +660,33 @@ TEST(ManifestTest, RejectsTruncatedBody) {
                       "remain");
 }
 
-TEST(ManifestTest, RejectsExtraBodyBytes) {
-  Bytes b = EncodeManifest(SampleMetadata());
+TEST(ManifestV1Test, RejectsExtraBodyBytes) {
+  Bytes b = EncodeManifestVersion1(SampleMetadata());
   b.insert(b.end() - 8, {1, 2, 3});
   EXPECT_DECODE_ERROR(Reseal(b), StatusCode::kDataLoss,
                       "corrupt manifest: 3 unexpected bytes at the end of the body");
 }
 
-TEST(ManifestTest, RejectsHugeCounts) {
+TEST(ManifestV1Test, RejectsHugeCounts) {
   // Counts that cannot fit in the bytes left are refused before anything is allocated.
   Metadata m;
   m.save_id = "s";
   m.tensors = {{"t", DType::kF32, {0}, {}}};
-  Bytes b = EncodeManifest(m);
+  Bytes b = EncodeManifestVersion1(m);
   const size_t chunk_count_at = b.size() - 8 - 8 - 8;  // then object count, checksum
   StoreU64(b, chunk_count_at, uint64_t{1} << 60);
   EXPECT_DECODE_ERROR(Reseal(b), StatusCode::kDataLoss,
                       "chunk count 1152921504606846976 needs at least 44 bytes each");
-  b = EncodeManifest(m);
+  b = EncodeManifestVersion1(m);
   StoreU32(b, 24, 0xffffffffu);  // save_id length
   EXPECT_DECODE_ERROR(Reseal(b), StatusCode::kDataLoss,
                       "save_id at body offset 4 needs 4294967295");
-  b = EncodeManifest(m);
+  b = EncodeManifestVersion1(m);
   StoreU64(b, 24 + 4 + 1 + 4, ~uint64_t{0});  // file count
   EXPECT_DECODE_ERROR(Reseal(b), StatusCode::kDataLoss, "file count 18446744073709551615");
 }
 
-TEST(ManifestTest, RejectsFileNamesOutsideTheDirectory) {
+TEST(ManifestV1Test, RejectsFileNamesOutsideTheDirectory) {
   for (const std::string& name :
        std::vector<std::string>{"../x", "/abs", "a/b", "", ".", "..", std::string("a\0b", 3)}) {
     Metadata m = SampleMetadata();
@@ -702,7 +703,7 @@ TEST(ManifestTest, RejectsFileNamesOutsideTheDirectory) {
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss, "appears twice in the file table");
 }
 
-TEST(ManifestTest, RejectsBadDtype) {
+TEST(ManifestV1Test, RejectsBadDtype) {
   Metadata m = SampleMetadata();
   m.tensors[1].dtype = static_cast<DType>(99);
   EXPECT_DECODE_ERROR(m, StatusCode::kUnimplemented, "tensor \"emb\": unknown dtype value 99");
@@ -710,7 +711,7 @@ TEST(ManifestTest, RejectsBadDtype) {
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss, "tensor \"emb\": unknown dtype value 0");
 }
 
-TEST(ManifestTest, RejectsFileIndexOutOfRange) {
+TEST(ManifestV1Test, RejectsFileIndexOutOfRange) {
   Metadata m = SampleMetadata();
   m.tensors[0].chunks[1].location.file_index = 3;
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss,
@@ -721,7 +722,7 @@ TEST(ManifestTest, RejectsFileIndexOutOfRange) {
                       "object \"optimizer.step\": file index 7 out of range (3 files)");
 }
 
-TEST(ManifestTest, RejectsBytesOutsideTheFile) {
+TEST(ManifestV1Test, RejectsBytesOutsideTheFile) {
   Metadata m = SampleMetadata();
   m.tensors[0].chunks[0].location.offset = (1 << 20) - 47;
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss, "tensor \"decoder.w\" chunk 0: bytes [");
@@ -733,7 +734,7 @@ TEST(ManifestTest, RejectsBytesOutsideTheFile) {
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss, "object \"rng\": bytes [8193, +0)");
 }
 
-TEST(ManifestTest, RejectsChunkOutsideTheShape) {
+TEST(ManifestV1Test, RejectsChunkOutsideTheShape) {
   Metadata m = SampleMetadata();
   m.tensors[0].chunks[1].box = Box({3, 0}, {2, 6});
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss,
@@ -751,7 +752,7 @@ TEST(ManifestTest, RejectsChunkOutsideTheShape) {
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss, "lies outside the global shape");
 }
 
-TEST(ManifestTest, RejectsLengthMismatch) {
+TEST(ManifestV1Test, RejectsLengthMismatch) {
   Metadata m = SampleMetadata();
   m.tensors[0].chunks[1].location.length = 47;
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss,
@@ -762,7 +763,7 @@ TEST(ManifestTest, RejectsLengthMismatch) {
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss, "tensor \"scalar\" chunk 0 []: length 4 bytes");
 }
 
-TEST(ManifestTest, RejectsIncompleteOrExcessCoverage) {
+TEST(ManifestV1Test, RejectsIncompleteOrExcessCoverage) {
   Metadata m = SampleMetadata();
   m.tensors[0].chunks.pop_back();
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss,
@@ -776,7 +777,7 @@ TEST(ManifestTest, RejectsIncompleteOrExcessCoverage) {
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss, "tensor \"scalar\": its 0 chunks hold 0");
 }
 
-TEST(ManifestTest, RejectsBadShapes) {
+TEST(ManifestV1Test, RejectsBadShapes) {
   Metadata m = SampleMetadata();
   m.tensors[1].global_shape = Shape(65, 1);
   m.tensors[1].chunks = {Chunk(Box::Whole(Shape(65, 1)), DType::kBF16, 0, 0)};
@@ -795,7 +796,7 @@ TEST(ManifestTest, RejectsBadShapes) {
   EXPECT_OK(DecodeStatus(m));
 }
 
-TEST(ManifestTest, RejectsUnsortedOrDuplicateKeys) {
+TEST(ManifestV1Test, RejectsUnsortedOrDuplicateKeys) {
   Metadata m = SampleMetadata();
   std::swap(m.tensors[0], m.tensors[1]);
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss,
@@ -815,7 +816,7 @@ TEST(ManifestTest, RejectsUnsortedOrDuplicateKeys) {
   m = Metadata();
   m.save_id = "s";
   m.user_metadata = {{"a", "1"}, {"b", "2"}};
-  Bytes b = EncodeManifest(m);
+  Bytes b = EncodeManifestVersion1(m);
   const size_t first_key = 24 + 4 + 1 + 4 + 8 + 8 + 4;
   ASSERT_EQ(b[first_key], 'a');
   ASSERT_EQ(b[first_key + 1 + 4 + 1 + 4], 'b');
@@ -824,7 +825,7 @@ TEST(ManifestTest, RejectsUnsortedOrDuplicateKeys) {
                       "user metadata key \"a\" is not after \"b\"");
 }
 
-TEST(ManifestTest, RejectsBadSaveIdAndRanks) {
+TEST(ManifestV1Test, RejectsBadSaveIdAndRanks) {
   Metadata m = SampleMetadata();
   m.save_id = "";
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss, "save_id \"\" must have 1..128 bytes");
@@ -837,10 +838,10 @@ TEST(ManifestTest, RejectsBadSaveIdAndRanks) {
   EXPECT_DECODE_ERROR(m, StatusCode::kDataLoss, "num_ranks 4294967295 is too large");
 }
 
-TEST(ManifestTest, RandomCorruptionNeverCrashes) {
+TEST(ManifestV1Test, RandomCorruptionNeverCrashes) {
   // Resealed random mutations of the body: each decodes to an error or to some Metadata, and
   // never reads out of bounds (run under a sanitizer to make that a hard check).
-  const Bytes good = EncodeManifest(SampleMetadata());
+  const Bytes good = EncodeManifestVersion1(SampleMetadata());
   Bytes noise = testing::RandomBytes(4 * 2000, 1234);
   int errors = 0;
   for (int i = 0; i < 2000; ++i) {
@@ -855,7 +856,7 @@ TEST(ManifestTest, RandomCorruptionNeverCrashes) {
   EXPECT_GT(errors, 1000);
 }
 
-TEST(ManifestTest, OneMillionChunksDecodeFast) {
+TEST(ManifestV1Test, OneMillionChunksDecodeFast) {
   constexpr int kTensors = 1024;
   constexpr int kChunks = 1024;
   constexpr int64_t kCols = 64;
@@ -883,7 +884,7 @@ TEST(ManifestTest, OneMillionChunksDecodeFast) {
   ASSERT_EQ(m.TotalChunks(), 1u << 20);
 
   auto start = std::chrono::steady_clock::now();
-  Bytes bytes = EncodeManifest(m);
+  Bytes bytes = EncodeManifestVersion1(m);
   const double encode_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   start = std::chrono::steady_clock::now();
@@ -894,7 +895,7 @@ TEST(ManifestTest, OneMillionChunksDecodeFast) {
   std::printf("manifest of %llu chunks: %.1f MB, encode %.3f s, decode %.3f s\n",
               static_cast<unsigned long long>(m.TotalChunks()), bytes.size() / 1e6, encode_s,
               decode_s);
-  m.format_version = kFormatVersion;
+  m.format_version = 1;
   EXPECT_TRUE(*decoded == m);
   EXPECT_LT(decode_s, 1.0);
 }

@@ -10,7 +10,9 @@
 #include <unordered_set>
 #include <utility>
 
+#include "core/tiling.h"
 #include "format/checksum.h"
+#include "format/manifest_internal.h"
 
 namespace tessera {
 
@@ -20,16 +22,11 @@ static_assert(std::endian::native == std::endian::little,
 
 namespace {
 
+using namespace manifest_internal;
+
 // docs/FORMAT.md, section 3. All of these are permanent.
 constexpr char kMagic[8] = {'T', 'S', 'R', 'M', 'A', 'N', 'I', 'F'};
-constexpr size_t kHeaderBytes = 24;    // magic, format_version, flags, body_length
-constexpr size_t kTrailerBytes = 8;    // checksum
-constexpr size_t kLocationBytes = 28;  // u32 file_index, u64 offset, u64 length, u64 checksum
-// Reader limits (not stored; may be raised).
-constexpr uint32_t kMaxRank = 64;
-// Tensor flags (u8 after the rank). Bit values are permanent.
-constexpr uint8_t kTensorPartial = 1;  // chunks may cover only part of the tensor
-constexpr size_t kMaxSaveIdBytes = 128;
+constexpr size_t kLocationBytes = 28;  // version 1: u32 file_index, u64 offset, length, checksum
 
 constexpr char kDataFilePrefix[] = "tsr-";
 constexpr char kDataFileSuffix[] = ".safetensors";
@@ -93,61 +90,6 @@ uint64_t BodySize(const Metadata& m) {
 
 // ---- decoding ------------------------------------------------------------------------------
 
-// Quotes a name for an error message, escaping bytes that are not printable ASCII.
-std::string Quote(std::string_view s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    if (c >= 0x20 && c < 0x7F && c != '"' && c != '\\') {
-      out.push_back(static_cast<char>(c));
-    } else {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
-      out += buf;
-    }
-  }
-  return out + "\"";
-}
-
-template <typename T>
-T Load(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
-// Number of elements of `dims` (all >= 0) into *out; false when it does not fit an int64.
-bool CountElements(const int64_t* dims, size_t rank, uint64_t* out) {
-  for (size_t i = 0; i < rank; ++i) {
-    if (dims[i] == 0) {
-      *out = 0;
-      return true;
-    }
-  }
-  uint64_t n = 1;
-  for (size_t i = 0; i < rank; ++i) {
-    if (__builtin_mul_overflow(n, static_cast<uint64_t>(dims[i]), &n)) return false;
-  }
-  if (n > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return false;
-  *out = n;
-  return true;
-}
-
-// Like Box::ToString, for a box that may not be valid: "[o:end, ...]", "[o:+size, ...]" where
-// o + size would overflow.
-std::string UncheckedBoxString(const Box& box) {
-  std::string out = "[";
-  for (size_t d = 0; d < box.rank(); ++d) {
-    if (d) out += ", ";
-    int64_t end;
-    if (__builtin_add_overflow(box.offsets[d], box.sizes[d], &end)) {
-      out += std::to_string(box.offsets[d]) + ":+" + std::to_string(box.sizes[d]);
-    } else {
-      out += std::to_string(box.offsets[d]) + ":" + std::to_string(end);
-    }
-  }
-  return out + "]";
-}
-
 class Decoder {
  public:
   Decoder(const uint8_t* body, size_t size, std::string_view source)
@@ -172,13 +114,13 @@ class Decoder {
   }
   Status ReadU32(uint32_t* v, const char* what) {
     TESSERA_RETURN_IF_ERROR(Need(4, what));
-    *v = Load<uint32_t>(p_);
+    *v = LoadLE<uint32_t>(p_);
     p_ += 4;
     return Status();
   }
   Status ReadU64(uint64_t* v, const char* what) {
     TESSERA_RETURN_IF_ERROR(Need(8, what));
-    *v = Load<uint64_t>(p_);
+    *v = LoadLE<uint64_t>(p_);
     p_ += 8;
     return Status();
   }
@@ -205,10 +147,10 @@ class Decoder {
   // `where()` names the owner; it is called only on error.
   template <typename Where>
   Status ReadLocation(ByteLocation* l, const Metadata& m, const Where& where) {
-    l->file_index = Load<uint32_t>(p_);
-    l->offset = Load<uint64_t>(p_ + 4);
-    l->length = Load<uint64_t>(p_ + 12);
-    l->checksum = Load<uint64_t>(p_ + 20);
+    l->file_index = LoadLE<uint32_t>(p_);
+    l->offset = LoadLE<uint64_t>(p_ + 4);
+    l->length = LoadLE<uint64_t>(p_ + 12);
+    l->checksum = LoadLE<uint64_t>(p_ + 20);
     p_ += kLocationBytes;
     if (l->file_index >= m.files.size()) [[unlikely]] {
       return Corrupt(where() + ": file index " + std::to_string(l->file_index) + " out of range (" +
@@ -335,17 +277,6 @@ Result<Metadata> Decoder::Decode(uint32_t version) {
   m.format_version = version;
 
   TESSERA_RETURN_IF_ERROR(ReadString(&m.save_id, "save_id"));
-  if (m.save_id.empty() || m.save_id.size() > kMaxSaveIdBytes) {
-    return Corrupt("save_id " + Quote(m.save_id) + " must have 1.." +
-                   std::to_string(kMaxSaveIdBytes) + " bytes");
-  }
-  for (char c : m.save_id) {
-    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '-' ||
-          c == '_')) {
-      return Corrupt("save_id " + Quote(m.save_id) + " holds a character other than " +
-                     "[0-9A-Za-z_-]");
-    }
-  }
   uint32_t num_ranks;
   TESSERA_RETURN_IF_ERROR(ReadU32(&num_ranks, "num_ranks"));
   if (num_ranks > static_cast<uint32_t>(std::numeric_limits<int32_t>::max())) {
@@ -422,14 +353,6 @@ Result<Metadata> Decoder::Decode(uint32_t version) {
     return Corrupt(std::to_string(Remaining()) + " unexpected bytes at the end of the body");
   }
 
-  // A key names a tensor or an object, not both (both lists are sorted).
-  auto t = m.tensors.begin();
-  for (const ObjectInfo& o : m.objects) {
-    while (t != m.tensors.end() && t->key < o.key) ++t;
-    if (t != m.tensors.end() && t->key == o.key) {
-      return Corrupt("key " + Quote(o.key) + " names both a tensor and an object");
-    }
-  }
   return m;
 }
 
@@ -442,12 +365,119 @@ bool AllDigits(std::string_view s) {
 
 }  // namespace
 
+namespace manifest_internal {
+
+std::string Quote(std::string_view s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c >= 0x20 && c < 0x7F && c != '"' && c != '\\') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      out += buf;
+    }
+  }
+  return out + "\"";
+}
+
+bool CountElements(const int64_t* dims, size_t rank, uint64_t* out) {
+  for (size_t i = 0; i < rank; ++i) {
+    if (dims[i] == 0) {
+      *out = 0;
+      return true;
+    }
+  }
+  uint64_t n = 1;
+  for (size_t i = 0; i < rank; ++i) {
+    if (__builtin_mul_overflow(n, static_cast<uint64_t>(dims[i]), &n)) return false;
+  }
+  if (n > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return false;
+  *out = n;
+  return true;
+}
+
+// "[o:end, ...]", "[o:+size, ...]" where o + size would overflow.
+std::string UncheckedBoxString(const Box& box) {
+  std::string out = "[";
+  for (size_t d = 0; d < box.rank(); ++d) {
+    if (d) out += ", ";
+    int64_t end;
+    if (__builtin_add_overflow(box.offsets[d], box.sizes[d], &end)) {
+      out += std::to_string(box.offsets[d]) + ":+" + std::to_string(box.sizes[d]);
+    } else {
+      out += std::to_string(box.offsets[d]) + ":" + std::to_string(end);
+    }
+  }
+  return out + "]";
+}
+
+Status ValidateDecoded(const Metadata& m, std::string_view source) {
+  auto corrupt = [&](const std::string& what) {
+    return DataLoss(std::string(source) + ": corrupt manifest: " + what);
+  };
+  if (m.save_id.empty() || m.save_id.size() > kMaxSaveIdBytes) {
+    return corrupt("save_id " + Quote(m.save_id) + " must have 1.." +
+                   std::to_string(kMaxSaveIdBytes) + " bytes");
+  }
+  for (char c : m.save_id) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '-' ||
+          c == '_')) {
+      return corrupt("save_id " + Quote(m.save_id) + " holds a character other than " +
+                     "[0-9A-Za-z_-]");
+    }
+  }
+  // A key names a tensor or an object, not both (both lists are sorted).
+  auto t = m.tensors.begin();
+  for (const ObjectInfo& o : m.objects) {
+    while (t != m.tensors.end() && t->key < o.key) ++t;
+    if (t != m.tensors.end() && t->key == o.key) {
+      return corrupt("key " + Quote(o.key) + " names both a tensor and an object");
+    }
+  }
+  // The chunks of every tensor are disjoint and, unless it is partial, cover it: the element
+  // counts adding up (checked while decoding) is not enough, overlapping chunks would leave
+  // elements that no chunk holds.
+  for (const TensorInfo& tensor : m.tensors) {
+    if (auto failure = CheckTiling(tensor.chunks, tensor.global_shape, !tensor.partial)) {
+      return corrupt("tensor " + Quote(tensor.key) + ": " + failure->message);
+    }
+  }
+  return Status();
+}
+
+Result<Metadata> DecodeBodyVersion1(std::span<const uint8_t> body, std::string_view source) {
+  return Decoder(body.data(), body.size(), source).Decode(1);
+}
+
+}  // namespace manifest_internal
+
+namespace {
+
+Bytes WithHeaderAndChecksum(uint32_t version, const Bytes& body) {
+  Bytes out(kHeaderBytes + body.size() + kTrailerBytes);
+  Writer w(out.data());
+  w.Raw(kMagic, sizeof(kMagic));
+  w.U32(version);
+  w.U32(0);  // flags
+  w.U64(body.size());
+  w.Raw(body.data(), body.size());
+  w.U64(Checksum(out.data(), kHeaderBytes + body.size()));
+  return out;
+}
+
+}  // namespace
+
 Bytes EncodeManifest(const Metadata& m) {
+  return WithHeaderAndChecksum(kFormatVersion, EncodeBodyVersion2(m));
+}
+
+Bytes EncodeManifestVersion1(const Metadata& m) {
   const uint64_t body = BodySize(m);
   Bytes out(kHeaderBytes + body + kTrailerBytes);
   Writer w(out.data());
   w.Raw(kMagic, sizeof(kMagic));
-  w.U32(kFormatVersion);
+  w.U32(1);
   w.U32(0);  // flags
   w.U64(body);
 
@@ -501,7 +531,7 @@ Result<Metadata> DecodeManifest(std::span<const uint8_t> bytes, std::string_view
     return DataLoss(src + ": manifest truncated: " + std::to_string(size) +
                     " bytes, too short to hold the format version");
   }
-  const uint32_t version = Load<uint32_t>(data + 8);
+  const uint32_t version = LoadLE<uint32_t>(data + 8);
   if (version > kFormatVersion) {
     return Unimplemented(src + ": manifest format version " + std::to_string(version) +
                          " is newer than this build of tessera supports (" +
@@ -512,7 +542,7 @@ Result<Metadata> DecodeManifest(std::span<const uint8_t> bytes, std::string_view
     return DataLoss(src + ": manifest truncated: " + std::to_string(size) + " bytes, fewer than " +
                     std::to_string(kHeaderBytes + kTrailerBytes));
   }
-  const uint64_t body_length = Load<uint64_t>(data + 16);
+  const uint64_t body_length = LoadLE<uint64_t>(data + 16);
   const uint64_t available = size - kHeaderBytes - kTrailerBytes;
   if (body_length > available) {
     return DataLoss(src + ": manifest truncated: its header promises " +
@@ -523,11 +553,11 @@ Result<Metadata> DecodeManifest(std::span<const uint8_t> bytes, std::string_view
     return DataLoss(src + ": manifest has " + std::to_string(available - body_length) +
                     " unexpected bytes after its checksum");
   }
-  const uint64_t stored = Load<uint64_t>(data + kHeaderBytes + body_length);
+  const uint64_t stored = LoadLE<uint64_t>(data + kHeaderBytes + body_length);
   if (Checksum(data, kHeaderBytes + body_length) != stored) {
     return DataLoss(src + ": manifest checksum mismatch (file corrupt or truncated)");
   }
-  const uint32_t flags = Load<uint32_t>(data + 12);
+  const uint32_t flags = LoadLE<uint32_t>(data + 12);
   if (flags != 0) {
     char hex[16];
     std::snprintf(hex, sizeof(hex), "0x%x", flags);
@@ -535,7 +565,12 @@ Result<Metadata> DecodeManifest(std::span<const uint8_t> bytes, std::string_view
                          " that this build of tessera does not know (format version " +
                          std::to_string(version) + " defines none)");
   }
-  return Decoder(data + kHeaderBytes, body_length, source).Decode(version);
+  const std::span<const uint8_t> body(data + kHeaderBytes, body_length);
+  Result<Metadata> metadata =
+      version == 1 ? DecodeBodyVersion1(body, source) : DecodeBodyVersion2(body, source);
+  if (!metadata.ok()) return metadata;
+  TESSERA_RETURN_IF_ERROR(ValidateDecoded(*metadata, source));
+  return metadata;
 }
 
 Status CheckDataFileName(std::string_view name) {

@@ -14,15 +14,24 @@
 namespace tessera {
 
 inline constexpr char kManifestFileName[] = "tessera.manifest";
-// The format version this build writes, and the newest it reads.
-inline constexpr uint32_t kFormatVersion = 1;
+// The format version this build writes, and the newest it reads (it reads every older one).
+inline constexpr uint32_t kFormatVersion = 2;
+// Bytes per checksum block of the chunks Save writes (Metadata::checksum_block_bytes): a load
+// that needs part of a chunk reads and checks whole blocks around what it needs, so this is the
+// most a verified partial read reads beyond each end of a contiguous range it needs.
+inline constexpr uint64_t kChecksumBlockBytes = 256u << 10;
 
-// Serialises `metadata` (format_version is written as kFormatVersion).
+// Serialises `metadata` in version kFormatVersion (format_version is ignored). The same
+// encoding carries the metadata of other formats between ranks (Metadata::format says which).
 Bytes EncodeManifest(const Metadata& metadata);
+// Version 1, which knows no block checksums, chunk or object encodings, storage orders, save
+// time or separate prefixes (they are dropped). For tests of the reader of old checkpoints.
+Bytes EncodeManifestVersion1(const Metadata& metadata);
 
-// Parses and checks a manifest: magic, version (a newer one is kUnimplemented naming both
-// versions), checksum (kDataLoss), every length and index in range, file names that stay
-// inside the checkpoint directory, dtypes known, chunk boxes inside their tensor's shape.
+// Parses and checks a manifest of any version up to kFormatVersion: magic, version (a newer one
+// is kUnimplemented naming both versions), checksum (kDataLoss), every length and index in
+// range, file names that stay inside the checkpoint directory, dtypes known, chunk boxes inside
+// their tensor's shape, disjoint, and covering it unless the tensor is partial.
 // `source` (usually the path) prefixes every error.
 Result<Metadata> DecodeManifest(std::span<const uint8_t> bytes, std::string_view source);
 

@@ -51,7 +51,7 @@ void ChunkIndex::ForEachIntersecting(const Box& box,
 
 int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor_index, const ChunkIndex& index,
                         const Box& box, const Box& layout, std::byte* destination,
-                        std::vector<ReadRun>& runs) {
+                        std::vector<ReadRun>& runs, std::vector<PermutedCopy>& permuted) {
   const TensorInfo& tensor = metadata.tensors[tensor_index];
   const size_t rank = box.rank();
   const int64_t element_size = static_cast<int64_t>(DTypeSize(tensor.dtype));
@@ -62,6 +62,10 @@ int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor_index, const C
     if (!common) return;
     const Box& part = *common;
     covered += part.NumElements();
+    if (!chunk.storage_order.empty()) {
+      permuted.push_back(PermutedCopy{tensor_index, c, part, layout, destination});
+      return;
+    }
     // The run: the innermost dimensions along which `part` spans both the chunk and the
     // destination layout completely, plus the first one (from the inside) where it does not.
     int64_t run_elements = 1;
@@ -75,9 +79,7 @@ int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor_index, const C
     }
     const std::vector<int64_t> src_strides = RowMajorStrides(chunk.box.sizes);
     const std::vector<int64_t> dst_strides = RowMajorStrides(layout.sizes);
-    const bool whole = part == chunk.box;
     std::vector<int64_t> index_in_part(outer, 0);
-    const size_t first_run = runs.size();
     while (true) {
       int64_t src = 0, dst = 0;
       for (size_t d = 0; d < rank; ++d) {
@@ -88,8 +90,7 @@ int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor_index, const C
       runs.push_back(ReadRun{chunk.location.file_index,
                              chunk.location.offset + static_cast<uint64_t>(src * element_size),
                              static_cast<uint64_t>(run_elements * element_size),
-                             destination + dst * element_size, tensor_index, c, whole,
-                             /*chunk_first=*/runs.size() == first_run, /*chunk_last=*/false});
+                             destination + dst * element_size, tensor_index, c});
       // Next index of the outer dimensions, last fastest; done after the last one.
       bool done = true;
       for (size_t d = outer; d-- > 0;) {
@@ -101,7 +102,6 @@ int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor_index, const C
       }
       if (done) break;
     }
-    runs.back().chunk_last = true;
   });
   return covered;
 }
@@ -119,8 +119,7 @@ void CoalesceRuns(std::vector<ReadRun>& runs) {
       // Runs of different chunks stay apart, so every run belongs to one chunk.
       if (last.file_index == next.file_index && last.tensor == next.tensor &&
           last.chunk == next.chunk && last.file_offset + last.length == next.file_offset &&
-          last.destination + last.length == next.destination && !last.whole_chunk &&
-          !next.whole_chunk) {
+          last.destination + last.length == next.destination) {
         last.length += next.length;
         continue;
       }
@@ -181,8 +180,8 @@ Status PlanTensor(const Metadata& metadata, std::vector<std::unique_ptr<ChunkInd
                         " is outside the saved global shape " + ShapeToString(info->global_shape));
     }
     const int64_t needed = wanted.NumElements();
-    const int64_t covered =
-        PlanTensorReads(metadata, t, *indexes[t], wanted, piece.box, destination, plan.runs);
+    const int64_t covered = PlanTensorReads(metadata, t, *indexes[t], wanted, piece.box,
+                                            destination, plan.runs, plan.permuted);
     plan.bytes_needed += needed * element_size;
     if (covered != needed) {
       return DataLoss("key '" + tensor.key + "': box " + wanted.ToString() + " is covered by " +

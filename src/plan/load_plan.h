@@ -44,22 +44,30 @@ struct ReadRun {
   uint64_t file_offset = 0;
   uint64_t length = 0;
   std::byte* destination = nullptr;
-  uint32_t tensor = 0;  // index into Metadata::tensors (for error messages)
+  uint32_t tensor = 0;  // index into Metadata::tensors (the reader checks its checksums)
   uint32_t chunk = 0;   // index into that tensor's chunks
-  // The runs of one chunk that the destination needs whole come out consecutive and in file
-  // order, first to last: their bytes, streamed in that order, give the chunk's checksum.
-  bool whole_chunk = false;
-  bool chunk_first = false;  // with whole_chunk: the first run of the chunk
-  bool chunk_last = false;   // with whole_chunk: the last run of the chunk
+};
+
+// A part of a chunk stored in another dimension order than row-major (ChunkInfo::
+// storage_order, e.g. a transposed view saved by torch): its run of elements along the stored
+// innermost dimension is not contiguous in the destination, so the reader reads the chunk
+// whole and copies the part element by element.
+struct PermutedCopy {
+  uint32_t tensor = 0;
+  uint32_t chunk = 0;
+  Box part;                          // in global coordinates, inside the chunk and the layout
+  Box layout;                        // of the destination
+  std::byte* destination = nullptr;  // holds `layout` row-major
 };
 
 // Appends the runs that fill `box` (of metadata.tensors[tensor]) into `destination`, which holds
 // `layout` row-major; `box` must lie inside `layout` (usually they are equal; a shape-mismatched
 // load fills only part of its layout). Returns the number of elements of `box` covered by saved
 // chunks (box.NumElements() when nothing is missing).
+// Parts of chunks with a storage order become `permuted` copies instead of runs.
 int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor, const ChunkIndex& index,
                         const Box& box, const Box& layout, std::byte* destination,
-                        std::vector<ReadRun>& runs);
+                        std::vector<ReadRun>& runs, std::vector<PermutedCopy>& permuted);
 
 // One object this rank asks for: read whole into `destination->data`.
 struct ObjectRead {
@@ -70,6 +78,7 @@ struct ObjectRead {
 // Everything one rank reads on load.
 struct RankReadPlan {
   std::vector<ReadRun> runs;  // coalesced, sorted by (file, offset)
+  std::vector<PermutedCopy> permuted;
   std::vector<ObjectRead> objects;
   // asked[k] is 1 when this rank asks for key k: the manifest's tensors, then its objects.
   std::vector<int64_t> asked;
@@ -85,8 +94,8 @@ struct RankReadPlan {
 Result<RankReadPlan> PlanRankReads(const Metadata& metadata, StateDict& state,
                                    const std::string& path, bool skip_missing);
 
-// Sorts runs by (file, offset) and merges runs adjacent both in the file and in memory (runs of
-// whole chunks are left alone, so each chunk's checksum can still be checked).
+// Sorts runs by (file, offset) and merges runs of one chunk adjacent both in the file and in
+// memory.
 void CoalesceRuns(std::vector<ReadRun>& runs);
 
 }  // namespace tessera

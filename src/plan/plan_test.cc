@@ -304,8 +304,10 @@ TEST(LoadPlanTest, RandomReshardingIsExact) {
     }
     std::vector<int32_t> out(want.NumElements(), -1);
     std::vector<ReadRun> runs;
+    std::vector<PermutedCopy> permuted;
     int64_t covered = PlanTensorReads(metadata, 0, index, want, want,
-                                      reinterpret_cast<std::byte*>(out.data()), runs);
+                                      reinterpret_cast<std::byte*>(out.data()), runs, permuted);
+    EXPECT_TRUE(permuted.empty());
     EXPECT_EQ(covered, want.NumElements());
     CoalesceRuns(runs);
     uint64_t bytes = 0;

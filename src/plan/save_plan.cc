@@ -41,6 +41,7 @@ Result<LocalPlan> BuildLocalPlan(const StateDict& state) {
       item.kind = ItemKind::kObject;
       item.replica_id = object->replica_id;
       item.num_bytes = object->data.size();
+      item.object_encoding = object->encoding;
       item.entry_index = i;
       plan.items.push_back(std::move(item));
       continue;
@@ -90,6 +91,7 @@ Bytes EncodeLocalPlan(const LocalPlan& plan) {
     w.PutString(item.key);
     w.Put<uint8_t>(static_cast<uint8_t>(item.kind));
     w.Put<uint8_t>(static_cast<uint8_t>(item.dtype));
+    w.Put<uint8_t>(static_cast<uint8_t>(item.object_encoding));
     w.Put<uint8_t>(item.partial ? 1 : 0);
     w.Put<uint8_t>(static_cast<uint8_t>(item.global_shape.size()));
     w.PutBytes(item.global_shape.data(), item.global_shape.size() * sizeof(int64_t));
@@ -111,16 +113,21 @@ Result<LocalPlan> DecodeLocalPlan(std::span<const uint8_t> bytes) {
   LocalPlan plan;
   plan.items.resize(count);
   for (LocalItem& item : plan.items) {
-    uint8_t kind = 0, dtype = 0, partial = 0, rank = 0;
+    uint8_t kind = 0, dtype = 0, encoding = 0, partial = 0, rank = 0;
     TESSERA_RETURN_IF_ERROR(r.GetString(&item.key));
     TESSERA_RETURN_IF_ERROR(r.Get(&kind));
     TESSERA_RETURN_IF_ERROR(r.Get(&dtype));
+    TESSERA_RETURN_IF_ERROR(r.Get(&encoding));
     TESSERA_RETURN_IF_ERROR(r.Get(&partial));
     TESSERA_RETURN_IF_ERROR(r.Get(&rank));
     if (kind > 1 || (kind == 0 && !IsValidDType(dtype))) {
       return DataLoss("local plan: bad item kind or dtype for key '" + item.key + "'");
     }
+    if (encoding > static_cast<uint8_t>(ObjectEncoding::kJson)) {
+      return DataLoss("local plan: bad object encoding for key '" + item.key + "'");
+    }
     item.kind = static_cast<ItemKind>(kind);
+    item.object_encoding = static_cast<ObjectEncoding>(encoding);
     item.dtype = static_cast<DType>(dtype);
     item.partial = partial != 0;
     item.global_shape.resize(rank);
@@ -160,129 +167,6 @@ Result<std::vector<LocalPlan>> DecodeLocalPlans(std::span<const std::span<const 
   for (std::thread& t : workers) t.join();
   for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
   return plans;
-}
-
-// ---- tiling check ----------------------------------------------------------------------------
-//
-// Overlap is found by a sweep along the dimension with the most distinct chunk offsets (the
-// most-split one). Boxes whose extent along it contains the sweep position are "active"; they
-// are kept ordered by their offset in a second dimension, so a new box is compared only with
-// the active boxes whose extent in that dimension reaches it. For the layouts checkpoints use
-// (grids of TP/PP/DP splits, flat-range pieces) that is O(log n) per box: O(n log n) in all.
-// Coverage follows from disjointness, bounds, and the volumes adding up to the whole.
-
-namespace {
-
-// `boxes` is anything indexable whose elements give a Box through `box_of`.
-template <typename Boxes, typename BoxOf>
-std::optional<BoxCheckFailure> CheckTilingOf(const Boxes& items, BoxOf box_of, const Shape& shape,
-                                             bool require_coverage) {
-  struct View {  // boxes[i] reads like a vector of Box
-    const Boxes& items;
-    BoxOf& box_of;
-    const Box& operator[](size_t i) const { return box_of(items[i]); }
-    size_t size() const { return items.size(); }
-  } boxes{items, box_of};
-  const size_t rank = shape.size();
-  __int128 total = 1;
-  for (int64_t s : shape) total *= s;
-  __int128 covered = 0;
-  std::vector<uint32_t> order;
-  order.reserve(boxes.size());
-  for (uint32_t i = 0; i < boxes.size(); ++i) {
-    if (!boxes[i].InBounds(shape)) {
-      return BoxCheckFailure{
-          "box " + boxes[i].ToString() + " is outside the global shape " + ShapeToString(shape), i,
-          -1};
-    }
-    if (boxes[i].empty()) continue;
-    covered += boxes[i].NumElements();
-    order.push_back(i);
-  }
-  auto overlap_failure = [&](uint32_t a, uint32_t b) {
-    return BoxCheckFailure{
-        "boxes " + boxes[a].ToString() + " and " + boxes[b].ToString() + " overlap", a, b};
-  };
-  // Fast path: sorted along some dimension, consecutive boxes do not even overlap along it
-  // (the row or column slices of TP/DP splits): no pair can overlap.
-  auto disjoint_along = [&](size_t d) {
-    std::sort(order.begin(), order.end(),
-              [&](uint32_t a, uint32_t b) { return boxes[a].offsets[d] < boxes[b].offsets[d]; });
-    for (size_t k = 1; k < order.size(); ++k) {
-      if (boxes[order[k]].offsets[d] < boxes[order[k - 1]].end(d)) return false;
-    }
-    return true;
-  };
-  if (rank == 0) {
-    if (order.size() > 1) return overlap_failure(order[0], order[1]);
-  } else if (order.size() > 1 && (disjoint_along(0) || (rank > 1 && disjoint_along(rank - 1)))) {
-    // No overlap.
-  } else if (order.size() > 1) {
-    // The sweep dimension: most distinct offsets. The ordering dimension: the next most.
-    std::vector<std::pair<size_t, size_t>> distinct(rank);  // (count, dim)
-    std::vector<int64_t> values(order.size());
-    for (size_t d = 0; d < rank; ++d) {
-      for (size_t k = 0; k < order.size(); ++k) values[k] = boxes[order[k]].offsets[d];
-      std::sort(values.begin(), values.end());
-      distinct[d] = {std::unique(values.begin(), values.end()) - values.begin(), d};
-    }
-    std::sort(distinct.begin(), distinct.end(), std::greater<>());
-    const size_t sweep = distinct[0].second;
-    const size_t second = rank > 1 ? distinct[1].second : sweep;
-    int64_t max_second_extent = 0;
-    for (uint32_t i : order)
-      max_second_extent = std::max(max_second_extent, boxes[i].sizes[second]);
-
-    std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-      return boxes[a].offsets[sweep] < boxes[b].offsets[sweep];
-    });
-    using ActiveMap = std::multimap<int64_t, uint32_t>;  // offset in `second` -> box
-    ActiveMap active;
-    // Expiry queue: (end along sweep, iterator into `active`).
-    using Expiry = std::pair<int64_t, ActiveMap::iterator>;
-    auto later = [](const Expiry& a, const Expiry& b) { return a.first > b.first; };
-    std::priority_queue<Expiry, std::vector<Expiry>, decltype(later)> expiry(later);
-    for (uint32_t i : order) {
-      const Box& box = boxes[i];
-      while (!expiry.empty() && expiry.top().first <= box.offsets[sweep]) {
-        active.erase(expiry.top().second);
-        expiry.pop();
-      }
-      if (rank == 1) {
-        if (!active.empty()) return overlap_failure(active.begin()->second, i);
-      } else {
-        // Active boxes that may reach box in `second`: offset in (box.off - max_extent, box.end).
-        auto it = active.upper_bound(box.offsets[second] - max_second_extent);
-        for (; it != active.end() && it->first < box.end(second); ++it) {
-          if (Intersect(boxes[it->second], box)) return overlap_failure(it->second, i);
-        }
-      }
-      auto where = active.emplace(box.offsets[second], i);
-      expiry.emplace(box.end(sweep), where);
-    }
-  }
-  if (require_coverage && covered != total) {
-    return BoxCheckFailure{"the boxes cover " + std::to_string(static_cast<int64_t>(covered)) +
-                               " of the " + std::to_string(static_cast<int64_t>(total)) +
-                               " elements of shape " + ShapeToString(shape) +
-                               " (mark the tensor partial if that is intended)",
-                           -1, -1};
-  }
-  return std::nullopt;
-}
-
-}  // namespace
-
-std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Shape& shape,
-                                           bool require_coverage) {
-  return CheckTilingOf(
-      boxes, [](const Box& b) -> const Box& { return b; }, shape, require_coverage);
-}
-
-std::optional<BoxCheckFailure> CheckTiling(std::span<const ChunkInfo> chunks, const Shape& shape,
-                                           bool require_coverage) {
-  return CheckTilingOf(
-      chunks, [](const ChunkInfo& c) -> const Box& { return c.box; }, shape, require_coverage);
 }
 
 // ---- global plan -----------------------------------------------------------------------------
@@ -367,7 +251,7 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
       shard.num_bytes = first.num_bytes;
       shard.tensor = -1;
       shard.index = static_cast<uint32_t>(plan.metadata.objects.size());
-      plan.metadata.objects.push_back(ObjectInfo{key, {}});
+      plan.metadata.objects.push_back(ObjectInfo{key, {}, first.object_encoding});
       shards.push_back(std::move(shard));
       continue;
     }
@@ -429,7 +313,7 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
     for (const ItemRef& ref : sorted) {
       const Box& box = item_of(ref).box;
       if (info.chunks.empty() || info.chunks.back().box != box) {
-        info.chunks.push_back(ChunkInfo{box, {}});
+        info.chunks.push_back(ChunkInfo{.box = box});
         Shard shard;
         shard.holder_begin = static_cast<uint32_t>(holders.size());
         shard.num_bytes = item_of(ref).num_bytes;
@@ -520,6 +404,7 @@ Bytes EncodeWriteResult(const WriteResult& result) {
   }
   w.Put<uint32_t>(static_cast<uint32_t>(result.items.size()));
   w.PutBytes(result.items.data(), result.items.size() * sizeof(WrittenItem));
+  w.PutVector(result.block_checksums);
   return out;
 }
 
@@ -536,7 +421,14 @@ Result<WriteResult> DecodeWriteResult(std::span<const uint8_t> bytes) {
     TESSERA_RETURN_IF_ERROR(r.Get(&f.size));
   }
   TESSERA_RETURN_IF_ERROR(r.GetVector(&result.items));
+  TESSERA_RETURN_IF_ERROR(r.GetVector(&result.block_checksums));
   if (!r.AtEnd()) return DataLoss("write result: trailing bytes");
+  for (const WrittenItem& item : result.items) {
+    if (item.first_block > result.block_checksums.size() ||
+        item.num_blocks > result.block_checksums.size() - item.first_block) {
+      return DataLoss("write result: block checksums out of range");
+    }
+  }
   return result;
 }
 
@@ -561,26 +453,34 @@ Result<Metadata> FinishMetadata(const GlobalSavePlan& plan, std::span<const Writ
     }
   }
   // The location of `ref`'s bytes; `describe` names them, called only for an error.
-  auto locate = [&](const ItemRef& ref, ByteLocation& out, auto&& describe) -> Status {
+  // The location of `ref`'s bytes, and the checksums of its later blocks when `blocks` is not
+  // null; `describe` names them, called only for an error.
+  auto locate = [&](const ItemRef& ref, ByteLocation& out, std::vector<uint64_t>* blocks,
+                    auto&& describe) -> Status {
     const size_t r = static_cast<size_t>(ref.rank);
     if (r >= num_ranks || ref.item >= where[r].size() || where[r][ref.item] == kNone) {
       return Internal(describe() + " was not reported written by rank " + std::to_string(ref.rank));
     }
     const WrittenItem& w = results[r].items[where[r][ref.item]];
     out = ByteLocation{file_base[r] + w.file, w.offset, w.length, w.checksum};
+    if (blocks && w.num_blocks) {
+      const auto first = results[r].block_checksums.begin() + w.first_block;
+      blocks->assign(first, first + w.num_blocks);
+    }
     return Status::Ok();
   };
   for (size_t t = 0; t < metadata.tensors.size(); ++t) {
     TensorInfo& tensor = metadata.tensors[t];
     for (size_t c = 0; c < tensor.chunks.size(); ++c) {
-      TESSERA_RETURN_IF_ERROR(locate(plan.chunk_writers[t][c], tensor.chunks[c].location, [&] {
-        return "key '" + tensor.key + "' box " + tensor.chunks[c].box.ToString();
-      }));
+      ChunkInfo& chunk = tensor.chunks[c];
+      TESSERA_RETURN_IF_ERROR(
+          locate(plan.chunk_writers[t][c], chunk.location, &chunk.block_checksums,
+                 [&] { return "key '" + tensor.key + "' box " + chunk.box.ToString(); }));
     }
   }
   for (size_t o = 0; o < metadata.objects.size(); ++o) {
     ObjectInfo& object = metadata.objects[o];
-    TESSERA_RETURN_IF_ERROR(locate(plan.object_writers[o], object.location,
+    TESSERA_RETURN_IF_ERROR(locate(plan.object_writers[o], object.location, nullptr,
                                    [&] { return "object '" + object.key + "'"; }));
   }
   return metadata;

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/tiling.h"
 #include "tessera/box.h"
 #include "tessera/comm.h"
 #include "tessera/dtype.h"
@@ -36,6 +37,7 @@ struct LocalItem {
   Box box;                   // tensors
   ReplicaId replica_id;
   uint64_t num_bytes = 0;
+  ObjectEncoding object_encoding = ObjectEncoding::kBytes;  // objects
   // Where the bytes are on the owning rank; not encoded (meaningless elsewhere).
   uint32_t entry_index = 0;  // into the rank's StateDict::entries()
   uint64_t byte_offset = 0;  // into that entry's data
@@ -87,32 +89,23 @@ struct GlobalSavePlan {
 Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
                                            const SavePlanOptions& options);
 
-// Checks that the boxes are disjoint, inside `shape`, and (when `require_coverage`) cover it
-// exactly. O(n log n) for the tilings checkpoints use (see save_plan.cc). On failure returns
-// the offending pair (indices into `boxes`) or -1s, with the message.
-struct BoxCheckFailure {
-  std::string message;
-  int64_t first = -1;
-  int64_t second = -1;
-};
-std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Shape& shape,
-                                           bool require_coverage);
-// The same over the boxes of saved chunks.
-std::optional<BoxCheckFailure> CheckTiling(std::span<const ChunkInfo> chunks, const Shape& shape,
-                                           bool require_coverage);
-
 // Where one written item landed, reported by its writer.
 struct WrittenItem {
   uint32_t item = 0;    // index into the writer's LocalPlan::items
   uint32_t file = 0;    // index into the writer's WriteResult::files
   uint64_t offset = 0;  // absolute, in the file
   uint64_t length = 0;
-  uint64_t checksum = 0;
+  uint64_t checksum = 0;  // of the first checksum block (ByteLocation::checksum)
+  // The checksums of the item's later blocks (ChunkInfo::block_checksums) are
+  // WriteResult::block_checksums[first_block, first_block + num_blocks).
+  uint64_t num_blocks = 0;
+  uint64_t first_block = 0;
 };
 
 struct WriteResult {
   std::vector<FileInfo> files;  // written by this rank
   std::vector<WrittenItem> items;
+  std::vector<uint64_t> block_checksums;
 };
 
 Bytes EncodeWriteResult(const WriteResult& result);

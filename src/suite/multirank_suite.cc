@@ -48,10 +48,20 @@ Status ReshardModelState(Comm& comm, const std::string& dir, workload::Layout lo
   TESSERA_ASSIGN_OR_RETURN(SaveReport report, Save(saved.dict, dir + "/ck", comm));
   TESSERA_RETURN_IF_ERROR(
       Expect(report.total_bytes == config.StateBytes(), "each unique byte written once"));
+  // Unverified, a load reads exactly the bytes it needs; verified (the default), it reads the
+  // checksum blocks around them.
   workload::RankState loaded = workload::BuildRankState(config, load, comm.rank(), false);
-  TESSERA_ASSIGN_OR_RETURN(LoadReport load_report, Load(loaded.dict, dir + "/ck", comm));
+  LoadOptions unverified;
+  unverified.verify_checksums = false;
+  TESSERA_ASSIGN_OR_RETURN(LoadReport load_report,
+                           Load(loaded.dict, dir + "/ck", comm, unverified));
   TESSERA_RETURN_IF_ERROR(Expect(load_report.bytes_read == load_report.bytes_needed,
-                                 "a load reads exactly the bytes it needs"));
+                                 "an unverified load reads exactly the bytes it needs"));
+  TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, workload::CheckRankState(loaded)));
+  loaded = workload::BuildRankState(config, load, comm.rank(), false);
+  TESSERA_ASSIGN_OR_RETURN(load_report, Load(loaded.dict, dir + "/ck", comm));
+  TESSERA_RETURN_IF_ERROR(Expect(load_report.bytes_read >= load_report.bytes_needed,
+                                 "a verified load reads at least the bytes it needs"));
   return AgreeOnStatus(comm, workload::CheckRankState(loaded));
 }
 
@@ -190,9 +200,10 @@ Status RandomResharding(Comm& comm, const std::string& dir) {
       TESSERA_RETURN_IF_ERROR(
           BuildRandomState(tensors, load_layout, comm.rank(), false, loaded, load_buffers));
       LoadOptions load_options;
-      load_options.verify_partial_chunks = trial % 3 == 2;  // reads whole chunks: more bytes
+      // Verified loads read whole checksum blocks around what they need: more bytes.
+      load_options.verify_checksums = trial % 3 != 2;
       TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(loaded, path, comm, load_options));
-      const bool exact = !load_options.verify_partial_chunks;
+      const bool exact = !load_options.verify_checksums;
       TESSERA_RETURN_IF_ERROR(Expect(exact ? report.bytes_read == report.bytes_needed
                                            : report.bytes_read >= report.bytes_needed,
                                      "bytes read (" + std::to_string(report.bytes_read) +

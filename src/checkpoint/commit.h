@@ -1,0 +1,48 @@
+// The coordinator's side of a save's commit protocol (docs/FORMAT.md, section 4): the
+// directory, the in-progress marker that protects a running save's files from other saves'
+// cleanup, the atomic manifest commit, and the cleanup after it.
+#ifndef TESSERA_CHECKPOINT_COMMIT_H_
+#define TESSERA_CHECKPOINT_COMMIT_H_
+
+#include <string>
+#include <vector>
+
+#include "tessera/checkpoint.h"
+#include "tessera/metadata.h"
+#include "tessera/storage.h"
+
+namespace tessera {
+
+// Creates `path` and the missing directories above it. With kFull, syncs the parent of each
+// one created, so the checkpoint directory itself survives a crash, not only its contents.
+Status CreateDurableDirs(Storage& storage, const std::string& path, SyncPolicy sync);
+
+// A save id no file in `existing_names` carries: 16 lowercase hex digits from a random source
+// that does not depend on the directory's contents (so the next id cannot be predicted).
+std::string NewSaveId(const std::vector<std::string>& existing_names);
+
+// Marks save `save_id` as in progress in `dir`: the file "tessera.saving.<save_id>", created
+// before any data file of the save and removed after its cleanup. It records who runs the save
+// (host, process id and start time) so that another save's cleanup can tell a running save
+// (whose files it must keep) from one that died (whose files are garbage). Fails when the
+// marker exists.
+Status CreateSaveMarker(Storage& storage, const std::string& dir, const std::string& save_id,
+                        SyncPolicy sync);
+void RemoveSaveMarker(Storage& storage, const std::string& dir, const std::string& save_id);
+
+// Commits `metadata` as the checkpoint of `dir`: checks that the manifest decodes (everything
+// the writer writes must pass the reader's validation) and that every data file it lists is in
+// the directory, writes it under a temporary name, syncs, renames it into place, syncs the
+// directory, and reads it back. `renamed` becomes true once the new manifest may be visible.
+Status CommitManifest(Storage& storage, const std::string& dir, const Metadata& metadata,
+                      SyncPolicy sync, bool& renamed);
+
+// After a commit: removes tessera data files and temporary manifests that neither `committed`
+// nor the manifest now in place lists, unless they belong to a save that may still be running
+// (its marker is there and its owner alive), and markers of saves whose owner died. Best effort:
+// what cannot be removed now is removed by a later save.
+void RemoveStaleFiles(Storage& storage, const std::string& dir, const Metadata& committed);
+
+}  // namespace tessera
+
+#endif  // TESSERA_CHECKPOINT_COMMIT_H_

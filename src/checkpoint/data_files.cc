@@ -1,0 +1,251 @@
+#include "checkpoint/data_files.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "format/checksum.h"
+#include "format/manifest.h"
+#include "format/safetensors.h"
+
+namespace tessera {
+namespace {
+
+// Bytes written and then checksummed per WriteAt: small enough that the bytes the kernel just
+// copied into the page cache are still in the CPU's cache when the hash reads them. Hashing
+// after the write, not before, lets the kernel's copy (not the hash) pull them from memory,
+// which it does faster (build/tessera_bench_io_patterns, page_cache_write_seconds: 1 GiB by 4
+// threads, 0.145 s hashed after, 0.168 s hashed before, 0.123 s not hashed).
+constexpr uint64_t kWritePiece = 256u << 10;
+
+// With SyncPolicy::kFull, every this many bytes written to a data file are handed to
+// WritableFile::StartWriteback, so the device writes while the rest is being copied instead of
+// all at the final fdatasync (tessera_bench_io_patterns, synced_write_seconds: 1 GiB by 4
+// threads, 0.44 s against 0.55 s for 64 MiB pwrites and one fdatasync per file).
+constexpr uint64_t kWritebackStep = 8u << 20;
+
+// How often the calling thread reports progress while the writers work.
+constexpr auto kProgressInterval = std::chrono::milliseconds(100);
+
+// Index of the group of `key`: 1 + the index of its longest prefix in `prefixes`, or 0.
+size_t GroupOf(const std::string& key, const std::vector<std::string>& prefixes) {
+  size_t group = 0, longest = 0;
+  for (size_t p = 0; p < prefixes.size(); ++p) {
+    if (key.starts_with(prefixes[p]) && (group == 0 || prefixes[p].size() > longest)) {
+      group = p + 1;
+      longest = prefixes[p].size();
+    }
+  }
+  return group;
+}
+
+// The manifest's order: tensors by key and box, then objects by key.
+bool InManifestOrder(const LocalItem& a, const LocalItem& b) {
+  if (a.kind != b.kind) return a.kind == ItemKind::kTensor;
+  if (a.key != b.key) return a.key < b.key;
+  return a.box < b.box;
+}
+
+struct FileLayout {
+  std::vector<SafetensorsEntry> entries;  // parallel to DataFilePlan::items
+  Bytes header;
+  uint64_t data_bytes = 0;
+};
+
+Result<FileLayout> LayOutFile(const LocalPlan& plan, const DataFilePlan& file,
+                              const std::map<std::string, std::string>& header_metadata) {
+  FileLayout layout;
+  for (uint32_t i : file.items) {
+    const LocalItem& item = plan.items[i];
+    SafetensorsEntry e;
+    if (item.kind == ItemKind::kObject) {
+      e.name = item.key;
+      e.dtype = DType::kU8;
+      e.shape = {static_cast<int64_t>(item.num_bytes)};
+    } else {
+      e.name = ChunkEntryName(item.key, item.box, item.global_shape);
+      e.dtype = item.dtype;
+      e.shape = item.box.sizes;
+    }
+    layout.entries.push_back(std::move(e));
+  }
+  layout.data_bytes = LayOutEntries(layout.entries);
+  TESSERA_ASSIGN_OR_RETURN(layout.header, EncodeSafetensorsHeader(layout.entries, header_metadata));
+  return layout;
+}
+
+// What one file's writer reports.
+struct FileResult {
+  std::vector<WrittenItem> items;             // `file` fields are the file's index
+  std::vector<std::vector<uint64_t>> blocks;  // per item: checksums of its blocks after the first
+};
+
+// Writes one data file: header, then every item in pieces, checksumming each piece just after
+// writing it, while it is in cache. Tensor chunks get one checksum per block of
+// `block_bytes`; objects one for all their bytes.
+Status WriteDataFile(Storage& storage, const std::string& dir, const StateDict& state,
+                     const LocalPlan& plan, uint32_t file_index, const DataFilePlan& file,
+                     const FileLayout& layout, const DataFileWriteOptions& options,
+                     std::atomic<uint64_t>& written, FileResult& result) {
+  const std::string path = JoinPath(dir, file.name);
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, storage.NewWritableFile(path));
+  TESSERA_RETURN_IF_ERROR(out->WriteAt(0, layout.header.data(), layout.header.size()));
+  const uint64_t data_start = layout.header.size();
+  const bool durable = options.sync == SyncPolicy::kFull;
+  uint64_t writeback_begin = 0;  // with kFull, bytes before it were handed to StartWriteback
+  for (size_t k = 0; k < file.items.size(); ++k) {
+    const LocalItem& item = plan.items[file.items[k]];
+    const std::byte* data = ItemData(state, item);
+    const uint64_t at_item = data_start + layout.entries[k].begin;
+    // Objects: one block of any length.
+    const uint64_t block = item.kind == ItemKind::kObject || options.checksum_block_bytes == 0
+                               ? ~uint64_t{0}
+                               : options.checksum_block_bytes;
+    // The end of the block that starts at `from`.
+    auto block_end_from = [&](uint64_t from) {
+      return item.num_bytes - from <= block ? item.num_bytes : from + block;
+    };
+    std::vector<uint64_t> digests;
+    ChecksumStream checksum;
+    uint64_t done = 0, block_end = block_end_from(0);
+    while (true) {
+      const size_t n = static_cast<size_t>(std::min(kWritePiece, block_end - done));
+      const uint64_t at = at_item + done;
+      if (n > 0) {
+        TESSERA_RETURN_IF_ERROR(out->WriteAt(at, data + done, n));
+        checksum.Update(data + done, n);
+        written.fetch_add(n, std::memory_order_relaxed);
+      }
+      done += n;
+      if (durable && at + n - writeback_begin >= kWritebackStep) {
+        TESSERA_RETURN_IF_ERROR(out->StartWriteback(writeback_begin, at + n - writeback_begin));
+        writeback_begin = at + n;
+      }
+      if (done < block_end) continue;
+      digests.push_back(checksum.Digest());
+      checksum.Reset();
+      if (done == item.num_bytes) break;
+      block_end = block_end_from(done);
+    }
+    result.items.push_back(
+        WrittenItem{file.items[k], file_index, at_item, item.num_bytes, digests.front()});
+    result.blocks.emplace_back(digests.begin() + 1, digests.end());
+  }
+  if (durable) TESSERA_RETURN_IF_ERROR(out->Sync());
+  TESSERA_RETURN_IF_ERROR(out->Close());
+  return Status::Ok();
+}
+
+}  // namespace
+
+const std::byte* ItemData(const StateDict& state, const LocalItem& item) {
+  const StateEntry& entry = state.entries()[item.entry_index];
+  if (const auto* object = std::get_if<ShardedObject>(&entry)) {
+    return reinterpret_cast<const std::byte*>(object->data.data());
+  }
+  return std::get<ShardedTensor>(entry).data.bytes() + item.byte_offset;
+}
+
+std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector<uint32_t>& items,
+                                        int files_per_group,
+                                        const std::vector<std::string>& separate_prefixes,
+                                        const std::string& save_id, int rank) {
+  std::vector<std::vector<uint32_t>> groups(1 + separate_prefixes.size());
+  for (uint32_t i : items) groups[GroupOf(plan.items[i].key, separate_prefixes)].push_back(i);
+  std::vector<DataFilePlan> files;
+  for (std::vector<uint32_t>& group : groups) {
+    if (group.empty()) continue;
+    const size_t count =
+        static_cast<size_t>(std::max(1, std::min<int>(files_per_group, group.size())));
+    std::stable_sort(group.begin(), group.end(), [&](uint32_t a, uint32_t b) {
+      return plan.items[a].num_bytes > plan.items[b].num_bytes;
+    });
+    const size_t first = files.size();
+    files.resize(first + count);
+    std::vector<uint64_t> load(count, 0);
+    for (uint32_t i : group) {
+      const size_t f = std::min_element(load.begin(), load.end()) - load.begin();
+      files[first + f].items.push_back(i);
+      load[f] += plan.items[i].num_bytes;
+    }
+  }
+  for (size_t f = 0; f < files.size(); ++f) {
+    files[f].name = DataFileName(save_id, rank, static_cast<int>(f));
+    std::sort(files[f].items.begin(), files[f].items.end(), [&](uint32_t a, uint32_t b) {
+      return InManifestOrder(plan.items[a], plan.items[b]);
+    });
+  }
+  return files;
+}
+
+Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, const StateDict& state,
+                                   const LocalPlan& plan, const std::vector<DataFilePlan>& files,
+                                   const std::string& save_id,
+                                   const DataFileWriteOptions& options) {
+  const std::map<std::string, std::string> header_metadata = {{"format", "pt"},
+                                                              {"tessera_save_id", save_id}};
+  std::vector<FileLayout> layouts(files.size());
+  for (size_t f = 0; f < files.size(); ++f) {
+    TESSERA_ASSIGN_OR_RETURN(layouts[f], LayOutFile(plan, files[f], header_metadata));
+  }
+  std::vector<FileResult> results(files.size());
+  std::vector<Status> statuses(files.size());
+  std::atomic<size_t> next{0};
+  std::atomic<uint64_t> written{0};
+  std::atomic<size_t> finished{0};
+  std::mutex mutex;
+  std::condition_variable all_done;
+  auto work = [&] {
+    for (size_t f; (f = next.fetch_add(1)) < files.size();) {
+      statuses[f] = WriteDataFile(storage, dir, state, plan, static_cast<uint32_t>(f), files[f],
+                                  layouts[f], options, written, results[f]);
+      if (finished.fetch_add(1) + 1 == files.size()) {
+        std::lock_guard<std::mutex> lock(mutex);
+        all_done.notify_all();
+      }
+    }
+  };
+  // With a progress callback the calling thread only reports; otherwise it writes too.
+  const bool report = static_cast<bool>(options.on_progress);
+  const size_t helpers =
+      std::min<size_t>(static_cast<size_t>(std::max(options.num_threads, 1)), files.size()) -
+      (report || files.empty() ? 0 : 1);
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < helpers; ++t) threads.emplace_back(work);
+  if (report) {
+    std::unique_lock<std::mutex> lock(mutex);
+    while (!all_done.wait_for(lock, kProgressInterval,
+                              [&] { return finished.load() == files.size(); })) {
+      options.on_progress(written.load());
+    }
+  } else {
+    work();
+  }
+  for (std::thread& t : threads) t.join();
+  if (report) options.on_progress(written.load());
+  for (size_t f = 0; f < files.size(); ++f) {
+    if (!statuses[f].ok()) {  // leave nothing behind: no manifest will refer to these files
+      for (const DataFilePlan& file : files) storage.Remove(JoinPath(dir, file.name)).IgnoreError();
+      return statuses[f].WithContext("writing " + JoinPath(dir, files[f].name));
+    }
+  }
+  WriteResult result;
+  for (size_t f = 0; f < files.size(); ++f) {
+    result.files.push_back(
+        FileInfo{files[f].name, layouts[f].header.size() + layouts[f].data_bytes});
+    for (size_t k = 0; k < results[f].items.size(); ++k) {
+      WrittenItem item = results[f].items[k];
+      const std::vector<uint64_t>& blocks = results[f].blocks[k];
+      item.first_block = result.block_checksums.size();
+      item.num_blocks = blocks.size();
+      result.block_checksums.insert(result.block_checksums.end(), blocks.begin(), blocks.end());
+      result.items.push_back(item);
+    }
+  }
+  return result;
+}
+
+}  // namespace tessera

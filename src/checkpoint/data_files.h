@@ -1,0 +1,55 @@
+// Step 3 of a save on one rank: writing its data files (docs/FORMAT.md, sections 2 and 4).
+#ifndef TESSERA_CHECKPOINT_DATA_FILES_H_
+#define TESSERA_CHECKPOINT_DATA_FILES_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "plan/save_plan.h"
+#include "tessera/checkpoint.h"
+#include "tessera/state_dict.h"
+#include "tessera/storage.h"
+
+namespace tessera {
+
+// The bytes of one local item, where they lie in the caller's state.
+const std::byte* ItemData(const StateDict& state, const LocalItem& item);
+
+// Which of the rank's items go into which of its data files, and in what order.
+struct DataFilePlan {
+  std::string name;
+  std::vector<uint32_t> items;  // indices into the local plan, in file order
+};
+
+// Splits `items` (indices into `plan`) over data files: one group of files for the items whose
+// key starts with each of `separate_prefixes` (the longest matching prefix wins), one for the
+// rest; each group over up to `files_per_group` files, balancing bytes (largest first to the
+// least loaded). Within a file, tensors come first, by key and box, then objects by key: the
+// manifest's order, which its encoding rewards (docs/FORMAT.md, section 3.5).
+std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector<uint32_t>& items,
+                                        int files_per_group,
+                                        const std::vector<std::string>& separate_prefixes,
+                                        const std::string& save_id, int rank);
+
+struct DataFileWriteOptions {
+  int num_threads = 2;  // files written at once
+  SyncPolicy sync = SyncPolicy::kFull;
+  // Checksum block size of tensor chunks (Metadata::checksum_block_bytes); objects get one
+  // checksum whatever their size.
+  uint64_t checksum_block_bytes = 0;
+  // Called with the bytes written so far by this rank, from the calling thread only.
+  std::function<void(uint64_t done)> on_progress;
+};
+
+// Writes the planned files with up to options.num_threads threads, checksumming every piece
+// right after writing it, and reports where every item landed. On failure removes every file
+// it created and returns the first error, naming the file.
+Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, const StateDict& state,
+                                   const LocalPlan& plan, const std::vector<DataFilePlan>& files,
+                                   const std::string& save_id, const DataFileWriteOptions& options);
+
+}  // namespace tessera
+
+#endif  // TESSERA_CHECKPOINT_DATA_FILES_H_
