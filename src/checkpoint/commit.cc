@@ -222,12 +222,17 @@ Status CommitManifest(Storage& storage, const std::string& dir, const Metadata& 
   if (stored.size() == bytes.size()) {
     TESSERA_RETURN_IF_ERROR(back->ReadAt(0, stored.data(), stored.size()));
   }
-  if (stored != bytes) {
-    return DataLoss(manifest_path + " does not read back as written (" +
-                    std::to_string(back->size()) + " bytes, " + std::to_string(bytes.size()) +
-                    " written; replaced by another save?)");
+  if (stored == bytes) return Status::Ok();
+  // Replaced by another save that committed since: this one committed too, first.
+  if (stored.size() != bytes.size()) {
+    stored.resize(back->size());
+    TESSERA_RETURN_IF_ERROR(back->ReadAt(0, stored.data(), stored.size()));
   }
-  return Status::Ok();
+  Result<Metadata> now = DecodeManifest(stored, manifest_path);
+  if (now.ok() && now->save_id != metadata.save_id) return Status::Ok();
+  return DataLoss(manifest_path + " does not read back as written (" +
+                  std::to_string(back->size()) + " bytes read, " + std::to_string(bytes.size()) +
+                  " written): " + (now.ok() ? "the bytes differ" : now.status().message()));
 }
 
 void RemoveStaleFiles(Storage& storage, const std::string& dir, const Metadata& committed) {
