@@ -134,13 +134,19 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
                         const LoadOptions& options = {});
 Result<LoadReport> Load(StateDict& state, const std::string& path, const LoadOptions& options = {});
 
-// Reads and checks the manifest of the checkpoint at `path`. `storage` null means local files.
+// Reads and checks the index of the checkpoint at `path`, in any format tessera reads (its
+// own, PyTorch DCP / Megatron torch_dist, Hugging Face safetensors: detected from the files;
+// `path` may also be one .safetensors file). `storage` null means local files.
 Result<Metadata> ReadMetadata(const std::string& path, std::shared_ptr<Storage> storage = nullptr);
 
 struct VerifyReport {
-  uint64_t chunks_checked = 0;
-  uint64_t bytes_checked = 0;
+  uint64_t chunks_checked = 0;  // chunks and objects
+  uint64_t bytes_checked = 0;   // bytes whose checksums were checked
   int files_checked = 0;
+  CheckpointFormat format = CheckpointFormat::kTessera;
+  // False for formats that store no checksums (PyTorch DCP, Hugging Face): Verify then checks
+  // structure only (files, sizes, headers, coverage), not the bytes.
+  bool checksums = true;
 };
 
 struct VerifyOptions {
@@ -150,8 +156,8 @@ struct VerifyOptions {
   std::shared_ptr<Storage> storage = nullptr;
 };
 
-// Re-reads every chunk and object, checks checksums, file sizes, and that every tensor's
-// chunks cover it exactly. The first problem found is returned, naming key, chunk and file
+// Re-reads every chunk and object, checks checksums (where the format has them; see
+// VerifyReport::checksums), file sizes, and that every tensor's chunks cover it exactly. The first problem found is returned, naming key, chunk and file
 // (with several threads: the problem of the first file, in manifest order, that has one).
 Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& options);
 Result<VerifyReport> Verify(const std::string& path, std::shared_ptr<Storage> storage = nullptr);

@@ -78,12 +78,12 @@ TEST(CommitTest, ASaveTheReaderWouldRefuseFailsAndKeepsThePreviousCheckpoint) {
     bad.push_back({"partial [2^62, 4] F32", t});
     t.global_shape = {int64_t{1} << 32, int64_t{1} << 32};
     bad.push_back({"partial [2^32, 2^32] F32", t});
-    ShardedTensor m = ShardedTensor::Shard("max", TensorView(byte.data(), DType::kF32, {1}),
-                                           {max}, {0});
+    ShardedTensor m =
+        ShardedTensor::Shard("max", TensorView(byte.data(), DType::kF32, {1}), {max}, {0});
     m.partial = true;
     bad.push_back({"partial [INT64_MAX] F32", m});
-    ShardedTensor o = ShardedTensor::Shard("off", TensorView(byte.data(), DType::kF32, {1}),
-                                           {max}, {max - 1});
+    ShardedTensor o =
+        ShardedTensor::Shard("off", TensorView(byte.data(), DType::kF32, {1}), {max}, {max - 1});
     o.partial = true;
     bad.push_back({"a box at offset INT64_MAX - 1", o});
   }
@@ -100,8 +100,8 @@ TEST(CommitTest, ASaveTheReaderWouldRefuseFailsAndKeepsThePreviousCheckpoint) {
   // More than 64 dimensions.
   std::vector<uint8_t> one_byte(1);
   StateDict deep = one.Dict();
-  Status added = deep.Add(ShardedTensor::Whole("deep", TensorView(one_byte.data(), DType::kU8,
-                                                                  Shape(65, 1))));
+  Status added =
+      deep.Add(ShardedTensor::Whole("deep", TensorView(one_byte.data(), DType::kU8, Shape(65, 1))));
   Status saved = added.ok() ? Save(deep, path).status() : added;
   EXPECT_EQ(saved.code(), StatusCode::kInvalidArgument) << saved.ToString();
   EXPECT_EQ(Loaded(path), 1);
@@ -237,8 +237,8 @@ TEST(ConcurrentSaveTest, FilesOfADeadSaveAreRemovedByTheNextSave) {
     // Killed right after writing its data files, before any manifest.
     Gen two(2);
     SaveOptions options;
-    options.storage = std::make_shared<PausingStorage>(PausingStorage::At::kTempManifestCreated,
-                                                       -1, -1);
+    options.storage =
+        std::make_shared<PausingStorage>(PausingStorage::At::kTempManifestCreated, -1, -1);
     (void)Save(two.Dict(), path, options);
     _exit(1);  // not reached: the storage ends the process when the save reaches the manifest
   }
@@ -246,9 +246,9 @@ TEST(ConcurrentSaveTest, FilesOfADeadSaveAreRemovedByTheNextSave) {
   waitpid(child, &wstatus, 0);
   ASSERT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0);
   std::vector<std::string> left = Names(path);
-  ASSERT_TRUE(std::any_of(left.begin(), left.end(),
-                          [](const std::string& n) { return n.starts_with("tessera.saving."); }))
-      << "the killed save left its marker";
+  ASSERT_TRUE(std::any_of(left.begin(), left.end(), [](const std::string& n) {
+    return n.starts_with("tessera.saving.");
+  })) << "the killed save left its marker";
   Gen one(1);
   ASSERT_OK(Save(one.Dict(), path));
   ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path));

@@ -12,6 +12,8 @@
 
 #include "checkpoint/envelope.h"
 #include "checkpoint/reader.h"
+#include "core/byte_io.h"
+#include "format/checkpoint_index.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
 #include "plan/load_plan.h"
@@ -22,6 +24,33 @@ namespace tessera {
 namespace {
 
 constexpr int kCoordinator = 0;
+
+// Rank 0 reads the index and broadcasts it: [root][manifest encoding of the metadata]; every
+// rank decodes it. One read of storage for the whole job. COLLECTIVE.
+Result<CheckpointIndex> ReadAndShareIndex(Comm& comm, Storage& storage, const std::string& path) {
+  Bytes message;
+  if (comm.rank() == kCoordinator) {
+    Result<CheckpointIndex> index = ReadCheckpointIndex(storage, path);
+    if (index.ok()) {
+      Bytes payload;
+      ByteWriter(&payload).PutString(index->root);
+      const Bytes encoded = EncodeManifest(index->metadata);
+      payload.insert(payload.end(), encoded.begin(), encoded.end());
+      message = Seal(Status::Ok(), std::move(payload));
+    } else {
+      message = Seal(index.status());
+    }
+  }
+  TESSERA_RETURN_IF_ERROR(comm.Broadcast(&message, kCoordinator));
+  TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> payload, Open(message, "rank 0"));
+  CheckpointIndex index;
+  ByteReader reader(payload);
+  TESSERA_RETURN_IF_ERROR(reader.GetString(&index.root));
+  TESSERA_ASSIGN_OR_RETURN(index.metadata,
+                           DecodeManifest(payload.subspan(reader.position()),
+                                          "the index of " + path + " sent by rank 0"));
+  return index;
+}
 
 }  // namespace
 
@@ -109,17 +138,10 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
 Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
                         const LoadOptions& options) {
   std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
-  // 1. The manifest, read once and shared.
-  Bytes manifest;
-  if (comm.rank() == kCoordinator) {
-    Result<Bytes> bytes = ReadManifestBytes(*storage, path);
-    manifest = bytes.ok() ? Seal(Status::Ok(), std::move(*bytes)) : Seal(bytes.status());
-  }
-  TESSERA_RETURN_IF_ERROR(comm.Broadcast(&manifest, kCoordinator));
-  TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> manifest_bytes, Open(manifest, "rank 0"));
-  TESSERA_ASSIGN_OR_RETURN(Metadata metadata,
-                           DecodeManifest(manifest_bytes, JoinPath(path, kManifestFileName)));
-  manifest = Bytes();
+  // 1. The index, read once (in whatever format) and shared in the manifest encoding.
+  TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadAndShareIndex(comm, *storage, path));
+  const Metadata& metadata = index.metadata;
+  const std::string& root = index.root;
 
   // 2. Plan this rank's reads; learn which keys any rank asked for.
   // A bad option is reported through the collectives below, like a bad request.
@@ -161,12 +183,16 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
   const RankReadPlan& plan = *planned;
   // ReadShared is collective and fails alike on every rank; ExecuteReads is local.
   Status read_status = options.read_sharing != ReadSharing::kNone && comm.size() > 1
-                           ? ReadShared(comm, *storage, path, metadata, plan.runs, options, report)
-                           : ExecuteReads(*storage, path, metadata, plan.runs, options, report);
+                           ? ReadShared(comm, *storage, root, metadata, plan.runs, options, report)
+                           : ExecuteReads(*storage, root, metadata, plan.runs, options, report);
+  if (read_status.ok()) {
+    read_status = ExecutePermutedCopies(*storage, root, metadata, plan.permuted, options, report);
+  }
   for (const ObjectRead& read : plan.objects) {
     if (!read_status.ok()) break;
     read_status =
-        ReadObject(*storage, path, metadata, *read.info, options, read.destination->data, report);
+        ReadObject(*storage, root, metadata, *read.info, options, read.destination->data, report);
+    read.destination->encoding = read.info->encoding;
   }
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, read_status));
   return report;

@@ -32,29 +32,6 @@ std::string DescribeChunk(const Metadata& metadata, uint32_t tensor, uint32_t ch
 
 }  // namespace
 
-Result<Bytes> ReadManifestBytes(Storage& storage, const std::string& dir) {
-  TESSERA_ASSIGN_OR_RETURN(FileType dir_type, storage.Stat(dir));
-  if (dir_type == FileType::kNotFound) {
-    return NotFound("checkpoint directory " + dir + " does not exist");
-  }
-  if (dir_type != FileType::kDirectory) {
-    return FailedPrecondition(dir + " is not a directory");
-  }
-  const std::string path = JoinPath(dir, kManifestFileName);
-  Result<std::unique_ptr<ReadableFile>> file = storage.NewReadableFile(path);
-  if (!file.ok()) {
-    if (file.status().code() == StatusCode::kNotFound) {
-      return FailedPrecondition(dir + " holds no committed checkpoint (no " +
-                                std::string(kManifestFileName) +
-                                "; a save that did not finish leaves none)");
-    }
-    return file.status();
-  }
-  Bytes bytes((*file)->size());
-  TESSERA_RETURN_IF_ERROR((*file)->ReadAt(0, bytes.data(), bytes.size()));
-  return bytes;
-}
-
 Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage& storage, const std::string& dir,
                                                    const Metadata& metadata, uint32_t file_index,
                                                    const std::string& needed_by) {
@@ -290,6 +267,47 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
   for (size_t s = 0; s < slices; ++s) {
     report.bytes_read += bytes[s];
     report.read_calls += calls[s];
+  }
+  return Status::Ok();
+}
+
+Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Metadata& metadata,
+                             const std::vector<PermutedCopy>& copies, const LoadOptions& options,
+                             LoadReport& report) {
+  std::vector<std::byte> chunk_bytes;
+  for (const PermutedCopy& copy : copies) {
+    const TensorInfo& tensor = metadata.tensors[copy.tensor];
+    const ChunkInfo& chunk = tensor.chunks[copy.chunk];
+    // The chunk whole, checked block by block like any other read of it.
+    chunk_bytes.resize(chunk.location.length);
+    ReadRun whole{chunk.location.file_index, chunk.location.offset, chunk.location.length,
+                  chunk_bytes.data(),        copy.tensor,           copy.chunk};
+    TESSERA_RETURN_IF_ERROR(ExecuteReads(storage, dir, metadata, {whole}, options, report));
+    // Strides of the stored layout, in elements, per global dimension.
+    const size_t rank = chunk.box.rank();
+    std::vector<int64_t> stride(rank, 0);
+    int64_t step = 1;
+    for (size_t i = rank; i-- > 0;) {
+      stride[chunk.storage_order[i]] = step;
+      step *= chunk.box.sizes[chunk.storage_order[i]];
+    }
+    const size_t element = DTypeSize(tensor.dtype);
+    const std::vector<int64_t> dst_strides = RowMajorStrides(copy.layout.sizes);
+    std::vector<int64_t> index(rank, 0);  // within copy.part, last fastest
+    const int64_t count = copy.part.NumElements();
+    for (int64_t n = 0; n < count; ++n) {
+      int64_t src = 0, dst = 0;
+      for (size_t d = 0; d < rank; ++d) {
+        const int64_t at = copy.part.offsets[d] + index[d];
+        src += (at - chunk.box.offsets[d]) * stride[d];
+        dst += (at - copy.layout.offsets[d]) * dst_strides[d];
+      }
+      std::memcpy(copy.destination + dst * element, chunk_bytes.data() + src * element, element);
+      for (size_t d = rank; d-- > 0;) {
+        if (++index[d] < copy.part.sizes[d]) break;
+        index[d] = 0;
+      }
+    }
   }
   return Status::Ok();
 }

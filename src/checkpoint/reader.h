@@ -10,16 +10,19 @@
 
 namespace tessera {
 
-// The manifest's bytes. Errors: the directory does not exist (kNotFound), exists without a
-// manifest (kFailedPrecondition, "holds no committed checkpoint"), cannot be read (kIOError).
-Result<Bytes> ReadManifestBytes(Storage& storage, const std::string& dir);
-
 // Performs `runs` with options.num_io_threads threads, checking the checksum of every run that
 // covers a whole chunk when options.verify_checksums. Opens each file once and checks its size
 // against the manifest. Errors name the key, the chunk, the file.
 Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& metadata,
                     const std::vector<ReadRun>& runs, const LoadOptions& options,
                     LoadReport& report);
+
+// Performs copies of parts of chunks stored in another dimension order: reads each chunk
+// whole (checking its checksum blocks when options.verify_checksums and the format has them),
+// then copies the part element by element.
+Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Metadata& metadata,
+                             const std::vector<PermutedCopy>& copies, const LoadOptions& options,
+                             LoadReport& report);
 
 // Reads one object's bytes into `out`, checking its checksum when options.verify_checksums.
 Status ReadObject(Storage& storage, const std::string& dir, const Metadata& metadata,

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "checkpoint/reader.h"
+#include "format/checkpoint_index.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
 #include "format/safetensors.h"
@@ -17,8 +18,8 @@ namespace tessera {
 
 Result<Metadata> ReadMetadata(const std::string& path, std::shared_ptr<Storage> storage) {
   if (!storage) storage = NewPosixStorage();
-  TESSERA_ASSIGN_OR_RETURN(Bytes bytes, ReadManifestBytes(*storage, path));
-  return DecodeManifest(bytes, JoinPath(path, kManifestFileName));
+  TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadCheckpointIndex(*storage, path));
+  return std::move(index.metadata);
 }
 
 namespace {
@@ -132,18 +133,16 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
                            std::to_string(options.num_threads));
   }
   const std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
-  TESSERA_ASSIGN_OR_RETURN(Metadata metadata, ReadMetadata(path, storage));
+  // Reading the index checks coverage: every tensor's chunks are disjoint and cover it
+  // exactly (unless saved partial), whatever the format.
+  TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadCheckpointIndex(*storage, path));
+  const Metadata& metadata = index.metadata;
+  const std::string& root = index.root;
   VerifyReport report;
-  // Coverage: every tensor's chunks are disjoint and cover it exactly (unless saved partial).
-  for (const TensorInfo& tensor : metadata.tensors) {
-    std::vector<Box> boxes;
-    boxes.reserve(tensor.chunks.size());
-    for (const ChunkInfo& c : tensor.chunks) boxes.push_back(c.box);
-    if (auto failure =
-            CheckTiling(boxes, tensor.global_shape, /*require_coverage=*/!tensor.partial)) {
-      return DataLoss("key '" + tensor.key + "': " + failure->message);
-    }
-  }
+  report.format = metadata.format;
+  report.checksums = metadata.checksum != ChecksumKind::kNone;
+  // tessera's and Hugging Face's data files are safetensors files whose headers must agree.
+  const bool safetensors_files = metadata.format != CheckpointFormat::kTorchDist;
   // What each file holds, in file order, so every file is opened once and read sequentially.
   struct Piece {
     ByteLocation where;
@@ -175,17 +174,24 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
               [](const Piece& a, const Piece& b) { return a.where.offset < b.where.offset; });
     const std::string needed_by = list.empty() ? "no chunk" : list.front().what;
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file,
-                             OpenDataFile(*storage, path, metadata, f, needed_by));
-    TESSERA_ASSIGN_OR_RETURN(SafetensorsHeader header, ReadSafetensorsHeader(*file));
+                             OpenDataFile(*storage, root, metadata, f, needed_by));
     std::multimap<uint64_t, const SafetensorsEntry*> by_offset;
-    for (const SafetensorsEntry& e : header.entries) {
-      by_offset.emplace(header.data_start + e.begin, &e);
+    SafetensorsHeader header;
+    if (safetensors_files) {
+      TESSERA_ASSIGN_OR_RETURN(header, ReadSafetensorsHeader(*file));
+      for (const SafetensorsEntry& e : header.entries) {
+        by_offset.emplace(header.data_start + e.begin, &e);
+      }
     }
     for (const Piece& piece : list) {
-      TESSERA_RETURN_IF_ERROR(
-          CheckEntry(by_offset, piece.where, piece.dtype, piece.shape, piece.what, file->path()));
-      const ExpectedChecksums expected{&piece.where, piece.blocks, metadata.checksum_block_bytes};
-      TESSERA_RETURN_IF_ERROR(CheckBytes(*file, expected, piece.what, buffer, file_report));
+      if (safetensors_files) {
+        TESSERA_RETURN_IF_ERROR(
+            CheckEntry(by_offset, piece.where, piece.dtype, piece.shape, piece.what, file->path()));
+      }
+      if (report.checksums) {
+        const ExpectedChecksums expected{&piece.where, piece.blocks, metadata.checksum_block_bytes};
+        TESSERA_RETURN_IF_ERROR(CheckBytes(*file, expected, piece.what, buffer, file_report));
+      }
       file_report.chunks_checked += 1;
     }
     file_report.files_checked = 1;

@@ -1,0 +1,88 @@
+#include "format/checkpoint_index.h"
+
+#include <algorithm>
+
+#include "format/huggingface/hf_index.h"
+#include "format/manifest.h"
+
+namespace tessera {
+namespace {
+
+// A manifest larger than this is refused before it is read: version 2 takes about 12 bytes a
+// chunk, so this is tens of millions of chunks.
+constexpr uint64_t kMaxManifestBytes = 1ull << 30;
+
+bool Has(const std::vector<std::string>& names, const std::string& name) {
+  return std::binary_search(names.begin(), names.end(), name);
+}
+
+Result<Metadata> ReadTesseraManifest(Storage& storage, const std::string& dir) {
+  const std::string path = JoinPath(dir, kManifestFileName);
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, storage.NewReadableFile(path));
+  if (file->size() > kMaxManifestBytes) {
+    return DataLoss(path + ": corrupt manifest: " + std::to_string(file->size()) +
+                    " bytes, more than the " + std::to_string(kMaxManifestBytes) +
+                    " a manifest may have");
+  }
+  Bytes bytes(file->size());
+  TESSERA_RETURN_IF_ERROR(file->ReadAt(0, bytes.data(), bytes.size()));
+  return DecodeManifest(bytes, path);
+}
+
+// Splits "/a/b/c.safetensors" into ("/a/b", "c.safetensors").
+std::pair<std::string, std::string> SplitPath(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return {".", path};
+  return {slash == 0 ? "/" : path.substr(0, slash), path.substr(slash + 1)};
+}
+
+// Another format's index, held to every rule of a tessera manifest (docs/FORMAT.md, 3.3):
+// encoded and decoded, which is also how it travels between ranks.
+Result<CheckpointIndex> Checked(std::string root, const Metadata& m, const std::string& path) {
+  TESSERA_ASSIGN_OR_RETURN(Metadata checked,
+                           DecodeManifest(EncodeManifest(m), "the index of " + path));
+  checked.format_version = 0;
+  return CheckpointIndex{std::move(root), std::move(checked)};
+}
+
+}  // namespace
+
+Result<CheckpointIndex> ReadCheckpointIndex(Storage& storage, const std::string& path) {
+  TESSERA_ASSIGN_OR_RETURN(FileType type, storage.Stat(path));
+  if (type == FileType::kNotFound) {
+    return NotFound("checkpoint directory " + path + " does not exist");
+  }
+  if (type == FileType::kFile) {
+    if (!path.ends_with(".safetensors")) {
+      return FailedPrecondition(path +
+                                " is a file, not a checkpoint directory (a single file "
+                                "must be a .safetensors file)");
+    }
+    auto [dir, name] = SplitPath(path);
+    TESSERA_ASSIGN_OR_RETURN(Metadata m, ReadHuggingFaceFile(storage, dir, name));
+    return Checked(dir, m, path);
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(path));
+  std::sort(names.begin(), names.end());
+  if (Has(names, kManifestFileName)) {
+    TESSERA_ASSIGN_OR_RETURN(Metadata m, ReadTesseraManifest(storage, path));
+    return CheckpointIndex{path, std::move(m)};
+  }
+  const bool uncommitted_tessera = std::any_of(names.begin(), names.end(), [](const auto& n) {
+    return IsTesseraDataFileName(n) || IsTempManifestName(n);
+  });
+  const bool safetensors = std::any_of(names.begin(), names.end(), [](const std::string& n) {
+    return n.ends_with(".safetensors") || n == kHuggingFaceIndexName;
+  });
+  if (!uncommitted_tessera && safetensors) {
+    TESSERA_ASSIGN_OR_RETURN(Metadata m, ReadHuggingFaceDirectory(storage, path, names));
+    return Checked(path, m, path);
+  }
+  return FailedPrecondition(
+      path + " holds no committed checkpoint (no " + std::string(kManifestFileName) +
+      (uncommitted_tessera ? "; the data files of a save that did not finish are there"
+                           : ", PyTorch DCP .metadata or *.safetensors") +
+      ")");
+}
+
+}  // namespace tessera
