@@ -34,12 +34,12 @@ struct AsyncSaveHandle::State {
   // The copy work, set before the state is shared and read-only after (except `checksums`,
   // whose entry i only the thread copying segment i writes, before it decrements
   // pieces_left under `mu`).
-  std::vector<std::string> keys;        // of the tensors, for errors
-  std::vector<Segment> segments;        // in state order
-  std::vector<size_t> piece_begin;      // piece p: segments [piece_begin[p], piece_begin[p+1])
-  bool check = false;                   // check_unchanged_until_staged, with kDeferred
-  std::vector<uint64_t> checksums;      // per segment, of the staged copy (check only)
-  size_t next_piece = 0;                // the next piece to hand out (guarded by the pool)
+  std::vector<std::string> keys;    // of the tensors, for errors
+  std::vector<Segment> segments;    // in state order
+  std::vector<size_t> piece_begin;  // piece p: segments [piece_begin[p], piece_begin[p+1])
+  bool check = false;               // check_unchanged_until_staged, with kDeferred
+  std::vector<uint64_t> checksums;  // per segment, of the staged copy (check only)
+  size_t next_piece = 0;            // the next piece to hand out (guarded by the pool)
 
   mutable std::mutex mu;
   mutable std::condition_variable cv;  // a piece copied, staged, done
@@ -159,7 +159,7 @@ struct StagingSet {
       buffers.resize(i + 1);
       capacities.resize(i + 1, 0);
     }
-    if (capacities[i] < n || capacities[i] > 2 * n + (1 << 20)) {  // grow, or shrink a lot
+    if (!buffers[i] || capacities[i] < n || capacities[i] > 2 * n + (1 << 20)) {  // grow, shrink
       buffers[i].reset();
       capacities[i] = 0;
       buffers[i].reset(new (std::nothrow) std::byte[std::max<size_t>(n, 1)]);
@@ -256,7 +256,7 @@ class StagingPool {
   }
 
   std::mutex mu_;
-  std::condition_variable cv_;  // work queued, stopping
+  std::condition_variable cv_;                      // work queued, stopping
   std::deque<std::shared_ptr<HandleState>> queue_;  // states with pieces not yet handed out
   bool stopping_ = false;
   std::vector<std::thread> threads_;
@@ -302,8 +302,7 @@ void CutIntoPieces(size_t piece_bytes, HandleState& s) {
 Status Prepare(const StateDict& state, const AsyncSaveOptions& options, StagingSet& set,
                StateDict& staged, HandleState& work) {
   TESSERA_RETURN_IF_ERROR(ValidateStagingOptions(options));
-  work.check =
-      options.check_unchanged_until_staged && options.staging == StagingMode::kDeferred;
+  work.check = options.check_unchanged_until_staged && options.staging == StagingMode::kDeferred;
   for (const StateEntry& entry : state.entries()) {
     if (const auto* object = std::get_if<ShardedObject>(&entry)) {
       TESSERA_RETURN_IF_ERROR(staged.Add(*object));
@@ -331,9 +330,15 @@ Status Prepare(const StateDict& state, const AsyncSaveOptions& options, StagingS
 
 // The handles the caller gets share this: when the last one goes, it waits for staging, so no
 // copy thread reads the caller's memory after the caller dropped its handle.
-struct StagingGuard {
-  std::shared_ptr<HandleState> state;
-  ~StagingGuard() { state->WaitStaged().IgnoreError(); }  // the status stays in `state`
+class StagingGuard {
+ public:
+  explicit StagingGuard(std::shared_ptr<HandleState> state) : state_(std::move(state)) {}
+  StagingGuard(const StagingGuard&) = delete;
+  StagingGuard& operator=(const StagingGuard&) = delete;
+  ~StagingGuard() { state_->WaitStaged().IgnoreError(); }  // the status stays in the state
+
+ private:
+  std::shared_ptr<HandleState> state_;
 };
 
 // Kept with the caller's Comm (Comm::GetOrCreateAttachment): the private communicator, the
@@ -399,7 +404,7 @@ class AsyncSaver {
       unfinished_.push_back(handle_state);
     }
     cv_.notify_all();
-    auto guard = std::make_shared<StagingGuard>(StagingGuard{handle_state});
+    auto guard = std::make_shared<StagingGuard>(handle_state);
     // Aliasing: the handles point at the state and own the guard, which owns the state.
     return AsyncSaveHandle(std::shared_ptr<HandleState>(guard, handle_state.get()));
   }
