@@ -22,8 +22,11 @@
 // The StateDict itself (keys, views, objects) is copied during the call: it may go at once.
 //
 // COLLECTIVE: every rank of `comm` calls AsyncSave with the same path and options, in the same
-// order. The background work talks over a private communicator split from `comm` on the first
-// AsyncSave, so the caller's own collectives on `comm` never mix with it.
+// order (even where the call fails: the background work of every rank takes part in every save).
+// The first AsyncSave on a comm communicates over it (it creates a private communicator split
+// from `comm`); later ones do so only with kBlocking (one small all-reduce). The background
+// work talks over the private communicator only, so the caller's own collectives on `comm` never
+// mix with it.
 //
 // The checkpoint is committed only when every rank's staging and writes succeeded; a failure on
 // any rank fails every rank's handle and leaves no manifest.
@@ -113,9 +116,11 @@ class AsyncSaveHandle {
   std::shared_ptr<State> state_;
 };
 
-// Fails at once (on every rank) when the state or the options are invalid on any rank. Errors
-// found later (a check of check_unchanged_until_staged, a write) come from WaitStaged() and
-// Wait().
+// A state or options that are invalid on any rank: with kBlocking, AsyncSave fails at once on
+// every rank (it agrees with one small collective over `comm`); with kDeferred the call does no
+// communication at all, so it fails at once on the ranks that hold the bad state, and Wait()
+// fails on the others. Errors found later (a check of check_unchanged_until_staged, a write)
+// come from WaitStaged() (this rank's staging) and Wait() (every rank).
 Result<AsyncSaveHandle> AsyncSave(const StateDict& state, const std::string& path, Comm& comm,
                                   const AsyncSaveOptions& options = {});
 

@@ -346,13 +346,14 @@ class StagingGuard {
 class AsyncSaver {
  public:
   explicit AsyncSaver(Comm& comm) {
-    // COLLECTIVE: every rank reaches here on its first AsyncSave.
+    // COLLECTIVE: every rank reaches here on its first AsyncSave, and agrees on the outcome,
+    // so later calls fail alike with no communication.
     Result<std::unique_ptr<Comm>> split = comm.Split(0, comm.rank());
-    if (split.ok()) {
+    setup_error_ = AgreeOnStatus(comm, split.status())
+                       .WithContext("creating the asynchronous save communicator");
+    if (setup_error_.ok()) {
       comm_ = std::move(*split);
       worker_ = std::thread([this] { Run(); });
-    } else {
-      setup_error_ = split.status().WithContext("creating the asynchronous save communicator");
     }
   }
 
@@ -369,12 +370,14 @@ class AsyncSaver {
     if (worker_.joinable()) worker_.join();
   }
 
-  // COLLECTIVE over `comm` (the caller's): ranks agree that the state and options are good
-  // before any of them queues the save, so a bad state on one rank fails AsyncSave on all of
-  // them, at once.
+  // With kBlocking, COLLECTIVE over `comm` (the caller's): ranks agree that the state and
+  // options are good before any of them queues the save, so a bad state on one rank fails
+  // AsyncSave on all of them, at once. With kDeferred, no communication at all: a rank whose
+  // state is bad fails at once and its peers' saves fail in Wait(); that rank still queues the
+  // failed save, so that its background thread takes part in the agreement.
   Result<AsyncSaveHandle> Submit(const StateDict& state, const std::string& path, Comm& comm,
                                  const AsyncSaveOptions& options) {
-    TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, setup_error_));
+    TESSERA_RETURN_IF_ERROR(setup_error_);  // the same on every rank
     // Earlier saves waiting for their check (check_unchanged_until_staged) get it now: the
     // caller has moved on, and under kWait this save would otherwise wait for them forever.
     for (const std::shared_ptr<HandleState>& s : Unfinished()) {
@@ -383,14 +386,21 @@ class AsyncSaver {
     std::unique_ptr<StagingSet> set = TakeStagingSet(options.when_busy);
     Job job;
     auto handle_state = std::make_shared<HandleState>();
-    Status prepared = AgreeOnStatus(comm, Prepare(state, options, *set, job.state, *handle_state));
+    Status prepared = Prepare(state, options, *set, job.state, *handle_state);
+    const bool blocking = options.staging == StagingMode::kBlocking;
+    if (blocking) prepared = AgreeOnStatus(comm, prepared);
     if (!prepared.ok()) {
       ReturnStagingSet(std::move(set));
+      if (!blocking) {
+        Job failed;
+        failed.handle = FailedState(prepared);
+        Queue(std::move(failed));
+      }
       return prepared;
     }
     pool_.Grow(options.staging_threads);
     pool_.Submit(handle_state);
-    if (options.staging == StagingMode::kBlocking) {
+    if (blocking) {
       pool_.Help(*handle_state);
       handle_state->WaitStaged().IgnoreError();  // cannot fail without the check
     }
@@ -398,12 +408,7 @@ class AsyncSaver {
     job.path = path;
     job.options = options.save;
     job.handle = handle_state;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(job));
-      unfinished_.push_back(handle_state);
-    }
-    cv_.notify_all();
+    Queue(std::move(job));
     auto guard = std::make_shared<StagingGuard>(handle_state);
     // Aliasing: the handles point at the state and own the guard, which owns the state.
     return AsyncSaveHandle(std::shared_ptr<HandleState>(guard, handle_state.get()));
@@ -411,12 +416,28 @@ class AsyncSaver {
 
  private:
   struct Job {
-    StateDict state;  // views into `staging`
-    std::unique_ptr<StagingSet> staging;
+    StateDict state;                      // views into `staging`
+    std::unique_ptr<StagingSet> staging;  // null for a save that failed before staging
     std::string path;
     SaveOptions options;
     std::shared_ptr<HandleState> handle;
   };
+
+  static std::shared_ptr<HandleState> FailedState(const Status& error) {
+    auto state = std::make_shared<HandleState>();
+    state->piece_begin = {0};
+    state->staged = error;
+    return state;
+  }
+
+  void Queue(Job job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      unfinished_.push_back(job.handle);
+      queue_.push_back(std::move(job));
+    }
+    cv_.notify_all();
+  }
 
   // A staging set, once fewer saves than `when_busy` allows are in flight.
   std::unique_ptr<StagingSet> TakeStagingSet(WhenBusy when_busy) {
@@ -456,12 +477,13 @@ class AsyncSaver {
         job = std::move(queue_.front());
         queue_.pop_front();
       }
-      // COLLECTIVE over comm_: a staging failure on one rank fails the save on all of them.
+      // COLLECTIVE over comm_: a bad state or a staging failure on one rank fails the save on
+      // all of them.
       Status staged = AgreeOnStatus(*comm_, job.handle->WaitStagedByOthers());
       Result<SaveReport> result =
           staged.ok() ? Save(job.state, job.path, *comm_, job.options) : Result<SaveReport>(staged);
       job.state = StateDict();  // views into the staging set, which goes back to the pool
-      ReturnStagingSet(std::move(job.staging));
+      if (job.staging) ReturnStagingSet(std::move(job.staging));
       job.handle->Finish(std::move(result));
       std::lock_guard<std::mutex> lock(mu_);
       std::erase(unfinished_, job.handle);

@@ -31,6 +31,13 @@ struct RankTensor {
   }
 };
 
+AsyncSaveOptions Deferred(std::shared_ptr<Storage> storage) {
+  AsyncSaveOptions o;
+  o.save.storage = std::move(storage);
+  o.staging = StagingMode::kDeferred;
+  return o;
+}
+
 Status ExpectLoads(const std::string& path, std::shared_ptr<Storage> storage, Comm& comm,
                    float value) {
   RankTensor t;
@@ -138,6 +145,31 @@ TEST(AsyncSaveTest, ABadStateOnOneRankFailsAsyncSaveOnEveryRank) {
   }
 }
 
+TEST(AsyncSaveTest, ABadStateOnOneRankFailsDeferredSavesInWaitWithNoCollectiveInTheCall) {
+  auto memory = std::make_shared<MemoryStorage>();
+  std::vector<Status> calls(3), staged(3);
+  std::vector<Status> statuses = RunLocalRanks(3, [&](Comm& comm) -> Status {
+    RankTensor t;
+    StateDict dict = t.Dict(comm);
+    if (comm.rank() == 1) {
+      std::get<ShardedTensor>(dict.entries()[0]).global_offset = {100, 0};  // out of bounds
+    }
+    Result<AsyncSaveHandle> h = AsyncSave(dict, "/ck", comm, Deferred(memory));
+    calls[comm.rank()] = h.status();
+    if (!h.ok()) return h.status();
+    staged[comm.rank()] = h->WaitStaged();
+    return h->Wait();
+  });
+  EXPECT_OK(calls[0]);
+  EXPECT_THAT(calls[1].message(), HasSubstr("tensor 'w'"));
+  EXPECT_OK(calls[2]);
+  EXPECT_OK(staged[0]);
+  EXPECT_OK(staged[2]);
+  for (int r : {0, 2}) EXPECT_THAT(statuses[r].message(), HasSubstr("rank 1: tensor 'w'"));
+  ASSERT_OK_AND_ASSIGN(FileType type, memory->Stat("/ck/tessera.manifest"));
+  EXPECT_EQ(type, FileType::kNotFound);
+}
+
 TEST(AsyncSaveTest, DestroyingTheCommWithASaveInFlightFinishesIt) {
   auto memory = std::make_shared<MemoryStorage>();
   std::vector<std::unique_ptr<Comm>> comms = NewLocalComms(2);
@@ -198,13 +230,6 @@ class GateStorage : public Storage {
   std::condition_variable cv_;
   bool open_ = false;
 };
-
-AsyncSaveOptions Deferred(std::shared_ptr<Storage> storage) {
-  AsyncSaveOptions o;
-  o.save.storage = std::move(storage);
-  o.staging = StagingMode::kDeferred;
-  return o;
-}
 
 // Several tensors per rank, of several dtypes and sizes (empty, smaller than a piece, several
 // pieces), with random bytes; the keys are the rank's own.
@@ -384,10 +409,11 @@ TEST(AsyncSaveTest, BadStagingOptionsFailAsyncSaveOnEveryRank) {
   std::vector<Status> statuses = RunLocalRanks(2, [&](Comm& comm) -> Status {
     RankTensor t;
     StateDict dict = t.Dict(comm);
-    AsyncSaveOptions o = Deferred(memory);
+    AsyncSaveOptions o;  // kBlocking: the call agrees
+    o.save.storage = memory;
     if (comm.rank() == 1) o.staging_threads = 0;
     Status threads = AsyncSave(dict, "/ck", comm, o).status();
-    o = Deferred(memory);
+    o.staging_threads = 4;
     if (comm.rank() == 0) o.staging_piece_bytes = 100;
     Status pieces = AsyncSave(dict, "/ck", comm, o).status();
     if (threads.ok() || pieces.ok()) return Internal("bad options accepted");
