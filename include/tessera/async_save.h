@@ -49,7 +49,8 @@
 
 namespace tessera {
 
-// What AsyncSave does when an earlier async save on the same comm is still in flight.
+// What AsyncSave does when an earlier async save on the same comm is still in flight (with
+// kDeferred too: the call then blocks under kWait, or while two are in flight under kQueue).
 enum class WhenBusy {
   kWait,   // wait for it to finish, then stage (default): at most one staged copy in memory
   kQueue,  // stage now into a second set of buffers and queue behind it: at most two copies
