@@ -7,7 +7,9 @@
 1. `--train-ranks` processes (torch.distributed, gloo) train a 2-layer MLP whose hidden
    dimension is split over the ranks (Megatron-style tensor parallelism: fc1 by rows, fc2 by
    columns, fc2's bias replicated), with Adam, for `--steps` steps. Every `--save-every` steps
-   the model and the optimizer are saved with tessera.async_save: training goes on while the
+   the model and the optimizer are saved with tessera.async_save(staging="deferred"): the
+   copy of the state overlaps the next forward and backward passes (waited for just before the
+   optimizer step, and checked: check_unchanged_until_staged), and training goes on while the
    checkpoint is written.
 2. `--resume-ranks` processes load the checkpoint of the middle of the run into their own
    layout (tessera reshards: each rank reads only the pieces it needs) and train the rest.
@@ -78,7 +80,8 @@ class ShardedMLP:
         offset = [self.lo if d == dim else 0 for d in range(len(shape))]
         return tessera.ShardedTensor(tensor, shape, offset)
 
-    def train_step(self, x, y, optimizer):
+    def train_step(self, x, y, optimizer, before_update=None):
+        """One step; before_update() runs before the parameters and moments change."""
         p = self.params
         hidden = torch.relu(x @ p["fc1.weight"].T + p["fc1.bias"])
         partial = hidden @ p["fc2.weight"].T  # this rank's share of the output
@@ -90,6 +93,8 @@ class ShardedMLP:
         optimizer.zero_grad()
         loss.backward()
         partial.backward(total.grad)
+        if before_update is not None:
+            before_update()
         optimizer.step()
         return loss.item()
 
@@ -134,13 +139,17 @@ def run(rank, size, port, args, resume_from, first_step, tag):
     x, y = data()
     losses, handle = {}, None
     for step in range(first_step, args.steps):
-        losses[step] = model.train_step(*batch(step, x, y), optimizer)
+        # A save in flight may still be copying the parameters: the optimizer step waits.
+        losses[step] = model.train_step(*batch(step, x, y), optimizer,
+                                        handle.wait_staged if handle is not None else None)
         if args.save_every and (step + 1) % args.save_every == 0 and not resume_from:
             if handle is not None:
                 handle.wait()
-            # Returns once the state is copied: the next steps run while it is written.
+            # Returns at once: the copy runs behind the next forward and backward passes, the
+            # writing behind the next steps.
             handle = tessera.async_save(state_dict(model, optimizer, step + 1),
-                                        os.path.join(args.out, f"step{step + 1}"), comm=comm)
+                                        os.path.join(args.out, f"step{step + 1}"), comm=comm,
+                                        staging="deferred", check_unchanged_until_staged=True)
     if handle is not None:
         handle.wait()
     if rank == 0:

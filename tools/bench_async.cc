@@ -1,6 +1,7 @@
 // tessera bench async: how long an AsyncSave blocks the caller, against a plain memcpy of the
-// same bytes into already-touched memory measured in the same run, and whether memory grows
-// over many saves.
+// same bytes into already-touched memory measured in the same run, with staging during the call
+// (kBlocking) and deferred behind a compute loop of the caller's (kDeferred); and whether memory
+// grows over many saves.
 #include <unistd.h>
 #include <algorithm>
 #include <chrono>
@@ -9,6 +10,7 @@
 #include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "tessera/async_save.h"
 #include "tessera/local_comm.h"
@@ -37,6 +39,7 @@ struct BenchAsyncOptions {
   uint64_t rss_size_bytes = 64ull << 20;
   int rss_saves = 100;  // consecutive saves for the memory-growth figure
   bool sync = false;
+  int staging_threads = AsyncSaveOptions().staging_threads;
   std::string dir;
 };
 
@@ -45,6 +48,78 @@ Result<double> MaxOverRanks(Comm& comm, double seconds) {
   std::vector<int64_t> ns = {static_cast<int64_t>(seconds * 1e9)};
   TESSERA_RETURN_IF_ERROR(comm.AllReduce(ns, ReduceOp::kMax));
   return ns[0] / 1e9;
+}
+
+// The caller's own work while a deferred save stages: arithmetic over a buffer of its own (the
+// same cores as the copy threads), in slices, polling the handle between slices.
+class ComputeLoop {
+ public:
+  ComputeLoop() : buffer_(kElements, 1.0f) {}
+  // One slice; returns the elements processed.
+  uint64_t Slice() {
+    for (size_t i = begin_; i < begin_ + kSlice; ++i) buffer_[i] = buffer_[i] * 0.999f + 0.5f;
+    begin_ = (begin_ + kSlice) % kElements;
+    return kSlice;
+  }
+  // Runs until `handle` is staged (one slice at least); returns the elements processed.
+  uint64_t RunUntilStaged(const AsyncSaveHandle& handle) {
+    uint64_t elements = 0;
+    do {
+      elements += Slice();
+    } while (!handle.Staged());
+    return elements;
+  }
+  // Elements per second with nothing else running on this rank.
+  double RateAlone(double seconds) {
+    uint64_t elements = 0;
+    const Clock::time_point start = Clock::now();
+    while (Since(start) < seconds) elements += Slice();
+    return elements / Since(start);
+  }
+
+ private:
+  static constexpr size_t kElements = 4 << 20;  // 16 MiB of floats: beyond the caches
+  static constexpr size_t kSlice = 16 << 10;    // ~10 us
+  std::vector<float> buffer_;
+  size_t begin_ = 0;
+};
+
+double Median(std::vector<double> samples) {
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
+}
+
+// Deferred saves of `state`: how long the call blocks, and how long until staged while the
+// caller computes. Fills the samples (slowest rank, rank 0 only) after a first save that also
+// touches fresh staging buffers.
+Status TimeDeferredSaves(Comm& comm, const StateDict& state, const std::string& path, int saves,
+                         const AsyncSaveOptions& base, std::vector<double>& blocking_samples,
+                         std::vector<double>& staged_samples, double& compute_slowdown) {
+  AsyncSaveOptions options = base;
+  options.staging = StagingMode::kDeferred;
+  ComputeLoop compute;
+  TESSERA_RETURN_IF_ERROR(comm.Barrier());
+  const double rate_alone = compute.RateAlone(0.05);  // every rank at once, as below
+  std::vector<double> rates;
+  for (int i = 0; i < saves + 1; ++i) {
+    TESSERA_RETURN_IF_ERROR(comm.Barrier());
+    const Clock::time_point start = Clock::now();
+    TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle handle, AsyncSave(state, path, comm, options));
+    const double blocking_local = Since(start);
+    const uint64_t elements = compute.RunUntilStaged(handle);
+    TESSERA_RETURN_IF_ERROR(handle.WaitStaged());
+    const double staged_local = Since(start);
+    TESSERA_RETURN_IF_ERROR(handle.Wait());
+    TESSERA_ASSIGN_OR_RETURN(double blocking, MaxOverRanks(comm, blocking_local));
+    TESSERA_ASSIGN_OR_RETURN(double staged, MaxOverRanks(comm, staged_local));
+    if (comm.rank() == 0 && i > 0) {
+      blocking_samples.push_back(blocking);
+      staged_samples.push_back(staged);
+      rates.push_back(elements / std::max(staged_local - blocking_local, 1e-9));
+    }
+  }
+  if (comm.rank() == 0) compute_slowdown = rate_alone / Median(rates);
+  return Status::Ok();
 }
 
 int RunBenchAsync(const BenchAsyncOptions& o) {
@@ -56,7 +131,8 @@ int RunBenchAsync(const BenchAsyncOptions& o) {
   std::mutex mu;
   nlohmann::json out;
   std::vector<double> blocking_samples, total_samples;
-  double memcpy_seconds = 0, sync_save_seconds = 0, first_blocking = 0;
+  std::vector<double> deferred_blocking_samples, deferred_staged_samples;
+  double memcpy_seconds = 0, sync_save_seconds = 0, first_blocking = 0, compute_slowdown = 0;
   uint64_t held = 0, rss_after_2 = 0, rss_after_all = 0;
 
   Status status = FirstError(RunLocalRanks(o.ranks, [&](Comm& comm) -> Status {
@@ -78,6 +154,7 @@ int RunBenchAsync(const BenchAsyncOptions& o) {
 
     AsyncSaveOptions options;
     options.save.sync = o.sync ? SyncPolicy::kFull : SyncPolicy::kNone;
+    options.staging_threads = o.staging_threads;
     for (int i = 0; i < o.saves + 1; ++i) {  // save 0 also touches the staging buffers
       TESSERA_RETURN_IF_ERROR(comm.Barrier());
       start = Clock::now();
@@ -93,6 +170,9 @@ int RunBenchAsync(const BenchAsyncOptions& o) {
           blocking_samples.push_back(blocking), total_samples.push_back(total);
       }
     }
+    TESSERA_RETURN_IF_ERROR(TimeDeferredSaves(comm, state.dict, *dir + "/async", o.saves, options,
+                                              deferred_blocking_samples, deferred_staged_samples,
+                                              compute_slowdown));
     TESSERA_RETURN_IF_ERROR(comm.Barrier());
     start = Clock::now();
     TESSERA_RETURN_IF_ERROR(Save(state.dict, *dir + "/sync", comm, options.save).status());
@@ -107,9 +187,12 @@ int RunBenchAsync(const BenchAsyncOptions& o) {
     workload::RankState state = workload::BuildRankState(small, layout, comm.rank(), true);
     AsyncSaveOptions options;
     options.save.sync = SyncPolicy::kNone;
+    options.staging = StagingMode::kDeferred;
+    options.staging_threads = o.staging_threads;
     for (int i = 0; i < o.rss_saves; ++i) {
       TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle handle,
                                AsyncSave(state.dict, *dir + "/rss", comm, options));
+      TESSERA_RETURN_IF_ERROR(handle.WaitStaged());
       TESSERA_RETURN_IF_ERROR(handle.Wait());
       TESSERA_RETURN_IF_ERROR(comm.Barrier());
       if (comm.rank() == 0 && i == 1) rss_after_2 = CurrentRssBytes();
@@ -120,18 +203,26 @@ int RunBenchAsync(const BenchAsyncOptions& o) {
   RemoveBenchDir(*dir, o.dir);
   if (!status.ok()) return Fail(status);
 
-  std::sort(blocking_samples.begin(), blocking_samples.end());
-  std::sort(total_samples.begin(), total_samples.end());
-  const double blocking = blocking_samples[blocking_samples.size() / 2];  // median
+  const double blocking = Median(blocking_samples);
+  const double deferred_blocking = Median(deferred_blocking_samples);
+  const double deferred_staged = Median(deferred_staged_samples);
   out["bytes"] = held;
   out["ranks"] = o.ranks;
   out["sync"] = o.sync;
+  out["staging_threads"] = o.staging_threads;
   out["memcpy_seconds"] = memcpy_seconds;
   out["blocking_seconds"] = blocking;
   out["blocking_seconds_samples"] = blocking_samples;
   out["first_blocking_seconds"] = first_blocking;
   out["blocking_over_memcpy"] = blocking / memcpy_seconds;
-  out["total_seconds"] = total_samples[total_samples.size() / 2];
+  out["deferred_blocking_seconds"] = deferred_blocking;
+  out["deferred_blocking_seconds_samples"] = deferred_blocking_samples;
+  out["deferred_blocking_over_memcpy"] = deferred_blocking / memcpy_seconds;
+  out["deferred_staged_seconds"] = deferred_staged;
+  out["deferred_staged_seconds_samples"] = deferred_staged_samples;
+  out["deferred_staged_over_memcpy"] = deferred_staged / memcpy_seconds;
+  out["deferred_compute_slowdown"] = compute_slowdown;
+  out["total_seconds"] = Median(total_samples);
   out["sync_save_seconds"] = sync_save_seconds;
   out["rss_saves"] = o.rss_saves;
   out["rss_state_bytes"] = small.StateBytes();
@@ -151,7 +242,9 @@ void AddBenchAsyncCommand(CLI::App& bench, int* exit_code) {
   auto rss_size = std::make_shared<std::string>("64MiB");
   auto json = std::make_shared<bool>(true);
   CLI::App* cmd = bench.add_subcommand(
-      "async", "Time how long AsyncSave blocks, against memcpy; memory over 100 saves");
+      "async",
+      "Time how long AsyncSave blocks (staging during the call, and deferred behind compute), "
+      "against memcpy; memory over 100 saves");
   cmd->add_option("--size", *size, "state size")->capture_default_str();
   cmd->add_option("--ranks", o->ranks, "ranks (threads)")->capture_default_str();
   cmd->add_option("--saves", o->saves, "timed async saves")->capture_default_str();
@@ -160,6 +253,9 @@ void AddBenchAsyncCommand(CLI::App& bench, int* exit_code) {
   cmd->add_option("--rss-saves", o->rss_saves, "saves in the memory-growth loop")
       ->capture_default_str();
   cmd->add_flag("--sync", o->sync, "fsync the timed saves");
+  cmd->add_option("--staging-threads", o->staging_threads, "AsyncSaveOptions::staging_threads")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--dir", o->dir, "where to write (default: a temp dir, removed after)");
   cmd->add_flag("--json", *json, "print JSON (the only output format)");
   cmd->callback([=] {

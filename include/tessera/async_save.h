@@ -1,22 +1,43 @@
-// AsyncSave: a save that stalls the caller only for one copy of the state into host staging
-// buffers; planning, writing, checksumming and the commit run in the background.
+// AsyncSave: a save that stalls the caller for at most one copy of the state into host staging
+// buffers (kBlocking, the default), or for almost nothing (kDeferred: the copy runs on
+// background threads while the caller computes); planning, writing, checksumming and the
+// commit run in the background.
 //
-//   Result<AsyncSaveHandle> h = AsyncSave(state, path, comm, options);  // returns once staged
-//   ... train: the caller may change its tensors and use `comm` freely ...
-//   Status s = h->Wait();  // or h->Done() to poll
+//   AsyncSaveOptions o;
+//   o.staging = StagingMode::kDeferred;
+//   Result<AsyncSaveHandle> h = AsyncSave(state, path, comm, o);  // returns at once
+//   ... forward and backward passes: read the tensors, do not write them ...
+//   Status s = h->WaitStaged();  // the copy is done: the caller may change its tensors again
+//   ... optimizer step, more training; `comm` may be used freely throughout ...
+//   s = h->Wait();  // or h->Done() to poll: committed, the same status on every rank
+//
+// What the caller may do when, with the tensors (the memory the state's views point to):
+// - kBlocking: AsyncSave returns once every tensor is copied. From then on the caller may
+//   change or free them.
+// - kDeferred: AsyncSave returns before copying. Until WaitStaged() returns, the caller must
+//   neither change nor free them: reading is fine, writing is a data race whose result is an
+//   unspecified mix of old and new bytes in the checkpoint (check_unchanged_until_staged
+//   detects it, for debugging). Wait(), and destroying the last copy of the handle, first wait
+//   as WaitStaged() does, so a handle dropped early never leaves threads reading freed memory.
+// The StateDict itself (keys, views, objects) is copied during the call: it may go at once.
 //
 // COLLECTIVE: every rank of `comm` calls AsyncSave with the same path and options, in the same
-// order. The background work talks over a private communicator split from `comm` on the first
-// AsyncSave, so the caller's own collectives on `comm` never mix with it.
+// order (even where the call fails: the background work of every rank takes part in every save).
+// The first AsyncSave on a comm communicates over it (it creates a private communicator split
+// from `comm`); later ones do so only with kBlocking (one small all-reduce). The background
+// work talks over the private communicator only, so the caller's own collectives on `comm` never
+// mix with it.
 //
-// The checkpoint is committed only when every rank's writes succeeded; a failure on any rank
-// fails every rank's handle and leaves no manifest.
+// The checkpoint is committed only when every rank's staging and writes succeeded; a failure on
+// any rank fails every rank's handle and leaves no manifest.
 //
-// Staging buffers come from a pool kept with `comm` and reused by later saves: memory does not
-// grow from save to save. Destroying `comm` (or exiting) with a save in flight waits for it.
+// Staging buffers and copy threads come from a pool kept with `comm` and reused by later saves:
+// memory does not grow from save to save. Destroying `comm` (or exiting) with a save in flight
+// waits for it (including its staging, so the tensors must still be valid then).
 #ifndef TESSERA_ASYNC_SAVE_H_
 #define TESSERA_ASYNC_SAVE_H_
 
+#include <cstddef>
 #include <memory>
 #include <optional>
 #include <string>
@@ -28,24 +49,62 @@
 
 namespace tessera {
 
-// What AsyncSave does when an earlier async save on the same comm is still in flight.
+// What AsyncSave does when an earlier async save on the same comm is still in flight (with
+// kDeferred too: the call then blocks under kWait, or while two are in flight under kQueue).
 enum class WhenBusy {
   kWait,   // wait for it to finish, then stage (default): at most one staged copy in memory
   kQueue,  // stage now into a second set of buffers and queue behind it: at most two copies
 };
 
+// When the copy into the staging buffers happens.
+enum class StagingMode {
+  kBlocking,  // during the AsyncSave call (default): the caller may change its tensors after it
+  kDeferred,  // on background threads after the call returns: the caller must leave its
+              // tensors unchanged until WaitStaged() returns
+};
+
 struct AsyncSaveOptions {
   SaveOptions save;  // as for Save
   WhenBusy when_busy = WhenBusy::kWait;
+  StagingMode staging = StagingMode::kBlocking;
+  // Threads that copy the state into the staging buffers, in pieces (with kBlocking the
+  // caller's thread copies too). Default 4: a single thread copies well below the memory
+  // bandwidth; more threads than cores take cores from the caller's compute while it runs
+  // (kDeferred). The threads live with `comm`, idle between saves; the pool keeps the largest
+  // count asked for. At least 1.
+  int staging_threads = 4;
+  // The unit of work of the copy threads: a tensor is copied in pieces of this many bytes, and
+  // small tensors are grouped up to it. Default 8 MiB: big enough that handing out pieces costs
+  // nothing, small enough to spread one big tensor over every thread. At least 4096.
+  size_t staging_piece_bytes = size_t{8} << 20;
+  // Debugging aid for kDeferred (ignored with kBlocking): checksums (XXH3-64) every piece as it
+  // is staged and the caller's source again when WaitStaged() is called; a difference means the
+  // caller changed a tensor too early, and fails the save with kFailedPrecondition naming the
+  // key, on every rank. A change that lands entirely before its piece is copied is not seen
+  // (the checkpoint then holds the changed bytes). Costs one checksum pass over the state in
+  // the copy threads and one on the thread calling WaitStaged(), and the background save starts
+  // only once WaitStaged() (or Wait(), or the next AsyncSave on the comm) has checked. Default
+  // false.
+  bool check_unchanged_until_staged = false;
 };
 
-// The state of one asynchronous save. Thread-safe; copies share the same save.
+// The state of one asynchronous save. Thread-safe; copies share the same save. Destroying the
+// last copy waits as WaitStaged() does (not for the commit).
 class AsyncSaveHandle {
  public:
   struct State;
   explicit AsyncSaveHandle(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
-  // Blocks until the save is committed or failed; the same status on every rank.
+  // Blocks until the caller may change or free its tensors again: every byte is copied into the
+  // staging buffers (and, with check_unchanged_until_staged, the sources were checked against
+  // the copies). Returns this rank's staging status: OK, or the error that fails the save
+  // (Wait() then fails on every rank). Returns at once with kBlocking. Not collective.
+  Status WaitStaged() const;
+  // Non-blocking: true once the copy is done (WaitStaged() then does not wait for copies; with
+  // check_unchanged_until_staged it still checks, the first time).
+  bool Staged() const;
+  // Blocks until the save is committed or failed; the same status on every rank. Starts with
+  // WaitStaged().
   Status Wait() const;
   // Non-blocking: true once Wait() would return at once.
   bool Done() const;
@@ -58,6 +117,11 @@ class AsyncSaveHandle {
   std::shared_ptr<State> state_;
 };
 
+// A state or options that are invalid on any rank: with kBlocking, AsyncSave fails at once on
+// every rank (it agrees with one small collective over `comm`); with kDeferred the call does no
+// communication at all, so it fails at once on the ranks that hold the bad state, and Wait()
+// fails on the others. Errors found later (a check of check_unchanged_until_staged, a write)
+// come from WaitStaged() (this rank's staging) and Wait() (every rank).
 Result<AsyncSaveHandle> AsyncSave(const StateDict& state, const std::string& path, Comm& comm,
                                   const AsyncSaveOptions& options = {});
 

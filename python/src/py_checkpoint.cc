@@ -46,6 +46,9 @@ void RegisterOptions(py::module_& m) {
   py::enum_<WhenBusy>(m, "WhenBusy")
       .value("WAIT", WhenBusy::kWait)
       .value("QUEUE", WhenBusy::kQueue);
+  py::enum_<StagingMode>(m, "StagingMode")
+      .value("BLOCKING", StagingMode::kBlocking)
+      .value("DEFERRED", StagingMode::kDeferred);
 
   // Field for field the C++ structs (checkpoint.h documents each default and cost); the
   // Python functions set them from keyword arguments of the same names.
@@ -68,7 +71,12 @@ void RegisterOptions(py::module_& m) {
   py::class_<AsyncSaveOptions>(m, "AsyncSaveOptions")
       .def(py::init<>())
       .def_readwrite("save", &AsyncSaveOptions::save)
-      .def_readwrite("when_busy", &AsyncSaveOptions::when_busy);
+      .def_readwrite("when_busy", &AsyncSaveOptions::when_busy)
+      .def_readwrite("staging", &AsyncSaveOptions::staging)
+      .def_readwrite("staging_threads", &AsyncSaveOptions::staging_threads)
+      .def_readwrite("staging_piece_bytes", &AsyncSaveOptions::staging_piece_bytes)
+      .def_readwrite("check_unchanged_until_staged",
+                     &AsyncSaveOptions::check_unchanged_until_staged);
 }
 
 void RegisterReports(py::module_& m) {
@@ -191,37 +199,86 @@ void RegisterMetadata(py::module_& m) {
       });
 }
 
+// tessera.AsyncSaveHandle: an AsyncSaveHandle plus, with staging="deferred", the StateBuilder
+// viewing the caller's tensors, so that they stay alive (and their buffers exported) until the
+// copy is done. Dropped once WaitStaged() is seen to have returned, by wait_staged(), wait() or
+// done(); the destructor waits for staging (without the GIL) before dropping it.
+class PyAsyncSave {
+ public:
+  PyAsyncSave(AsyncSaveHandle handle, py::object views)
+      : handle_(std::move(handle)), views_(std::move(views)) {}
+  PyAsyncSave(const PyAsyncSave&) = delete;
+  PyAsyncSave& operator=(const PyAsyncSave&) = delete;
+  ~PyAsyncSave() {
+    if (!views_.is_none()) {
+      py::gil_scoped_release release;
+      handle_.WaitStaged().IgnoreError();  // the save's status keeps it
+    }
+  }
+
+  void WaitStaged() {
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = handle_.WaitStaged();
+    }
+    views_ = py::none();
+    ThrowIfError(status);
+  }
+  SaveReport Wait() {
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = handle_.Wait();
+    }
+    views_ = py::none();
+    ThrowIfError(status);
+    return *handle_.report();
+  }
+  bool Done() {
+    const bool done = handle_.Done();
+    if (done) views_ = py::none();  // done implies staged
+    return done;
+  }
+  const AsyncSaveHandle& handle() const { return handle_; }
+
+ private:
+  AsyncSaveHandle handle_;
+  py::object views_;  // None once staged, or with staging="blocking"
+};
+
 void RegisterAsync(py::module_& m) {
-  py::class_<AsyncSaveHandle>(m, "AsyncSaveHandle",
-                              "An asynchronous save in flight (tessera.async_save).")
+  py::class_<PyAsyncSave>(m, "AsyncSaveHandle",
+                          "An asynchronous save in flight (tessera.async_save).")
+      .def("wait_staged", &PyAsyncSave::WaitStaged,
+           "Blocks until the state is copied into the staging buffers: from then on the caller "
+           "may change its tensors (with staging=\"deferred\", call it before the optimizer "
+           "step). Raises this rank's staging error (e.g. the check of "
+           "check_unchanged_until_staged=True). Returns at once with staging=\"blocking\".")
       .def(
-          "wait",
-          [](const AsyncSaveHandle& h) {
-            Status status;
-            {
-              py::gil_scoped_release release;
-              status = h.Wait();
-            }
-            ThrowIfError(status);
-            return *h.report();
-          },
-          "Blocks until the save is committed and returns its SaveReport, or raises its error "
-          "(the same on every rank).")
-      .def("done", &AsyncSaveHandle::Done, "True once the save is committed or failed.")
+          "staged", [](const PyAsyncSave& h) { return h.handle().Staged(); },
+          "True once the copy into the staging buffers is done (non-blocking).")
+      .def("wait", &PyAsyncSave::Wait,
+           "Blocks until the save is committed and returns its SaveReport, or raises its error "
+           "(the same on every rank). Starts with wait_staged().")
+      .def("done", &PyAsyncSave::Done, "True once the save is committed or failed.")
       .def(
           "exception",
-          [](const AsyncSaveHandle& h) -> py::object {
-            std::optional<Status> status = h.TryStatus();
+          [](const PyAsyncSave& h) -> py::object {
+            std::optional<Status> status = h.handle().TryStatus();
             if (!status || status->ok()) return py::none();
             return StatusToException(*status);
           },
           "The exception the save failed with; None while in flight or after success.")
       .def_property_readonly(
-          "report", [](const AsyncSaveHandle& h) { return h.report(); },
+          "report", [](const PyAsyncSave& h) { return h.handle().report(); },
           "The SaveReport once committed, else None.")
-      .def("__repr__", [](const AsyncSaveHandle& h) {
-        std::optional<Status> status = h.TryStatus();
-        if (!status) return std::string("<tessera.AsyncSaveHandle in flight>");
+      .def("__repr__", [](const PyAsyncSave& h) {
+        std::optional<Status> status = h.handle().TryStatus();
+        if (!status) {
+          return std::string("<tessera.AsyncSaveHandle in flight, ") +
+                 (h.handle().Staged() ? "staged>" : "staging>");
+        }
         return "<tessera.AsyncSaveHandle " + status->ToString() + ">";
       });
 }
@@ -256,10 +313,15 @@ void RegisterCheckpoint(py::module_& m) {
       py::arg("state"), py::arg("path"), py::arg("comm"), py::arg("options"));
   m.def(
       "_async_save",
-      [](StateBuilder& state, const std::string& path, const CommHandle& comm,
+      [](py::object state, const std::string& path, const CommHandle& comm,
          const AsyncSaveOptions& options) {
+        StateBuilder& builder = state.cast<StateBuilder&>();
         Comm& c = comm.get();
-        return WithoutGil([&] { return AsyncSave(state.dict(), path, c, options); });
+        AsyncSaveHandle handle =
+            WithoutGil([&] { return AsyncSave(builder.dict(), path, c, options); });
+        const bool deferred = options.staging == StagingMode::kDeferred;
+        return std::make_unique<PyAsyncSave>(std::move(handle),
+                                             deferred ? std::move(state) : py::none());
       },
       py::arg("state"), py::arg("path"), py::arg("comm"), py::arg("options"));
   m.def(

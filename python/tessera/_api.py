@@ -226,19 +226,32 @@ def _single_rank_comm():
         return _default_comm
 
 
-def async_save(state_dict, path, *, comm=None, when_busy="wait", **options):
-    """Saves like save(), but returns as soon as the state is copied into staging buffers;
-    the checkpoint is written and committed in the background. The caller may change its
-    tensors and use `comm` at once. COLLECTIVE over `comm`.
+def async_save(state_dict, path, *, comm=None, when_busy="wait", staging="blocking",
+               staging_threads=None, check_unchanged_until_staged=False, **options):
+    """Saves like save(), but the checkpoint is written and committed in the background.
+    COLLECTIVE over `comm`. The caller may use `comm` at once.
+
+    staging="blocking" (default): returns once the state is copied into staging buffers; the
+    caller may change its tensors at once. staging="deferred": returns before copying (the copy
+    runs on background threads while the caller computes); the caller must not change its
+    tensors until handle.wait_staged() returns (call it before the optimizer step). The handle
+    keeps the tensors alive until then.
 
     when_busy="wait" (default): wait for an earlier async save on the same comm before
     staging (one staged copy in memory at most); "queue": stage now and queue (two at most).
+    staging_threads (default 4): threads that copy, in pieces. check_unchanged_until_staged=True
+    (debugging, with "deferred"): checksums the tensors when copied and again in wait_staged(),
+    which raises FailedPreconditionError naming a tensor changed too early (the save fails on
+    every rank).
 
-    Returns an AsyncSaveHandle: wait() (the SaveReport, or raises the save's error), done(),
-    exception(), report. The interpreter waits at exit for saves still in flight.
+    Returns an AsyncSaveHandle: wait_staged(), staged(), wait() (the SaveReport, or raises the
+    save's error), done(), exception(), report. The interpreter waits at exit for saves still
+    in flight.
     """
     if when_busy not in ("wait", "queue"):
         raise ValueError(f"when_busy must be 'wait' or 'queue', not {when_busy!r}")
+    if staging not in ("blocking", "deferred"):
+        raise ValueError(f"staging must be 'blocking' or 'deferred', not {staging!r}")
     lock = None
     if comm is None:
         # The process-wide comm: a Comm is used by one thread at a time.
@@ -247,6 +260,11 @@ def async_save(state_dict, path, *, comm=None, when_busy="wait", **options):
     opts = _tessera.AsyncSaveOptions()
     opts.save = save_opts
     opts.when_busy = _tessera.WhenBusy.WAIT if when_busy == "wait" else _tessera.WhenBusy.QUEUE
+    opts.staging = (_tessera.StagingMode.BLOCKING if staging == "blocking"
+                    else _tessera.StagingMode.DEFERRED)
+    if staging_threads is not None:
+        opts.staging_threads = staging_threads
+    opts.check_unchanged_until_staged = bool(check_unchanged_until_staged)
     if lock is None:
         handle = _tessera._async_save(builder, os.fspath(path), comm, opts)
     else:

@@ -1,4 +1,5 @@
-"""Run by test_mpi.py under mpirun: every rank saves its rows, loads columns, saves async."""
+"""Run by test_mpi.py under mpirun: every rank saves its rows, loads columns, saves async
+(deferred staging)."""
 
 import sys
 
@@ -30,8 +31,10 @@ def main(path):
     assert np.array_equal(local, FULL[:, rank * cols:(rank + 1) * cols])
     assert target["step"] == 42 and target["rng"][str(rank)].value == {"rank": rank}
 
-    handle = tessera.async_save(state, path + "_async", comm=comm)
-    MPI.COMM_WORLD.Barrier()  # the caller's MPI traffic while the save is in flight
+    handle = tessera.async_save(state, path + "_async", comm=comm, staging="deferred",
+                                check_unchanged_until_staged=True)
+    MPI.COMM_WORLD.Barrier()  # the caller's MPI traffic while the copy and the save run
+    handle.wait_staged()
     handle.wait()
     print(f"rank {rank}: ok", flush=True)
 

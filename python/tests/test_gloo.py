@@ -51,10 +51,11 @@ def worker(rank, size, port, path):
         assert report.unexpected_keys == [] and report.missing_keys == []
 
         # Asynchronous: the caller's own collectives run while the save is in flight.
-        handle = tessera.async_save(state, path + "_async", comm=comm)
+        handle = tessera.async_save(state, path + "_async", comm=comm, staging="deferred")
         x = torch.ones(1)
         dist.all_reduce(x)
         assert x.item() == size
+        handle.wait_staged()
         handle.wait()
 
         # Bad input on one rank only: the other does not wait for it in a collective.

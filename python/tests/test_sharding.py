@@ -1,8 +1,10 @@
 """Multi-rank saves and loads with ranks as threads (tessera.run_local), resharding between
 layouts, and asynchronous saves."""
 
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -220,7 +222,8 @@ def test_async_save_failure(tmp_path):
         tessera.async_save({"w": np.zeros((3, 3)).T}, str(tmp_path / "ckpt"))
 
 
-def test_async_save_with_local_ranks(ckpt):
+@pytest.mark.parametrize("staging", ["blocking", "deferred"])
+def test_async_save_with_local_ranks(ckpt, staging):
     full = torch.randn(6, 4)
 
     def fn(comm):
@@ -228,10 +231,12 @@ def test_async_save_with_local_ranks(ckpt):
         local = full[b:e].clone()
         handles = []
         for step in range(3):
+            if handles:
+                handles[-1].wait_staged()  # before the "optimizer step"
             local.add_(1)
             handles.append(tessera.async_save(
                 {"w": tessera.ShardedTensor(local, (6, 4), (b, 0)), "step": step},
-                f"{ckpt}/{step}", comm=comm))
+                f"{ckpt}/{step}", comm=comm, staging=staging))
             comm.barrier()  # the caller's collectives do not mix with the save's
         return [h.wait().save_id for h in handles]
 
@@ -240,6 +245,84 @@ def test_async_save_with_local_ranks(ckpt):
     for step in range(3):
         loaded = tessera.load_all(f"{ckpt}/{step}")
         assert torch.allclose(loaded["w"], full + step + 1) and loaded["step"] == step
+
+
+def test_async_save_deferred(ckpt):
+    w = torch.randn(1 << 20)  # 4 MiB
+    a = np.arange(100_000, dtype=np.int64)
+    expected_w, expected_a = w.clone(), a.copy()
+    handle = tessera.async_save({"w": w, "a": a, "step": 3}, ckpt, staging="deferred",
+                                staging_threads=2)
+    torch.mul(w, 2.0)  # reading the tensors meanwhile is fine (the forward pass)
+    handle.wait_staged()
+    assert handle.staged()
+    w.fill_(-1)  # the optimizer step: after wait_staged, not in the checkpoint
+    a[:] = -1
+    report = handle.wait()
+    assert handle.done() and handle.exception() is None and report.total_bytes > 4 << 20
+    loaded = tessera.load_all(ckpt)
+    assert torch.equal(loaded["w"], expected_w) and np.array_equal(loaded["a"], expected_a)
+    assert loaded["step"] == 3
+
+
+def test_async_save_deferred_keeps_the_tensors_alive_until_staged(ckpt):
+    w = torch.full((4 << 20,), 7.0)  # 16 MiB, copied by one thread in pieces
+    ref = weakref.ref(w)
+    state = {"w": w}
+    handle = tessera.async_save(state, ckpt, staging="deferred", staging_threads=1)
+    del w, state  # the caller lets go at once: the handle holds the tensor
+    gc.collect()
+    assert ref() is not None or handle.staged()
+    handle.wait_staged()
+    gc.collect()
+    assert ref() is None  # released once staged
+    junk = [torch.full((4 << 20,), -1.0) for _ in range(2)]  # reuse freed memory, if any
+    handle.wait()
+    assert torch.equal(tessera.load_all(ckpt)["w"], torch.full((4 << 20,), 7.0))
+    del junk
+
+
+def test_async_save_deferred_check_catches_a_change_before_wait_staged(tmp_path):
+    w = torch.zeros(1000)
+    good = str(tmp_path / "good")
+    handle = tessera.async_save({"w": w}, good, staging="deferred",
+                                check_unchanged_until_staged=True)
+    handle.wait_staged()
+    w.add_(1)
+    handle.wait()
+    assert torch.equal(tessera.load_all(good)["w"], torch.zeros(1000))
+
+    bad = str(tmp_path / "bad")
+    handle = tessera.async_save({"w": w}, bad, staging="deferred",
+                                check_unchanged_until_staged=True)
+    while not handle.staged():
+        time.sleep(0.001)
+    w.add_(1)  # too early: the copy is made but wait_staged() was not called
+    with pytest.raises(tessera.FailedPreconditionError, match="tensor 'w' changed before"):
+        handle.wait_staged()
+    with pytest.raises(tessera.FailedPreconditionError, match="tensor 'w' changed before"):
+        handle.wait()
+    assert isinstance(handle.exception(), tessera.FailedPreconditionError)
+    with pytest.raises(tessera.Error):
+        tessera.read_metadata(bad)  # nothing committed
+
+
+def test_async_save_deferred_errors(tmp_path):
+    with pytest.raises(ValueError, match="staging must be 'blocking' or 'deferred'"):
+        tessera.async_save({"w": np.zeros(2)}, str(tmp_path / "a"), staging="lazy")
+    with pytest.raises(ValueError, match="staging_threads must be at least 1"):
+        tessera.async_save({"w": np.zeros(2)}, str(tmp_path / "a"), staging="deferred",
+                           staging_threads=0)
+    with pytest.raises(TypeError):
+        tessera.async_save({"w": np.zeros(2)}, str(tmp_path / "a"), staging_threads="two")
+    with pytest.raises(ValueError, match="not contiguous"):  # found before the call returns
+        tessera.async_save({"w": np.zeros((3, 3)).T}, str(tmp_path / "a"), staging="deferred")
+    (tmp_path / "file").write_bytes(b"x")
+    handle = tessera.async_save({"w": np.zeros(2)}, str(tmp_path / "file" / "ckpt"),
+                                staging="deferred")
+    handle.wait_staged()  # staging worked; the write fails
+    with pytest.raises(OSError):
+        handle.wait()
 
 
 def test_python_threads_save_concurrently(tmp_path):

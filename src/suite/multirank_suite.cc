@@ -396,8 +396,9 @@ Status ReadSharingReadsEachByteOnce(Comm& comm, const std::string& dir, ReadShar
 }
 
 // A training loop: all-reduces on the caller's comm while saves run in the background; each
-// checkpoint holds the values of the step that staged it.
-Status AsyncSaveDuringTraining(Comm& comm, const std::string& dir) {
+// checkpoint holds the values of the step that staged it. With kDeferred, the optimizer step
+// (the fill) waits for the last save's staging, which checks that the weights did not change.
+Status AsyncSaveDuringTraining(Comm& comm, const std::string& dir, StagingMode staging) {
   std::vector<float> weights(4096);
   auto dict = [&] {
     StateDict state;
@@ -411,10 +412,14 @@ Status AsyncSaveDuringTraining(Comm& comm, const std::string& dir) {
     TESSERA_RETURN_IF_ERROR(comm.AllReduce(gradient, ReduceOp::kSum));
     TESSERA_RETURN_IF_ERROR(Expect(gradient[0] == step * comm.size() && gradient[1] == comm.size(),
                                    "the training all-reduce is not disturbed by the save"));
+    if (!saves.empty()) TESSERA_RETURN_IF_ERROR(saves.back().first.WaitStaged());
     std::fill(weights.begin(), weights.end(), static_cast<float>(step));
     if (step % 4 == 1) {
       AsyncSaveOptions options;
       options.when_busy = step % 8 == 1 ? WhenBusy::kQueue : WhenBusy::kWait;
+      options.staging = staging;
+      options.check_unchanged_until_staged = true;  // ignored with kBlocking
+      options.staging_piece_bytes = 4096;           // 4 pieces per rank
       StateDict state = dict();
       TESSERA_ASSIGN_OR_RETURN(
           AsyncSaveHandle handle,
@@ -455,7 +460,14 @@ const std::vector<MultiRankCase>& MultiRankCases() {
       {"BalancedWritesSpreadReplicatedBytes", 1, BalancedWritesSpreadReplicatedBytes},
       {"ObjectsPerRankAndShared", 1, ObjectsPerRankAndShared},
       {"PlanCacheReusesPlansAndNoticesChanges", 1, PlanCacheReusesPlansAndNoticesChanges},
-      {"AsyncSaveDuringTraining", 1, AsyncSaveDuringTraining},
+      {"AsyncSaveDuringTraining", 1,
+       [](Comm& comm, const std::string& dir) {
+         return AsyncSaveDuringTraining(comm, dir, StagingMode::kBlocking);
+       }},
+      {"AsyncSaveWithDeferredStagingDuringTraining", 1,
+       [](Comm& comm, const std::string& dir) {
+         return AsyncSaveDuringTraining(comm, dir, StagingMode::kDeferred);
+       }},
       {"ReadSharingByAllGatherReadsEachByteOnce", 1,
        [](Comm& c, const std::string& d) {
          return ReadSharingReadsEachByteOnce(c, d, ReadSharing::kAllGather);
