@@ -262,7 +262,9 @@ Status Interpreter::Properties(const PickleValue& props, DcpTensor& t) {
   int encoding = -1;
   if (mf.is(PickleKind::kReduce) && mf.args().size() == 1 && is_enum_class(mf.callable())) {
     encoding = static_cast<int>(mf.args().item(0).AsInt().value_or(-1));
-  } else if (mf.is(PickleKind::kReduce) && mf.callable().IsGlobal("builtins", "getattr") &&
+  } else if (mf.is(PickleKind::kReduce) &&
+             (mf.callable().IsGlobal("builtins", "getattr") ||
+              mf.callable().IsGlobal("__builtin__", "getattr")) &&  // protocol 2's name
              mf.args().size() == 2 && is_enum_class(mf.args().item(0))) {
     const std::string_view name = mf.args().item(1).AsStr().value_or("");
     for (int i = 0; i < 3; ++i) {

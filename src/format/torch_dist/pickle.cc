@@ -1078,7 +1078,8 @@ std::optional<PickleValue> PickleValue::ObjectClass() const {
   if (!is(PickleKind::kReduce) && !is(PickleKind::kNewObj)) return std::nullopt;
   const PickleValue c = callable();
   if (!c.is(PickleKind::kGlobal)) return std::nullopt;
-  if (is(PickleKind::kReduce) && c.IsGlobal("copyreg", "_reconstructor")) {
+  if (is(PickleKind::kReduce) &&
+      (c.IsGlobal("copyreg", "_reconstructor") || c.IsGlobal("copy_reg", "_reconstructor"))) {
     const PickleValue a = args();
     if (a.size() >= 1 && a.item(0).is(PickleKind::kGlobal)) return a.item(0);
     return std::nullopt;
