@@ -35,12 +35,10 @@ Status At(const Status& s, std::string_view where) {
 std::string Quoted(std::string_view s) { return "['" + std::string(s) + "']"; }
 std::string Indexed(size_t i) { return "[" + std::to_string(i) + "]"; }
 
-Result<PickleValue> Required(const PickleValue& obj, std::string_view attr,
-                             std::string_view cls) {
+Result<PickleValue> Required(const PickleValue& obj, std::string_view attr, std::string_view cls) {
   std::optional<PickleValue> v = obj.Attr(attr);
   if (!v) {
-    return InvalidArgument("missing attribute '" + std::string(attr) + "' of " +
-                           std::string(cls));
+    return InvalidArgument("missing attribute '" + std::string(attr) + "' of " + std::string(cls));
   }
   return *v;
 }
@@ -174,7 +172,8 @@ Status Interpreter::StateDictMetadata(const PickleValue& dict) {
       Status s = Tensor(v, *std::move(fqn));
       if (!s.ok()) return At(s, "state_dict_metadata" + Quoted(name));
     } else {
-      return InvalidArgument("state_dict_metadata" + Quoted(*fqn) + ": expected "
+      return InvalidArgument("state_dict_metadata" + Quoted(*fqn) +
+                             ": expected "
                              "TensorStorageMetadata or BytesStorageMetadata, found " +
                              v.Describe());
     }
@@ -227,10 +226,9 @@ Status Interpreter::Properties(const PickleValue& props, DcpTensor& t) {
   TESSERA_ASSIGN_OR_RETURN(PickleValue st, state->ExpectTuple(5));
 
   const PickleValue dtype = st.item(0);
-  const TorchDType* td =
-      dtype.is(PickleKind::kGlobal) && dtype.global_module() == "torch"
-          ? FindTorchDType(dtype.global_name())
-          : nullptr;
+  const TorchDType* td = dtype.is(PickleKind::kGlobal) && dtype.global_module() == "torch"
+                             ? FindTorchDType(dtype.global_name())
+                             : nullptr;
   if (td == nullptr) return InvalidArgument("unsupported dtype " + dtype.Describe());
   t.torch_dtype = std::string(td->name);
 
@@ -241,7 +239,8 @@ Status Interpreter::Properties(const PickleValue& props, DcpTensor& t) {
        layout.callable().IsGlobal("torch.serialization", "_get_layout") &&
        layout.args().size() == 1 && layout.args().item(0).AsStr().value_or("") == "torch.strided");
   if (!strided) {
-    return InvalidArgument("layout " + layout.Describe() + " is not supported (only torch.strided)");
+    return InvalidArgument("layout " + layout.Describe() +
+                           " is not supported (only torch.strided)");
   }
 
   Result<bool> rg = st.item(2).AsBool();
@@ -265,7 +264,8 @@ Status Interpreter::Properties(const PickleValue& props, DcpTensor& t) {
   } else if (mf.is(PickleKind::kReduce) &&
              (mf.callable().IsGlobal("builtins", "getattr") ||
               mf.callable().IsGlobal("__builtin__", "getattr")) &&  // protocol 2's name
-             mf.args().size() == 2 && is_enum_class(mf.args().item(0))) {
+             mf.args().size() == 2 &&
+             is_enum_class(mf.args().item(0))) {
     const std::string_view name = mf.args().item(1).AsStr().value_or("");
     for (int i = 0; i < 3; ++i) {
       if (kMemFormatNames[i] == name) encoding = i;
@@ -378,8 +378,8 @@ Status Interpreter::PlannerData(const PickleValue& v) {
 Result<std::string> PathLike(const PickleValue& v) {
   if (v.is(PickleKind::kStr)) return Str(v);
   const std::optional<PickleValue> cls = v.ObjectClass();
-  const bool pathlib = cls && (cls->global_module() == "pathlib" ||
-                               cls->global_module().substr(0, 8) == "pathlib.");
+  const bool pathlib =
+      cls && (cls->global_module() == "pathlib" || cls->global_module().substr(0, 8) == "pathlib.");
   if (!pathlib || !v.is(PickleKind::kReduce)) {
     return InvalidArgument("expected a str or a pathlib path, found " + v.Describe());
   }
@@ -504,8 +504,8 @@ Status Link(const DcpMetadata& m, std::vector<std::vector<size_t>>* chunk_storag
     }
     if (!it->second.is_tensor) {
       if (s.offset) {
-        return InvalidArgument("storage_data entry for bytes item '" + s.fqn +
-                               "' has an offset " + BoxText(*s.offset));
+        return InvalidArgument("storage_data entry for bytes item '" + s.fqn + "' has an offset " +
+                               BoxText(*s.offset));
       }
       size_t& slot = (*bytes_storage)[it->second.index];
       if (slot != kNoDcpStorage) {
@@ -525,7 +525,8 @@ Status Link(const DcpMetadata& m, std::vector<std::vector<size_t>>* chunk_storag
     } else {
       auto& map = by_offsets[it->second.index];
       if (map.empty()) {
-        for (size_t c = 0; c < t.chunks.size(); ++c) map.emplace(OffsetsKey(t.chunks[c].offsets), c);
+        for (size_t c = 0; c < t.chunks.size(); ++c)
+          map.emplace(OffsetsKey(t.chunks[c].offsets), c);
       }
       auto found = map.find(OffsetsKey(*s.offset));
       if (found != map.end()) chunk = found->second;
@@ -638,8 +639,8 @@ Result<std::vector<uint8_t>> Encoder::Run() {
                              "offset", "relative_path", "length"}) {
     w_.Preload(s);
   }
-  for (std::string_view cls : {"ChunkStorageMetadata", "MetadataIndex", "TensorStorageMetadata",
-                               "BytesStorageMetadata"}) {
+  for (std::string_view cls :
+       {"ChunkStorageMetadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata"}) {
     w_.PreloadGlobal(p_.metadata, cls);
   }
   w_.PreloadGlobal(p_.filesystem, "_StorageInfo");
@@ -795,10 +796,18 @@ void Encoder::PlannerData() {
       }
     }
     switch (p.path.size()) {
-      case 1: w_.Tuple1(); break;
-      case 2: w_.Tuple2(); break;
-      case 3: w_.Tuple3(); break;
-      default: w_.Tuple(); break;
+      case 1:
+        w_.Tuple1();
+        break;
+      case 2:
+        w_.Tuple2();
+        break;
+      case 3:
+        w_.Tuple3();
+        break;
+      default:
+        w_.Tuple();
+        break;
     }
   });
 }

@@ -49,7 +49,7 @@ struct DcpChunk {
 // A TensorStorageMetadata with its key.
 struct DcpTensor {
   std::string fqn;
-  std::string torch_dtype;  // canonical torch dtype name: "float32", "bfloat16", ...
+  std::string torch_dtype;    // canonical torch dtype name: "float32", "bfloat16", ...
   std::vector<int64_t> size;  // global shape
   std::vector<DcpChunk> chunks;
   // The rest of TensorProperties (layout is always torch.strided; others are refused).
@@ -121,9 +121,9 @@ struct DcpMetadata {
   DcpPlannerData planner_data_kind = DcpPlannerData::kNone;
   std::vector<DcpPlannerPath> planner_data;  // for kFlattenMapping
   std::optional<DcpStorageMeta> storage_meta;
-  bool has_mcore_data = false;             // Megatron: mcore_data present
-  std::vector<DcpMcoreEntry> mcore_data;   // in pickle order
-  bool has_all_local_plans = false;        // Megatron: all_local_plans present (not read)
+  bool has_mcore_data = false;            // Megatron: mcore_data present
+  std::vector<DcpMcoreEntry> mcore_data;  // in pickle order
+  bool has_all_local_plans = false;       // Megatron: all_local_plans present (not read)
   bool operator==(const DcpMetadata&) const = default;
 };
 

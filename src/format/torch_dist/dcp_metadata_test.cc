@@ -229,12 +229,21 @@ TEST(DcpMetadataTest, LinkErrors) {
   const Case cases[] = {
       {[](DcpMetadata& x) { x.storage.pop_back(); }, "bytes item 'obj' has no storage_data entry"},
       {[](DcpMetadata& x) { x.storage[0].fqn = "v"; }, "names 'v', which is not in"},
-      {[](DcpMetadata& x) { x.storage[0].offset = {1, 0}; }, "at offset (1, 0) matches no chunk"},
-      {[](DcpMetadata& x) { x.storage[0].offset = {0, 0}; }, "two storage_data entries for 'w'"},
+      {[](DcpMetadata& x) {
+         x.storage[0].offset = {1, 0};
+       },
+       "at offset (1, 0) matches no chunk"},
+      {[](DcpMetadata& x) {
+         x.storage[0].offset = {0, 0};
+       },
+       "two storage_data entries for 'w'"},
       {[](DcpMetadata& x) { x.storage[0].offset.reset(); }, "tensor 'w' has no offset"},
       {[](DcpMetadata& x) { x.storage[2].offset = std::vector<int64_t>{}; },
        "bytes item 'obj' has an offset"},
-      {[](DcpMetadata& x) { x.tensors[0].chunks[1].sizes = {3, 4}; }, "is not inside the tensor"},
+      {[](DcpMetadata& x) {
+         x.tensors[0].chunks[1].sizes = {3, 4};
+       },
+       "is not inside the tensor"},
       {[](DcpMetadata& x) { x.tensors[0].chunks[1].sizes = {2}; }, "do not match the tensor's 2"},
       {[](DcpMetadata& x) { x.bytes[0].fqn = "w"; }, "fqn 'w' appears twice"},
   };
@@ -254,8 +263,8 @@ TEST(DcpMetadataTest, LinkErrors) {
 DcpMetadata RandomMetadata(uint64_t seed) {
   std::mt19937_64 rng(seed);
   auto pick = [&](int64_t n) { return static_cast<int64_t>(rng() % static_cast<uint64_t>(n)); };
-  const char* dtypes[] = {"float32", "bfloat16", "float16", "int64", "bool", "uint8",
-                          "float8_e4m3fn", "complex64"};
+  const char* dtypes[] = {"float32", "bfloat16", "float16",       "int64",
+                          "bool",    "uint8",    "float8_e4m3fn", "complex64"};
   DcpMetadata m;
   m.flavor = pick(2) ? DcpFlavor::kTorch2 : DcpFlavor::kTorch113;
   const int n_tensors = static_cast<int>(pick(6));
@@ -401,15 +410,16 @@ TEST(DcpMetadataTest, Torch2StandInsUnpickleTheTorch2Flavour) {
   wrong["version"] = "9.9.9";
   std::ofstream(dir.Sub("x.json")) << wrong.dump();
   std::string output;
-  EXPECT_EQ(testing::RunPython("check_dcp2_metadata.py", {dir.Sub("x"), dir.Sub("x.json")}, &output),
-            1)
+  EXPECT_EQ(
+      testing::RunPython("check_dcp2_metadata.py", {dir.Sub("x"), dir.Sub("x.json")}, &output), 1)
       << output;
 }
 
 // Element i of every tensor: a byte pattern from (fqn, i), valid for every dtype (bools 0/1).
 std::vector<uint8_t> Pattern(const std::string& fqn, const std::string& dtype, size_t numel) {
   const TorchDType* t = FindTorchDType(dtype);
-  std::vector<uint8_t> v = tessera::testing::RandomBytes(numel * t->element_size, Crc32(fqn.data(), fqn.size()));
+  std::vector<uint8_t> v =
+      tessera::testing::RandomBytes(numel * t->element_size, Crc32(fqn.data(), fqn.size()));
   if (dtype == "bool") {
     for (uint8_t& b : v) b &= 1;
   }
@@ -430,10 +440,10 @@ TEST(DcpMetadataTest, Torch113LoadsACheckpointTesseraWrote) {
     std::vector<int64_t> size;
     int chunks;  // row chunks
   };
-  const std::vector<Spec> specs = {{"w", "float32", {4, 6}, 2},      {"b", "bfloat16", {5}, 1},
-                                   {"s", "float64", {}, 1},          {"e", "float16", {0, 3}, 1},
-                                   {"flags", "bool", {2, 3, 4, 5}, 2}, {"i", "int64", {3}, 3},
-                                   {"big", "int32", {70000}, 2}};
+  const std::vector<Spec> specs = {
+      {"w", "float32", {4, 6}, 2}, {"b", "bfloat16", {5}, 1},          {"s", "float64", {}, 1},
+      {"e", "float16", {0, 3}, 1}, {"flags", "bool", {2, 3, 4, 5}, 2}, {"i", "int64", {3}, 3},
+      {"big", "int32", {70000}, 2}};
   DcpMetadata m;
   m.flavor = DcpFlavor::kTorch113;
   json state = json::object();
@@ -510,8 +520,8 @@ TEST(DcpMetadataTest, Torch113LoadsACheckpointTesseraWrote) {
   std::ofstream(dir.Sub("expected.json")) << expected.dump();
 
   std::string output;
-  EXPECT_EQ(testing::RunPython("check_dcp_checkpoint.py", {ckpt, dir.Sub("expected.json")}, &output),
-            0)
+  EXPECT_EQ(
+      testing::RunPython("check_dcp_checkpoint.py", {ckpt, dir.Sub("expected.json")}, &output), 0)
       << output;
   EXPECT_THAT(output, HasSubstr("OK " + std::to_string(specs.size() + 1) + " entries")) << output;
 

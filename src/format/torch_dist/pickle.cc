@@ -86,75 +86,144 @@ enum Op : uint8_t {
 
 const char* OpName(uint8_t op) {
   switch (op) {
-    case kMark: return "MARK";
-    case kStop: return "STOP";
-    case kPop: return "POP";
-    case kPopMark: return "POP_MARK";
-    case kDup: return "DUP";
-    case kFloat: return "FLOAT";
-    case kInt: return "INT";
-    case kBinInt: return "BININT";
-    case kBinInt1: return "BININT1";
-    case kLong: return "LONG";
-    case kBinInt2: return "BININT2";
-    case kNone: return "NONE";
-    case kPersId: return "PERSID";
-    case kBinPersId: return "BINPERSID";
-    case kReduce: return "REDUCE";
-    case kString: return "STRING";
-    case kBinString: return "BINSTRING";
-    case kShortBinString: return "SHORT_BINSTRING";
-    case kUnicode: return "UNICODE";
-    case kBinUnicode: return "BINUNICODE";
-    case kAppend: return "APPEND";
-    case kBuild: return "BUILD";
-    case kGlobal: return "GLOBAL";
-    case kDict: return "DICT";
-    case kEmptyDict: return "EMPTY_DICT";
-    case kAppends: return "APPENDS";
-    case kGet: return "GET";
-    case kBinGet: return "BINGET";
-    case kInst: return "INST";
-    case kLongBinGet: return "LONG_BINGET";
-    case kList: return "LIST";
-    case kEmptyList: return "EMPTY_LIST";
-    case kObj: return "OBJ";
-    case kPut: return "PUT";
-    case kBinPut: return "BINPUT";
-    case kLongBinPut: return "LONG_BINPUT";
-    case kSetItem: return "SETITEM";
-    case kTuple: return "TUPLE";
-    case kEmptyTuple: return "EMPTY_TUPLE";
-    case kSetItems: return "SETITEMS";
-    case kBinFloat: return "BINFLOAT";
-    case kProto: return "PROTO";
-    case kNewObj: return "NEWOBJ";
-    case kExt1: return "EXT1";
-    case kExt2: return "EXT2";
-    case kExt4: return "EXT4";
-    case kTuple1: return "TUPLE1";
-    case kTuple2: return "TUPLE2";
-    case kTuple3: return "TUPLE3";
-    case kNewTrue: return "NEWTRUE";
-    case kNewFalse: return "NEWFALSE";
-    case kLong1: return "LONG1";
-    case kLong4: return "LONG4";
-    case kBinBytes: return "BINBYTES";
-    case kShortBinBytes: return "SHORT_BINBYTES";
-    case kShortBinUnicode: return "SHORT_BINUNICODE";
-    case kBinUnicode8: return "BINUNICODE8";
-    case kBinBytes8: return "BINBYTES8";
-    case kEmptySet: return "EMPTY_SET";
-    case kAddItems: return "ADDITEMS";
-    case kFrozenSet: return "FROZENSET";
-    case kNewObjEx: return "NEWOBJ_EX";
-    case kStackGlobal: return "STACK_GLOBAL";
-    case kMemoize: return "MEMOIZE";
-    case kFrame: return "FRAME";
-    case kByteArray8: return "BYTEARRAY8";
-    case kNextBuffer: return "NEXT_BUFFER";
-    case kReadOnlyBuffer: return "READONLY_BUFFER";
-    default: return nullptr;
+    case kMark:
+      return "MARK";
+    case kStop:
+      return "STOP";
+    case kPop:
+      return "POP";
+    case kPopMark:
+      return "POP_MARK";
+    case kDup:
+      return "DUP";
+    case kFloat:
+      return "FLOAT";
+    case kInt:
+      return "INT";
+    case kBinInt:
+      return "BININT";
+    case kBinInt1:
+      return "BININT1";
+    case kLong:
+      return "LONG";
+    case kBinInt2:
+      return "BININT2";
+    case kNone:
+      return "NONE";
+    case kPersId:
+      return "PERSID";
+    case kBinPersId:
+      return "BINPERSID";
+    case kReduce:
+      return "REDUCE";
+    case kString:
+      return "STRING";
+    case kBinString:
+      return "BINSTRING";
+    case kShortBinString:
+      return "SHORT_BINSTRING";
+    case kUnicode:
+      return "UNICODE";
+    case kBinUnicode:
+      return "BINUNICODE";
+    case kAppend:
+      return "APPEND";
+    case kBuild:
+      return "BUILD";
+    case kGlobal:
+      return "GLOBAL";
+    case kDict:
+      return "DICT";
+    case kEmptyDict:
+      return "EMPTY_DICT";
+    case kAppends:
+      return "APPENDS";
+    case kGet:
+      return "GET";
+    case kBinGet:
+      return "BINGET";
+    case kInst:
+      return "INST";
+    case kLongBinGet:
+      return "LONG_BINGET";
+    case kList:
+      return "LIST";
+    case kEmptyList:
+      return "EMPTY_LIST";
+    case kObj:
+      return "OBJ";
+    case kPut:
+      return "PUT";
+    case kBinPut:
+      return "BINPUT";
+    case kLongBinPut:
+      return "LONG_BINPUT";
+    case kSetItem:
+      return "SETITEM";
+    case kTuple:
+      return "TUPLE";
+    case kEmptyTuple:
+      return "EMPTY_TUPLE";
+    case kSetItems:
+      return "SETITEMS";
+    case kBinFloat:
+      return "BINFLOAT";
+    case kProto:
+      return "PROTO";
+    case kNewObj:
+      return "NEWOBJ";
+    case kExt1:
+      return "EXT1";
+    case kExt2:
+      return "EXT2";
+    case kExt4:
+      return "EXT4";
+    case kTuple1:
+      return "TUPLE1";
+    case kTuple2:
+      return "TUPLE2";
+    case kTuple3:
+      return "TUPLE3";
+    case kNewTrue:
+      return "NEWTRUE";
+    case kNewFalse:
+      return "NEWFALSE";
+    case kLong1:
+      return "LONG1";
+    case kLong4:
+      return "LONG4";
+    case kBinBytes:
+      return "BINBYTES";
+    case kShortBinBytes:
+      return "SHORT_BINBYTES";
+    case kShortBinUnicode:
+      return "SHORT_BINUNICODE";
+    case kBinUnicode8:
+      return "BINUNICODE8";
+    case kBinBytes8:
+      return "BINBYTES8";
+    case kEmptySet:
+      return "EMPTY_SET";
+    case kAddItems:
+      return "ADDITEMS";
+    case kFrozenSet:
+      return "FROZENSET";
+    case kNewObjEx:
+      return "NEWOBJ_EX";
+    case kStackGlobal:
+      return "STACK_GLOBAL";
+    case kMemoize:
+      return "MEMOIZE";
+    case kFrame:
+      return "FRAME";
+    case kByteArray8:
+      return "BYTEARRAY8";
+    case kNextBuffer:
+      return "NEXT_BUFFER";
+    case kReadOnlyBuffer:
+      return "READONLY_BUFFER";
+    default:
+      return nullptr;
   }
 }
 
@@ -194,8 +263,8 @@ class PickleParser {
 
   Status Step(uint8_t op);
   Status Fail(std::string what) const {
-    std::string message = std::string(source_) + ": pickle: " + what + " at offset " +
-                          std::to_string(op_offset_);
+    std::string message =
+        std::string(source_) + ": pickle: " + what + " at offset " + std::to_string(op_offset_);
     if (const char* name = OpName(op_)) {
       message += std::string(" (opcode ") + name + " 0x" + Hex2(op_) + ")";
     } else {
@@ -323,7 +392,7 @@ class PickleParser {
   std::vector<uint32_t> stack_;
   std::vector<size_t> marks_;
   std::vector<Segment> segments_;
-  std::vector<uint32_t> memo_;  // index -> node id, kNoIndex when unset
+  std::vector<uint32_t> memo_;                       // index -> node id, kNoIndex when unset
   std::unordered_map<uint64_t, uint32_t> memo_far_;  // indices beyond memo_'s bound
   uint64_t memo_count_ = 0;                          // distinct indices set (MEMOIZE's next)
 };
@@ -501,11 +570,10 @@ Status PickleParser::OpObject(PickleKind kind, int n_parts) {
                 ", not a tuple");
   }
   if (n_parts == 3 && t_.nodes_[parts[2]].kind != PickleKind::kDict) {
-    return Fail("keyword arguments are a " +
-                std::string(PickleKindName(t_.nodes_[parts[2]].kind)) + ", not a dict");
+    return Fail("keyword arguments are a " + std::string(PickleKindName(t_.nodes_[parts[2]].kind)) +
+                ", not a dict");
   }
-  TESSERA_ASSIGN_OR_RETURN(uint32_t id,
-                           NewFixed(kind, std::span<const uint32_t>(parts, n_parts)));
+  TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewFixed(kind, std::span<const uint32_t>(parts, n_parts)));
   return Push(id);
 }
 
@@ -599,9 +667,12 @@ Status PickleParser::Step(uint8_t op) {
     }
 
     // Scalars.
-    case kNone: return Push(kNoneId);
-    case kNewTrue: return Push(kTrueId);
-    case kNewFalse: return Push(kFalseId);
+    case kNone:
+      return Push(kNoneId);
+    case kNewTrue:
+      return Push(kTrueId);
+    case kNewFalse:
+      return Push(kFalseId);
     case kBinInt1:
       TESSERA_RETURN_IF_ERROR(Need(1));
       return PushInt(data_[pos_++]);
@@ -677,7 +748,8 @@ Status PickleParser::Step(uint8_t op) {
       return PushText(PickleKind::kByteArray, LoadLE<uint64_t>(pos_ - 8));
 
     // Containers.
-    case kEmptyTuple: return Push(kEmptyTupleId);
+    case kEmptyTuple:
+      return Push(kEmptyTupleId);
     case kTuple1:
     case kTuple2:
     case kTuple3: {
@@ -736,7 +808,8 @@ Status PickleParser::Step(uint8_t op) {
       TESSERA_RETURN_IF_ERROR(Need(4));
       pos_ += 4;
       return Put(LoadLE<uint32_t>(pos_ - 4));
-    case kMemoize: return Put(memo_count_);
+    case kMemoize:
+      return Put(memo_count_);
     case kBinGet:
       TESSERA_RETURN_IF_ERROR(Need(1));
       return Get(data_[pos_++]);
@@ -756,12 +829,18 @@ Status PickleParser::Step(uint8_t op) {
     }
 
     // What Python would import or call: inert records.
-    case kGlobal: return OpGlobal();
-    case kStackGlobal: return OpStackGlobal();
-    case kReduce: return OpObject(PickleKind::kReduce, 2);
-    case kNewObj: return OpObject(PickleKind::kNewObj, 2);
-    case kNewObjEx: return OpObject(PickleKind::kNewObj, 3);
-    case kBuild: return OpBuild();
+    case kGlobal:
+      return OpGlobal();
+    case kStackGlobal:
+      return OpStackGlobal();
+    case kReduce:
+      return OpObject(PickleKind::kReduce, 2);
+    case kNewObj:
+      return OpObject(PickleKind::kNewObj, 2);
+    case kNewObjEx:
+      return OpObject(PickleKind::kNewObj, 3);
+    case kBuild:
+      return OpBuild();
     case kBinPersId: {
       TESSERA_ASSIGN_OR_RETURN(uint32_t pid, Pop());
       TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewFixed(PickleKind::kPersId, {&pid, 1}));
@@ -796,8 +875,7 @@ void PickleParser::Finalize() {
   // Lists, dicts and sets grew in linked segments; give each one contiguous children. A
   // container with one segment keeps it in place, longer ones are copied once to the end.
   for (Node& n : t_.nodes_) {
-    if (n.kind != PickleKind::kList && n.kind != PickleKind::kDict &&
-        n.kind != PickleKind::kSet) {
+    if (n.kind != PickleKind::kList && n.kind != PickleKind::kDict && n.kind != PickleKind::kSet) {
       continue;
     }
     const uint32_t first = n.a;
@@ -810,7 +888,8 @@ void PickleParser::Finalize() {
       for (uint32_t s = first; s != kNoIndex; s = segments_[s].next) {
         const Segment seg = segments_[s];
         // children_ may reallocate while it grows: copy through indices.
-        for (uint32_t i = 0; i < seg.count; ++i) t_.children_.push_back(t_.children_[seg.start + i]);
+        for (uint32_t i = 0; i < seg.count; ++i)
+          t_.children_.push_back(t_.children_[seg.start + i]);
       }
       n.a = start;
     }
@@ -825,7 +904,8 @@ Status PickleParser::Run() {
   }
   t_.data_ = data_;
   t_.source_ = std::string(source_);
-  t_.nodes_.reserve(kFirstFreeId + size_ / 8);
+  // DCP metadata makes about one node per 7 bytes: reserve that, so the vector rarely moves.
+  t_.nodes_.reserve(kFirstFreeId + size_ / 6);
   t_.children_.reserve(size_ / 4);
   t_.nodes_.push_back(Make(PickleKind::kNone));
   Node b = Make(PickleKind::kBool);
@@ -845,8 +925,8 @@ Status PickleParser::Run() {
     if (pos_ >= size_) {
       op_offset_ = pos_;
       op_ = 0;
-      return DataLoss(std::string(source_) + ": pickle: ends at offset " +
-                      std::to_string(pos_) + " without STOP");
+      return DataLoss(std::string(source_) + ": pickle: ends at offset " + std::to_string(pos_) +
+                      " without STOP");
     }
     op_offset_ = pos_;
     op_ = data_[pos_++];
@@ -869,22 +949,38 @@ Result<PickleTree> ParsePickle(std::span<const uint8_t> bytes, std::string_view 
 
 std::string_view PickleKindName(PickleKind kind) {
   switch (kind) {
-    case PickleKind::kNone: return "None";
-    case PickleKind::kBool: return "bool";
-    case PickleKind::kInt: return "int";
-    case PickleKind::kBigInt: return "big int";
-    case PickleKind::kFloat: return "float";
-    case PickleKind::kStr: return "str";
-    case PickleKind::kBytes: return "bytes";
-    case PickleKind::kByteArray: return "bytearray";
-    case PickleKind::kTuple: return "tuple";
-    case PickleKind::kList: return "list";
-    case PickleKind::kDict: return "dict";
-    case PickleKind::kSet: return "set";
-    case PickleKind::kGlobal: return "global";
-    case PickleKind::kReduce: return "reduce";
-    case PickleKind::kNewObj: return "newobj";
-    case PickleKind::kPersId: return "persistent id";
+    case PickleKind::kNone:
+      return "None";
+    case PickleKind::kBool:
+      return "bool";
+    case PickleKind::kInt:
+      return "int";
+    case PickleKind::kBigInt:
+      return "big int";
+    case PickleKind::kFloat:
+      return "float";
+    case PickleKind::kStr:
+      return "str";
+    case PickleKind::kBytes:
+      return "bytes";
+    case PickleKind::kByteArray:
+      return "bytearray";
+    case PickleKind::kTuple:
+      return "tuple";
+    case PickleKind::kList:
+      return "list";
+    case PickleKind::kDict:
+      return "dict";
+    case PickleKind::kSet:
+      return "set";
+    case PickleKind::kGlobal:
+      return "global";
+    case PickleKind::kReduce:
+      return "reduce";
+    case PickleKind::kNewObj:
+      return "newobj";
+    case PickleKind::kPersId:
+      return "persistent id";
   }
   return "?";
 }
@@ -899,10 +995,14 @@ std::string PickleValue::Describe() const {
   const auto& n = tree_->node(id_);
   std::string kind(PickleKindName(n.kind));
   switch (n.kind) {
-    case PickleKind::kNone: return "None";
-    case PickleKind::kBool: return n.i ? "True" : "False";
-    case PickleKind::kInt: return "int " + std::to_string(n.i);
-    case PickleKind::kFloat: return "float " + std::to_string(n.f);
+    case PickleKind::kNone:
+      return "None";
+    case PickleKind::kBool:
+      return n.i ? "True" : "False";
+    case PickleKind::kInt:
+      return "int " + std::to_string(n.i);
+    case PickleKind::kFloat:
+      return "float " + std::to_string(n.f);
     case PickleKind::kStr: {
       std::string_view s = tree_->Text(n);
       return "str '" + std::string(s.substr(0, 60)) + (s.size() > 60 ? "...'" : "'");
@@ -924,7 +1024,8 @@ std::string PickleValue::Describe() const {
       if (c.is(PickleKind::kGlobal)) return kind + " of " + c.Describe();
       return kind;
     }
-    case PickleKind::kPersId: return kind;
+    case PickleKind::kPersId:
+      return kind;
   }
   return kind;
 }
@@ -990,8 +1091,8 @@ size_t PickleValue::size() const {
 // bounds: the interpretation code checks kinds, and this keeps a slip from being a crash.
 PickleValue PickleValue::item(size_t i) const {
   const auto& n = tree_->node(id_);
-  const bool sequence = n.kind == PickleKind::kTuple || n.kind == PickleKind::kList ||
-                        n.kind == PickleKind::kSet;
+  const bool sequence =
+      n.kind == PickleKind::kTuple || n.kind == PickleKind::kList || n.kind == PickleKind::kSet;
   if (!sequence || i >= n.p.count) return PickleValue(tree_, kNoneId);
   return tree_->Child(n, i);
 }
@@ -1064,15 +1165,9 @@ std::optional<PickleValue> PickleValue::Extra(int which) const {
   if (id == PickleTree::kNoIndex) return std::nullopt;
   return PickleValue(tree_, id);
 }
-std::optional<PickleValue> PickleValue::state() const {
-  return Extra(0);
-}
-std::optional<PickleValue> PickleValue::list_items() const {
-  return Extra(1);
-}
-std::optional<PickleValue> PickleValue::dict_items() const {
-  return Extra(2);
-}
+std::optional<PickleValue> PickleValue::state() const { return Extra(0); }
+std::optional<PickleValue> PickleValue::list_items() const { return Extra(1); }
+std::optional<PickleValue> PickleValue::dict_items() const { return Extra(2); }
 
 std::optional<PickleValue> PickleValue::ObjectClass() const {
   if (!is(PickleKind::kReduce) && !is(PickleKind::kNewObj)) return std::nullopt;
@@ -1124,8 +1219,8 @@ Result<std::string> Latin1FromUtf8(std::string_view s) {
       out.push_back(static_cast<char>(((c & 0x03) << 6) | (static_cast<uint8_t>(s[i + 1]) & 0x3F)));
       ++i;
     } else {
-      return InvalidArgument("text is not latin-1 (byte 0x" + Hex2(c) + " at " +
-                             std::to_string(i) + ")");
+      return InvalidArgument("text is not latin-1 (byte 0x" + Hex2(c) + " at " + std::to_string(i) +
+                             ")");
     }
   }
   return out;

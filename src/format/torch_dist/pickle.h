@@ -41,8 +41,8 @@ namespace tessera::torch_dist {
 enum class PickleKind : uint8_t {
   kNone,
   kBool,
-  kInt,        // fits in int64
-  kBigInt,     // LONG1/LONG4 beyond int64: little-endian two's complement bytes (BigIntBytes)
+  kInt,     // fits in int64
+  kBigInt,  // LONG1/LONG4 beyond int64: little-endian two's complement bytes (BigIntBytes)
   kFloat,
   kStr,        // UTF-8 bytes as stored (BINUNICODE*, and py2 BINSTRING/SHORT_BINSTRING)
   kBytes,      // BINBYTES*
@@ -50,11 +50,11 @@ enum class PickleKind : uint8_t {
   kTuple,
   kList,
   kDict,
-  kSet,        // set and frozenset
-  kGlobal,     // module, name
-  kReduce,     // callable, args
-  kNewObj,     // cls, args[, kwargs]
-  kPersId,     // persistent id
+  kSet,     // set and frozenset
+  kGlobal,  // module, name
+  kReduce,  // callable, args
+  kNewObj,  // cls, args[, kwargs]
+  kPersId,  // persistent id
 };
 std::string_view PickleKindName(PickleKind kind);
 
@@ -175,9 +175,7 @@ class PickleTree {
   std::string_view Text(const Node& n) const {
     return std::string_view(reinterpret_cast<const char*>(data_) + n.a, n.p.count);
   }
-  PickleValue Child(const Node& n, size_t i) const {
-    return PickleValue(this, children_[n.a + i]);
-  }
+  PickleValue Child(const Node& n, size_t i) const { return PickleValue(this, children_[n.a + i]); }
 
   const uint8_t* data_ = nullptr;
   std::vector<Node> nodes_;

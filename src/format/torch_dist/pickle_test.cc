@@ -18,8 +18,8 @@
 namespace tessera::torch_dist {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::FromHex;
+using ::testing::HasSubstr;
 
 // A canonical text of a pickle tree, for comparing with what Python pickled:
 //   None True 5 bigint(hex) float(1.5) 'str' b'hex' ba'hex' (a, b) [a] {a} {k: v} mod.name
@@ -34,9 +34,12 @@ std::string Canon(const PickleValue& v, int depth = 12) {
     return s + close;
   };
   switch (v.kind()) {
-    case PickleKind::kNone: return "None";
-    case PickleKind::kBool: return *v.AsBool() ? "True" : "False";
-    case PickleKind::kInt: return std::to_string(*v.AsInt());
+    case PickleKind::kNone:
+      return "None";
+    case PickleKind::kBool:
+      return *v.AsBool() ? "True" : "False";
+    case PickleKind::kInt:
+      return std::to_string(*v.AsInt());
     case PickleKind::kBigInt: {
       const std::string_view b = v.BigIntBytes();
       return "bigint(" + testing::Hex(reinterpret_cast<const uint8_t*>(b.data()), b.size()) + ")";
@@ -46,16 +49,20 @@ std::string Canon(const PickleValue& v, int depth = 12) {
       std::snprintf(buf, sizeof(buf), "float(%g)", *v.AsFloat());
       return buf;
     }
-    case PickleKind::kStr: return "'" + std::string(*v.AsStr()) + "'";
+    case PickleKind::kStr:
+      return "'" + std::string(*v.AsStr()) + "'";
     case PickleKind::kBytes:
     case PickleKind::kByteArray: {
       const std::string_view b = *v.AsBytes();
       return std::string(v.is(PickleKind::kBytes) ? "b'" : "ba'") +
              testing::Hex(reinterpret_cast<const uint8_t*>(b.data()), b.size()) + "'";
     }
-    case PickleKind::kTuple: return seq("(", ")");
-    case PickleKind::kList: return seq("[", "]");
-    case PickleKind::kSet: return seq("{", "}");
+    case PickleKind::kTuple:
+      return seq("(", ")");
+    case PickleKind::kList:
+      return seq("[", "]");
+    case PickleKind::kSet:
+      return seq("{", "}");
     case PickleKind::kDict: {
       std::string s = "{";
       for (size_t i = 0; i < v.size(); ++i) {
@@ -65,7 +72,8 @@ std::string Canon(const PickleValue& v, int depth = 12) {
     }
     case PickleKind::kGlobal:
       return std::string(v.global_module()) + "." + std::string(v.global_name());
-    case PickleKind::kPersId: return "P(" + Canon(v.persistent_id(), depth - 1) + ")";
+    case PickleKind::kPersId:
+      return "P(" + Canon(v.persistent_id(), depth - 1) + ")";
     case PickleKind::kReduce:
     case PickleKind::kNewObj: {
       std::string s = v.is(PickleKind::kReduce) ? "R(" : "N(";
@@ -81,7 +89,9 @@ std::string Canon(const PickleValue& v, int depth = 12) {
   return "?";
 }
 
-Result<PickleTree> Parse(const std::vector<uint8_t>& bytes) { return ParsePickle(bytes, "test.pkl"); }
+Result<PickleTree> Parse(const std::vector<uint8_t>& bytes) {
+  return ParsePickle(bytes, "test.pkl");
+}
 
 std::string CanonOf(const std::vector<uint8_t>& bytes) {
   Result<PickleTree> tree = Parse(bytes);
@@ -105,9 +115,10 @@ std::vector<uint8_t> Strs(int protocol) {
   std::string xs;
   for (int i = 0; i < 300; ++i) xs += "78";
   if (protocol == 4) {
-    return FromHex("80049584010000000000005d94288c00948c03616263948c05c3a9e282ac94582c010000" + xs +
-                   "94430094430200ff948c086275696c74696e73948c09627974656172726179949394430262619485"
-                   "945294473ff8000000000000478000000000000000652e");
+    return FromHex(
+        "80049584010000000000005d94288c00948c03616263948c05c3a9e282ac94582c010000" + xs +
+        "94430094430200ff948c086275696c74696e73948c09627974656172726179949394430262619485"
+        "945294473ff8000000000000478000000000000000652e");
   }
   if (protocol == 5) {
     return FromHex("8005956e010000000000005d94288c00948c03616263948c05c3a9e282ac94582c010000" + xs +
@@ -249,8 +260,7 @@ TEST(PickleTest, WriterMatchesCPython) {
   expected.erase(expected.begin() + 2, expected.begin() + 11);  // FRAME
   std::vector<uint8_t> got = w.Take();
   ASSERT_LT(got.size(), expected.size());
-  EXPECT_EQ(testing::Hex(got.data(), got.size()),
-            testing::Hex(expected.data(), got.size()));
+  EXPECT_EQ(testing::Hex(got.data(), got.size()), testing::Hex(expected.data(), got.size()));
   // Round trip through the reader for integers around every encoding boundary.
   std::mt19937_64 rng(7);
   PickleWriter w2(2);
@@ -258,7 +268,8 @@ TEST(PickleTest, WriterMatchesCPython) {
   std::vector<int64_t> values;
   for (int shift = 0; shift < 64; ++shift) {
     for (int64_t base : {int64_t{1} << shift, -(int64_t{1} << shift)}) {
-      for (int64_t d : {-1, 0, 1}) values.push_back(static_cast<int64_t>(static_cast<uint64_t>(base) + d));
+      for (int64_t d : {-1, 0, 1})
+        values.push_back(static_cast<int64_t>(static_cast<uint64_t>(base) + d));
     }
   }
   for (int i = 0; i < 200; ++i) values.push_back(static_cast<int64_t>(rng()));
@@ -278,7 +289,8 @@ struct BadCase {
 TEST(PickleTest, ErrorsNameTheOffsetAndOpcode) {
   const BadCase cases[] = {
       {"8004ff", "test.pkl: pickle: unknown opcode at offset 2 (opcode 0xff)"},
-      {"80048c05616263", "truncated: 5 more bytes needed, 3 left at offset 2 (opcode SHORT_BINUNICODE 0x8c)"},
+      {"80048c05616263",
+       "truncated: 5 more bytes needed, 3 left at offset 2 (opcode SHORT_BINUNICODE 0x8c)"},
       {"80044b01", "ends at offset 4 without STOP"},
       {"800252", "stack underflow at offset 2 (opcode REDUCE 0x52)"},
       {"8004680a2e", "memo index 10 was never stored at offset 2 (opcode BINGET 0x68)"},
@@ -291,10 +303,12 @@ TEST(PickleTest, ErrorsNameTheOffsetAndOpcode) {
       {"8004824b", "the copyreg extension registry is not supported at offset 2"},
       {"80044b01612e", "stack underflow at offset 4 (opcode APPEND 0x61)"},
       {"80042e", "stack underflow at offset 2 (opcode STOP 0x2e)"},
-      {"8004952000000000000000", "truncated: 32 more bytes needed, 0 left at offset 2 (opcode FRAME"},
+      {"8004952000000000000000",
+       "truncated: 32 more bytes needed, 0 left at offset 2 (opcode FRAME"},
       {"80048a09ff", "truncated: 9 more bytes needed, 1 left"},
       {"80048bffffffff", "negative LONG4 length"},
-      {"80044b0128852e", "stack underflow at offset 5 (opcode TUPLE1"},  // 1 MARK TUPLE1: 1 is below
+      {"80044b0128852e",
+       "stack underflow at offset 5 (opcode TUPLE1"},  // 1 MARK TUPLE1: 1 is below
   };
   for (const BadCase& c : cases) {
     SCOPED_TRACE(c.hex);

@@ -97,10 +97,18 @@ void PickleWriter::IntTuple(std::span<const int64_t> values) {
   if (values.size() > 3) Mark();
   for (int64_t v : values) Int(v);
   switch (values.size()) {
-    case 1: Tuple1(); break;
-    case 2: Tuple2(); break;
-    case 3: Tuple3(); break;
-    default: Tuple(); break;
+    case 1:
+      Tuple1();
+      break;
+    case 2:
+      Tuple2();
+      break;
+    case 3:
+      Tuple3();
+      break;
+    default:
+      Tuple();
+      break;
   }
 }
 

@@ -24,7 +24,8 @@ inline std::vector<uint8_t> ReadFileBytes(const std::string& path) {
 
 inline void WriteFileBytes(const std::string& path, const std::vector<uint8_t>& bytes) {
   std::ofstream(path, std::ios::binary)
-      .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+      .write(reinterpret_cast<const char*>(bytes.data()),
+             static_cast<std::streamsize>(bytes.size()));
 }
 
 inline std::string Hex(const uint8_t* data, size_t n) {
@@ -63,7 +64,8 @@ inline std::string ShellQuote(const std::string& s) {
 // Runs testdata/<script> with /usr/bin/python3 (torch 1.13) and the given arguments.
 inline int RunPython(const std::string& script, const std::vector<std::string>& args,
                      std::string* output) {
-  std::string command = std::string(TESSERA_PYTHON) + " " + ShellQuote(TestdataDir() + "/" + script);
+  std::string command =
+      std::string(TESSERA_PYTHON) + " " + ShellQuote(TestdataDir() + "/" + script);
   for (const std::string& a : args) command += " " + ShellQuote(a);
   return RunCommand(command, output);
 }

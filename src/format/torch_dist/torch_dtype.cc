@@ -29,9 +29,9 @@ constexpr TorchDType kTorchDTypes[] = {
 struct Alias {
   std::string_view alias, name;
 };
-constexpr Alias kAliases[] = {{"float", "float32"},  {"double", "float64"},
-                              {"half", "float16"},   {"long", "int64"},
-                              {"int", "int32"},      {"short", "int16"},
+constexpr Alias kAliases[] = {{"float", "float32"},    {"double", "float64"},
+                              {"half", "float16"},     {"long", "int64"},
+                              {"int", "int32"},        {"short", "int16"},
                               {"cfloat", "complex64"}, {"cdouble", "complex128"}};
 
 }  // namespace
@@ -65,8 +65,7 @@ Result<DType> DTypeFromTorchName(std::string_view name) {
   const TorchDType* t = FindTorchDType(name);
   if (t == nullptr) return InvalidArgument("unknown torch dtype '" + std::string(name) + "'");
   if (!t->dtype) {
-    return InvalidArgument("torch dtype '" + std::string(t->name) +
-                           "' has no tessera counterpart");
+    return InvalidArgument("torch dtype '" + std::string(t->name) + "' has no tessera counterpart");
   }
   return *t->dtype;
 }

@@ -207,7 +207,8 @@ Result<CentralDirectory> ReadCentralDirectory(ItemBytes& item) {
     return item.Error(end_at, Num(entries) + " records cannot fit in a central directory of " +
                                   Num(cd_size) + " bytes");
   }
-  TESSERA_ASSIGN_OR_RETURN(const uint8_t* cd, item.Get(cd_offset, cd_size, "the central directory"));
+  TESSERA_ASSIGN_OR_RETURN(const uint8_t* cd,
+                           item.Get(cd_offset, cd_size, "the central directory"));
 
   CentralDirectory dir;
   dir.offset = cd_offset;
@@ -252,8 +253,8 @@ Result<CentralDirectory> ReadCentralDirectory(ItemBytes& item) {
   if (dir.records.empty()) return item.Error(cd_offset, "the zip archive has no records");
   const size_t slash = dir.records[0].name.find('/');
   if (slash == std::string::npos) {
-    return item.Error(cd_offset, "first record '" + dir.records[0].name +
-                                     "' is not inside an archive folder");
+    return item.Error(cd_offset,
+                      "first record '" + dir.records[0].name + "' is not inside an archive folder");
   }
   dir.archive_name = dir.records[0].name.substr(0, slash);
   return dir;
@@ -293,8 +294,8 @@ Result<std::vector<uint8_t>> ReadRecord(ItemBytes& item, const CentralDirectory&
   std::vector<uint8_t> bytes(p, p + r.size);
   const uint32_t crc = Crc32(bytes.data(), bytes.size());
   if (crc != r.crc32) {
-    return item.Error(data, r.name + " has CRC-32 " + Num(crc) + ", the central directory says " +
-                                Num(r.crc32));
+    return item.Error(
+        data, r.name + " has CRC-32 " + Num(crc) + ", the central directory says " + Num(r.crc32));
   }
   return bytes;
 }
@@ -399,9 +400,9 @@ Result<PickledTensor> InterpretTensorPickle(const PickleValue& root) {
   t.requires_grad = *rg;
   if (t.version == 3) {
     const PickleValue d = a.item(6);
-    const TorchDType* td =
-        d.is(PickleKind::kGlobal) && d.global_module() == "torch" ? FindTorchDType(d.global_name())
-                                                                  : nullptr;
+    const TorchDType* td = d.is(PickleKind::kGlobal) && d.global_module() == "torch"
+                               ? FindTorchDType(d.global_name())
+                               : nullptr;
     if (td == nullptr) return InvalidArgument("unsupported dtype " + d.Describe());
     if (t.dtype != nullptr && t.dtype != td) {
       return InvalidArgument("storage type " + cls.Describe() + " disagrees with dtype " +
@@ -427,11 +428,12 @@ Result<TorchTensorItem> ReadTensor(ItemBytes& item) {
   const ZipRecord* pkl = dir.Find(pkl_name);
   if (pkl == nullptr) return item.Error(dir.offset, "the archive has no " + pkl_name);
   if (pkl->size > kMaxTensorPickle) {
-    return item.Error(pkl->local_header_offset, pkl_name + " of " + Num(pkl->size) +
-                                                    " bytes is too large for a tensor");
+    return item.Error(pkl->local_header_offset,
+                      pkl_name + " of " + Num(pkl->size) + " bytes is too large for a tensor");
   }
   TESSERA_ASSIGN_OR_RETURN(std::vector<uint8_t> pkl_bytes, ReadRecord(item, dir, *pkl));
-  TESSERA_ASSIGN_OR_RETURN(PickleTree tree, ParsePickle(pkl_bytes, item.source() + ": " + pkl_name));
+  TESSERA_ASSIGN_OR_RETURN(PickleTree tree,
+                           ParsePickle(pkl_bytes, item.source() + ": " + pkl_name));
   Result<PickledTensor> pt = InterpretTensorPickle(tree.root());
   if (!pt.ok()) return DataLoss(item.source() + ": " + pkl_name + ": " + pt.status().message());
 
@@ -461,9 +463,8 @@ Result<TorchTensorItem> ReadTensor(ItemBytes& item) {
   }
   if (storage_bytes != rec->size || rec->size % t.element_size != 0) {
     return item.Error(t.data_offset, data_name + " holds " + Num(rec->size) +
-                                         " bytes; the storage needs " +
-                                         Num(pt->storage_numel) + " x " +
-                                         (pt->untyped_storage ? "1" : Num(t.element_size)) +
+                                         " bytes; the storage needs " + Num(pt->storage_numel) +
+                                         " x " + (pt->untyped_storage ? "1" : Num(t.element_size)) +
                                          " bytes of " + t.torch_dtype);
   }
   t.storage_elements = rec->size / t.element_size;
@@ -482,8 +483,8 @@ Result<TorchTensorItem> ReadTensor(ItemBytes& item) {
   }
   if (!empty && (!fits || last >= t.storage_elements)) {
     return item.Error(t.data_offset, "tensor of size and stride in " + pkl_name +
-                                         " reaches past its storage of " +
-                                         Num(t.storage_elements) + " elements");
+                                         " reaches past its storage of " + Num(t.storage_elements) +
+                                         " elements");
   }
   return t;
 }
@@ -548,7 +549,8 @@ RecordLayout LayOutRecord(const ZipRecord& r) {
   // torch's getPadding: the data starts after the header, the name, the zip64 extra field if
   // any, and the FB field's 4-byte header; the FB field pads that to 64.
   uint64_t start = r.local_header_offset + kLocalHeaderSize + r.name.size() + 4;
-  if (l.zip64_size || l.zip64_offset) start += 4 + (l.zip64_size ? 16 : 0) + (l.zip64_offset ? 8 : 0);
+  if (l.zip64_size || l.zip64_offset)
+    start += 4 + (l.zip64_size ? 16 : 0) + (l.zip64_offset ? 8 : 0);
   l.padding = (kAlignment - start % kAlignment) % kAlignment;
   l.data_offset = start + l.padding;
   l.descriptor_size = r.size == 0 ? 0 : (l.zip64_size || l.zip64_offset ? 24 : 16);
@@ -560,12 +562,12 @@ void LocalHeader(std::vector<uint8_t>& b, const ZipRecord& r, const RecordLayout
   const bool zip64 = l.zip64_size || l.zip64_offset;
   const uint64_t zip64_len = zip64 ? 4 + (l.zip64_size ? 16 : 0) + (l.zip64_offset ? 8 : 0) : 0;
   Put32(b, kLocalHeaderSig);
-  Put16(b, 0);                              // version needed
-  Put16(b, r.size ? 0x0808 : 0x0800);       // UTF-8 names; data descriptor follows the data
-  Put16(b, 0);                              // stored
-  Put32(b, 0);                              // time, date
-  Put32(b, 0);                              // CRC-32: in the descriptor
-  Put64(b, 0);                              // sizes: in the descriptor
+  Put16(b, 0);                         // version needed
+  Put16(b, r.size ? 0x0808 : 0x0800);  // UTF-8 names; data descriptor follows the data
+  Put16(b, 0);                         // stored
+  Put32(b, 0);                         // time, date
+  Put32(b, 0);                         // CRC-32: in the descriptor
+  Put64(b, 0);                         // sizes: in the descriptor
   Put16(b, r.name.size());
   Put16(b, zip64_len + 4 + l.padding);
   b.insert(b.end(), r.name.begin(), r.name.end());
@@ -818,6 +820,33 @@ Result<TorchObjectItem> ParseTorchObjectItem(std::span<const uint8_t> bytes,
   return ReadTorchObjectItem(bytes.size(), read, source);
 }
 
+namespace {
+Result<ItemReadFn> FileReader(const ReadableFile& file, uint64_t item_offset,
+                              uint64_t item_length) {
+  if (item_offset > file.size() || item_length > file.size() - item_offset) {
+    return DataLoss(file.path() + ": item at " + Num(item_offset) + " of " + Num(item_length) +
+                    " bytes runs past the end of the " + Num(file.size()) + "-byte file");
+  }
+  return ItemReadFn([&file, item_offset](uint64_t offset, void* dst, size_t n) {
+    return file.ReadAt(item_offset + offset, dst, n);
+  });
+}
+}  // namespace
+
+Result<TorchTensorItem> ReadTorchTensorItem(const ReadableFile& file, uint64_t item_offset,
+                                            uint64_t item_length, ItemReadStats* stats) {
+  TESSERA_ASSIGN_OR_RETURN(ItemReadFn read, FileReader(file, item_offset, item_length));
+  return ReadTorchTensorItem(item_length, read, file.path() + " item at " + Num(item_offset),
+                             stats);
+}
+
+Result<TorchObjectItem> ReadTorchObjectItem(const ReadableFile& file, uint64_t item_offset,
+                                            uint64_t item_length, ItemReadStats* stats) {
+  TESSERA_ASSIGN_OR_RETURN(ItemReadFn read, FileReader(file, item_offset, item_length));
+  return ReadTorchObjectItem(item_length, read, file.path() + " item at " + Num(item_offset),
+                             stats);
+}
+
 // ---- public: writing --------------------------------------------------------------------------
 
 Result<TorchItemLayout> LayOutTorchTensorItem(const TorchTensorSpec& spec) {
@@ -886,9 +915,9 @@ Result<std::vector<uint8_t>> MakeTorchTensorItem(const TorchTensorSpec& spec,
 }
 
 std::vector<uint8_t> MakeTorchObjectItem(std::span<const uint8_t> data_pkl) {
-  std::vector<ZipRecord> records = {Record(std::string(kArchive) + "/data.pkl", data_pkl),
-                                    Record(std::string(kArchive) + "/version",
-                                           AsBytes(kVersionRecord))};
+  std::vector<ZipRecord> records = {
+      Record(std::string(kArchive) + "/data.pkl", data_pkl),
+      Record(std::string(kArchive) + "/version", AsBytes(kVersionRecord))};
   const uint64_t cd_offset = Place(records);
   std::vector<uint8_t> b;
   b.reserve(cd_offset + EndOfArchiveSize(records));

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "tessera/status.h"
+#include "tessera/storage.h"
 
 namespace tessera::torch_dist {
 
@@ -65,7 +66,8 @@ struct TorchTensorItem {
   int64_t storage_offset = 0;   // in elements
   uint64_t storage_elements = 0;
   bool requires_grad = false;
-  int rebuild_version = 2;  // 2: typed storage; 3: untyped storage + dtype (torch 2.x, newer dtypes)
+  int rebuild_version =
+      2;  // 2: typed storage; 3: untyped storage + dtype (torch 2.x, newer dtypes)
   std::string archive_name;  // "archive" for DCP items
   std::string storage_key;   // the record is <archive_name>/data/<storage_key>
   uint64_t data_offset = 0;  // the storage's first byte, relative to the item's first byte
@@ -90,6 +92,11 @@ Result<TorchTensorItem> ReadTorchTensorItem(uint64_t item_length, const ItemRead
 Result<TorchTensorItem> ParseTorchTensorItem(std::span<const uint8_t> item,
                                              std::string_view source);
 
+// The item at [item_offset, item_offset + item_length) of a data file (a DCP _StorageInfo):
+// reads through file.ReadAt, names "<path> item at <offset>" in errors.
+Result<TorchTensorItem> ReadTorchTensorItem(const ReadableFile& file, uint64_t item_offset,
+                                            uint64_t item_length, ItemReadStats* stats = nullptr);
+
 // An object item (a DCP BytesStorageMetadata entry).
 struct TorchObjectItem {
   // True when the item is a torch.save zip archive (it starts with a zip local header, as
@@ -104,6 +111,8 @@ Result<TorchObjectItem> ReadTorchObjectItem(uint64_t item_length, const ItemRead
                                             ItemReadStats* stats = nullptr);
 Result<TorchObjectItem> ParseTorchObjectItem(std::span<const uint8_t> item,
                                              std::string_view source);
+Result<TorchObjectItem> ReadTorchObjectItem(const ReadableFile& file, uint64_t item_offset,
+                                            uint64_t item_length, ItemReadStats* stats = nullptr);
 
 // ---- writing ----------------------------------------------------------------------------------
 

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -19,13 +19,14 @@
 #include "format/torch_dist/pickle.h"
 #include "format/torch_dist/test_util.h"
 #include "format/torch_dist/torch_dtype.h"
+#include "tessera/memory_storage.h"
 #include "testing/test_util.h"
 
 namespace tessera::torch_dist {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::FromHex;
+using ::testing::HasSubstr;
 using testing::Hex;
 using testing::ReadFileBytes;
 using testing::TestdataDir;
@@ -156,7 +157,9 @@ TEST(TorchZipTest, Zip64ItemLikeTorch) {
     auto* out = static_cast<uint8_t*>(dst);
     for (size_t i = 0; i < n; ++i) {
       const uint64_t at = offset + i;
-      out[i] = at < head.size() ? head[at] : at >= length - tail.size() ? tail[at - (length - tail.size())] : 0;
+      out[i] = at < head.size()             ? head[at]
+               : at >= length - tail.size() ? tail[at - (length - tail.size())]
+                                            : 0;
     }
     return Status();
   };
@@ -179,10 +182,12 @@ TEST(TorchZipTest, Zip64ItemLikeTorch) {
   }
   EXPECT_EQ(crc.value(), t.data_crc32);
 
-  ASSERT_OK_AND_ASSIGN(TorchItemLayout layout, LayOutTorchTensorItem({"uint8", {static_cast<int64_t>(numel)}, false}));
+  ASSERT_OK_AND_ASSIGN(TorchItemLayout layout,
+                       LayOutTorchTensorItem({"uint8", {static_cast<int64_t>(numel)}, false}));
   EXPECT_EQ(layout.total_size, length);
   EXPECT_EQ(layout.data_offset, 320u);
-  EXPECT_EQ(Hex(layout.prefix.data(), layout.prefix.size()), Hex(head.data(), layout.prefix.size()));
+  EXPECT_EQ(Hex(layout.prefix.data(), layout.prefix.size()),
+            Hex(head.data(), layout.prefix.size()));
   const std::vector<uint8_t> suffix = TorchItemSuffix(layout, crc.value());
   ASSERT_EQ(suffix.size(), layout.suffix_size);
   ASSERT_LE(suffix.size(), tail.size());
@@ -197,8 +202,8 @@ TEST(TorchZipTest, ReadsTheItemsOfTorchCheckpoints) {
     SCOPED_TRACE(name);
     const std::string ckpt = TestdataDir() + "/dcp113/" + name;
     const json expected = ReadJson(ckpt + ".expected.json")["state_dict"];
-    ASSERT_OK_AND_ASSIGN(DcpMetadata m, ReadDcpMetadata(ReadFileBytes(ckpt + "/.metadata"),
-                                                        ckpt + "/.metadata"));
+    ASSERT_OK_AND_ASSIGN(DcpMetadata m,
+                         ReadDcpMetadata(ReadFileBytes(ckpt + "/.metadata"), ckpt + "/.metadata"));
     std::map<std::string, std::vector<uint8_t>> files;
     auto file = [&](const std::string& rel) -> const std::vector<uint8_t>& {
       auto it = files.find(rel);
@@ -215,15 +220,13 @@ TEST(TorchZipTest, ReadsTheItemsOfTorchCheckpoints) {
         ASSERT_LE(s.offset_in_file + s.length, f.size());
         const uint8_t* base = f.data() + s.offset_in_file;
         ItemReadStats stats;
-        ASSERT_OK_AND_ASSIGN(
-            TorchTensorItem item,
-            ReadTorchTensorItem(
-                s.length,
-                [&](uint64_t offset, void* dst, size_t n) {
-                  std::memcpy(dst, base + offset, n);
-                  return Status();
-                },
-                s.relative_path, &stats));
+        ASSERT_OK_AND_ASSIGN(TorchTensorItem item, ReadTorchTensorItem(
+                                                       s.length,
+                                                       [&](uint64_t offset, void* dst, size_t n) {
+                                                         std::memcpy(dst, base + offset, n);
+                                                         return Status();
+                                                       },
+                                                       s.relative_path, &stats));
         EXPECT_EQ(item.torch_dtype, t.torch_dtype);
         EXPECT_EQ(item.size, c.sizes);
         EXPECT_EQ(Crc32(base + item.data_offset, item.data_size), item.data_crc32);
@@ -245,7 +248,8 @@ TEST(TorchZipTest, ReadsTheItemsOfTorchCheckpoints) {
         const size_t row_bytes = t.size.empty() || t.size[0] == 0 ? 0 : values.size() / t.size[0];
         const size_t start = c.offsets.empty() ? 0 : c.offsets[0] * row_bytes;
         ASSERT_LE(start + gathered.size(), values.size());
-        EXPECT_EQ(Hex(gathered.data(), gathered.size()), Hex(values.data() + start, gathered.size()));
+        EXPECT_EQ(Hex(gathered.data(), gathered.size()),
+                  Hex(values.data() + start, gathered.size()));
       }
     }
     for (const DcpBytes& b : m.bytes) {
@@ -265,6 +269,27 @@ TEST(TorchZipTest, ReadsTheItemsOfTorchCheckpoints) {
       }
     }
   }
+}
+
+TEST(TorchZipTest, ReadsItemsThroughAReadableFile) {
+  const std::string ckpt = TestdataDir() + "/dcp113/sharded";
+  MemoryStorage storage;
+  storage.SetFileContents("/ckpt/__0_0.distcp", ReadFileBytes(ckpt + "/__0_0.distcp"));
+  ASSERT_OK_AND_ASSIGN(auto file, storage.NewReadableFile("/ckpt/__0_0.distcp"));
+  ASSERT_OK_AND_ASSIGN(DcpMetadata m, ReadDcpMetadata(ReadFileBytes(ckpt + "/.metadata"), "m"));
+  const DcpStorage& s = m.storage[m.tensors[0].chunks[1].storage];
+  ASSERT_GT(s.offset_in_file, 0u);
+  ASSERT_OK_AND_ASSIGN(TorchTensorItem t, ReadTorchTensorItem(*file, s.offset_in_file, s.length));
+  EXPECT_EQ(t.size, m.tensors[0].chunks[1].sizes);
+  const DcpStorage& b = m.storage[m.bytes[0].storage];
+  ASSERT_OK_AND_ASSIGN(TorchObjectItem o, ReadTorchObjectItem(*file, b.offset_in_file, b.length));
+  EXPECT_TRUE(o.is_zip);
+  EXPECT_THAT(ReadTorchTensorItem(*file, s.offset_in_file, file->size()).status().message(),
+              HasSubstr("/ckpt/__0_0.distcp: item at " + std::to_string(s.offset_in_file)));
+  // Errors inside the item name the file and the item's offset.
+  EXPECT_THAT(ReadTorchTensorItem(*file, b.offset_in_file, b.length).status().message(),
+              ::testing::StartsWith("/ckpt/__0_0.distcp item at " +
+                                    std::to_string(b.offset_in_file) + ": "));
 }
 
 TEST(TorchZipTest, RawObjectItems) {
@@ -316,7 +341,8 @@ TEST(TorchZipTest, CorruptItems) {
       {[&](std::vector<uint8_t>& b) { b[cd + 10] = 8; }, "uses compression method 8"},
       {[&](std::vector<uint8_t>& b) { b[cd + 8] |= 1; }, "is encrypted"},
       {[&](std::vector<uint8_t>& b) { b[cd] = 'Q'; }, "expected central directory header 0"},
-      {[&](std::vector<uint8_t>& b) { b[0] = 'Q'; }, "expected the local header of archive/data.pkl"},
+      {[&](std::vector<uint8_t>& b) { b[0] = 'Q'; },
+       "expected the local header of archive/data.pkl"},
       {[&](std::vector<uint8_t>& b) { b[find("archive/data/0") + 13] = '1'; },
        "local header names 'archive/data/1', the central directory 'archive/data/0'"},
       {[&](std::vector<uint8_t>& b) {
@@ -358,10 +384,10 @@ TEST(TorchZipTest, TorchLoadsWhatTesseraWrites) {
     bool requires_grad;
   };
   const std::vector<Spec> specs = {
-      {"float32", {3, 4}, false},       {"bfloat16", {5}, false},     {"float16", {2, 2, 2, 2, 2}, false},
-      {"float64", {}, true},            {"int64", {0, 7}, false},     {"int32", {1000}, false},
-      {"int16", {3, 1}, false},         {"int8", {9}, false},         {"uint8", {300}, false},
-      {"bool", {2, 3, 4, 5}, false},    {"complex64", {2}, false},    {"float32", {70000}, false}};
+      {"float32", {3, 4}, false},    {"bfloat16", {5}, false},  {"float16", {2, 2, 2, 2, 2}, false},
+      {"float64", {}, true},         {"int64", {0, 7}, false},  {"int32", {1000}, false},
+      {"int16", {3, 1}, false},      {"int8", {9}, false},      {"uint8", {300}, false},
+      {"bool", {2, 3, 4, 5}, false}, {"complex64", {2}, false}, {"float32", {70000}, false}};
   json items = json::array();
   for (size_t i = 0; i < specs.size(); ++i) {
     const Spec& s = specs[i];
@@ -391,7 +417,8 @@ TEST(TorchZipTest, TorchLoadsWhatTesseraWrites) {
         tessera::testing::RandomBytes(5000, 9)}) {
     const std::string path = dir.Sub("b" + std::to_string(items.size()) + ".pt");
     testing::WriteFileBytes(path, MakeTorchBytesItem(raw));
-    items.push_back({{"path", path}, {"kind", "bytes"}, {"bytes_hex", Hex(raw.data(), raw.size())}});
+    items.push_back(
+        {{"path", path}, {"kind", "bytes"}, {"bytes_hex", Hex(raw.data(), raw.size())}});
   }
   std::ofstream(dir.Sub("expected.json")) << json{{"items", items}}.dump();
   std::string output;
@@ -412,8 +439,9 @@ TEST(TorchZipTest, TorchLoadsWhatTesseraWrites) {
 
 TEST(TorchZipTest, LayoutIsKnownBeforeTheData) {
   for (const TorchTensorSpec& spec :
-       {TorchTensorSpec{"bfloat16", {4096, 4096}, false}, TorchTensorSpec{"float8_e5m2", {3}, false},
-        TorchTensorSpec{"int64", {}, false}, TorchTensorSpec{"uint16", {0}, false}}) {
+       {TorchTensorSpec{"bfloat16", {4096, 4096}, false},
+        TorchTensorSpec{"float8_e5m2", {3}, false}, TorchTensorSpec{"int64", {}, false},
+        TorchTensorSpec{"uint16", {0}, false}}) {
     SCOPED_TRACE(spec.torch_dtype);
     ASSERT_OK_AND_ASSIGN(TorchItemLayout layout, LayOutTorchTensorItem(spec));
     EXPECT_EQ(layout.data_offset, layout.prefix.size());
