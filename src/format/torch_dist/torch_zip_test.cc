@@ -87,7 +87,9 @@ TEST(TorchZipTest, ReadsEveryItemTorchWrote) {
     EXPECT_EQ(t.requires_grad, want["requires_grad"].get<bool>());
     EXPECT_EQ(t.storage_key, want["storage_key"]);
     EXPECT_EQ(t.data_offset, want["data_offset"].get<uint64_t>());
-    EXPECT_EQ(t.data_offset % 64, 0u);
+    // torch aligns record data to 64 bytes; Python's zipfile (the zipfile_layout item) does not.
+    if (name.rfind("zipfile_", 0) != 0) EXPECT_EQ(t.data_offset % 64, 0u);
+    EXPECT_EQ(t.archive_name, name.rfind("zipfile_", 0) == 0 ? "tensor" : "archive");
     EXPECT_EQ(t.data_size, want["data_size"].get<uint64_t>());
     EXPECT_EQ(t.data_crc32, want["data_crc32"].get<uint32_t>());
     EXPECT_EQ(t.rebuild_version, 2);
@@ -104,7 +106,7 @@ TEST(TorchZipTest, ReadsEveryItemTorchWrote) {
     EXPECT_EQ(reader.stats.reads, 1);
     EXPECT_EQ(reader.stats.bytes, bytes.size());
   }
-  EXPECT_EQ(tensors, 14);
+  EXPECT_EQ(tensors, 15);
   EXPECT_EQ(objects, 3);
 }
 
@@ -114,7 +116,7 @@ TEST(TorchZipTest, WriterMatchesTorchByteForByte) {
   int compared = 0;
   for (const auto& [name, want] : expected.items()) {
     SCOPED_TRACE(name);
-    if (want["kind"] == "big") continue;
+    if (want["kind"] == "big" || name.rfind("zipfile_", 0) == 0) continue;
     const std::vector<uint8_t> bytes = ReadFileBytes(dir + "/" + name + ".pt");
     std::vector<uint8_t> ours;
     if (want["kind"] == "object") {

@@ -111,6 +111,23 @@ def make_items(out):
         with open(os.path.join(out, name + ".pt"), "wb") as f:
             f.write(blob)
         expected[name] = describe_item(blob)
+    # Another zip writer's layout: Python's zipfile (CRC and sizes in the local headers, no data
+    # descriptors, no alignment, no ZIP64 records), with the records torch 2.x adds and an
+    # archive folder named otherwise; torch.load reads it.
+    with open(os.path.join(out, "float32_3x4.pt"), "rb") as f:
+        src = zipfile.ZipFile(io.BytesIO(f.read()))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("tensor/data.pkl", src.read("archive/data.pkl"))
+        z.writestr("tensor/.format_version", b"1")
+        z.writestr("tensor/.storage_alignment", b"64")
+        z.writestr("tensor/byteorder", b"little")
+        z.writestr("tensor/data/0", src.read("archive/data/0"))
+        z.writestr("tensor/version", b"3\n")
+        z.writestr("tensor/.data/serialization_id", b"1234567890" * 4)
+    with open(os.path.join(out, "zipfile_layout_float32.pt"), "wb") as f:
+        f.write(buf.getvalue())
+    expected["zipfile_layout_float32"] = describe_item(buf.getvalue())
     expected["big_uint8"] = make_big_item(out)
     with open(os.path.join(out, "expected.json"), "w") as f:
         json.dump(expected, f, indent=1, sort_keys=True)
