@@ -945,6 +945,14 @@ Result<PickleTree> ParsePickle(std::span<const uint8_t> bytes, std::string_view 
   return tree;
 }
 
+Result<PickleTree> ParsePickle(std::vector<uint8_t>&& bytes, std::string_view source) {
+  PickleTree tree;
+  tree.owned_ = std::move(bytes);
+  PickleParser parser(tree.owned_, source, &tree);
+  TESSERA_RETURN_IF_ERROR(parser.Run());
+  return tree;
+}
+
 // ---- accessors ------------------------------------------------------------------------------
 
 std::string_view PickleKindName(PickleKind kind) {

@@ -150,6 +150,7 @@ class PickleTree {
  private:
   friend class PickleValue;
   friend class PickleParser;
+  friend Result<PickleTree> ParsePickle(std::vector<uint8_t>&& bytes, std::string_view source);
 
   struct Node {
     PickleKind kind;
@@ -178,6 +179,7 @@ class PickleTree {
   PickleValue Child(const Node& n, size_t i) const { return PickleValue(this, children_[n.a + i]); }
 
   const uint8_t* data_ = nullptr;
+  std::vector<uint8_t> owned_;  // the input, when the tree owns it (moving keeps its buffer)
   std::vector<Node> nodes_;
   std::vector<uint32_t> children_;
   std::vector<ObjectExtra> objects_;
@@ -189,6 +191,9 @@ class PickleTree {
 // Parses the pickle at the start of `bytes` (up to its STOP opcode). `bytes` must outlive the
 // tree (strings are views into it). `source` names the input in errors (a file path).
 Result<PickleTree> ParsePickle(std::span<const uint8_t> bytes, std::string_view source);
+// The same, with the tree owning the bytes (a temporary vector binds here, so its views stay
+// valid).
+Result<PickleTree> ParsePickle(std::vector<uint8_t>&& bytes, std::string_view source);
 
 // The bytes of a pickled Python `bytes` object, in any of the encodings Python uses:
 // BINBYTES* / BYTEARRAY8 (protocol 3+), reduce(_codecs.encode, (str, "latin1")) (protocol 2),

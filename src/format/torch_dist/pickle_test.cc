@@ -89,8 +89,9 @@ std::string Canon(const PickleValue& v, int depth = 12) {
   return "?";
 }
 
-Result<PickleTree> Parse(const std::vector<uint8_t>& bytes) {
-  return ParsePickle(bytes, "test.pkl");
+// The tree owns a copy of the bytes, so a temporary argument is fine.
+Result<PickleTree> Parse(std::vector<uint8_t> bytes) {
+  return ParsePickle(std::move(bytes), "test.pkl");
 }
 
 std::string CanonOf(const std::vector<uint8_t>& bytes) {
@@ -267,9 +268,9 @@ TEST(PickleTest, WriterMatchesCPython) {
   w2.Mark();
   std::vector<int64_t> values;
   for (int shift = 0; shift < 64; ++shift) {
-    for (int64_t base : {int64_t{1} << shift, -(int64_t{1} << shift)}) {
+    for (uint64_t base : {uint64_t{1} << shift, uint64_t{0} - (uint64_t{1} << shift)}) {
       for (int64_t d : {-1, 0, 1})
-        values.push_back(static_cast<int64_t>(static_cast<uint64_t>(base) + d));
+        values.push_back(static_cast<int64_t>(base + static_cast<uint64_t>(d)));
     }
   }
   for (int i = 0; i < 200; ++i) values.push_back(static_cast<int64_t>(rng()));
