@@ -753,6 +753,12 @@ std::vector<uint8_t> TensorPickle(const TorchDType& dtype, const std::vector<int
   return w.Take();
 }
 
+std::string ShapeText(const std::vector<int64_t>& v) {
+  std::string s = "(";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + ")";
+}
+
 }  // namespace
 
 // ---- public: reading --------------------------------------------------------------------------
@@ -780,18 +786,32 @@ bool TorchTensorItem::IsContiguous() const {
 
 Result<std::pair<uint64_t, uint64_t>> TorchTensorItem::ContiguousRange() const {
   if (!IsContiguous()) {
-    auto text = [](const std::vector<int64_t>& v) {
-      std::string s = "(";
-      for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-      return s + ")";
-    };
-    return FailedPrecondition("tensor of size " + text(size) + " and stride " + text(stride) +
-                              " is not row-major contiguous");
+    return FailedPrecondition("tensor of size " + ShapeText(size) + " and stride " +
+                              ShapeText(stride) + " is not row-major contiguous");
   }
   const uint64_t n = static_cast<uint64_t>(numel());
   if (n == 0) return std::make_pair(data_offset, uint64_t{0});
   return std::make_pair(data_offset + static_cast<uint64_t>(storage_offset) * element_size,
                         n * element_size);
+}
+
+Result<std::vector<int>> TorchTensorItem::StorageOrder() const {
+  std::vector<int> order(size.size());
+  for (size_t d = 0; d < order.size(); ++d) order[d] = static_cast<int>(d);
+  if (IsContiguous()) return order;
+  // Outermost first: larger strides first; dimensions of size 1 may have any stride.
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return stride[a] > stride[b]; });
+  int64_t expected = 1;
+  for (size_t i = order.size(); i-- > 0;) {
+    const int d = order[i];
+    if (size[d] != 1 && stride[d] != expected) {
+      return FailedPrecondition("tensor of size " + ShapeText(size) + " and stride " +
+                                ShapeText(stride) +
+                                " is not a permutation of a row-major block of its storage");
+    }
+    expected *= size[d];
+  }
+  return order;
 }
 
 Result<TorchTensorItem> ReadTorchTensorItem(uint64_t item_length, const ItemReadFn& read,

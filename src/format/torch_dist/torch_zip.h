@@ -81,6 +81,12 @@ struct TorchTensorItem {
   // The item-relative byte range (offset, length) of the tensor's elements when IsContiguous();
   // FailedPrecondition naming the size and stride otherwise.
   Result<std::pair<uint64_t, uint64_t>> ContiguousRange() const;
+  // When the tensor is a permuted view of a row-major block of its storage (how DCP saves a
+  // transposed or permuted tensor): its dimensions from outermost to innermost in storage order.
+  // The storage then holds, from storage_offset on, the row-major array of shape
+  // (size[order[0]], ..., size[order[n-1]]). Identity for a contiguous tensor;
+  // FailedPrecondition for other strides (expanded or sliced views).
+  Result<std::vector<int>> StorageOrder() const;
 };
 
 // Reads a tensor item of `item_length` bytes. `source` (e.g. "ckpt/__0_0.distcp item at

@@ -297,6 +297,35 @@ TEST(TorchZipTest, ReadsItemsThroughAReadableFile) {
                                     std::to_string(b.offset_in_file) + ": "));
 }
 
+TEST(TorchZipTest, StorageOrderOfViews) {
+  // The transposed view torch saved: size (3, 2), stride (1, 3): its storage is the (2, 3)
+  // row-major array, dimension 1 outermost.
+  const std::vector<uint8_t> bytes =
+      ReadFileBytes(TestdataDir() + "/items/transposed_int64_3x2.pt");
+  ASSERT_OK_AND_ASSIGN(TorchTensorItem t, ParseTorchTensorItem(bytes, "t"));
+  EXPECT_EQ(*t.StorageOrder(), (std::vector<int>{1, 0}));
+  // Element (i, j) of the view is storage element j * 3 + i.
+  for (int64_t i = 0; i < 3; ++i) {
+    for (int64_t j = 0; j < 2; ++j) {
+      int64_t v;
+      std::memcpy(&v, bytes.data() + t.data_offset + (j * 3 + i) * 8, 8);
+      EXPECT_EQ(v, i * 1 + j * 3);  // torch.arange(6).reshape(2, 3).t()
+    }
+  }
+  TorchTensorItem u;
+  u.size = {2, 1, 3, 4};
+  u.stride = {1, 99, 8, 2};  // a permutation of (3, 4, 2) row-major, with a size-1 dimension
+  EXPECT_EQ(*u.StorageOrder(), (std::vector<int>{1, 2, 3, 0}));
+  u.size = {2, 3};
+  u.stride = {3, 1};
+  EXPECT_EQ(*u.StorageOrder(), (std::vector<int>{0, 1}));
+  u.stride = {0, 1};  // expanded
+  EXPECT_THAT(u.StorageOrder().status().message(),
+              HasSubstr("size (2, 3) and stride (0, 1) is not a permutation"));
+  u.stride = {6, 2};  // every other element
+  EXPECT_FALSE(u.StorageOrder().ok());
+}
+
 TEST(TorchZipTest, RawObjectItems) {
   const std::vector<uint8_t> raw = {'h', 'i', 0, 1};
   ASSERT_OK_AND_ASSIGN(TorchObjectItem o, ParseTorchObjectItem(raw, "raw"));
