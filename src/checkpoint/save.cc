@@ -28,6 +28,12 @@ namespace tessera {
 namespace {
 
 constexpr int kCoordinator = 0;
+
+// How an error from rank `r` is prefixed: "rank r", or nothing in a one-rank run (where
+// "rank 0: " would only puzzle).
+std::string SenderName(const Comm& comm, int r) {
+  return comm.size() > 1 ? "rank " + std::to_string(r) : std::string();
+}
 // Bytes written and then checksummed per WriteAt: small enough that the bytes the kernel just
 // copied into the page cache are still in the CPU's cache when the hash reads them. Hashing
 // after the write, not before, lets the kernel's copy (not the hash) pull them from memory,
@@ -386,7 +392,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
       Status status = [&]() -> Status {
         std::vector<std::span<const uint8_t>> bodies(gathered.size());
         for (size_t r = 0; r < gathered.size(); ++r) {
-          TESSERA_ASSIGN_OR_RETURN(bodies[r], Open(gathered[r], "rank " + std::to_string(r)));
+          TESSERA_ASSIGN_OR_RETURN(bodies[r], Open(gathered[r], SenderName(comm, r)));
         }
         TESSERA_ASSIGN_OR_RETURN(std::vector<LocalPlan> plans,
                                  DecodeLocalPlans(bodies, options.num_io_threads));
@@ -436,7 +442,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
     outcome.status = [&]() -> Status {
       std::vector<WriteResult> results(gathered.size());
       for (size_t r = 0; r < gathered.size(); ++r) {
-        const std::string who = "rank " + std::to_string(r);
+        const std::string who = SenderName(comm, r);
         TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> result, Open(gathered[r], who));
         TESSERA_ASSIGN_OR_RETURN(results[r], DecodeWriteResult(result));
       }
