@@ -8,6 +8,8 @@ namedtuple) whose leaves are:
 - ShardedTensor: one rank's piece of a global tensor;
 - bytes / bytearray: stored as they are (a ShardedObject of those bytes);
 - ShardedObject: an object with an explicit replica id;
+- the sharded tensors and objects of torch (ShardedTensor, DTensor) and Megatron-Core
+  (ShardedTensor, ShardedObject): see tessera/_adapters.py;
 - anything else: pickled, stored as a ShardedObject.
 
 Keys are the dotted paths of the leaves ("model.layers.0.weight"; a list index is a path
@@ -20,6 +22,7 @@ import importlib
 import json
 import pickle
 
+from . import _adapters
 from . import _dtypes
 from . import _tessera
 from ._errors import invalid_argument
@@ -189,13 +192,17 @@ def map_leaves(value, fn, counter=None):
 class Leaf:
     """One leaf of a flattened state dict."""
 
-    __slots__ = ("key", "value", "is_tensor", "encoding")
+    __slots__ = ("key", "value", "is_tensor", "encoding", "replace_on_load")
 
-    def __init__(self, key, value, is_tensor, encoding=None):
+    def __init__(self, key, value, is_tensor, encoding=None, replace_on_load=False):
         self.key = key
-        self.value = value          # the leaf itself (tensor, array, ShardedTensor, object)
+        self.value = value          # the leaf (tensor, array, ShardedTensor, object), or the
+        #                             tessera ShardedTensor/ShardedObject of a framework leaf
         self.is_tensor = is_tensor
         self.encoding = encoding    # objects: "bytes", "bytearray" or "pickle"
+        # After a load, the leaf is replaced by the loaded value even though it is a sharded
+        # object (a Megatron ShardedObject, as Megatron's load returns it).
+        self.replace_on_load = replace_on_load
 
 
 def _encoding(value):
@@ -218,10 +225,11 @@ def _lib(data):
 class Flat:
     """A state dict flattened: its leaves in depth-first order and its structure."""
 
-    def __init__(self, state_dict):
+    def __init__(self, state_dict, for_load=False):
         if _items(state_dict)[0] is None:
             raise TypeError("a state dict must be a dict, list or tuple, not "
                             f"{type(state_dict).__name__}")
+        self.for_load = for_load  # a Megatron ShardedTensor without data gets a tensor to load
         self.leaves = []
         self.entries = []  # by build(): the StateBuilder index of each leaf
         self._root = _walk(state_dict, (), self._visit)
@@ -264,6 +272,10 @@ class Flat:
 
     def _visit(self, path, value):
         key = ".".join(path)
+        if not isinstance(value, (ShardedTensor, ShardedObject)):
+            adapted = _adapters.adapt(value, key, self.for_load)
+            if adapted is not None:
+                return self._visit_adapted(key, adapted)
         if isinstance(value, ShardedTensor):
             key = value.key or key
             self.leaves.append(Leaf(key, value, True))
@@ -279,6 +291,16 @@ class Flat:
         encoding = _encoding(value)
         self.leaves.append(Leaf(key, value, False, encoding))
         return {"object": key, "encoding": encoding}
+
+    def _visit_adapted(self, key, adapted):
+        value = adapted.value
+        key = value.key or key
+        if isinstance(value, ShardedTensor):
+            self.leaves.append(Leaf(key, value, True))
+            return {"tensor": key, "lib": _lib(value.data), "sharded": True}
+        encoding = _encoding(value.value)
+        self.leaves.append(Leaf(key, value, False, encoding, adapted.replace_on_load))
+        return {"object": key, "encoding": encoding, "sharded": True}
 
     def build(self, rank, for_load):
         """The StateBuilder of the leaves; plain tensors and objects get replica id (rank,)."""
@@ -386,7 +408,7 @@ def decode_objects(flat, builder, skipped):
                     f"{e}); load into a bytes placeholder to get the raw bytes") from e
         if isinstance(leaf.value, ShardedObject):
             leaf.value.value = value
-        else:
+        if leaf.replace_on_load or not isinstance(leaf.value, ShardedObject):
             new_values[index] = value
     return new_values
 
