@@ -3,8 +3,8 @@
 tessera.save and tessera.load accept, as leaves of a state dict:
 
 - torch.distributed._shard.sharded_tensor.ShardedTensor (FSDP's SHARDED_STATE_DICT, torch
-  1.13 DCP): this rank's local shard is its box (shard_offsets, shard_sizes); every holder of a
-  box is a main replica, and the lowest rank holding it writes it.
+  1.13 DCP): this rank's local shards are its boxes (shard_offsets, shard_sizes); every holder
+  of a box is a main replica, and the lowest rank holding it writes it.
 - DTensor (torch.distributed.tensor, torch >= 2.0), by duck typing (to_local(), device_mesh,
   placements): the local tensor is the box that the Shard(dim) placements give this rank's mesh
   coordinate; the coordinates along Replicate() mesh dimensions are its replica id.
@@ -19,7 +19,6 @@ None of them is imported here: a torch ShardedTensor is recognised by its class 
 module is already loaded (whoever made one loaded it), the others by their attributes.
 """
 
-import math
 import sys
 
 from . import _dtypes
@@ -34,7 +33,8 @@ _MEGATRON_OBJECT_FIELDS = ("key", "data", "global_shape", "global_offset", "repl
 class Adapted:
     """A framework leaf as tessera sees it.
 
-    value: the tessera ShardedTensor or ShardedObject saved or loaded for it.
+    value: the tessera ShardedTensor or ShardedObject saved or loaded for it, or a list of
+        ShardedTensors: pieces of one tensor (several local shards).
     kind: "torch_sharded", "dtensor", "megatron_tensor" or "megatron_object" (for messages).
     replace_on_load: after a load, the leaf is replaced in its container by the loaded value
         (Megatron ShardedObjects, as Megatron's load returns them); tensors are loaded in place.
@@ -104,28 +104,25 @@ def _torch_sharded_tensor_class():
 
 
 def _from_torch_sharded(st, key):
+    """Each local shard is a piece at its shard_offsets; several on one rank are merged into
+    one box when they form one (tessera/_merge.py)."""
     from ._state import ShardedTensor  # noqa: PLC0415 (_state imports this module)
     metadata = st.metadata()
     global_shape = [int(d) for d in metadata.size]
     shards = st.local_shards()
-    if len(shards) > 1:
-        boxes = ", ".join(f"offsets {list(s.metadata.shard_offsets)} sizes "
-                          f"{list(s.metadata.shard_sizes)}" for s in shards)
-        raise invalid_argument(
-            f"tensor '{key}': this rank holds {len(shards)} local shards of the torch "
-            f"ShardedTensor ({boxes}); tessera takes one box per key and rank (a sharding spec "
-            "with at most one shard per rank, e.g. ChunkShardingSpec, works)")
     if not shards:  # this rank holds none of it: an empty box, so it still names the key
         import torch  # noqa: PLC0415
         data = torch.empty([0] * len(global_shape), dtype=metadata.tensor_properties.dtype)
         return ShardedTensor(data, global_shape, [0] * len(global_shape), key=key)
-    shard = shards[0]
-    sizes = [int(s) for s in shard.metadata.shard_sizes]
-    if list(shard.tensor.shape) != sizes:
-        raise invalid_argument(f"tensor '{key}': the local shard's tensor has shape "
-                               f"{list(shard.tensor.shape)} but its metadata says {sizes}")
-    return ShardedTensor(shard.tensor, global_shape,
-                         [int(o) for o in shard.metadata.shard_offsets], key=key)
+    pieces = []
+    for shard in shards:
+        sizes = [int(s) for s in shard.metadata.shard_sizes]
+        if list(shard.tensor.shape) != sizes:
+            raise invalid_argument(f"tensor '{key}': a local shard's tensor has shape "
+                                   f"{list(shard.tensor.shape)} but its metadata says {sizes}")
+        pieces.append(ShardedTensor(shard.tensor, global_shape,
+                                    [int(o) for o in shard.metadata.shard_offsets], key=key))
+    return pieces[0] if len(pieces) == 1 else pieces
 
 
 # ---- DTensor --------------------------------------------------------------------------------
@@ -282,6 +279,3 @@ def _from_megatron_object(so):
     return ShardedObject(so.data, replica_list(so.replica_id, f"ShardedObject '{so.key}'"),
                          key=key)
 
-
-def num_elements(shape):
-    return math.prod(int(d) for d in shape)

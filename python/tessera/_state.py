@@ -24,6 +24,7 @@ import pickle
 
 from . import _adapters
 from . import _dtypes
+from . import _merge
 from . import _tessera
 from ._errors import invalid_argument
 
@@ -192,9 +193,10 @@ def map_leaves(value, fn, counter=None):
 class Leaf:
     """One leaf of a flattened state dict."""
 
-    __slots__ = ("key", "value", "is_tensor", "encoding", "replace_on_load")
+    __slots__ = ("key", "value", "is_tensor", "encoding", "replace_on_load", "index")
 
     def __init__(self, key, value, is_tensor, encoding=None, replace_on_load=False):
+        self.index = None  # of the state dict's leaf, in map_leaves order (set by Flat)
         self.key = key
         self.value = value          # the leaf (tensor, array, ShardedTensor, object), or the
         #                             tessera ShardedTensor/ShardedObject of a framework leaf
@@ -232,7 +234,8 @@ class Flat:
         self.for_load = for_load  # a Megatron ShardedTensor without data gets a tensor to load
         self.leaves = []
         self.entries = []  # by build(): the StateBuilder index of each leaf
-        self._root = _walk(state_dict, (), self._visit)
+        self._num_leaves = 0
+        self._root = _walk(state_dict, (), self._visit_leaf)
         self._extra = {}
 
     @property
@@ -270,6 +273,14 @@ class Flat:
         if len(libs) == 1:
             self._extra["lib"] = libs.pop()
 
+    def _visit_leaf(self, path, value):
+        first = len(self.leaves)
+        node = self._visit(path, value)
+        for leaf in self.leaves[first:]:  # one leaf of the state dict, maybe several pieces
+            leaf.index = self._num_leaves
+        self._num_leaves += 1
+        return node
+
     def _visit(self, path, value):
         key = ".".join(path)
         if not isinstance(value, (ShardedTensor, ShardedObject)):
@@ -294,6 +305,10 @@ class Flat:
 
     def _visit_adapted(self, key, adapted):
         value = adapted.value
+        if isinstance(value, list):  # pieces of one tensor (merged by build())
+            for piece in value:
+                self.leaves.append(Leaf(piece.key or key, piece, True))
+            return {"tensor": value[0].key or key, "lib": _lib(value[0].data), "sharded": True}
         key = value.key or key
         if isinstance(value, ShardedTensor):
             self.leaves.append(Leaf(key, value, True))
@@ -303,12 +318,22 @@ class Flat:
         return {"object": key, "encoding": encoding, "sharded": True}
 
     def build(self, rank, for_load):
-        """The StateBuilder of the leaves; plain tensors and objects get replica id (rank,)."""
+        """The StateBuilder of the leaves; plain tensors and objects get replica id (rank,).
+        Several tensor leaves of one key (pieces of one tensor) become one entry (_merge)."""
         builder = _tessera.StateBuilder()
         self.entries = []
+        self.merged = []
+        pieces = collections.defaultdict(list)
         for leaf in self.leaves:
             if leaf.is_tensor:
-                self.entries.append(_add_tensor(builder, leaf.key, leaf.value, rank, for_load))
+                pieces[leaf.key].append(leaf.value)
+        entry_of_key = {}
+        for leaf in self.leaves:
+            if leaf.is_tensor:
+                if leaf.key not in entry_of_key:
+                    entry_of_key[leaf.key] = self._add_pieces(builder, leaf.key,
+                                                              pieces[leaf.key], rank, for_load)
+                self.entries.append(entry_of_key[leaf.key])
                 continue
             value = leaf.value
             replica = [rank]
@@ -328,6 +353,31 @@ class Flat:
                 data = bytes(value)
             self.entries.append(builder.add_object(leaf.key, data, replica))
         return builder
+
+    def _add_pieces(self, builder, key, values, rank, for_load):
+        distinct = list({id(v): v for v in values}.values())  # one object at several places
+        if len(distinct) == 1:
+            return _add_tensor(builder, key, distinct[0], rank, for_load)
+        if not all(isinstance(v, ShardedTensor) for v in distinct):
+            raise invalid_argument(
+                f"duplicate key '{key}': {len(values)} leaves have it (a key is the dotted path "
+                "of a leaf, or the key of its sharded tensor); only pieces of one sharded tensor "
+                "may share a key")
+        merged = _merge.merge(key, distinct)
+        if merged is None:  # empty boxes only
+            return _add_tensor(builder, key, distinct[0], rank, for_load)
+        if not for_load or merged.tensor.allow_shape_mismatch:
+            merged.copy_in()  # a load may leave parts of the staging buffer untouched
+        if for_load:
+            self.merged.append(merged)
+        return _add_tensor(builder, key, merged.tensor, rank, for_load)
+
+    def finish_load(self, skipped):
+        """After a load: copies the staging buffers of merged pieces into the pieces (those
+        of keys in `skipped` were not loaded)."""
+        for merged in self.merged:
+            if merged.tensor.key not in skipped:
+                merged.copy_out()
 
 
 def _add_tensor(builder, key, value, rank, for_load):
@@ -390,7 +440,8 @@ def decode_objects(flat, builder, skipped):
     """After a load: the new value of each object leaf, by leaf index (ShardedObject leaves
     are updated in place instead). Keys in `skipped` (not loaded) are left alone."""
     new_values = {}
-    for index, (leaf, entry) in enumerate(zip(flat.leaves, flat.entries)):
+    for leaf, entry in zip(flat.leaves, flat.entries):
+        index = leaf.index
         if leaf.is_tensor or leaf.key in skipped:
             continue
         data = builder.object_data(entry)
