@@ -239,6 +239,11 @@ class Flat:
         self._extra = {}
 
     @property
+    def root(self):
+        """The structure node of the state dict (as saved under STRUCTURE_KEY)."""
+        return self._root
+
+    @property
     def structure(self):
         """The JSON text saved under STRUCTURE_KEY."""
         structure = {"version": STRUCTURE_VERSION, "root": self._root}
