@@ -15,6 +15,7 @@ See docs/PYTHON.md.
 
 from . import _tessera
 from . import megatron
+from . import torch
 from ._api import async_save, load, load_all, read_metadata, save, verify
 from ._errors import (AlreadyExistsError, CommError, CommTimeoutError, CorruptCheckpointError,
                       Error, FailedPreconditionError, InternalError, InvalidArgumentError,
@@ -47,5 +48,5 @@ __all__ = [
     "PartialLoadWarning", "STRUCTURE_KEY", "SaveReport", "ShardedObject", "ShardedTensor", "StorageError",
     "UnimplementedError", "VerifyReport", "async_save", "load", "load_all", "mpi_comm",
     "python_comm", "read_metadata", "run_local", "save", "single_rank_comm", "torch_dist_comm",
-    "verify", "megatron",
+    "verify", "megatron", "torch",
 ]

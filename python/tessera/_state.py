@@ -505,13 +505,12 @@ def _namedtuple_type(node):
     return collections.namedtuple(name, node["fields"])
 
 
-def template_from_metadata(metadata, tensor_type):
-    """A state dict with a freshly allocated tensor for every tensor of the checkpoint and a
-    placeholder for every object, in the saved container structure when the checkpoint has one
-    (saved from Python), else a flat dict by key."""
-    tensors = {t.key: t for t in metadata.tensors}
-    objects = {o.key for o in metadata.objects}
-    used = set()
+def template_from_node(node, tensors, tensor_type, used=None):
+    """The template of one saved structure node: a freshly allocated tensor for each tensor
+    leaf (a ShardedTensor naming its key), a placeholder ShardedObject for each object leaf, in
+    the saved containers. `tensors`: the checkpoint's TensorInfo by key; `used` collects the
+    keys named."""
+    used = set() if used is None else used
 
     def build(node):
         if "tensor" in node:
@@ -539,6 +538,33 @@ def template_from_metadata(metadata, tensor_type):
         if "namedtuple" in node:
             return _namedtuple_type(node)._make(build(v) for v in node["namedtuple"])
         raise invalid_argument(f"unknown node in the saved structure: {sorted(node)}")
+
+    return build(node)
+
+
+def saved_structure(metadata):
+    """The saved structure's root node, or None (a checkpoint not saved from Python)."""
+    text = metadata.user_metadata.get(STRUCTURE_KEY)
+    if text is None:
+        return None
+    structure = json.loads(text)
+    if structure.get("version") != STRUCTURE_VERSION:
+        raise invalid_argument(
+            f"the saved structure has version {structure.get('version')}; this tessera "
+            f"reads version {STRUCTURE_VERSION}")
+    return structure["root"]
+
+
+def template_from_metadata(metadata, tensor_type):
+    """A state dict with a freshly allocated tensor for every tensor of the checkpoint and a
+    placeholder for every object, in the saved container structure when the checkpoint has one
+    (saved from Python), else a flat dict by key."""
+    tensors = {t.key: t for t in metadata.tensors}
+    objects = {o.key for o in metadata.objects}
+    used = set()
+
+    def build(node):
+        return template_from_node(node, tensors, tensor_type, used)
 
     text = metadata.user_metadata.get(STRUCTURE_KEY)
     root = {}
