@@ -505,12 +505,14 @@ def _namedtuple_type(node):
     return collections.namedtuple(name, node["fields"])
 
 
-def template_from_node(node, tensors, tensor_type, used=None):
+def template_from_node(node, tensors, tensor_type, used=None, allocated=None):
     """The template of one saved structure node: a freshly allocated tensor for each tensor
     leaf (a ShardedTensor naming its key), a placeholder ShardedObject for each object leaf, in
     the saved containers. `tensors`: the checkpoint's TensorInfo by key; `used` collects the
-    keys named."""
+    keys named; `allocated` (key -> ShardedTensor) makes leaves naming one key (pieces of one
+    tensor, e.g. Megatron's layers) share one whole tensor."""
     used = set() if used is None else used
+    allocated = {} if allocated is None else allocated
 
     def build(node):
         if "tensor" in node:
@@ -519,7 +521,10 @@ def template_from_node(node, tensors, tensor_type, used=None):
                 raise invalid_argument(f"the saved structure names tensor '{key}' but the "
                                        "checkpoint has no such tensor")
             used.add(key)
-            return _allocate(tensors[key], tensor_type or node.get("lib", "numpy"), key)
+            if key not in allocated:
+                allocated[key] = _allocate(tensors[key], tensor_type or node.get("lib", "numpy"),
+                                           key)
+            return allocated[key]
         if "object" in node:
             key = node["object"]
             used.add(key)
@@ -562,9 +567,10 @@ def template_from_metadata(metadata, tensor_type):
     tensors = {t.key: t for t in metadata.tensors}
     objects = {o.key for o in metadata.objects}
     used = set()
+    allocated = {}
 
     def build(node):
-        return template_from_node(node, tensors, tensor_type, used)
+        return template_from_node(node, tensors, tensor_type, used, allocated)
 
     text = metadata.user_metadata.get(STRUCTURE_KEY)
     root = {}

@@ -185,6 +185,16 @@ def test_saved_keys_and_shapes_are_megatrons(ckpt):
     assert torch.equal(plain["mlp.glu_w"], w) and torch.equal(plain["mlp.glu_v"], v)
 
 
+def test_load_all_gives_whole_tensors_at_every_path(ckpt):
+    """load_all of stacked layers: each layer's path holds the one global tensor."""
+    save_with(ckpt, 2, 1)
+    loaded = tessera.load_all(ckpt)
+    layers = loaded["model"]["decoder.layers"]
+    assert torch.equal(layers["0"]["mlp.linear_fc1.weight"], FC1)
+    assert layers["2"]["mlp.linear_fc1.weight"] is layers["0"]["mlp.linear_fc1.weight"]
+    assert loaded["iteration"] == 7
+
+
 def test_sharded_objects_come_back_by_value(ckpt):
     save_with(ckpt, 2, 2)
 

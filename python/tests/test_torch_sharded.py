@@ -99,6 +99,16 @@ def worker(rank, size, port, path):
                                              "form one box") as info:
             tessera.save({"two": gaps}, path + "_bad", comm=comm)
         assert rank < 2 or str(info.value).startswith("rank 0: "), info.value
+
+        # tessera.megatron without comm=: collective over the default group, as Megatron's.
+        from megatron_standins import ShardedTensor as MegatronTensor
+        piece = MegatronTensor.from_rank_offsets("m", FULL[rank:rank + 1].clone(),
+                                                 (0, rank, size))
+        tessera.megatron.save({"m": piece, "step": 5}, path + "_megatron")
+        other = size - 1 - rank
+        back = MegatronTensor.from_rank_offsets("m", torch.zeros(1, COLS), (0, other, size))
+        loaded = tessera.megatron.load({"m": back}, path + "_megatron")
+        assert torch.equal(loaded["m"], FULL[other:other + 1]) and loaded["step"] == 5
     finally:
         dist.destroy_process_group()
 
