@@ -29,6 +29,11 @@ class CMakeBuild(build_ext):
                      "-DCMAKE_BUILD_TYPE=RelWithDebInfo",  # as scripts/build: ccache hits
                      "-DTESSERA_BUILD_TESTS=OFF", "-DTESSERA_BUILD_TOOLS=OFF",
                      "-DTESSERA_WITH_PYTHON=ON", f"-DTESSERA_PYTHON={sys.executable}"]
+        try:  # pybind11 from pip (an isolated build) or Debian's python3-pybind11
+            import pybind11
+            configure.append(f"-Dpybind11_DIR={pybind11.get_cmake_dir()}")
+        except ImportError:
+            pass  # CMake's own search (Debian's pybind11-dev)
         if shutil.which("ninja") and not (build_dir / "CMakeCache.txt").exists():
             configure += ["-G", "Ninja"]
         subprocess.run(configure, check=True)

@@ -4,7 +4,6 @@ groups, an LR scheduler and the RNG state in the extra values; under gloo with a
 model whose state dict holds torch ShardedTensors, resumed on 2 ranks and on 1."""
 
 import datetime
-import os
 
 import pytest
 import torch
