@@ -81,7 +81,7 @@ std::unique_ptr<Comm> NewSingleRankComm();
 
 // COLLECTIVE. Every rank contributes its local status; all ranks return OK when all are OK,
 // otherwise the same error on every rank, naming the lowest failing rank and its message
-// ("rank 3: ..."), plus how many ranks failed.
+// ("rank 3: ..."), plus how many ranks failed. With one rank, its own status unchanged.
 Status AgreeOnStatus(Comm& comm, const Status& local);
 
 }  // namespace tessera

@@ -65,6 +65,7 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("missing_keys", &LoadOptions::missing_keys)
       .def_readwrite("unexpected_keys", &LoadOptions::unexpected_keys)
       .def_readwrite("verify_checksums", &LoadOptions::verify_checksums)
+      .def_readwrite("verify_partial_chunks", &LoadOptions::verify_partial_chunks)
       .def_readwrite("num_io_threads", &LoadOptions::num_io_threads)
       .def_readwrite("read_sharing", &LoadOptions::read_sharing)
       .def_readwrite("exchange_bytes", &LoadOptions::exchange_bytes);

@@ -14,10 +14,13 @@ See docs/PYTHON.md.
 """
 
 from . import _tessera
+from . import megatron
+from . import torch
 from ._api import async_save, load, load_all, read_metadata, save, verify
 from ._errors import (AlreadyExistsError, CommError, CommTimeoutError, CorruptCheckpointError,
                       Error, FailedPreconditionError, InternalError, InvalidArgumentError,
-                      MissingKeysError, NotFoundError, StorageError, UnimplementedError)
+                      MissingKeysError, NotFoundError, PartialLoadWarning, StorageError,
+                      UnimplementedError)
 from ._state import STRUCTURE_KEY, ShardedObject, ShardedTensor
 from ._torch_comm import torch_dist_comm
 from ._tessera import (AsyncSaveHandle, Comm, LoadReport, Metadata, SaveReport, VerifyReport,
@@ -42,8 +45,8 @@ __all__ = [
     "AlreadyExistsError", "AsyncSaveHandle", "Comm", "CommError", "CommTimeoutError",
     "CorruptCheckpointError", "Error", "FailedPreconditionError", "HAS_MPI", "InternalError",
     "InvalidArgumentError", "LoadReport", "Metadata", "MissingKeysError", "NotFoundError",
-    "STRUCTURE_KEY", "SaveReport", "ShardedObject", "ShardedTensor", "StorageError",
+    "PartialLoadWarning", "STRUCTURE_KEY", "SaveReport", "ShardedObject", "ShardedTensor", "StorageError",
     "UnimplementedError", "VerifyReport", "async_save", "load", "load_all", "mpi_comm",
     "python_comm", "read_metadata", "run_local", "save", "single_rank_comm", "torch_dist_comm",
-    "verify",
+    "verify", "megatron", "torch",
 ]

@@ -8,7 +8,7 @@ import threading
 
 from . import _state
 from . import _tessera
-from ._errors import _INVALID_ARGUMENT, Error, InvalidArgumentError, invalid_argument
+from ._errors import _INVALID_ARGUMENT, Error, invalid_argument, warn_partial_load
 
 # Keyword arguments that are not fields of the C++ options structs.
 _NOT_OPTIONS = {"missing_keys", "unexpected_keys", "storage", "save", "when_busy"}
@@ -122,14 +122,12 @@ def _load_options(strict, options):
     return _set_options("load", opts, options)
 
 
-def _load_prepared(state_dict, flat, builder, path, comm, opts):
-    try:
-        report = _tessera._load(builder, path, comm, opts)
-    except InvalidArgumentError as e:
-        if "= kSkip" in str(e):
-            e.add_note("(in Python: tessera.load(..., strict=False) loads the keys both sides "
-                       "have and reports the others)")
-        raise
+def _load_prepared(state_dict, flat, builder, path, comm, opts, function="tessera.load"):
+    report = _tessera._load(builder, path, comm, opts)
+    flat.finish_load(set(report.missing_keys))
+    if function is not None:
+        warn_partial_load(f"{function}(strict=False)", report.missing_keys,
+                          report.unexpected_keys, stacklevel=4)
     new_values = _state.decode_objects(flat, builder, set(report.missing_keys))
     if new_values:
         state_dict = _state.map_leaves(state_dict, lambda i, leaf: new_values.get(i, leaf))
@@ -145,10 +143,11 @@ def load(state_dict, path, *, comm=None, strict=True, **options):
 
     strict=True: a key the checkpoint lacks (MissingKeysError) or a key of the checkpoint that
     no rank asks for (InvalidArgumentError) is an error, and nothing is loaded. strict=False
-    loads the keys both sides have and reports the rest.
+    loads the keys both sides have, lists the others in the report and says how many with a
+    tessera.PartialLoadWarning (warnings.warn).
 
-    Options (fields of LoadOptions): verify_checksums=True, num_io_threads=2,
-    read_sharing="none" ("broadcast", "all_gather"), exchange_bytes=256 MiB.
+    Options (fields of LoadOptions): verify_checksums=True, verify_partial_chunks=False,
+    num_io_threads=2, read_sharing="none" ("broadcast", "all_gather"), exchange_bytes=256 MiB.
 
     Returns a LoadReport (missing_keys, unexpected_keys, shape_mismatched_keys, bytes_read,
     ...) whose `state_dict` is the loaded state dict: `state_dict` itself, or a new one when
@@ -157,7 +156,7 @@ def load(state_dict, path, *, comm=None, strict=True, **options):
     comm = _comm_handle(comm)
 
     def prepare():
-        flat = _state.Flat(state_dict)
+        flat = _state.Flat(state_dict, for_load=True)
         builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=True)
         return flat, builder, _load_options(strict, options), os.fspath(path)
 
@@ -185,7 +184,7 @@ def load_all(path, *, comm=None, tensor_type=None, **options):
             raise ValueError(
                 f"tensor_type must be None, 'numpy' or 'torch', not {tensor_type!r}")
         template = _state.template_from_metadata(read_metadata(path), tensor_type)
-        flat = _state.Flat(template)
+        flat = _state.Flat(template, for_load=True)
         builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=True)
         return template, flat, builder, _load_options(True, options), os.fspath(path)
 

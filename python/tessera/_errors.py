@@ -23,7 +23,13 @@ DeadlineExceeded        CommTimeoutError                          CommError, Tim
 
 All of them derive from :class:`tessera.Error`, which carries ``code`` (the status code name,
 e.g. ``"DataLoss"``) and ``status_code`` (its number, see include/tessera/status.h).
+
+Messages speak Python: where the library names a C++ option ("set LoadOptions::missing_keys =
+kSkip"), the exception names the Python argument that sets it ("pass strict=False").
 """
+
+import re
+import warnings
 
 # Numbers of include/tessera/status.h (StatusCode); part of the bindings' contract.
 _OK = 0
@@ -118,8 +124,62 @@ _CLASSES = {
 _MISSING_KEYS_TEXT = " has no key "
 
 
+# Hints of library messages that name C++ options -> the Python arguments that set them.
+_PYTHON_HINTS = (
+    (" (set LoadOptions::missing_keys = kSkip to load the rest)",
+     " (pass strict=False to load the rest)"),
+    (" (set LoadOptions::unexpected_keys = kSkip to ignore)",
+     " (pass strict=False to load only the keys asked for)"),
+    (" (set allow_shape_mismatch to load the common part)",
+     " (pass allow_shape_mismatch=True to its ShardedTensor to load the common part)"),
+    (" (mark the tensor partial if that is intended)",
+     " (pass partial=True to its ShardedTensor if that is intended)"),
+)
+# Any other option named as a C++ struct field: "LoadOptions::num_io_threads" -> the keyword
+# argument "num_io_threads".
+_OPTION_FIELD = re.compile(r"\b(?:Save|Load|AsyncSave|Verify)Options::(\w+)")
+
+
+def python_wording(message):
+    """`message` with C++ option names replaced by the Python arguments that set them."""
+    for cpp, python in _PYTHON_HINTS:
+        message = message.replace(cpp, python)
+    return _OPTION_FIELD.sub(r"\1", message)
+
+
+class PartialLoadWarning(UserWarning):
+    """A load with strict=False left keys out: asked for but absent from the checkpoint, or
+    in the checkpoint but asked for by no rank. The LoadReport lists them."""
+
+
+PartialLoadWarning.__module__ = "tessera"
+
+
+def warn_partial_load(function, missing, unexpected, stacklevel=3):
+    """The warning of a non-strict load that left `missing` (asked for, absent) and
+    `unexpected` (saved, asked for by no rank) keys out; nothing when both are empty."""
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} asked for but absent from the checkpoint "
+                     f"({_key_list(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} in the checkpoint but asked for by no rank "
+                     f"({_key_list(unexpected)})")
+    n = len(missing) + len(unexpected)
+    warnings.warn(f"{function}: {n} key{'s' if n != 1 else ''} not loaded: " + "; ".join(parts),
+                  PartialLoadWarning, stacklevel=stacklevel)
+
+
+def _key_list(keys, limit=5):
+    shown = ", ".join(repr(k) for k in list(keys)[:limit])
+    return shown + (f", ... ({len(keys)} keys)" if len(keys) > limit else "")
+
+
 def from_status(status_code, code_name, message):
     """The exception (not raised) for a status; called by the extension module."""
+    message = python_wording(message)
     cls = _CLASSES.get(status_code, InternalError)
     if status_code == _NOT_FOUND and _MISSING_KEYS_TEXT in message:
         cls = MissingKeysError

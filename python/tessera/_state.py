@@ -8,6 +8,8 @@ namedtuple) whose leaves are:
 - ShardedTensor: one rank's piece of a global tensor;
 - bytes / bytearray: stored as they are (a ShardedObject of those bytes);
 - ShardedObject: an object with an explicit replica id;
+- the sharded tensors and objects of torch (ShardedTensor, DTensor) and Megatron-Core
+  (ShardedTensor, ShardedObject): see tessera/_adapters.py;
 - anything else: pickled, stored as a ShardedObject.
 
 Keys are the dotted paths of the leaves ("model.layers.0.weight"; a list index is a path
@@ -20,7 +22,9 @@ import importlib
 import json
 import pickle
 
+from . import _adapters
 from . import _dtypes
+from . import _merge
 from . import _tessera
 from ._errors import invalid_argument
 
@@ -189,13 +193,18 @@ def map_leaves(value, fn, counter=None):
 class Leaf:
     """One leaf of a flattened state dict."""
 
-    __slots__ = ("key", "value", "is_tensor", "encoding")
+    __slots__ = ("key", "value", "is_tensor", "encoding", "replace_on_load", "index")
 
-    def __init__(self, key, value, is_tensor, encoding=None):
+    def __init__(self, key, value, is_tensor, encoding=None, replace_on_load=False):
+        self.index = None  # of the state dict's leaf, in map_leaves order (set by Flat)
         self.key = key
-        self.value = value          # the leaf itself (tensor, array, ShardedTensor, object)
+        self.value = value          # the leaf (tensor, array, ShardedTensor, object), or the
+        #                             tessera ShardedTensor/ShardedObject of a framework leaf
         self.is_tensor = is_tensor
         self.encoding = encoding    # objects: "bytes", "bytearray" or "pickle"
+        # After a load, the leaf is replaced by the loaded value even though it is a sharded
+        # object (a Megatron ShardedObject, as Megatron's load returns it).
+        self.replace_on_load = replace_on_load
 
 
 def _encoding(value):
@@ -218,14 +227,21 @@ def _lib(data):
 class Flat:
     """A state dict flattened: its leaves in depth-first order and its structure."""
 
-    def __init__(self, state_dict):
+    def __init__(self, state_dict, for_load=False):
         if _items(state_dict)[0] is None:
             raise TypeError("a state dict must be a dict, list or tuple, not "
                             f"{type(state_dict).__name__}")
+        self.for_load = for_load  # a Megatron ShardedTensor without data gets a tensor to load
         self.leaves = []
         self.entries = []  # by build(): the StateBuilder index of each leaf
-        self._root = _walk(state_dict, (), self._visit)
+        self._num_leaves = 0
+        self._root = _walk(state_dict, (), self._visit_leaf)
         self._extra = {}
+
+    @property
+    def root(self):
+        """The structure node of the state dict (as saved under STRUCTURE_KEY)."""
+        return self._root
 
     @property
     def structure(self):
@@ -262,8 +278,20 @@ class Flat:
         if len(libs) == 1:
             self._extra["lib"] = libs.pop()
 
+    def _visit_leaf(self, path, value):
+        first = len(self.leaves)
+        node = self._visit(path, value)
+        for leaf in self.leaves[first:]:  # one leaf of the state dict, maybe several pieces
+            leaf.index = self._num_leaves
+        self._num_leaves += 1
+        return node
+
     def _visit(self, path, value):
         key = ".".join(path)
+        if not isinstance(value, (ShardedTensor, ShardedObject)):
+            adapted = _adapters.adapt(value, key, self.for_load)
+            if adapted is not None:
+                return self._visit_adapted(key, adapted)
         if isinstance(value, ShardedTensor):
             key = value.key or key
             self.leaves.append(Leaf(key, value, True))
@@ -280,13 +308,37 @@ class Flat:
         self.leaves.append(Leaf(key, value, False, encoding))
         return {"object": key, "encoding": encoding}
 
+    def _visit_adapted(self, key, adapted):
+        value = adapted.value
+        if isinstance(value, list):  # pieces of one tensor (merged by build())
+            for piece in value:
+                self.leaves.append(Leaf(piece.key or key, piece, True))
+            return {"tensor": value[0].key or key, "lib": _lib(value[0].data), "sharded": True}
+        key = value.key or key
+        if isinstance(value, ShardedTensor):
+            self.leaves.append(Leaf(key, value, True))
+            return {"tensor": key, "lib": _lib(value.data), "sharded": True}
+        encoding = _encoding(value.value)
+        self.leaves.append(Leaf(key, value, False, encoding, adapted.replace_on_load))
+        return {"object": key, "encoding": encoding, "sharded": True}
+
     def build(self, rank, for_load):
-        """The StateBuilder of the leaves; plain tensors and objects get replica id (rank,)."""
+        """The StateBuilder of the leaves; plain tensors and objects get replica id (rank,).
+        Several tensor leaves of one key (pieces of one tensor) become one entry (_merge)."""
         builder = _tessera.StateBuilder()
         self.entries = []
+        self.merged = []
+        pieces = collections.defaultdict(list)
         for leaf in self.leaves:
             if leaf.is_tensor:
-                self.entries.append(_add_tensor(builder, leaf.key, leaf.value, rank, for_load))
+                pieces[leaf.key].append(leaf.value)
+        entry_of_key = {}
+        for leaf in self.leaves:
+            if leaf.is_tensor:
+                if leaf.key not in entry_of_key:
+                    entry_of_key[leaf.key] = self._add_pieces(builder, leaf.key,
+                                                              pieces[leaf.key], rank, for_load)
+                self.entries.append(entry_of_key[leaf.key])
                 continue
             value = leaf.value
             replica = [rank]
@@ -306,6 +358,31 @@ class Flat:
                 data = bytes(value)
             self.entries.append(builder.add_object(leaf.key, data, replica))
         return builder
+
+    def _add_pieces(self, builder, key, values, rank, for_load):
+        distinct = list({id(v): v for v in values}.values())  # one object at several places
+        if len(distinct) == 1:
+            return _add_tensor(builder, key, distinct[0], rank, for_load)
+        if not all(isinstance(v, ShardedTensor) for v in distinct):
+            raise invalid_argument(
+                f"duplicate key '{key}': {len(values)} leaves have it (a key is the dotted path "
+                "of a leaf, or the key of its sharded tensor); only pieces of one sharded tensor "
+                "may share a key")
+        merged = _merge.merge(key, distinct)
+        if merged is None:  # empty boxes only
+            return _add_tensor(builder, key, distinct[0], rank, for_load)
+        if not for_load or merged.tensor.allow_shape_mismatch:
+            merged.copy_in()  # a load may leave parts of the staging buffer untouched
+        if for_load:
+            self.merged.append(merged)
+        return _add_tensor(builder, key, merged.tensor, rank, for_load)
+
+    def finish_load(self, skipped):
+        """After a load: copies the staging buffers of merged pieces into the pieces (those
+        of keys in `skipped` were not loaded)."""
+        for merged in self.merged:
+            if merged.tensor.key not in skipped:
+                merged.copy_out()
 
 
 def _add_tensor(builder, key, value, rank, for_load):
@@ -368,7 +445,8 @@ def decode_objects(flat, builder, skipped):
     """After a load: the new value of each object leaf, by leaf index (ShardedObject leaves
     are updated in place instead). Keys in `skipped` (not loaded) are left alone."""
     new_values = {}
-    for index, (leaf, entry) in enumerate(zip(flat.leaves, flat.entries)):
+    for leaf, entry in zip(flat.leaves, flat.entries):
+        index = leaf.index
         if leaf.is_tensor or leaf.key in skipped:
             continue
         data = builder.object_data(entry)
@@ -386,7 +464,7 @@ def decode_objects(flat, builder, skipped):
                     f"{e}); load into a bytes placeholder to get the raw bytes") from e
         if isinstance(leaf.value, ShardedObject):
             leaf.value.value = value
-        else:
+        if leaf.replace_on_load or not isinstance(leaf.value, ShardedObject):
             new_values[index] = value
     return new_values
 
@@ -427,13 +505,14 @@ def _namedtuple_type(node):
     return collections.namedtuple(name, node["fields"])
 
 
-def template_from_metadata(metadata, tensor_type):
-    """A state dict with a freshly allocated tensor for every tensor of the checkpoint and a
-    placeholder for every object, in the saved container structure when the checkpoint has one
-    (saved from Python), else a flat dict by key."""
-    tensors = {t.key: t for t in metadata.tensors}
-    objects = {o.key for o in metadata.objects}
-    used = set()
+def template_from_node(node, tensors, tensor_type, used=None, allocated=None):
+    """The template of one saved structure node: a freshly allocated tensor for each tensor
+    leaf (a ShardedTensor naming its key), a placeholder ShardedObject for each object leaf, in
+    the saved containers. `tensors`: the checkpoint's TensorInfo by key; `used` collects the
+    keys named; `allocated` (key -> ShardedTensor) makes leaves naming one key (pieces of one
+    tensor, e.g. Megatron's layers) share one whole tensor."""
+    used = set() if used is None else used
+    allocated = {} if allocated is None else allocated
 
     def build(node):
         if "tensor" in node:
@@ -442,7 +521,10 @@ def template_from_metadata(metadata, tensor_type):
                 raise invalid_argument(f"the saved structure names tensor '{key}' but the "
                                        "checkpoint has no such tensor")
             used.add(key)
-            return _allocate(tensors[key], tensor_type or node.get("lib", "numpy"), key)
+            if key not in allocated:
+                allocated[key] = _allocate(tensors[key], tensor_type or node.get("lib", "numpy"),
+                                           key)
+            return allocated[key]
         if "object" in node:
             key = node["object"]
             used.add(key)
@@ -461,6 +543,34 @@ def template_from_metadata(metadata, tensor_type):
         if "namedtuple" in node:
             return _namedtuple_type(node)._make(build(v) for v in node["namedtuple"])
         raise invalid_argument(f"unknown node in the saved structure: {sorted(node)}")
+
+    return build(node)
+
+
+def saved_structure(metadata):
+    """The saved structure's root node, or None (a checkpoint not saved from Python)."""
+    text = metadata.user_metadata.get(STRUCTURE_KEY)
+    if text is None:
+        return None
+    structure = json.loads(text)
+    if structure.get("version") != STRUCTURE_VERSION:
+        raise invalid_argument(
+            f"the saved structure has version {structure.get('version')}; this tessera "
+            f"reads version {STRUCTURE_VERSION}")
+    return structure["root"]
+
+
+def template_from_metadata(metadata, tensor_type):
+    """A state dict with a freshly allocated tensor for every tensor of the checkpoint and a
+    placeholder for every object, in the saved container structure when the checkpoint has one
+    (saved from Python), else a flat dict by key."""
+    tensors = {t.key: t for t in metadata.tensors}
+    objects = {o.key for o in metadata.objects}
+    used = set()
+    allocated = {}
+
+    def build(node):
+        return template_from_node(node, tensors, tensor_type, used, allocated)
 
     text = metadata.user_metadata.get(STRUCTURE_KEY)
     root = {}

@@ -48,17 +48,27 @@ def test_missing_key(saved):
     with pytest.raises(tessera.MissingKeysError, match="has no key 'absent'") as info:
         tessera.load({"w": np.zeros((3, 4), np.float32), "step": 0, "absent": np.zeros(1)},
                      saved)
-    assert any("strict=False" in note for note in info.value.__notes__)
+    # Python words: the argument to pass, no C++ option, no rank in a one-rank run.
+    message = str(info.value)
+    assert message.endswith("has no key 'absent' (pass strict=False to load the rest)"), message
+    assert message.startswith("the checkpoint at "), message
 
 
 def test_unexpected_key(saved):
-    with pytest.raises(tessera.InvalidArgumentError, match="keys no rank asked for: 'step'"):
+    with pytest.raises(tessera.InvalidArgumentError, match="keys no rank asked for: 'step'") \
+            as info:
         tessera.load({"w": np.zeros((3, 4), np.float32)}, saved)
+    assert "(pass strict=False to load only the keys asked for)" in str(info.value)
 
 
 def test_strict_false_loads_what_both_sides_have(saved):
     w = np.zeros((3, 4), np.float32)
-    report = tessera.load({"w": w, "absent": np.full(2, 7.0)}, saved, strict=False)
+    with pytest.warns(tessera.PartialLoadWarning) as warned:
+        report = tessera.load({"w": w, "absent": np.full(2, 7.0)}, saved, strict=False)
+    assert len(warned) == 1 and str(warned[0].message) == (
+        "tessera.load(strict=False): 2 keys not loaded: 1 asked for but absent from the "
+        "checkpoint ('absent'); 1 in the checkpoint but asked for by no rank ('step')")
+    assert warned[0].filename == __file__  # points at the caller's line
     assert report.missing_keys == ["absent"] and report.unexpected_keys == ["step"]
     assert np.array_equal(w, np.arange(12, dtype=np.float32).reshape(3, 4))
     assert np.array_equal(report.state_dict["absent"], np.full(2, 7.0))
@@ -76,6 +86,57 @@ def test_dtype_and_shape_mismatch(saved):
         tessera.load({"w": np.zeros((3, 4), np.float64), "step": 0}, saved)
     with pytest.raises(tessera.InvalidArgumentError, match="'w'.*shape"):
         tessera.load({"w": np.zeros((3, 5), np.float32), "step": 0}, saved)
+
+
+def _message(fn):
+    with pytest.raises(tessera.Error) as info:
+        fn()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("comm", [None, "single_rank"])
+def test_one_rank_errors_speak_python_and_name_no_rank(saved, comm):
+    """No C++ option names, no "rank 0: ... (1 of 1 ranks failed)", with or without a comm."""
+    comm = tessera.single_rank_comm() if comm else None
+    w = np.zeros((3, 4), np.float32)
+    messages = {
+        "shape": _message(lambda: tessera.load({"w": np.zeros((3, 5), np.float32), "step": 0},
+                                               saved, comm=comm)),
+        "partial": _message(lambda: tessera.save(
+            {"w": tessera.ShardedTensor(w, (6, 4), (0, 0))}, saved + "2", comm=comm)),
+        "replica": _message(lambda: tessera.save(
+            {"w": tessera.ShardedTensor(w, replica_id=1)}, saved + "3", comm=comm)),
+        "save_threads": _message(lambda: tessera.save({"w": w}, saved + "4", comm=comm,
+                                                      num_io_threads=0)),
+        "load_threads": _message(lambda: tessera.load({"w": w, "step": 0}, saved, comm=comm,
+                                                      num_io_threads=0)),
+        "verify_threads": _message(lambda: tessera.verify(saved, 0)),
+        "missing": _message(lambda: tessera.load({"w": w, "step": 0, "x": w}, saved, comm=comm)),
+    }
+    for name, message in messages.items():
+        for cpp in ("Options::", "kSkip", "rank 0", "ranks failed"):
+            assert cpp not in message, (name, message)
+    assert "(pass allow_shape_mismatch=True to its ShardedTensor to load the common part)" in \
+        messages["shape"]
+    assert "(pass partial=True to its ShardedTensor if that is intended)" in messages["partial"]
+    assert "has replica id [1] and nothing holds its main replica" in messages["replica"]
+    assert "num_io_threads must be at least 1, got 0" in messages["save_threads"]
+    assert messages["load_threads"] == "num_io_threads must be at least 1, got 0"
+    assert messages["verify_threads"] == "num_threads must be at least 1, got 0"
+
+
+def test_several_ranks_errors_name_the_rank(saved):
+    def load(comm):
+        state = {"w": np.zeros((3, 4), np.float32), "step": 0}
+        if comm.rank == 1:
+            state["x"] = np.zeros(1)
+        tessera.load(state, saved, comm=comm)
+
+    with pytest.raises(tessera.MissingKeysError) as info:
+        tessera.run_local(2, load)
+    assert str(info.value).startswith("rank 1: the checkpoint at ")
+    assert str(info.value).endswith("has no key 'x' (pass strict=False to load the rest) "
+                                    "(1 of 2 ranks failed)")
 
 
 def test_allow_shape_mismatch_loads_the_common_part(saved):

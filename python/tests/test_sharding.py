@@ -166,7 +166,8 @@ def test_partial_load_across_ranks(ckpt):
         assert torch.equal(state["a"], torch.ones(4))
         return report.missing_keys, sorted(report.unexpected_keys)
 
-    results = tessera.run_local(2, load)
+    with pytest.warns(tessera.PartialLoadWarning, match="4 keys not loaded"):
+        results = tessera.run_local(2, load)
     assert results == [(["c"], ["b", "only0", "only1"])] * 2
     assert {k: v for k, v in tessera.load_all(ckpt).items() if k.startswith("only")} == {
         "only0": 0, "only1": 1}

@@ -18,16 +18,18 @@ Bytes Seal(const Status& status, Bytes payload) {
 }
 
 Result<std::span<const uint8_t>> Open(const Bytes& message, const std::string& sender) {
-  if (message.empty()) return Internal(sender + " sent an empty message");
+  const std::string who = sender.empty() ? "this rank" : sender;
+  if (message.empty()) return Internal(who + " sent an empty message");
   if (message[0] == 1) return std::span<const uint8_t>(message).subspan(1);
   ByteReader r(std::span<const uint8_t>(message).subspan(1));
   uint32_t code = 0;
   std::string text;
   if (!r.Get(&code).ok() || !r.GetString(&text).ok() || code == 0 ||
       code > static_cast<uint32_t>(StatusCode::kDeadlineExceeded)) {
-    return Internal(sender + " sent a malformed error message");
+    return Internal(who + " sent a malformed error message");
   }
-  return Status(static_cast<StatusCode>(code), text).WithContext(sender);
+  Status status(static_cast<StatusCode>(code), text);
+  return sender.empty() ? status : status.WithContext(sender);
 }
 
 }  // namespace tessera

@@ -12,7 +12,8 @@ namespace tessera {
 
 // OK status: [1][payload]. Error: [0][u32 code][u32 length][message].
 Bytes Seal(const Status& status, Bytes payload = {});
-// The payload, or the sealed error. `sender` (e.g. "rank 3") prefixes errors.
+// The payload, or the sealed error. `sender` (e.g. "rank 3") prefixes errors; empty: no
+// prefix (a rank's own message to itself, in a one-rank run).
 Result<std::span<const uint8_t>> Open(const Bytes& message, const std::string& sender);
 
 }  // namespace tessera

@@ -26,6 +26,12 @@ namespace {
 
 constexpr int kCoordinator = 0;
 
+// How an error from rank `r` is prefixed: "rank r", or nothing in a one-rank run (where
+// "rank 0: " would only puzzle).
+std::string SenderName(const Comm& comm, int r) {
+  return comm.size() > 1 ? "rank " + std::to_string(r) : std::string();
+}
+
 std::vector<std::string> SortedUnique(std::vector<std::string> v) {
   std::sort(v.begin(), v.end());
   v.erase(std::unique(v.begin(), v.end()), v.end());
@@ -136,7 +142,7 @@ Result<std::vector<uint32_t>> PlanWrites(Comm& comm, Storage& storage, const std
     Status status = [&]() -> Status {
       std::vector<std::span<const uint8_t>> bodies(gathered.size());
       for (size_t r = 0; r < gathered.size(); ++r) {
-        TESSERA_ASSIGN_OR_RETURN(bodies[r], Open(gathered[r], "rank " + std::to_string(r)));
+        TESSERA_ASSIGN_OR_RETURN(bodies[r], Open(gathered[r], SenderName(comm, r)));
       }
       TESSERA_ASSIGN_OR_RETURN(std::vector<LocalPlan> plans,
                                DecodeLocalPlans(bodies, options.num_io_threads));
@@ -174,7 +180,8 @@ Result<std::vector<uint32_t>> PlanWrites(Comm& comm, Storage& storage, const std
 
 // Step 4 on the coordinator: the manifest from every rank's write results, committed, then the
 // cleanup.
-Outcome CommitOnCoordinator(Storage& storage, const std::string& path, const GlobalSavePlan& global,
+Outcome CommitOnCoordinator(const Comm& comm, Storage& storage, const std::string& path,
+                            const GlobalSavePlan& global,
                             const std::vector<Bytes>& gathered, const std::string& save_id,
                             const SaveOptions& options) {
   Outcome outcome;
@@ -182,8 +189,8 @@ Outcome CommitOnCoordinator(Storage& storage, const std::string& path, const Glo
   outcome.status = [&]() -> Status {
     std::vector<WriteResult> results(gathered.size());
     for (size_t r = 0; r < gathered.size(); ++r) {
-      const std::string who = "rank " + std::to_string(r);
-      TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> result, Open(gathered[r], who));
+      TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> result,
+                               Open(gathered[r], SenderName(comm, r)));
       TESSERA_ASSIGN_OR_RETURN(results[r], DecodeWriteResult(result));
     }
     TESSERA_ASSIGN_OR_RETURN(Metadata metadata, FinishMetadata(global, results));

@@ -53,6 +53,8 @@ Status AgreeOnStatus(Comm& comm, const Status& local) {
     }
   }
   if (num_failed == 0) return Status::Ok();
+  // Alone, the rank's own error says everything: no "rank 0: ... (1 of 1 ranks failed)".
+  if (all.size() == 1) return first;
   return Status(first.code(), "rank " + std::to_string(first_failed) + ": " + first.message() +
                                   " (" + std::to_string(num_failed) + " of " +
                                   std::to_string(all.size()) + " ranks failed)");

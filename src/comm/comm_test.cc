@@ -337,8 +337,10 @@ TEST_P(CollectiveTest, AgreeOnStatusOneFailure) {
     agreed[comm.rank()] = AgreeOnStatus(comm, local);
     return Status::Ok();
   });
-  const std::string want = "rank " + std::to_string(failing) + ": no such key: w (1 of " +
-                           std::to_string(n()) + " ranks failed)";
+  const std::string want = n() == 1
+                               ? "no such key: w"
+                               : "rank " + std::to_string(failing) + ": no such key: w (1 of " +
+                                     std::to_string(n()) + " ranks failed)";
   for (int r = 0; r < n(); ++r) {
     EXPECT_EQ(agreed[r].code(), StatusCode::kNotFound) << "rank " << r;
     EXPECT_EQ(agreed[r].message(), want) << "rank " << r;

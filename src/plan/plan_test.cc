@@ -241,6 +241,15 @@ TEST(GlobalSavePlanTest, ErrorsNameKeyBoxesAndRanks) {
   r = BuildGlobalSavePlan(plans, {});
   ASSERT_FALSE(r.ok());
   EXPECT_THAT(r.status().message(), HasSubstr("none holds the main replica"));
+
+  // Alone, a rank is not named: its replica id is.
+  std::vector<LocalPlan> one(1);
+  one[0].items.push_back(TensorItem("a", Box({0}, {10}), {10}, {1, 2}));
+  r = BuildGlobalSavePlan(one, {});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message(),
+            "key 'a' box [0:10] has replica id [1, 2] and nothing holds its main replica (replica "
+            "id all zeros), the copy that is written");
 }
 
 TEST(LocalPlanTest, EncodeDecodeRoundTrip) {

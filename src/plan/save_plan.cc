@@ -350,6 +350,14 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
       return IsMainReplica(item_of(h).replica_id);
     });
     if (main == held_by.end()) {
+      if (num_ranks == 1) {  // no "rank 0" in a one-rank run: name the replica id instead
+        std::string id;
+        for (int32_t v : item_of(held_by[0]).replica_id)
+          id += (id.empty() ? "" : ", ") + std::to_string(v);
+        return InvalidArgument(describe_shard(shard) + " has replica id [" + id +
+                               "] and nothing holds its main replica (replica id all zeros), "
+                               "the copy that is written");
+      }
       return InvalidArgument(describe_shard(shard) + " is held by " + DescribeHolders(held_by) +
                              " but none holds the main replica (replica id all zeros)");
     }

@@ -1,0 +1,453 @@
+"""Megatron-Core's dist_checkpointing entry points, over tessera.
+
+Shaped like megatron.core.dist_checkpointing (serialization.py), so that switching is one line:
+
+    from megatron.core import dist_checkpointing            # before
+    from tessera import megatron as dist_checkpointing      # after
+
+    dist_checkpointing.save(model.sharded_state_dict(), checkpoint_dir)
+    state_dict = dist_checkpointing.load(model.sharded_state_dict(), checkpoint_dir)
+    model.load_state_dict(state_dict)
+    tensors = dist_checkpointing.load_plain_tensors(checkpoint_dir)
+
+Megatron is never imported: its ShardedTensor and ShardedObject are recognised by their fields
+(tessera/_adapters.py), its ShardedTensorFactory by build()/merge_fn and its
+LocalNonpersistentObject by name. The checkpoint is tessera's format (docs/FORMAT.md), not
+Megatron's torch_dist; ShardedObjects are saved under torch_dist's names
+"<key>/shard_<offsets>_<shape>" and every other leaf (Megatron's "common" state: iteration,
+args, ...) as tessera saves any leaf: rank 0's copy.
+
+Like Megatron's, the functions are collective over torch.distributed's default group (the
+whole job) when it is initialised: `comm=None` means a tessera comm over that group (a gloo
+group made once for tessera when the job's backend is another, e.g. NCCL), or one rank when
+torch.distributed is not initialised. Pass `comm=` for any other tessera.Comm.
+"""
+
+import os
+import sys
+import warnings
+
+from . import _adapters
+from . import _api
+from . import _state
+from ._errors import Error, invalid_argument, warn_partial_load
+
+__all__ = ["load", "load_plain_tensors", "save"]
+
+# Megatron's StrictHandling values -> (skip keys asked for but absent from the checkpoint,
+# skip keys of the checkpoint no rank asks for, warn, return). Megatron's names are the other
+# way round from tessera's: its "unexpected" keys are asked for but absent (tessera's
+# missing_keys), its "missing" keys are in the checkpoint but asked for by no rank (tessera's
+# unexpected_keys).
+_STRICT = {
+    "assume_ok_unexpected": (False, True, None, None),
+    "raise_unexpected": (False, True, None, None),
+    "raise_all": (False, False, None, None),
+    "log_unexpected": (True, True, "unexpected", None),
+    "log_all": (True, True, "all", None),
+    "return_unexpected": (True, True, None, "unexpected"),
+    "return_all": (True, True, None, "all"),
+    "ignore_all": (True, True, None, None),
+}
+
+CONTENT_METADATA_KEY = "content_metadata"  # Megatron's key in the common state dict
+
+_comm_cache = {}
+
+
+def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
+         validate_access_integrity=True, async_sharded_save=False,
+         preprocess_common_before_consistancy_check=None, content_metadata=None, *, comm=None,
+         **options):
+    """Saves a Megatron sharded state dict as a tessera checkpoint at `checkpoint_dir`.
+    COLLECTIVE. Megatron's steps: ShardedTensorFactory leaves are built, LocalNonpersistentObject
+    leaves left out, ShardedTensors and ShardedObjects saved by their main replicas (replica id
+    all zeros), every other leaf from rank 0; `content_metadata` goes into the common state
+    under "content_metadata".
+
+    sharded_strategy, common_strategy: Megatron strategy objects; tessera is the strategy, so
+        anything but None is ignored with a warning.
+    validate_access_integrity: tessera always checks that the main replicas cover every tensor
+        exactly once (the error names the key, the boxes and the ranks).
+    preprocess_common_before_consistancy_check: not called: the common state is rank 0's; it
+        is not compared across ranks.
+    async_sharded_save=True: returns a tessera.AsyncSaveHandle whose save already runs in the
+        background (wait() it), where Megatron returns a request for the caller to schedule.
+    comm, **options: as tessera.save (num_io_threads, sync, ...).
+
+    Returns None, or the AsyncSaveHandle.
+    """
+    _warn_strategies("save", sharded_strategy, common_strategy)
+    del validate_access_integrity, preprocess_common_before_consistancy_check  # see above
+    comm = _default_comm(comm)
+    state = _copy_for_save(sharded_state_dict)
+    if content_metadata is not None:
+        if not isinstance(state, dict):
+            raise TypeError("content_metadata needs a sharded state dict that is a dict")
+        state[CONTENT_METADATA_KEY] = content_metadata
+    path = os.fspath(checkpoint_dir)
+    if async_sharded_save:
+        return _api.async_save(state, path, comm=comm, **options)
+    _api.save(state, path, comm=comm, **options)
+    return None
+
+
+def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
+         validate_access_integrity=True, strict="assume_ok_unexpected", *, comm=None,
+         **options):
+    """Loads the checkpoint at `checkpoint_dir` into the tensors of a Megatron sharded state
+    dict (in place: each ShardedTensor's data) and returns the loaded state dict, as Megatron's
+    load does: the same nesting with each ShardedTensor replaced by its data tensor, each
+    ShardedObject by its loaded value, each ShardedTensorFactory by its merge_fn of what was
+    loaded, each LocalNonpersistentObject by its unwrapped object; plus the checkpoint's common
+    (non-sharded) entries the request lacks. `sharded_state_dict` itself keeps its leaves.
+    A ShardedTensor whose data is None gets a new tensor (Megatron's init_data). COLLECTIVE.
+
+    strict: Megatron's StrictHandling (or its value as a string; True means its default
+        "assume_ok_unexpected", False "log_unexpected"). In Megatron's words, "unexpected" keys
+        are asked for but absent from the checkpoint, "missing" keys are in the checkpoint but
+        asked for by no rank:
+        - "assume_ok_unexpected" (default), "raise_unexpected": an unexpected key is an error;
+          missing keys are ignored.
+        - "raise_all": either is an error.
+        - "log_unexpected", "log_all": they are skipped with a warning (tessera.PartialLoadWarning).
+        - "return_unexpected", "return_all": skipped; load returns (state_dict, missing_keys,
+          unexpected_keys), sets of keys ("return_unexpected" leaves missing_keys empty).
+        - "ignore_all": skipped silently.
+    sharded_strategy, common_strategy: ignored with a warning unless None.
+    validate_access_integrity: accepted for Megatron's signature; a tessera load reads any box
+        of any saved tensor, whoever else reads it.
+    comm, **options: as tessera.load.
+    """
+    _warn_strategies("load", sharded_strategy, common_strategy)
+    del validate_access_integrity
+    skip_absent, skip_unasked, log, returned = _parse_strict(strict)
+    comm = _api._comm_handle(_default_comm(comm))
+    path = os.fspath(checkpoint_dir)
+
+    def prepare():
+        request = _Request(sharded_state_dict)
+        request.match_common_entries(_api.read_metadata(path))
+        flat = _state.Flat(request.state, for_load=True)
+        builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=True)
+        opts = _api._load_options(True, options)
+        policy = _api._tessera.KeyPolicy
+        opts.missing_keys = policy.SKIP if skip_absent else policy.ERROR
+        opts.unexpected_keys = policy.SKIP if skip_unasked else policy.ERROR
+        return request, flat, builder, opts
+
+    request, flat, builder, opts = _api._prepare(comm, prepare)
+    try:
+        report = _api._load_prepared(request.state, flat, builder, path, comm, opts,
+                                     function=None)
+    except Error as e:
+        raise _megatron_wording(e, strict) from None
+    absent = {_base_key(k) for k in report.missing_keys}      # Megatron's "unexpected"
+    unasked = {_base_key(k) for k in report.unexpected_keys}  # Megatron's "missing"
+    if log is not None:
+        warn_partial_load(f"tessera.megatron.load(strict={_strict_name(strict)!r})",
+                          sorted(absent), sorted(unasked) if log == "all" else [])
+    result = request.result(report.state_dict, flat, set(report.missing_keys))
+    if returned is None:
+        return result
+    return result, (unasked if returned == "all" else set()), absent
+
+
+def load_plain_tensors(checkpoint_dir, *, comm=None, **options):
+    """Every tensor of the checkpoint at `checkpoint_dir`, whole, as torch tensors in a flat
+    dict by key; common state not included (as Megatron's load_plain_tensors). `comm=None`:
+    this process alone reads them (not collective); with a comm, every rank reads everything.
+    """
+    import torch  # noqa: PLC0415
+    from . import _dtypes  # noqa: PLC0415
+    path = os.fspath(checkpoint_dir)
+    comm = _api._comm_handle(comm)
+
+    def prepare():
+        state = {}
+        for info in _api.read_metadata(path).tensors:
+            dtype, raw = _dtypes.torch_dtype(info.dtype)
+            data = torch.empty(tuple(info.shape), dtype=dtype)
+            state[info.key] = _state.ShardedTensor(data, dtype=info.dtype if raw else None,
+                                                   key=info.key)
+        flat = _state.Flat(state, for_load=True)
+        builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=True)
+        opts = _api._load_options(True, options)
+        opts.unexpected_keys = _api._tessera.KeyPolicy.SKIP  # the objects: not asked for
+        return state, flat, builder, opts
+
+    state, flat, builder, opts = _api._prepare(comm, prepare)
+    _api._load_prepared(state, flat, builder, path, comm, opts, function=None)
+    return {key: leaf.data for key, leaf in state.items()}
+
+
+# ---- the request of a load, and its result ---------------------------------------------------
+
+_DROP = object()
+
+
+def _is_factory(value):
+    return (hasattr(value, "build_fn") and hasattr(value, "merge_fn")
+            and callable(getattr(value, "build", None)))
+
+
+def _is_nonpersistent(value):
+    return type(value).__name__ == "LocalNonpersistentObject" and callable(
+        getattr(value, "unwrap", None))
+
+
+def _copy(value, leaf_fn, path=()):
+    """A copy of the containers of `value` whose leaves are leaf_fn(path, leaf); entries for
+    which it returns _DROP are left out."""
+    kind, items = _state._items(value)
+    if kind is None:
+        return leaf_fn(path, value)
+    copied = [(k, _copy(child, leaf_fn, path + (k,))) for k, child in items]
+    copied = [(k, v) for k, v in copied if v is not _DROP]
+    if kind in ("dict", "odict"):
+        return type(value)(copied)
+    values = [v for _, v in copied]
+    if kind == "list":
+        return values
+    return type(value)._make(values) if kind == "namedtuple" else tuple(values)
+
+
+def _copy_for_save(sharded_state_dict):
+    def leaf(path, value):
+        if _is_nonpersistent(value):
+            return _DROP
+        if _is_factory(value):
+            return value.build()
+        return value
+    return _copy(sharded_state_dict, leaf)
+
+
+class _Request:
+    """What one rank asks a load for: the sharded state dict with factories built and
+    non-persistent objects set aside, plus placeholders for the checkpoint's common entries
+    it does not name."""
+
+    def __init__(self, sharded_state_dict):
+        self.factories = []      # (path, factory)
+        self.nonpersistent = []  # (path, object)
+
+        def leaf(path, value):
+            if _is_nonpersistent(value):
+                self.nonpersistent.append((path, value))
+                return _DROP
+            if _is_factory(value):
+                self.factories.append((path, value))
+                return value.build()
+            return value
+
+        self.state = _copy(sharded_state_dict, leaf)
+        self.common = []  # (path, leaf) of common entries the request lacks
+
+    def match_common_entries(self, metadata):
+        """As Megatron's load, whose common part is the checkpoint's common state whatever the
+        request holds: drops the request's common (non-sharded) leaves the checkpoint lacks,
+        and adds placeholders for the saved common leaves the request does not name (found in
+        the saved structure; each is loaded and put at its saved path, through dicts only)."""
+        import json  # noqa: PLC0415
+        saved = {t.key for t in metadata.tensors} | {o.key for o in metadata.objects}
+        self.state = _copy(self.state, lambda path, value: value if _is_sharded_leaf(value)
+                           or _leaf_key(path, value) in saved else _DROP)
+        text = metadata.user_metadata.get(_state.STRUCTURE_KEY)
+        if text is None or not isinstance(self.state, dict):
+            return
+        asked = set()
+        _state._walk(self.state, (), lambda path, value: asked.add(_leaf_key(path, value)))
+        tensors = {t.key: t for t in metadata.tensors}
+        for path, node in _common_nodes(json.loads(text)["root"], ()):
+            key = node.get("tensor", node.get("object"))
+            if key in asked or not all(isinstance(p, str) for p in path):
+                continue
+            if "tensor" in node:
+                if key not in tensors:
+                    continue
+                placeholder = _state._allocate(tensors[key], "torch", key)
+            else:
+                placeholder = _state.ShardedObject(b"" if node.get("encoding") == "bytes"
+                                                   else None, key=key)
+            self.common.append((path, placeholder))
+        if self.common:
+            self.state = dict(self.state)
+            self.state["\0common"] = [placeholder for _, placeholder in self.common]
+
+    def result(self, loaded, flat, skipped):
+        """The state dict Megatron's load returns. `loaded` is the request after the load,
+        whose object leaves were replaced by their values (which may be containers): its
+        leaves are found through the structure the request had before (flat.root)."""
+        keys = {}
+        for leaf in flat.leaves:
+            keys.setdefault(leaf.index, leaf.key)
+
+        def unwrap(index, value):
+            return _DROP if keys.get(index) in skipped else _unwrap_leaf(value)
+
+        result = _rebuild(flat.root, loaded, unwrap, [0])
+        common = result.pop("\0common", None) if isinstance(result, dict) else None
+        for path, obj in self.nonpersistent:  # in path order: list positions come back
+            _put(result, path, obj.unwrap(), insert=True)
+        for path, factory in self.factories:
+            _put(result, path, factory.merge_fn(_get(result, path)))
+        if common is not None:
+            for (path, _), value in zip(self.common, common):
+                if _get_or_none(result, path) is None:
+                    _put(result, path, value, create=True)
+        return result
+
+
+def _rebuild(node, value, leaf_fn, counter):
+    """A copy of `value` following the structure `node` (tessera._state's JSON nodes): each
+    leaf node's value becomes leaf_fn(leaf index, value); _DROP leaves it out."""
+    if "tensor" in node or "object" in node:
+        counter[0] += 1
+        return leaf_fn(counter[0] - 1, value)
+    for kind in ("dict", "odict"):
+        if kind in node:
+            items = [(k, _rebuild(child, value[k], leaf_fn, counter)) for k, child in node[kind]]
+            return type(value)((k, v) for k, v in items if v is not _DROP)
+    for kind in ("list", "tuple", "namedtuple"):
+        if kind in node:
+            items = [_rebuild(child, v, leaf_fn, counter) for child, v in zip(node[kind], value)]
+            items = [v for v in items if v is not _DROP]
+            if kind == "list":
+                return items
+            return type(value)._make(items) if kind == "namedtuple" else tuple(items)
+    raise AssertionError(f"unknown structure node {sorted(node)}")
+
+
+def _unwrap_leaf(value):
+    if isinstance(value, _state.ShardedTensor):
+        return value.data
+    if isinstance(value, _state.ShardedObject):
+        return value.value
+    if hasattr(value, "flattened_range") and hasattr(value, "prepend_axis_num"):
+        return value.data  # a Megatron ShardedTensor, loaded in place
+    return value
+
+
+def _leaf_key(path, value):
+    """The key a leaf is saved under (as _state.Flat names it)."""
+    if isinstance(value, (_state.ShardedTensor, _state.ShardedObject)) and value.key:
+        return value.key
+    if _adapters.is_framework_leaf(value) and hasattr(value, "global_offset"):
+        if hasattr(value, "flattened_range"):
+            return value.key  # a Megatron ShardedTensor
+        return _adapters.megatron_object_key(value.key, value.global_offset, value.global_shape)
+    return ".".join(str(p) for p in path)
+
+
+def _is_sharded_leaf(value):
+    return (isinstance(value, (_state.ShardedTensor, _state.ShardedObject))
+            or _adapters.is_framework_leaf(value))
+
+
+def _common_nodes(node, path):
+    """(path, node) of every leaf of a saved structure that is not sharded."""
+    for kind in ("dict", "odict"):
+        if kind in node:
+            for k, child in node[kind]:
+                yield from _common_nodes(child, path + (k,))
+            return
+    for kind in ("list", "tuple", "namedtuple"):
+        if kind in node:
+            for i, child in enumerate(node[kind]):
+                yield from _common_nodes(child, path + (i,))
+            return
+    if not node.get("sharded"):
+        yield path, node
+
+
+def _get(container, path):
+    for p in path:
+        container = container[p]
+    return container
+
+
+def _get_or_none(container, path):
+    try:
+        return _get(container, path)
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def _put(container, path, value, create=False, insert=False):
+    for p in path[:-1]:
+        if create and isinstance(container, dict) and p not in container:
+            container[p] = {}
+        container = container[p]
+    if isinstance(container, tuple):
+        raise invalid_argument(f"cannot put a value at {'.'.join(map(str, path))}: a tuple "
+                               "holds it")
+    if insert and isinstance(container, list):
+        container.insert(path[-1], value)
+    else:
+        container[path[-1]] = value
+
+
+def _base_key(key):
+    """A ShardedObject's Megatron key from its saved name ("<key>/shard_<offsets>_<shape>")."""
+    base, sep, shard = key.rpartition("/shard_")
+    return base if sep and shard.count("_") == 1 else key
+
+
+# ---- options ---------------------------------------------------------------------------------
+
+def _strict_name(strict):
+    if isinstance(strict, bool):
+        return "assume_ok_unexpected" if strict else "log_unexpected"
+    return getattr(strict, "value", strict)  # a StrictHandling member
+
+
+def _parse_strict(strict):
+    name = _strict_name(strict)
+    if name not in _STRICT:
+        raise ValueError(f"strict must be one of {sorted(_STRICT)} (or a StrictHandling), not "
+                         f"{strict!r}")
+    return _STRICT[name]
+
+
+def _megatron_wording(error, strict):
+    """A load error with tessera.load's advice ("pass strict=False") in Megatron's terms."""
+    message = str(error)
+    message = message.replace(
+        "(pass strict=False to load the rest)",
+        "(pass strict='log_unexpected' or 'return_unexpected' to load the rest)")
+    message = message.replace(
+        "(pass strict=False to load only the keys asked for)",
+        f"(strict={_strict_name(strict)!r}; the default 'assume_ok_unexpected' loads only the "
+        "keys asked for)")
+    error.args = (message,)
+    return error
+
+
+def _warn_strategies(function, sharded_strategy, common_strategy):
+    for name, value in (("sharded_strategy", sharded_strategy),
+                        ("common_strategy", common_strategy)):
+        if value is not None:
+            warnings.warn(f"tessera.megatron.{function}: {name}={type(value).__name__} is "
+                          "ignored: tessera saves and loads its own format", stacklevel=3)
+
+
+def _default_comm(comm):
+    """`comm`, else a tessera comm over torch.distributed's default group when it is
+    initialised with several ranks (over a gloo group made once when the job's backend is
+    another), else None (one rank)."""
+    if comm is not None:
+        return comm
+    dist = sys.modules.get("torch.distributed")
+    if (dist is None or not dist.is_available() or not dist.is_initialized()
+            or dist.get_world_size() == 1):
+        return None
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+    from ._torch_comm import torch_dist_comm  # noqa: PLC0415
+    default = c10d._get_default_group()
+    cached = _comm_cache.get("default")
+    if cached is not None and cached[0] is default:
+        return cached[1]
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    tessera_comm = torch_dist_comm(group)
+    _comm_cache["default"] = (default, tessera_comm)
+    return tessera_comm

@@ -1,0 +1,423 @@
+"""Resume a torch training run in one call.
+
+    tessera.torch.save_state(path, model=model, optimizer=optimizer, comm=comm,
+                             step=step, scheduler=scheduler.state_dict(),
+                             rng=tessera.torch.per_rank(torch.get_rng_state()))
+    extra = tessera.torch.load_state(path, model=model, optimizer=optimizer, comm=comm)
+    scheduler.load_state_dict(extra["scheduler"]); torch.set_rng_state(extra["rng"])
+
+load_state takes a fresh model and a fresh optimizer (no state yet): the optimizer's state is
+built from the checkpoint's metadata, loaded, and handed to optimizer.load_state_dict. The
+training then continues exactly as if it had not stopped.
+
+What is saved (one tessera checkpoint; `tessera inspect` shows it):
+
+- model: model.state_dict() under "model" (a dict or list of models: under "model.<name>").
+  Its leaves may be sharded (torch ShardedTensor, DTensor, tessera.ShardedTensor): then each
+  rank saves and loads its piece, in any layout.
+- optimizer: its state keyed by parameter name (the model's named_parameters(); without a
+  model, by the optimizer's parameter index): "optimizer.state.<name>.<state>", and its
+  param_groups (hyperparameters) as one object. A state tensor shaped like its parameter is
+  sharded like the parameter's state-dict entry (Adam's moments of a tensor-parallel weight
+  are saved as pieces of one global tensor, and reshard with it); a scalar (Adam's step) is
+  taken from rank 0. Several optimizers: a dict or list, under "optimizer.<name>".
+- extra: each keyword value (anything picklable, tensors, nested containers) under
+  "extra.<name>", rank 0's copy; per_rank(value) saves every rank's own copy (e.g. its RNG
+  state), and each rank gets its own back.
+"""
+
+import json
+import os
+
+from . import _adapters
+from . import _api
+from . import _dtypes
+from . import _state
+from ._errors import invalid_argument
+
+__all__ = ["load_state", "per_rank", "save_state"]
+
+# The user-metadata entry describing a save_state checkpoint: which parts it has.
+RESUME_KEY = "tessera.torch.state"
+_VERSION = 1
+
+
+class per_rank:  # noqa: N801 (used like a function)
+    """An extra value of save_state saved from every rank under its own key; load_state gives
+    each rank the value that rank saved (with strict=True, a rank the save did not have is an
+    error; with strict=False its value is left out)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def save_state(path, *, model=None, optimizer=None, comm=None, save_options=None, **extra):
+    """Saves a training run's state at `path`: the model's state dict, the optimizer's state
+    and hyperparameters, and every other keyword argument (step, scheduler state, RNG state,
+    anything picklable). COLLECTIVE over `comm`, like tessera.save. `save_options`: a dict of
+    tessera.save options (num_io_threads, sync, user_metadata, ...). Returns the SaveReport."""
+    comm = _api._comm_handle(comm)
+    rank = comm.rank if comm is not None else 0
+    size = comm.size if comm is not None else 1
+
+    def prepare():
+        models = _Parts(model, "model")
+        optimizers = _Parts(optimizer, "optimizer")
+        state, names, sharding = {}, _param_names(models), {}
+        if models.kind is not None:
+            model_states = {name: m.state_dict() for name, m in models.items}
+            state["model"] = models.pack(model_states)
+            sharding = _sharding(models, model_states)
+        if optimizers.kind is not None:
+            state["optimizer"] = optimizers.pack({
+                name: _optimizer_state(o, name, names, sharding)
+                for name, o in optimizers.items})
+        per_rank_names = sorted(k for k, v in extra.items() if isinstance(v, per_rank))
+        if extra:
+            state["extra"] = {k: _state.ShardedObject(v.value, key=f"extra.{k}/rank_{rank}")
+                              if isinstance(v, per_rank) else v for k, v in extra.items()}
+        description = {"version": _VERSION, "model": models.describe(),
+                       "optimizer": optimizers.describe(), "extra": sorted(extra),
+                       "per_rank": per_rank_names, "num_ranks": size}
+        return state, description
+
+    state, description = _api._prepare(comm, prepare)
+    options = dict(save_options or {})
+    options["user_metadata"] = dict(options.get("user_metadata") or {})
+    options["user_metadata"][RESUME_KEY] = json.dumps(description)
+    return _api.save(state, os.fspath(path), comm=comm, **options)
+
+
+def load_state(path, *, model=None, optimizer=None, comm=None, strict=True, load_options=None):
+    """Loads a checkpoint of save_state into `model` (in place) and `optimizer` (fresh or not:
+    its state is built from the checkpoint, then optimizer.load_state_dict), under any layout
+    of the model's sharded state. Returns the extra values as a dict. COLLECTIVE over `comm`.
+
+    strict=True: everything saved must be loaded and everything asked for must be in the
+    checkpoint (pass the model and the optimizer that were saved). strict=False: the parts
+    present on both sides are loaded; a tessera.PartialLoadWarning says what was left out.
+    `load_options`: a dict of tessera.load options (num_io_threads, read_sharing, ...).
+    """
+    comm = _api._comm_handle(comm)
+    path = os.fspath(path)
+    rank = comm.rank if comm is not None else 0
+    size = comm.size if comm is not None else 1
+
+    def prepare():
+        metadata = _api.read_metadata(path)
+        plan = _LoadPlan(metadata, path, model, optimizer, rank, size, strict)
+        flat = _state.Flat(plan.template, for_load=True)
+        builder = flat.build(rank=rank, for_load=True)
+        return plan, flat, builder, _api._load_options(strict, dict(load_options or {}))
+
+    plan, flat, builder, opts = _api._prepare(comm, prepare)
+    report = _api._load_prepared(plan.template, flat, builder, path, comm, opts,
+                                 function="tessera.torch.load_state")
+    return plan.finish(report)
+
+
+# ---- models and optimizers -------------------------------------------------------------------
+
+class _Parts:
+    """A model or optimizer argument: None, one object, or a dict or list of them."""
+
+    def __init__(self, value, what):
+        self.what = what
+        if value is None:
+            self.kind, self.items = None, []
+        elif isinstance(value, dict):
+            if not all(isinstance(k, str) for k in value):
+                raise TypeError(f"{what}: a dict of them needs str keys")
+            self.kind, self.items = "dict", list(value.items())
+        elif isinstance(value, (list, tuple)):
+            self.kind, self.items = "list", [(str(i), v) for i, v in enumerate(value)]
+        else:
+            self.kind, self.items = "single", [("", value)]
+
+    def describe(self):
+        return None if self.kind is None else {"kind": self.kind,
+                                               "names": [n for n, _ in self.items]}
+
+    def pack(self, by_name):
+        """The state dict entry: the one state, or a dict of them by name."""
+        if self.kind == "single":
+            return by_name[""]
+        return {name: by_name[name] for name, _ in self.items}
+
+    def check_against(self, saved):
+        """Errors when the saved description of this part differs from the argument."""
+        if saved is None or self.kind is None:
+            return
+        names = [n for n, _ in self.items]
+        if saved["kind"] != self.kind or saved["names"] != names:
+            raise invalid_argument(
+                f"the checkpoint holds {self.what} {_describe(saved)}, not {_describe(self.describe())}")
+
+
+def _describe(description):
+    if description["kind"] == "single":
+        return "one"
+    return f"a {description['kind']} of {description['names']}"
+
+
+def _param_names(models):
+    """{id(parameter): name}: the model's named_parameters(), prefixed "<name>." for a dict or
+    list of models."""
+    names = {}
+    for prefix, m in models.items:
+        for fqn, p in m.named_parameters():
+            names.setdefault(id(p), f"{prefix}.{fqn}" if prefix else fqn)
+    return names
+
+
+def _sharding(models, model_states):
+    """{parameter name: the tessera ShardedTensor its state-dict entry is} for the entries
+    that are sharded (one piece per rank); a parameter's optimizer state is sharded like it."""
+    sharding = {}
+    for prefix, _ in models.items:
+        for key, leaf in model_states[prefix].items():
+            name = f"{prefix}.{key}" if prefix else key
+            if isinstance(leaf, _state.ShardedTensor):
+                sharding[name] = leaf
+            elif _adapters.is_framework_leaf(leaf):
+                adapted = _adapters.adapt(leaf, name, for_load=False)
+                if isinstance(adapted.value, _state.ShardedTensor):
+                    sharding[name] = adapted.value
+    return sharding
+
+
+def _flat_params(optimizer):
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _names_of(optimizer, opt_name, names):
+    """The name of each of the optimizer's parameters, in its state-dict index order."""
+    out = []
+    for i, p in enumerate(_flat_params(optimizer)):
+        if names:
+            if id(p) not in names:
+                raise invalid_argument(
+                    f"optimizer{'.' + opt_name if opt_name else ''}: parameter {i} (shape "
+                    f"{list(p.shape)}) is not a parameter of the model")
+            out.append(names[id(p)])
+        else:
+            out.append(str(i))
+    if len(set(out)) != len(out):
+        raise invalid_argument(f"optimizer{'.' + opt_name if opt_name else ''}: a parameter "
+                               "appears twice")
+    return out
+
+
+def _optimizer_state(optimizer, opt_name, names, sharding):
+    state_dict = optimizer.state_dict()
+    params = _flat_params(optimizer)
+    param_names = _names_of(optimizer, opt_name, names)
+    state = {}
+    for index, values in state_dict["state"].items():
+        name = param_names[index]
+        state[name] = {k: _state_value(v, params[index], sharding.get(name), name, k)
+                       for k, v in values.items()}
+    groups = [dict(g, params=[param_names[i] for i in g["params"]])
+              for g in state_dict["param_groups"]]
+    # One object, the same on every rank (main replica everywhere: rank 0 writes it).
+    return {"state": state, "param_groups": _state.ShardedObject(groups)}
+
+
+def _state_value(value, param, shard, name, key):
+    """An optimizer state value as saved: shaped like a sharded parameter -> sharded like it;
+    anything else as it is (rank 0's copy)."""
+    if shard is None or not _dtypes.is_torch_tensor(value) or _adapters.is_framework_leaf(value):
+        return value
+    if list(value.shape) == list(param.shape) and value.numel() == shard.data.numel():
+        return _like(shard, value)
+    if value.numel() <= 1:
+        return value  # a scalar such as Adam's step: the same on every rank
+    raise invalid_argument(
+        f"optimizer state '{key}' of parameter '{name}' has shape {list(value.shape)} but the "
+        f"parameter {list(param.shape)}: tessera cannot tell how it is sharded")
+
+
+def _like(shard, tensor, key=None):
+    """`tensor` (shaped like the parameter) as a piece sharded like `shard`: a view of it."""
+    return _state.ShardedTensor(tensor.view(shard.data.shape), shard.global_shape,
+                                shard.global_offset, replica_id=shard.replica_id,
+                                flat_range=shard.flat_range, local_shape=shard.local_shape,
+                                key=key)
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+class _LoadPlan:
+    """The template a load_state asks for, and how to hand the loaded state to the model and
+    the optimizer."""
+
+    def __init__(self, metadata, path, model, optimizer, rank, size, strict):
+        text = metadata.user_metadata.get(RESUME_KEY)
+        if text is None:
+            raise invalid_argument(f"the checkpoint at {path} was not saved by "
+                                   "tessera.torch.save_state (use tessera.load)")
+        self.description = description = json.loads(text)
+        if description.get("version") != _VERSION:
+            raise invalid_argument(f"the checkpoint at {path} holds a tessera.torch state of "
+                                   f"version {description.get('version')}; this tessera reads "
+                                   f"version {_VERSION}")
+        root = dict(_state.saved_structure(metadata)["dict"])
+        self.tensors = {t.key: t for t in metadata.tensors}
+        self.rank, self.size, self.strict = rank, size, strict
+        self.models = _Parts(model, "model")
+        self.optimizers = _Parts(optimizer, "optimizer")
+        for part, saved in ((self.models, description["model"]),
+                            (self.optimizers, description["optimizer"])):
+            if strict and (part.kind is None) != (saved is None):
+                raise invalid_argument(
+                    f"the checkpoint at {path} {'holds' if saved else 'has no'} {part.what} "
+                    f"state; pass {part.what}={'...' if saved else 'None'} (or strict=False)")
+            part.check_against(saved)
+        self.template = {}
+        self.state_keys = {}     # (id(optimizer), parameter name) -> the keys of its state
+        self.param_shaped = {}   # id(template piece) -> the parameter-shaped tensor it views
+        self.extra_keys = {}     # extra name -> the keys of its value
+        names, sharding = _param_names(self.models), {}
+        if self.models.kind is not None:
+            self.model_states = {name: m.state_dict() for name, m in self.models.items}
+            self.template["model"] = self.models.pack(self.model_states)
+            sharding = _sharding(self.models, self.model_states)
+        if self.optimizers.kind is not None and description["optimizer"] is not None:
+            saved_node = root["optimizer"]
+            by_name = {}
+            self.param_names = {}
+            for name, o in self.optimizers.items:
+                node = saved_node if self.optimizers.kind == "single" \
+                    else dict(saved_node["dict"])[name]
+                self.param_names[name] = _names_of(o, name, names)
+                by_name[name] = self._optimizer_template(o, self.param_names[name], node,
+                                                         sharding)
+            self.template["optimizer"] = self.optimizers.pack(by_name)
+        if "extra" in root:
+            self.template["extra"] = self._extra_template(dict(root["extra"]["dict"]))
+
+    def _optimizer_template(self, optimizer, param_names, node, sharding):
+        params = dict(zip(param_names, _flat_params(optimizer)))
+        state = {}
+        for name, values in _state_items(node):
+            param = params.get(name)
+            if param is None:
+                if self.strict:
+                    raise invalid_argument(f"the checkpoint holds optimizer state of parameter "
+                                           f"'{name}', which this optimizer lacks")
+                continue
+            state[name] = {k: self._state_template(leaf, param, sharding.get(name))
+                           for k, leaf in values["dict"]}
+            self.state_keys[id(optimizer), name] = _node_keys(values)
+        return {"state": state,
+                "param_groups": _state.ShardedObject(None, key=dict(node["dict"])[
+                    "param_groups"]["object"])}
+
+    def _state_template(self, node, param, shard):
+        if "tensor" not in node:
+            return _state.template_from_node(node, self.tensors, "torch")
+        info = self.tensors[node["tensor"]]
+        import torch  # noqa: PLC0415
+        dtype, raw = _dtypes.torch_dtype(info.dtype)
+        if node.get("sharded") and shard is not None and list(info.shape) == list(
+                shard.global_shape) and param.numel() == shard.data.numel():
+            tensor = torch.empty(param.shape, dtype=dtype)
+            piece = _like(shard, tensor, key=node["tensor"])
+            piece.dtype = info.dtype if raw else None
+            self.param_shaped[id(piece)] = tensor
+            return piece
+        if node.get("sharded") and _adapters.is_framework_leaf(param):  # e.g. a DTensor
+            return torch.empty_like(param, dtype=dtype)
+        return _state.template_from_node(node, self.tensors, "torch")
+
+    def _extra_template(self, nodes):
+        per_rank_names = set(self.description["per_rank"])
+        saved_ranks = self.description["num_ranks"]
+        extra = {}
+        for name, node in nodes.items():
+            if name not in per_rank_names:
+                extra[name] = _state.template_from_node(node, self.tensors, None)
+                self.extra_keys[name] = _node_keys(node)
+                continue
+            key = f"extra.{name}/rank_{self.rank}"
+            if self.rank >= saved_ranks and self.strict:
+                raise invalid_argument(
+                    f"extra '{name}' was saved per rank by {saved_ranks} ranks: rank "
+                    f"{self.rank} has no value (pass strict=False to leave it out)")
+            extra[name] = _state.ShardedObject(None, key=key)
+            self.extra_keys[name] = {key}
+            if self.rank == 0:  # the values of ranks this run does not have: read, dropped
+                extra[f"\0{name}"] = [_state.ShardedObject(None, key=f"extra.{name}/rank_{r}")
+                                      for r in range(self.size, saved_ranks)]
+        return extra
+
+    def finish(self, report):
+        """Hands the loaded state to the model and the optimizer; returns the extra values."""
+        loaded = report.state_dict
+        skipped = set(report.missing_keys)
+        if self.models.kind is not None:
+            for name, m in self.models.items:
+                state = self.model_states[name]
+                if not any(_is_sharded(v) for v in state.values()):
+                    m.load_state_dict(state)  # a no-op copy for views; runs set_extra_state
+        if "optimizer" in self.template:
+            packed = loaded["optimizer"]
+            for name, o in self.optimizers.items:
+                part = packed if self.optimizers.kind == "single" else packed[name]
+                self._load_optimizer(o, self.param_names[name], part, skipped)
+        extra = _state.unwrap(loaded.get("extra", {}))
+        return {k: v for k, v in extra.items()
+                if not k.startswith("\0") and not self.extra_keys[k] & skipped}
+
+    def _load_optimizer(self, optimizer, param_names, part, skipped):
+        groups = part["param_groups"].value
+        if groups is None:  # not loaded (strict=False, absent)
+            return
+        current = optimizer.state_dict()["param_groups"]
+        if len(groups) != len(current):
+            raise invalid_argument(f"the checkpoint's optimizer has {len(groups)} parameter "
+                                   f"groups, this one {len(current)}")
+        new_groups = []
+        for i, (saved, now) in enumerate(zip(groups, current)):
+            mine = [param_names[j] for j in now["params"]]
+            if sorted(saved["params"]) != sorted(mine):
+                raise invalid_argument(
+                    f"parameter group {i}: the checkpoint's has parameters "
+                    f"{sorted(saved['params'])}, this optimizer's {sorted(mine)}")
+            new_groups.append(dict(saved, params=now["params"]))
+        index = {n: i for i, n in enumerate(param_names)}
+        state = {}
+        for name, values in part["state"].items():
+            if self.state_keys[id(optimizer), name] & skipped:
+                continue  # not (wholly) in the checkpoint: the optimizer starts it afresh
+            state[index[name]] = {k: self.param_shaped.get(id(v)) if id(v) in self.param_shaped
+                                  else _state.unwrap(v) for k, v in values.items()}
+        optimizer.load_state_dict({"state": state, "param_groups": new_groups})
+
+
+def _state_items(node):
+    """(parameter name, its state's node) of an optimizer's saved "state" dict."""
+    return [(k, v) for k, v in dict(node["dict"])["state"]["dict"]]
+
+
+def _is_sharded(value):
+    return isinstance(value, (_state.ShardedTensor, _state.ShardedObject)) or \
+        _adapters.is_framework_leaf(value)
+
+
+def _node_keys(node):
+    """The keys of the leaves below a saved structure node."""
+    if "tensor" in node:
+        return {node["tensor"]}
+    if "object" in node:
+        return {node["object"]}
+    keys = set()
+    for kind in ("dict", "odict"):
+        for _, child in node.get(kind, ()):
+            keys |= _node_keys(child)
+    for kind in ("list", "tuple", "namedtuple"):
+        for child in node.get(kind, ()):
+            keys |= _node_keys(child)
+    return keys
