@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include <unistd.h>
+
 #include "tessera/checkpoint.h"
 #include "tools/commands.h"
 
@@ -40,7 +42,22 @@ Result<uint64_t> ParseSize(const std::string& text) {
   if (end == text.c_str() || scale == 0 || !(value >= 0)) {
     return InvalidArgument("bad size '" + text + "': expected e.g. 256MiB, 1GiB, 1000000");
   }
-  return static_cast<uint64_t>(std::llround(value * scale));
+  const double bytes = std::round(value * scale);
+  // 2^64: the first double a uint64 cannot hold (also rejects inf).
+  if (!(bytes < 18446744073709551616.0)) {
+    return InvalidArgument("size '" + text + "' is too large (at most 2^64-1 bytes)");
+  }
+  return static_cast<uint64_t>(bytes);
+}
+
+Status CheckFitsInMemory(uint64_t bytes, const std::string& what) {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page_size = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_size <= 0) return Status::Ok();  // unknown: let the allocation decide
+  const uint64_t memory = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size);
+  if (bytes <= memory) return Status::Ok();
+  return InvalidArgument(what + " needs " + FormatBytes(bytes) + " of memory; this machine has " +
+                         FormatBytes(memory));
 }
 
 Result<std::string> MakeBenchDir(const std::string& requested) {
