@@ -7,10 +7,12 @@
 //
 // Every message carries its sender's status (envelope.h), so a rank that fails at any step
 // still takes part in the remaining collectives and every rank returns the same error.
+#include <sys/random.h>
 #include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
-#include <chrono>
+#include <cerrno>
 #include <cstring>
 #include <random>
 #include <set>
@@ -41,16 +43,36 @@ constexpr size_t kWritePiece = 256u << 10;
 // threads, 0.44 s against 0.55 s for 64 MiB pwrites and one fdatasync per file).
 constexpr uint64_t kWritebackStep = 8u << 20;
 
+// 64 bits from the kernel's random source (getrandom(2)), so that nobody can predict the
+// names a save will create from what the directory shows (issue 11: a predictable name lets a
+// planted symbolic link wait for the write; creation is exclusive as well, see CreateMode).
+uint64_t DrawSaveId() {
+  uint64_t x = 0;
+  size_t got = 0;
+  while (got < sizeof(x)) {
+    const ssize_t n = ::getrandom(reinterpret_cast<char*>(&x) + got, sizeof(x) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  if (got < sizeof(x)) {  // no getrandom (ENOSYS): the C++ library's nondeterministic source
+    std::random_device device;
+    x = (static_cast<uint64_t>(device()) << 32) ^ device();
+  }
+  return x;
+}
+
+std::string FormatSaveId(uint64_t id) {
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(id));
+  return text;
+}
+
+// A fresh random save id that no file in the directory uses yet.
 std::string NewSaveId(const std::vector<std::string>& existing_names) {
-  std::random_device device;
-  std::mt19937_64 rng(
-      (static_cast<uint64_t>(device()) << 32) ^ device() ^
-      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
-      (static_cast<uint64_t>(getpid()) << 16));
   while (true) {
-    char id[17];
-    std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(rng()));
-    std::string prefix = "tsr-" + std::string(id);
+    std::string id = FormatSaveId(DrawSaveId());
+    std::string prefix = "tsr-" + id;
     bool used = std::any_of(existing_names.begin(), existing_names.end(),
                             [&](const std::string& n) { return n.rfind(prefix, 0) == 0; });
     if (!used) return id;
@@ -63,21 +85,8 @@ struct SavePlanCache {
   bool valid = false;
   uint64_t key = 0;             // hash of this rank's encoded local plan and the options
   std::vector<uint32_t> items;  // this rank's write list
-  std::string save_id;          // of that save; the next is derived from it
   std::shared_ptr<const GlobalSavePlan> global;  // coordinator only
 };
-
-// The save id after `previous`, computed alike on every rank without communication: a
-// bijective mix of the previous id, so a job never repeats one.
-std::string NextSaveId(const std::string& previous) {
-  uint64_t x = std::strtoull(previous.c_str(), nullptr, 16) + 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  char id[17];
-  std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(x));
-  return id;
-}
 
 // What rank 0 sends each rank after planning.
 struct Assignment {
@@ -193,12 +202,15 @@ std::vector<FilePlan> PlanFiles(const LocalPlan& plan, const std::vector<uint32_
 }
 
 // Writes one data file: header, then every item, checksumming each piece just after writing
-// it, while it is in cache.
+// it, while it is in cache. The file is created exclusively (a name that exists is an error,
+// never a target); `created` says whether this call created it.
 Status WriteDataFile(Storage& storage, const std::string& dir, const StateDict& state,
                      const LocalPlan& plan, uint32_t file_index, const FilePlan& file,
-                     SyncPolicy sync, WriteResult& result) {
+                     SyncPolicy sync, WriteResult& result, uint8_t& created) {
   const std::string path = JoinPath(dir, file.name);
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, storage.NewWritableFile(path));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
+                           storage.NewWritableFile(path, CreateMode::kExclusive));
+  created = 1;
   TESSERA_RETURN_IF_ERROR(out->WriteAt(0, file.header.data(), file.header.size()));
   const uint64_t data_start = file.header.size();
   // With kFull, bytes up to here have been handed to StartWriteback.
@@ -241,22 +253,27 @@ Result<WriteResult> WriteLocalFiles(Storage& storage, const std::string& dir,
   }
   std::vector<WriteResult> partial(files.size());
   std::vector<Status> statuses(files.size());
+  std::vector<uint8_t> created(files.size(), 0);  // bytes, not vector<bool>: one per thread
   std::vector<std::thread> threads;
   for (size_t f = 0; f + 1 < files.size(); ++f) {
     threads.emplace_back([&, f] {
       statuses[f] = WriteDataFile(storage, dir, state, plan, static_cast<uint32_t>(f), files[f],
-                                  options.sync, partial[f]);
+                                  options.sync, partial[f], created[f]);
     });
   }
   if (!files.empty()) {  // the calling thread writes the last file
     size_t f = files.size() - 1;
     statuses[f] = WriteDataFile(storage, dir, state, plan, static_cast<uint32_t>(f), files[f],
-                                options.sync, partial[f]);
+                                options.sync, partial[f], created[f]);
   }
   for (std::thread& t : threads) t.join();
   for (size_t f = 0; f < files.size(); ++f) {
-    if (!statuses[f].ok()) {  // leave nothing behind: no manifest will refer to these files
-      for (const FilePlan& file : files) storage.Remove(JoinPath(dir, file.name)).IgnoreError();
+    if (!statuses[f].ok()) {
+      // Leave nothing behind (no manifest will refer to these files), but only what this save
+      // created: a name that was already taken belongs to someone else.
+      for (size_t g = 0; g < files.size(); ++g) {
+        if (created[g]) storage.Remove(JoinPath(dir, files[g].name)).IgnoreError();
+      }
       return statuses[f].WithContext("writing " + JoinPath(dir, files[f].name));
     }
   }
@@ -312,7 +329,8 @@ Status CommitManifest(Storage& storage, const std::string& dir, const Metadata& 
   if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(dir));
   Bytes bytes = EncodeManifest(metadata);
   const std::string temp = JoinPath(dir, TempManifestName(metadata.save_id));
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, storage.NewWritableFile(temp));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
+                           storage.NewWritableFile(temp, CreateMode::kExclusive));
   TESSERA_RETURN_IF_ERROR(out->WriteAt(0, bytes.data(), bytes.size()));
   if (durable) TESSERA_RETURN_IF_ERROR(out->Sync());
   TESSERA_RETURN_IF_ERROR(out->Close());
@@ -363,16 +381,20 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
                             static_cast<uint64_t>(comm.size());
   std::shared_ptr<SavePlanCache> cache = comm.GetOrCreateAttachment<SavePlanCache>(
       "tessera.save_plan_cache", [] { return new SavePlanCache(); });
-  std::vector<int64_t> all_hit = {
-      options.plan_cache && local.ok() && cache->valid && cache->key == plan_key ? 1 : 0};
-  TESSERA_RETURN_IF_ERROR(comm.AllReduce(all_hit, ReduceOp::kMin));
-  const bool cache_hit = all_hit[0] == 1;
+  // One all-reduce, a sum: the number of ranks that miss the cache, and the coordinator's
+  // freshly drawn save id (every other rank adds 0), so that a cached save's id is as random
+  // as any other's.
+  const bool hit_here = options.plan_cache && local.ok() && cache->valid && cache->key == plan_key;
+  std::vector<int64_t> vote = {hit_here ? 0 : 1,
+                               coordinator ? static_cast<int64_t>(DrawSaveId()) : 0};
+  TESSERA_RETURN_IF_ERROR(comm.AllReduce(vote, ReduceOp::kSum));
+  const bool cache_hit = vote[0] == 0;
 
   std::shared_ptr<const GlobalSavePlan> global;
   Assignment assignment;
   if (cache_hit) {
     global = cache->global;  // null except on the coordinator
-    assignment = {NextSaveId(cache->save_id), cache->items};
+    assignment = {FormatSaveId(static_cast<uint64_t>(vote[1])), cache->items};
     TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
   } else {
     // 2. Gather the local plans; the coordinator plans; each rank receives its assignment.
@@ -458,7 +480,6 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   if (cache->valid) {
     cache->key = plan_key;
     cache->items = assignment.items;
-    cache->save_id = assignment.save_id;
     cache->global = coordinator ? global : nullptr;
   }
   report.plan_cache_hit = cache_hit;

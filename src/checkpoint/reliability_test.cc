@@ -1,0 +1,163 @@
+// Issue 11 (reliability), items 5-10: what a careful adversarial user found, each with the
+// test that failed before its fix. docs/RELIABILITY.md lists these tests by promise.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "format/manifest.h"
+#include "tessera/checkpoint.h"
+#include "tessera/local_comm.h"
+#include "tessera/memory_storage.h"
+#include "testing/test_util.h"
+
+namespace tessera {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void WriteAll(const std::string& path, const std::string& contents) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << contents;
+}
+
+// A small state: one tensor of `value`s and one object.
+struct SmallState {
+  explicit SmallState(float value) : values(256, value) {
+    EXPECT_OK(dict.Add(ShardedTensor::Whole(
+        "w", TensorView(values.data(), DType::kF32, {static_cast<int64_t>(values.size())}))));
+    EXPECT_OK(dict.Add(ShardedObject{"step", {1, 2, 3}, {}}));
+  }
+  std::vector<float> values;
+  StateDict dict;
+};
+
+// The value the tensor "w" of the checkpoint at `path` holds (all elements equal), or NaN.
+float LoadedValue(const std::string& path) {
+  std::vector<float> values(256, -1);
+  StateDict dict;
+  EXPECT_OK(dict.Add(ShardedTensor::Whole(
+      "w", TensorView(values.data(), DType::kF32, {static_cast<int64_t>(values.size())}))));
+  EXPECT_OK(dict.Add(ShardedObject{"step", {}, {}}));
+  Result<LoadReport> loaded = Load(dict, path);
+  EXPECT_OK(loaded);
+  return loaded.ok() ? values[0] : std::nanf("");
+}
+
+// ---- item 5: a planted symbolic link never redirects a write --------------------------------
+
+// Before: with the plan cache, the next save id was a fixed function of the previous one (this
+// one), so an attacker who could read the directory knew the next save's file names.
+std::string OldNextSaveId(const std::string& previous) {
+  uint64_t x = std::strtoull(previous.c_str(), nullptr, 16) + 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  char id[17];
+  std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(x));
+  return id;
+}
+
+TEST(PlantedSymlinkTest, CachedSaveIdsCannotBePredictedFromTheDirectory) {
+  TempDir dir;
+  const std::string path = dir.Sub("ck");
+  const std::string victim = dir.Sub("victim");
+  WriteAll(victim, "not yours");
+  std::unique_ptr<Comm> comm = NewSingleRankComm();
+  SmallState first(1), second(2);
+  ASSERT_OK_AND_ASSIGN(SaveReport saved, Save(first.dict, path, *comm));
+  // Links at every name the old derivation would have used next.
+  const std::string guess = OldNextSaveId(saved.save_id);
+  for (const std::string& name :
+       {DataFileName(guess, 0, 0), DataFileName(guess, 0, 1), TempManifestName(guess)}) {
+    ASSERT_EQ(::symlink(victim.c_str(), (path + "/" + name).c_str()), 0) << std::strerror(errno);
+  }
+  ASSERT_OK_AND_ASSIGN(SaveReport again, Save(second.dict, path, *comm));
+  EXPECT_TRUE(again.plan_cache_hit);
+  EXPECT_NE(again.save_id, guess);
+  EXPECT_EQ(ReadAll(victim), "not yours");
+  EXPECT_EQ(LoadedValue(path), 2);
+}
+
+// Plants a symbolic link to `target` under the name of the first file a save creates whose
+// name satisfies `pick`, just before the save creates it (the worst case: the attacker knew
+// the name).
+class PlantingStorage : public Storage {
+ public:
+  PlantingStorage(std::string target, std::function<bool(const std::string&)> pick)
+      : base_(NewPosixStorage()), target_(std::move(target)), pick_(std::move(pick)) {}
+  using Storage::NewWritableFile;
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
+                                                        CreateMode mode) override {
+    const std::string name = std::filesystem::path(path).filename();
+    if (!planted_.empty() || !pick_(name)) return base_->NewWritableFile(path, mode);
+    planted_ = path;
+    if (::symlink(target_.c_str(), path.c_str()) != 0) return IOErrorFromErrno("symlink", errno);
+    return base_->NewWritableFile(path, mode);
+  }
+  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
+    return base_->NewReadableFile(path);
+  }
+  Status CreateDirs(const std::string& path) override { return base_->CreateDirs(path); }
+  Result<FileType> Stat(const std::string& path) override { return base_->Stat(path); }
+  Result<std::vector<std::string>> ListDir(const std::string& dir) override {
+    return base_->ListDir(dir);
+  }
+  Status Rename(const std::string& from, const std::string& to) override {
+    return base_->Rename(from, to);
+  }
+  Status Remove(const std::string& path) override { return base_->Remove(path); }
+  Status SyncDir(const std::string& dir) override { return base_->SyncDir(dir); }
+
+  const std::string& planted() const { return planted_; }
+
+ private:
+  std::shared_ptr<Storage> base_;
+  std::string target_;
+  std::function<bool(const std::string&)> pick_;
+  std::string planted_;
+};
+
+TEST(PlantedSymlinkTest, ALinkAtTheNameOfADataFileOrTempManifestIsRefusedNeverFollowed) {
+  struct Case {
+    const char* what;
+    std::function<bool(const std::string&)> pick;
+  };
+  for (const Case& c :
+       {Case{"data file", IsTesseraDataFileName}, Case{"temporary manifest", IsTempManifestName}}) {
+    SCOPED_TRACE(c.what);
+    TempDir dir;
+    const std::string path = dir.Sub("ck");
+    const std::string victim = dir.Sub("victim");
+    WriteAll(victim, "not yours");
+    SmallState first(1), second(2);
+    ASSERT_OK(Save(first.dict, path));
+    auto planting = std::make_shared<PlantingStorage>(victim, c.pick);
+    SaveOptions options;
+    options.storage = planting;
+    Result<SaveReport> saved = Save(second.dict, path, options);
+    ASSERT_FALSE(planting->planted().empty());
+    ASSERT_FALSE(saved.ok());
+    EXPECT_EQ(saved.status().code(), StatusCode::kAlreadyExists) << saved.status().ToString();
+    EXPECT_THAT(saved.status().message(), HasSubstr(planting->planted()));
+    EXPECT_EQ(ReadAll(victim), "not yours");
+    EXPECT_EQ(LoadedValue(path), 1);  // the previous checkpoint is intact
+  }
+}
+
+}  // namespace
+}  // namespace tessera
