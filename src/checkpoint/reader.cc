@@ -17,6 +17,8 @@ namespace {
 // large pieces.
 constexpr uint64_t kCheckedReadPiece = 256u << 10;
 constexpr uint64_t kReadPiece = 8u << 20;
+// Bytes per read call of a manifest.
+constexpr uint64_t kManifestPiece = 8u << 20;
 
 std::string Hex(uint64_t v) {
   char buf[19];
@@ -50,8 +52,32 @@ Result<Bytes> ReadManifestBytes(Storage& storage, const std::string& dir) {
     }
     return file.status();
   }
-  Bytes bytes((*file)->size());
-  TESSERA_RETURN_IF_ERROR((*file)->ReadAt(0, bytes.data(), bytes.size()));
+  // Nothing is allocated from a length the file claims until it is checked: the header first
+  // (the file must have exactly the size it declares, within kMaxManifestBytes), then the
+  // checksum, streamed through a small buffer, and only then the manifest's own buffer. A
+  // corrupt or hostile manifest (e.g. sparse, 64 GiB) costs a short error, not its size in memory.
+  const ReadableFile& in = **file;
+  Bytes prefix(std::min<uint64_t>(in.size(), kManifestHeaderBytes));
+  TESSERA_RETURN_IF_ERROR(in.ReadAt(0, prefix.data(), prefix.size()));
+  TESSERA_ASSIGN_OR_RETURN(const uint64_t total, CheckManifestHeader(prefix, in.size(), path));
+  const uint64_t covered = total - kManifestTrailerBytes;  // bytes the checksum covers
+  std::vector<uint8_t> piece(std::min<uint64_t>(covered, kManifestPiece));
+  ChecksumStream checksum;
+  for (uint64_t done = 0; done < covered;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(piece.size(), covered - done));
+    TESSERA_RETURN_IF_ERROR(in.ReadAt(done, piece.data(), n));
+    checksum.Update(piece.data(), n);
+    done += n;
+  }
+  uint64_t stored = 0;
+  TESSERA_RETURN_IF_ERROR(in.ReadAt(covered, &stored, sizeof(stored)));  // little-endian host
+  if (checksum.Digest() != stored) return ManifestChecksumMismatch(path);
+  Bytes bytes(total);
+  for (uint64_t done = 0; done < total;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(kManifestPiece, total - done));
+    TESSERA_RETURN_IF_ERROR(in.ReadAt(done, bytes.data() + done, n));
+    done += n;
+  }
   return bytes;
 }
 

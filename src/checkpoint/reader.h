@@ -11,7 +11,10 @@
 namespace tessera {
 
 // The manifest's bytes. Errors: the directory does not exist (kNotFound), exists without a
-// manifest (kFailedPrecondition, "holds no committed checkpoint"), cannot be read (kIOError).
+// manifest (kFailedPrecondition, "holds no committed checkpoint"), cannot be read (kIOError),
+// has a size other than its header declares, over kMaxManifestBytes, or a checksum that does
+// not match (kDataLoss, as DecodeManifest would say). Memory: a small buffer until all of that
+// is checked, then the manifest's size.
 Result<Bytes> ReadManifestBytes(Storage& storage, const std::string& dir);
 
 // Performs `runs` with options.num_io_threads threads, checking the checksum of every run that

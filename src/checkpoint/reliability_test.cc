@@ -2,10 +2,13 @@
 // test that failed before its fix. docs/RELIABILITY.md lists these tests by promise.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -157,6 +160,60 @@ TEST(PlantedSymlinkTest, ALinkAtTheNameOfADataFileOrTempManifestIsRefusedNeverFo
     EXPECT_EQ(ReadAll(victim), "not yours");
     EXPECT_EQ(LoadedValue(path), 1);  // the previous checkpoint is intact
   }
+}
+
+// ---- item 7: a manifest is never read into memory on the strength of its size alone ---------
+
+// Peak resident memory of this process so far, in bytes.
+uint64_t PeakRssBytes() {
+  struct rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<uint64_t>(usage.ru_maxrss) * 1024;
+}
+
+// Before: ReadManifestBytes allocated the file's size (std::bad_alloc for 64 GiB, an abort of
+// `tessera inspect` and `verify`; 3 GiB cost 3.1 GB of memory and 12 s before the rejection).
+TEST(HugeManifestTest, SparseManifestsAreRejectedWithoutReadingThem) {
+  TempDir dir;
+  const std::string path = dir.Sub("ck");
+  SmallState state(1);
+  ASSERT_OK(Save(state.dict, path));
+  const std::string manifest = path + "/" + kManifestFileName;
+  const std::string good = ReadAll(manifest);
+  const uint64_t peak_before = PeakRssBytes();
+  auto expect_rejected = [&](const std::string& what) {
+    const auto start = std::chrono::steady_clock::now();
+    Result<Metadata> read = ReadMetadata(path);
+    ASSERT_FALSE(read.ok());
+    EXPECT_EQ(read.status().code(), StatusCode::kDataLoss) << read.status().ToString();
+    EXPECT_THAT(read.status().message(), HasSubstr(what));
+    Result<VerifyReport> verified = Verify(path);
+    ASSERT_FALSE(verified.ok());
+    EXPECT_THAT(verified.status().message(), HasSubstr(what));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  };
+  // 1. Grown to 64 GiB (sparse): the header still declares the small body.
+  ASSERT_EQ(::truncate(manifest.c_str(), off_t{64} << 30), 0) << std::strerror(errno);
+  expect_rejected("unexpected bytes after its checksum");
+  // 2. The header declares 64 GiB too: over the limit.
+  std::string header = good;
+  const uint64_t body = (uint64_t{64} << 30) - kManifestHeaderBytes - kManifestTrailerBytes;
+  std::memcpy(header.data() + 16, &body, sizeof(body));
+  WriteAll(manifest, header);
+  ASSERT_EQ(::truncate(manifest.c_str(), off_t{64} << 30), 0);
+  expect_rejected("is larger than the 4294967296 bytes this build of tessera reads");
+  // 3. Within the limit, declared and sized alike (768 MiB of zeros): the checksum is checked
+  // through a small buffer before anything of that size is allocated.
+  const uint64_t size = uint64_t{3} << 28;
+  const uint64_t body2 = size - kManifestHeaderBytes - kManifestTrailerBytes;
+  std::memcpy(header.data() + 16, &body2, sizeof(body2));
+  WriteAll(manifest, header);
+  ASSERT_EQ(::truncate(manifest.c_str(), static_cast<off_t>(size)), 0);
+  expect_rejected("manifest checksum mismatch");
+  EXPECT_LT(PeakRssBytes(), peak_before + (uint64_t{256} << 20));
+  // And the real manifest still reads.
+  WriteAll(manifest, good);
+  EXPECT_EQ(LoadedValue(path), 1);
 }
 
 }  // namespace
