@@ -37,6 +37,9 @@ def _set_options(function, opts, options):
                 raise invalid_argument(f"user_metadata key '{_state.STRUCTURE_KEY}' is reserved")
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
                 raise TypeError("user_metadata must map str to str")
+            for k, v in value.items():
+                _state.check_text(k, "user_metadata key")
+                _state.check_text(v, f"user_metadata[{k!r}]")
         setattr(opts, name, value)
     return opts
 

@@ -116,6 +116,16 @@ class ShardedObject:
 
 # ---- traversal ---------------------------------------------------------------------------
 
+def check_text(text, what):
+    """Keys and user metadata are UTF-8 text: a str holding lone surrogates (how Python spells
+    bytes that are not UTF-8, e.g. os.fsdecode) cannot be saved."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid_argument(f"{what} {text!r} is not valid UTF-8 text ({e.reason} at "
+                               f"position {e.start})") from None
+
+
 def _is_namedtuple(value):
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
@@ -264,6 +274,8 @@ class Flat:
 
     def _visit(self, path, value):
         key = ".".join(path)
+        custom = value.key if isinstance(value, (ShardedTensor, ShardedObject)) else None
+        check_text(custom or key, "key")
         if isinstance(value, ShardedTensor):
             key = value.key or key
             self.leaves.append(Leaf(key, value, True))

@@ -162,6 +162,41 @@ TEST(PlantedSymlinkTest, ALinkAtTheNameOfADataFileOrTempManifestIsRefusedNeverFo
   }
 }
 
+// ---- item 6: keys and user metadata are UTF-8 ------------------------------------------------
+
+// Before: the C++ API accepted any bytes as user metadata; `tessera inspect --json` then aborted
+// and Python raised UnicodeDecodeError on the checkpoint.
+TEST(Utf8Test, SaveRefusesUserMetadataThatIsNotUtf8NamingTheKey) {
+  auto storage = std::make_shared<MemoryStorage>();
+  SmallState state(1);
+  SaveOptions options;
+  options.storage = storage;
+  options.user_metadata = {{"ok", "caf\xc3\xa9"}, {"bad\xff", "v"}};
+  Result<SaveReport> saved = Save(state.dict, "/ck", options);
+  EXPECT_EQ(saved.status().code(), StatusCode::kInvalidArgument) << saved.status().ToString();
+  EXPECT_THAT(saved.status().message(), HasSubstr("user_metadata key \"bad\\xff\" is not valid"));
+  options.user_metadata = {{"key", "\xc0\xaf"}};  // an overlong '/'
+  saved = Save(state.dict, "/ck", options);
+  EXPECT_EQ(saved.status().code(), StatusCode::kInvalidArgument) << saved.status().ToString();
+  EXPECT_THAT(saved.status().message(), HasSubstr("user_metadata[\"key\"] = \"\\xc0\\xaf\""));
+  EXPECT_EQ(storage->Stat("/ck/tessera.manifest").value(), FileType::kNotFound);
+  // With several ranks, rank 0's metadata is checked and every rank returns its error.
+  std::vector<Status> statuses = RunLocalRanks(3, [&](Comm& comm) -> Status {
+    SmallState mine(1);
+    StateDict empty;
+    SaveOptions o;
+    o.storage = storage;
+    if (comm.rank() == 0) o.user_metadata = {{"bad\xff", "v"}};
+    return Save(comm.rank() == 0 ? mine.dict : empty, "/ck", comm, o).status();
+  });
+  for (const Status& s : statuses) {
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_THAT(s.message(), HasSubstr("bad\\xff"));
+  }
+  options.user_metadata = {{"ok", "caf\xc3\xa9"}};
+  EXPECT_OK(Save(state.dict, "/ck", options));
+}
+
 // ---- item 7: a manifest is never read into memory on the strength of its size alone ---------
 
 // Peak resident memory of this process so far, in bytes.

@@ -20,6 +20,7 @@
 
 #include "checkpoint/envelope.h"
 #include "core/byte_io.h"
+#include "core/utf8.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
 #include "format/safetensors.h"
@@ -87,6 +88,22 @@ struct SavePlanCache {
   std::vector<uint32_t> items;  // this rank's write list
   std::shared_ptr<const GlobalSavePlan> global;  // coordinator only
 };
+
+// User metadata is UTF-8 text, keys and values (docs/FORMAT.md): readers hand it to JSON and
+// to Python as strings.
+Status CheckUserMetadata(const std::map<std::string, std::string>& metadata) {
+  for (const auto& [key, value] : metadata) {
+    if (!IsValidUtf8(key)) {
+      return InvalidArgument("SaveOptions::user_metadata key " + QuoteBytes(key) +
+                             " is not valid UTF-8");
+    }
+    if (!IsValidUtf8(value)) {
+      return InvalidArgument("SaveOptions::user_metadata[" + QuoteBytes(key) +
+                             "] = " + QuoteBytes(value) + " is not valid UTF-8");
+    }
+  }
+  return Status::Ok();
+}
 
 // What rank 0 sends each rank after planning.
 struct Assignment {
@@ -375,6 +392,9 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
           : Result<LocalPlan>(InvalidArgument("SaveOptions::num_io_threads must be at least 1, "
                                               "got " +
                                               std::to_string(options.num_io_threads)));
+  if (local.ok() && coordinator) {
+    if (Status text = CheckUserMetadata(options.user_metadata); !text.ok()) local = text;
+  }
   Bytes encoded_plan = local.ok() ? EncodeLocalPlan(*local) : Bytes();
   const uint64_t plan_key = Checksum(encoded_plan.data(), encoded_plan.size()) ^
                             (options.balance_writes ? 0x9e3779b97f4a7c15ULL : 0) ^

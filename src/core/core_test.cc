@@ -86,5 +86,21 @@ TEST(StateDictTest, CallerMistakesAreRefusedAtAddNamingTheKey) {
   EXPECT_THAT(s.message(), HasSubstr("tensor 'data'"));
 }
 
+// Issue 11, item 6: keys are UTF-8 text, checked when added (a name JSON and Python can hold).
+TEST(StateDictTest, KeysMustBeUtf8) {
+  std::vector<uint8_t> bytes(8);
+  StateDict state;
+  Status s =
+      state.Add(ShardedTensor::Whole("w\xff", TensorView(bytes.data(), DType::kU8, Shape{8})));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("tensor key \"w\\xff\" is not valid UTF-8"));
+  s = state.Add(ShardedObject{"o\xc3", {1}, {}});  // a truncated sequence
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("object key \"o\\xc3\" is not valid UTF-8"));
+  EXPECT_OK(state.Add(
+      ShardedTensor::Whole("caf\xc3\xa9", TensorView(bytes.data(), DType::kU8, Shape{8}))));
+  EXPECT_OK(state.Add(ShardedObject{"\xe2\x82\xac", {1}, {}}));
+}
+
 }  // namespace
 }  // namespace tessera

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "core/utf8.h"
 #include "tessera/state_dict.h"
 
 namespace tessera {
@@ -54,6 +55,14 @@ Box ShardedTensor::LocalBox() const {
 
 namespace {
 
+// Keys are UTF-8 text (docs/FORMAT.md): they end up in JSON headers, in Python strs, on
+// terminals.
+Status CheckKeyText(const std::string& key, const char* kind) {
+  if (IsValidUtf8(key)) return Status::Ok();
+  return InvalidArgument(std::string(kind) + " key " + QuoteBytes(key) +
+                         " is not valid UTF-8 (keys are UTF-8 text)");
+}
+
 // True when the elements of `shape` (all >= 0), times `element_size`, fit in an int64.
 bool FitsInt64Bytes(const Shape& shape, size_t element_size) {
   for (int64_t d : shape) {
@@ -73,6 +82,7 @@ Status ShardedTensor::Validate() const {
     return InvalidArgument("tensor '" + key + "': " + what);
   };
   if (key.empty()) return InvalidArgument("a tensor has an empty key");
+  TESSERA_RETURN_IF_ERROR(CheckKeyText(key, "tensor"));
   if (!IsValidDType(static_cast<uint8_t>(data.dtype))) {
     return fail("dtype value " + std::to_string(static_cast<int>(data.dtype)) +
                 " is not a tessera dtype");
@@ -143,6 +153,7 @@ Status StateDict::Add(ShardedTensor tensor) {
 
 Status StateDict::Add(ShardedObject object) {
   if (object.key.empty()) return InvalidArgument("an object has an empty key");
+  TESSERA_RETURN_IF_ERROR(CheckKeyText(object.key, "object"));
   if (index_.count(object.key)) return InvalidArgument("duplicate key '" + object.key + "'");
   index_.emplace(object.key, entries_.size());
   entries_.emplace_back(std::move(object));
