@@ -19,10 +19,11 @@ import collections
 import importlib
 import json
 import pickle
+import sys
 
 from . import _dtypes
 from . import _tessera
-from ._errors import invalid_argument
+from ._errors import Error, corrupt_checkpoint, invalid_argument
 
 STRUCTURE_KEY = "tessera.python.structure"
 STRUCTURE_VERSION = 1
@@ -376,9 +377,11 @@ def _torch_strided():
     return torch.strided
 
 
-def decode_objects(flat, builder, skipped):
+def decode_objects(flat, builder, skipped, unpickle=True):
     """After a load: the new value of each object leaf, by leaf index (ShardedObject leaves
-    are updated in place instead). Keys in `skipped` (not loaded) are left alone."""
+    are updated in place instead). Keys in `skipped` (not loaded) are left alone. With
+    unpickle=False nothing is unpickled: a leaf whose placeholder is not bytes or bytearray
+    receives the stored bytes as they are."""
     new_values = {}
     for index, (leaf, entry) in enumerate(zip(flat.leaves, flat.entries)):
         if leaf.is_tensor or leaf.key in skipped:
@@ -389,6 +392,8 @@ def decode_objects(flat, builder, skipped):
             value = data
         elif isinstance(current, bytearray):
             value = bytearray(data)
+        elif not unpickle:
+            value = data
         else:
             try:
                 value = pickle.loads(data)
@@ -425,10 +430,12 @@ def _allocate(info, lib, key=None):
     return ShardedTensor(data, dtype=info.dtype, key=key)
 
 
-def _namedtuple_type(node):
+def _namedtuple_type(node, import_modules):
+    """The namedtuple class the structure names, when it can be found (imported by name only
+    with import_modules: importing runs a module's code), else an equivalent new one."""
     module, _, qualname = node["type"].partition(":")
     try:
-        t = importlib.import_module(module)
+        t = importlib.import_module(module) if import_modules else sys.modules[module]
         for part in qualname.split("."):
             t = getattr(t, part)
         if isinstance(t, type) and issubclass(t, tuple) and list(t._fields) == node["fields"]:
@@ -439,10 +446,16 @@ def _namedtuple_type(node):
     return collections.namedtuple(name, node["fields"])
 
 
-def template_from_metadata(metadata, tensor_type):
+def template_from_metadata(metadata, tensor_type, source="the checkpoint", import_modules=True):
     """A state dict with a freshly allocated tensor for every tensor of the checkpoint and a
     placeholder for every object, in the saved container structure when the checkpoint has one
-    (saved from Python), else a flat dict by key."""
+    (saved from Python), else a flat dict by key. A structure record that does not parse is a
+    CorruptCheckpointError naming `source`."""
+
+    def malformed(detail):
+        return corrupt_checkpoint(f"{source}: the saved structure (user metadata "
+                                  f"'{STRUCTURE_KEY}') is malformed: {detail}")
+
     tensors = {t.key: t for t in metadata.tensors}
     objects = {o.key for o in metadata.objects}
     used = set()
@@ -451,8 +464,7 @@ def template_from_metadata(metadata, tensor_type):
         if "tensor" in node:
             key = node["tensor"]
             if key not in tensors:
-                raise invalid_argument(f"the saved structure names tensor '{key}' but the "
-                                       "checkpoint has no such tensor")
+                raise malformed(f"it names tensor {key!r} but the checkpoint has no such tensor")
             used.add(key)
             return _allocate(tensors[key], tensor_type or node.get("lib", "numpy"), key)
         if "object" in node:
@@ -471,20 +483,34 @@ def template_from_metadata(metadata, tensor_type):
         if "tuple" in node:
             return tuple(build(v) for v in node["tuple"])
         if "namedtuple" in node:
-            return _namedtuple_type(node)._make(build(v) for v in node["namedtuple"])
-        raise invalid_argument(f"unknown node in the saved structure: {sorted(node)}")
+            return _namedtuple_type(node, import_modules)._make(
+                build(v) for v in node["namedtuple"])
+        raise malformed(f"unknown node {sorted(node)}")
 
     text = metadata.user_metadata.get(STRUCTURE_KEY)
     root = {}
     extra = {}
     if text is not None:
-        structure = json.loads(text)
+        try:
+            structure = json.loads(text)
+        except ValueError as e:
+            raise malformed(f"not JSON ({e})") from None
+        if not isinstance(structure, dict):
+            raise malformed(f"a JSON {type(structure).__name__}, not an object")
         if structure.get("version") != STRUCTURE_VERSION:
             raise invalid_argument(
                 f"the saved structure has version {structure.get('version')}; this tessera "
                 f"reads version {STRUCTURE_VERSION}")
-        root = build(structure["root"])
-        extra = structure.get("extra", {})
+        try:
+            root = build(structure["root"])
+            extra = structure.get("extra", {})
+            if not isinstance(extra, dict) or not isinstance(extra.get("objects", {}), dict):
+                raise TypeError(f"'extra' must be an object of objects, not {extra!r}")
+        except Error:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError,
+                RecursionError) as e:
+            raise malformed(f"{type(e).__name__}: {e}") from None
     # Keys the structure does not name (saved from C++, or only by ranks other than rank 0):
     # placed by their dotted path under the containers they share with the structure.
     rest = sorted((set(tensors) | objects) - used)

@@ -1,8 +1,10 @@
 """Issue 11 (reliability), the Python side: bytes that are not UTF-8 in a checkpoint (item 6),
 and the trust model of objects and the structure record (item 9)."""
 
+import collections
 import json
 import os
+import pickle
 import struct
 import subprocess
 
@@ -90,3 +92,69 @@ def test_cli_inspect_json_refuses_non_utf8_and_text_escapes_it(cli, non_utf8):
         assert text.returncode == 0, text.stderr
         assert b"\xff" not in text.stdout and b"\\xff" in text.stdout
         assert "caf\u00e9".encode() in text.stdout or what == "metadata"
+
+
+# ---- item 9 ----------------------------------------------------------------------------------
+
+class _Boom:
+    """Unpickling it runs code: it writes a marker file (what a hostile checkpoint could do)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_objects_bytes_never_unpickles(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    marker = str(tmp_path / "pwned")
+    Point = collections.namedtuple("Point", ["x", "y"])
+    tessera.save({"w": np.arange(4, dtype=np.float32), "evil": _Boom(marker), "raw": b"\x01",
+                  "p": Point(1, 2)}, ckpt)
+    # The safe mode: nothing is unpickled, pickled objects come back as their bytes.
+    state = tessera.load_all(ckpt, objects="bytes")
+    assert not os.path.exists(marker)
+    assert isinstance(state["evil"], bytes) and state["evil"].startswith(b"\x80")
+    assert state["raw"] == b"\x01" and state["w"].tolist() == [0, 1, 2, 3]
+    assert [pickle.loads(v) for v in state["p"]] == [1, 2]  # the pickles of the ints
+    assert type(state["p"]).__name__ == "Point" and state["p"]._fields == ("x", "y")
+    target = {"w": np.zeros(4, np.float32), "evil": None, "raw": b"", "p": Point(0, 0)}
+    report = tessera.load(target, ckpt, objects="bytes")
+    assert not os.path.exists(marker)
+    assert isinstance(report.state_dict["evil"], bytes) and target["w"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="objects must be one of"):
+        tessera.load_all(ckpt, objects="pickle-me")
+    # The default unpickles, and so runs the checkpoint's code: what the docs warn about.
+    tessera.load_all(ckpt)
+    assert os.path.exists(marker)
+    for function in (tessera.load_all, tessera.load):
+        assert "Load only checkpoints you trust" in " ".join(function.__doc__.split())
+
+
+def _with_structure(ckpt, text):
+    """Rewrites the structure record of the checkpoint at `ckpt` to `text` (same length)."""
+    old = json.dumps(json.loads(tessera.read_metadata(ckpt).user_metadata[tessera.STRUCTURE_KEY]),
+                     separators=(",", ":")).encode()
+    new = text.encode().ljust(len(old))
+    assert len(new) == len(old), "the replacement must not be longer"
+    patch_manifest(ckpt, old, new)
+
+
+@pytest.mark.parametrize("text", [
+    '{"version":1,"root":{"dict":[["w",{"tensor":"w"',   # not JSON
+    '[1,2,3]',                                            # not an object
+    '{"version":1}',                                      # no root
+    '{"version":1,"root":{"dict":[["w"]]}}',              # an entry without a node
+    '{"version":1,"root":{"dict":[["w",7]]}}',            # a node that is not an object
+    '{"version":1,"root":{"tuple":5}}',                   # children that are not a list
+    '{"version":1,"root":{"weird":[]}}',                  # an unknown node
+    '{"version":1,"root":{"dict":[["w",{"tensor":"nope"}]]}}',  # a tensor that is not there
+    '{"version":1,"root":{"dict":[]},"extra":[1]}',        # extra not an object
+])
+def test_malformed_structure_record_is_a_corrupt_checkpoint_error(ckpt, text):
+    # Before: a raw json.JSONDecodeError (or KeyError, TypeError) out of load_all.
+    tessera.save({"w": np.arange(4, dtype=np.float32), "s": b"pad" * 20}, ckpt)
+    _with_structure(ckpt, text)
+    with pytest.raises(tessera.CorruptCheckpointError, match="saved structure .* is malformed"):
+        tessera.load_all(ckpt)
