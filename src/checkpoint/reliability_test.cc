@@ -14,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "format/manifest.h"
@@ -195,6 +196,33 @@ TEST(Utf8Test, SaveRefusesUserMetadataThatIsNotUtf8NamingTheKey) {
   }
   options.user_metadata = {{"ok", "caf\xc3\xa9"}};
   EXPECT_OK(Save(state.dict, "/ck", options));
+}
+
+// ---- item 10: collective deadlines ------------------------------------------------------------
+
+// Before: a rank that stopped calling collectives in a save was reported by one peer as
+// "timed out ... waiting for rank 0" (its parent in a tree), the others as kAborted.
+TEST(DeadlineTest, ASaveWithARankThatStopsFailsEverywhereNamingIt) {
+  auto storage = std::make_shared<MemoryStorage>();
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<Status> statuses = RunLocalRanks(
+      4,
+      [&](Comm& comm) -> Status {
+        if (comm.rank() == 3) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+        SmallState state(static_cast<float>(comm.rank()));
+        StateDict mine;
+        SaveOptions options;
+        options.storage = storage;
+        return Save(comm.rank() == 0 ? state.dict : mine, "/ck", comm, options).status();
+      },
+      LocalCommOptions{.timeout = std::chrono::milliseconds(200)});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kDeadlineExceeded) << statuses[r].ToString();
+    EXPECT_THAT(statuses[r].message(), HasSubstr("gave up after waiting 200 ms for rank 3 to "
+                                                 "enter it"));
+  }
+  EXPECT_EQ(storage->Stat("/ck/tessera.manifest").value(), FileType::kNotFound);
 }
 
 // ---- item 7: a manifest is never read into memory on the strength of its size alone ---------
