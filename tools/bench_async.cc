@@ -259,6 +259,8 @@ void AddBenchAsyncCommand(CLI::App& bench, int* exit_code) {
   cmd->add_option("--dir", o->dir, "where to write (default: a temp dir, removed after)");
   cmd->add_flag("--json", *json, "print JSON (the only output format)");
   cmd->callback([=] {
+    // CLI11 keeps a reference to *json and writes it at parse time: the callback owns it.
+    (void)json;
     Result<uint64_t> bytes = ParseSize(*size);
     Result<uint64_t> rss_bytes = ParseSize(*rss_size);
     if (!bytes.ok()) return void(*exit_code = Fail(bytes.status()));

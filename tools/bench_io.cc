@@ -678,6 +678,8 @@ void AddBenchIoCommand(CLI::App& bench, int* exit_code) {
                "load without checking chunk checksums (LoadOptions::verify_checksums = false)");
   io->add_flag("--json", *json, "print JSON (the only output format)");
   io->callback([=] {
+    // CLI11 keeps a reference to *json and writes it at parse time: the callback owns it.
+    (void)json;
     o->flush = !*no_flush;
     o->check = !*no_check;
     o->verify_checksums = !*no_verify;

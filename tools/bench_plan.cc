@@ -178,7 +178,11 @@ void AddBenchPlanCommand(CLI::App& bench, int* exit_code) {
       ->capture_default_str();
   plan->add_option("--threads", options->threads, "coordinator threads")->capture_default_str();
   plan->add_flag("--json", *json, "print JSON (the only output format)");
-  plan->callback([=] { *exit_code = RunBenchPlan(*options); });
+  plan->callback([=] {
+    // CLI11 keeps a reference to *json and writes it at parse time: the callback owns it.
+    (void)json;
+    *exit_code = RunBenchPlan(*options);
+  });
 }
 
 }  // namespace tessera::tools

@@ -70,6 +70,26 @@ echo "$msg"
 [ $rc -ne 0 ] && echo "$msg" | grep -q "truncated" && echo "$msg" | grep -q "$victim"
 check "verify fails on a truncated file, naming it" $?
 
+# Issue 11, item 7: a manifest grown to 64 GiB (sparse) is a clear error, not std::bad_alloc.
+cp -r "$work/ck" "$work/sparse"
+truncate -s 64G "$work/sparse/tessera.manifest"
+for command in inspect verify; do
+  msg="$("$tessera" $command "$work/sparse" 2>&1)"; rc=$?
+  echo "$msg"
+  [ $rc -eq 1 ] && echo "$msg" | grep -q "unexpected bytes after its checksum"
+  check "$command of a 64 GiB sparse manifest fails cleanly (rc 1)" $?
+done
+
+# Issue 11, item 8: an absurd size is a clear error, not an abort on std::bad_alloc (rc 134).
+msg="$("$tessera" demo --out "$work/huge" --size 99999999999GiB 2>&1)"; rc=$?
+echo "$msg"
+[ $rc -eq 1 ] && echo "$msg" | grep -q "size '99999999999GiB' is too large"
+check "demo --size 99999999999GiB (over 2^64 bytes) fails cleanly (rc 1)" $?
+msg="$("$tessera" demo --out "$work/huge" --size 1000000GiB 2>&1)"; rc=$?
+echo "$msg"
+[ $rc -eq 1 ] && echo "$msg" | grep -q "tessera: error: InvalidArgument: demo --size.* of memory"
+check "demo --size 1000000GiB fails cleanly (rc 1), naming the memory it needs" $?
+
 # No checkpoint at all.
 msg="$("$tessera" inspect "$work/nothing" 2>&1)"; rc=$?
 [ $rc -ne 0 ] && echo "$msg" | grep -q "does not exist"; check "inspect of a missing directory fails clearly" $?

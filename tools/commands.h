@@ -43,8 +43,12 @@ int RunDemo(const DemoOptions& options);
 Result<std::string> MakeBenchDir(const std::string& requested);
 void RemoveBenchDir(const std::string& dir, const std::string& requested);
 
-// "256MiB", "1GiB", "1000000", "1.5GB" -> bytes.
+// "256MiB", "1GiB", "1000000", "1.5GB" -> bytes. InvalidArgument for text that is not a size
+// or a size of 2^64 bytes or more.
 Result<uint64_t> ParseSize(const std::string& text);
+// InvalidArgument naming `what` when `bytes` exceed the machine's physical memory: a request
+// that cannot be met fails with a clear error instead of std::bad_alloc.
+Status CheckFitsInMemory(uint64_t bytes, const std::string& what);
 // "268.4 MB" style, decimal units.
 std::string FormatBytes(uint64_t bytes);
 

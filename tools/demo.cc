@@ -1,6 +1,7 @@
 // tessera demo: the main job in one command. Builds a synthetic model state sharded under one
 // layout, saves it with R ranks (threads of this process, talking through LocalComm), loads it
 // under another layout, and checks every element.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -35,10 +36,16 @@ int RunDemo(const DemoOptions& options) {
                                 " does not match --save-layout " + options.save_layout + " (" +
                                 std::to_string(save_layout->ranks()) + " ranks)"));
   }
+  const ModelConfig config = ModelConfig::ForBytes(options.size_bytes);
+  // The ranks of this process hold the whole state at least once, in memory.
+  if (Status fits = CheckFitsInMemory(std::max(options.size_bytes, config.StateBytes()),
+                                      "demo --size: the state, held in memory,");
+      !fits.ok()) {
+    return Fail(fits);
+  }
   Result<std::unique_ptr<RankRunner>> runner = RankRunner::Create(options.comm);
   if (!runner.ok()) return Fail(runner.status());
   const bool print = (*runner)->printer();
-  const ModelConfig config = ModelConfig::ForBytes(options.size_bytes);
   if (print) {
     std::printf(
         "model: hidden %lld, ffn %lld, vocab %lld, %lld layers; state %s (BF16 params "

@@ -1,4 +1,5 @@
 // tessera inspect / verify.
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -8,6 +9,9 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include <unistd.h>
+
+#include "core/utf8.h"
 #include "tessera/checkpoint.h"
 #include "tools/commands.h"
 
@@ -40,7 +44,22 @@ Result<uint64_t> ParseSize(const std::string& text) {
   if (end == text.c_str() || scale == 0 || !(value >= 0)) {
     return InvalidArgument("bad size '" + text + "': expected e.g. 256MiB, 1GiB, 1000000");
   }
-  return static_cast<uint64_t>(std::llround(value * scale));
+  const double bytes = std::round(value * scale);
+  // 2^64: the first double a uint64 cannot hold (also rejects inf).
+  if (!(bytes < 18446744073709551616.0)) {
+    return InvalidArgument("size '" + text + "' is too large (at most 2^64-1 bytes)");
+  }
+  return static_cast<uint64_t>(bytes);
+}
+
+Status CheckFitsInMemory(uint64_t bytes, const std::string& what) {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page_size = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_size <= 0) return Status::Ok();  // unknown: let the allocation decide
+  const uint64_t memory = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size);
+  if (bytes <= memory) return Status::Ok();
+  return InvalidArgument(what + " needs " + FormatBytes(bytes) + " of memory; this machine has " +
+                         FormatBytes(memory));
 }
 
 Result<std::string> MakeBenchDir(const std::string& requested) {
@@ -75,10 +94,36 @@ std::string FormatBytes(uint64_t bytes) {
   return buf;
 }
 
+namespace {
+
+// `s` as it is when it is UTF-8 text without control characters, else quoted with every
+// other byte escaped (core/utf8.h): what the manifest holds never reaches a terminal raw.
+std::string Printable(const std::string& s) {
+  const bool plain = IsValidUtf8(s) && std::none_of(s.begin(), s.end(), [](char c) {
+                       return static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
+                     });
+  return plain ? s : QuoteBytes(s);
+}
+
+}  // namespace
+
 int RunInspect(const std::string& path, bool json) {
   Result<Metadata> metadata = ReadMetadata(path);
   if (!metadata.ok()) return Fail(metadata.status());
   const Metadata& m = *metadata;
+  if (json) {
+    // JSON strings hold Unicode text: refuse (naming the string) rather than abort inside the
+    // JSON library or print silently altered names.
+    Status text = CheckMetadataIsUtf8(m, JoinPath(path, "tessera.manifest"));
+    if (text.ok() && !IsValidUtf8(path)) {
+      text = InvalidArgument("the path " + QuoteBytes(path) + " is not valid UTF-8");
+    }
+    if (!text.ok()) {
+      return Fail(Status(text.code(), text.message() +
+                                          "; JSON cannot hold it (`tessera inspect` without "
+                                          "--json shows it escaped)"));
+    }
+  }
   auto tensor_bytes = [](const TensorInfo& t) {
     uint64_t b = 0;
     for (const ChunkInfo& c : t.chunks) b += c.location.length;
@@ -115,26 +160,27 @@ int RunInspect(const std::string& path, bool json) {
     std::cout << doc.dump(2) << "\n";
     return 0;
   }
-  std::printf("checkpoint %s\n  format v%u, save id %s, saved by %d ranks\n", path.c_str(),
-              m.format_version, m.save_id.c_str(), m.num_ranks);
+  std::printf("checkpoint %s\n  format v%u, save id %s, saved by %d ranks\n",
+              Printable(path).c_str(), m.format_version, m.save_id.c_str(), m.num_ranks);
   std::printf("  %zu tensors, %zu objects, %llu chunks, %s in %zu files\n", m.tensors.size(),
               m.objects.size(), static_cast<unsigned long long>(m.TotalChunks()),
               FormatBytes(m.TotalTensorBytes()).c_str(), m.files.size());
   for (const auto& [k, v] : m.user_metadata)
-    std::printf("  metadata %s = %s\n", k.c_str(), v.c_str());
+    std::printf("  metadata %s = %s\n", Printable(k).c_str(), Printable(v).c_str());
   std::printf("\n%-60s %-8s %-20s %8s %12s\n", "key", "dtype", "shape", "chunks", "bytes");
   for (const TensorInfo& t : m.tensors) {
-    std::printf("%-60s %-8s %-20s %8zu %12llu\n", t.key.c_str(),
+    std::printf("%-60s %-8s %-20s %8zu %12llu\n", Printable(t.key).c_str(),
                 std::string(DTypeName(t.dtype)).c_str(), ShapeToString(t.global_shape).c_str(),
                 t.chunks.size(), static_cast<unsigned long long>(tensor_bytes(t)));
   }
   for (const ObjectInfo& o : m.objects) {
-    std::printf("%-60s %-8s %-20s %8s %12llu\n", o.key.c_str(), "object", "-", "-",
+    std::printf("%-60s %-8s %-20s %8s %12llu\n", Printable(o.key).c_str(), "object", "-", "-",
                 static_cast<unsigned long long>(o.location.length));
   }
   std::printf("\n%-60s %12s\n", "file", "bytes");
   for (const FileInfo& f : m.files) {
-    std::printf("%-60s %12llu\n", f.name.c_str(), static_cast<unsigned long long>(f.size));
+    std::printf("%-60s %12llu\n", Printable(f.name).c_str(),
+                static_cast<unsigned long long>(f.size));
   }
   return 0;
 }

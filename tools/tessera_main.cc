@@ -1,5 +1,6 @@
 // tessera: inspect, verify, demo and benchmark checkpoints from the command line.
 #include <CLI/CLI.hpp>
+#include <new>
 
 #include "tools/commands.h"
 
@@ -15,6 +16,13 @@ int main(int argc, char** argv) {
   AddBenchPlanCommand(*bench, &exit_code);
   AddBenchIoCommand(*bench, &exit_code);
   AddBenchAsyncCommand(*bench, &exit_code);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    CLI11_PARSE(app, argc, argv);
+  } catch (const std::bad_alloc&) {
+    // The library reports errors as statuses; memory exhaustion in a command's own buffers is
+    // the one failure that arrives as an exception. A clear error, not an abort.
+    return Fail(tessera::Status(tessera::StatusCode::kInternal,
+                                "out of memory (a size too large for this machine?)"));
+  }
   return exit_code;
 }

@@ -14,6 +14,10 @@ namespace tessera {
 
 using Shape = std::vector<int64_t>;
 
+// A box is valid when every size is >= 0, every offset + size and the product of the sizes fit
+// in an int64 (StateDict::Add and the manifest reader check this before anything else sees a
+// box). Every member is defined for any box, valid or not: arithmetic that would overflow
+// saturates instead of invoking undefined behaviour, and the checks compare exactly.
 struct Box {
   std::vector<int64_t> offsets;  // first index per dimension
   std::vector<int64_t> sizes;    // extent per dimension, >= 0
@@ -25,10 +29,16 @@ struct Box {
   static Box Whole(const Shape& shape) { return Box(std::vector<int64_t>(shape.size(), 0), shape); }
 
   size_t rank() const { return sizes.size(); }
-  // Product of sizes (1 for a 0-d box).
+  // Product of sizes (1 for a 0-d box; 0 when any size is 0). INT64_MAX when the product does
+  // not fit (an invalid box).
   int64_t NumElements() const;
   bool empty() const { return NumElements() == 0; }
-  int64_t end(size_t dim) const { return offsets[dim] + sizes[dim]; }
+  // offsets[dim] + sizes[dim], saturated at INT64_MAX / INT64_MIN (an invalid box).
+  int64_t end(size_t dim) const {
+    int64_t e;
+    if (!__builtin_add_overflow(offsets[dim], sizes[dim], &e)) return e;
+    return sizes[dim] < 0 ? INT64_MIN : INT64_MAX;
+  }
 
   // True when `other` lies entirely inside this box (same rank). An empty `other` is inside
   // any box whose bounds contain its offsets.
@@ -46,7 +56,8 @@ struct Box {
 // The common part of two boxes of the same rank, or nullopt when they do not share an element.
 std::optional<Box> Intersect(const Box& a, const Box& b);
 
-// Row-major strides, in elements, of a dense tensor of `shape`.
+// Row-major strides, in elements, of a dense tensor of `shape` (saturated at INT64_MAX where
+// they would overflow, which happens only for a shape that holds no element or is too large).
 std::vector<int64_t> RowMajorStrides(const Shape& shape);
 
 // "[4, 8]".

@@ -39,7 +39,8 @@ struct SaveOptions {
   // Spread the writing of replicated shards over every rank that holds them instead of only
   // the main replica. Default false. Costs nothing extra; helps when many ranks share a shard.
   bool balance_writes = false;
-  // Stored in the manifest; ReadMetadata returns it. Rank 0's value is used.
+  // Stored in the manifest; ReadMetadata returns it. Rank 0's value is used. Keys and values
+  // must be valid UTF-8 (else the save fails with InvalidArgument naming the key).
   std::map<std::string, std::string> user_metadata;
   // After the new manifest is committed, remove the data files of the previous save and of
   // interrupted saves (tessera-named files the manifest does not list). Default true.

@@ -5,10 +5,22 @@
 //
 // COLLECTIVE calls must be made by every rank of the communicator, in the same order. A
 // collective that cannot complete (a peer failed or called Abort) returns an error on every
-// rank that reaches it. LocalComm also times out a peer that never comes; MPI has no timeout,
-// so a rank that stops calling collectives leaves its peers waiting. tessera's own protocols
-// never rely on either: a rank that fails still takes part in every collective and reports its
-// failure through them, so every rank returns the same error.
+// rank that reaches it. tessera's own protocols never rely on that alone: a rank that fails
+// still takes part in every collective and reports its failure through them, so every rank
+// returns the same error.
+//
+// Collective deadline: a rank that stops calling collectives (it hangs, or its caller went
+// elsewhere) must not leave its peers waiting forever. Every implementation that waits for
+// peers bounds the wait for them to ENTER a collective by a deadline, an option of the
+// implementation: LocalCommOptions::timeout, MpiCommOptions::collective_timeout (10 minutes
+// by default each; the same on every rank). When it passes, every waiting rank returns
+// kDeadlineExceeded "<collective> on rank R gave up after waiting T ms for ranks A, B to enter
+// it (collective #N of this communicator)", naming the ranks that never came, the same text on
+// every rank; the communicator is aborted, so a late rank gets the same status when it comes,
+// and so does every later collective. Save, Load and AsyncSave return that status. The data
+// transfers of a collective that every rank has entered are not bounded (they are bounded by
+// the transport). A single-rank Comm never waits. A Comm written in Python over
+// torch.distributed has that library's timeout (tessera.torch_dist_comm(timeout=...)).
 //
 // Thread safety: a Comm is used by one thread at a time. Different Comms (e.g. one from Split)
 // may be used concurrently from different threads.

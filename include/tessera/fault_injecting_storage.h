@@ -38,7 +38,9 @@ class FaultInjectingStorage : public Storage {
   // True once the planned fault has fired.
   bool fault_fired() const;
 
-  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override;
+  using Storage::NewWritableFile;
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
+                                                        CreateMode mode) override;
   Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override;
   Status CreateDirs(const std::string& path) override;
   Result<FileType> Stat(const std::string& path) override;

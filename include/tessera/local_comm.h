@@ -13,9 +13,11 @@
 namespace tessera {
 
 struct LocalCommOptions {
-  // How long a rank waits in a collective for its peers before returning kDeadlineExceeded
-  // (and aborting the group, so the peers return too). Default 5 minutes.
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // The collective deadline (comm.h): how long a rank waits in a collective for its peers.
+  // Then it returns kDeadlineExceeded naming the ranks that had not entered the collective,
+  // and aborts the group with that status, so every waiting rank returns it too, and so does
+  // every later collective of any rank. Default 10 minutes.
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
 };
 
 // Creates `num_ranks` connected communicators; hand entry r to the thread that plays rank r.

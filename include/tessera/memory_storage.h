@@ -29,7 +29,9 @@ class MemoryStorage : public Storage {
   MemoryStorage();
   ~MemoryStorage() override;
 
-  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override;
+  using Storage::NewWritableFile;
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
+                                                        CreateMode mode) override;
   Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override;
   Status CreateDirs(const std::string& path) override;
   Result<FileType> Stat(const std::string& path) override;

@@ -46,15 +46,29 @@
 // and peers blocked waiting for this rank are released only when this rank reaches its next
 // collective on that communicator (or one split from it after the abort; aborting a parent
 // aborts its children). A rank that aborts and then never calls a collective again leaves
-// its peers waiting: there is no timeout. tessera's own protocols (Save, Load, AsyncSave) never
-// depend on Abort to release peers: every one carries each rank's status through its
-// collectives (a failed rank still takes part and reports the failure, e.g. Save's gathers of
+// its peers waiting until their collective deadline. tessera's own protocols (Save, Load,
+// AsyncSave) never depend on Abort to release peers: every one carries each rank's status through
+// its collectives (a failed rank still takes part and reports the failure, e.g. Save's gathers of
 // sealed statuses and AgreeOnStatus), so a failure on one rank fails the operation on every
 // rank without a hang. The same holds for a rank whose storage fails mid-save. To leave a
 // communicator on which peers may still be waiting (after an error that made this rank skip
 // collectives), call Abort and then one more collective, e.g. Barrier: it releases them with
 // kAborted, and returns kAborted on every rank once all have left (tessera_mpi_suite does this
 // after every case).
+//
+// Deadline: a rank that waits longer than MpiCommOptions::collective_timeout (10 minutes by
+// default) for its peers to enter a collective (a peer that hangs, or stopped calling
+// collectives) sends the others a notice, point to point on the communicator under a tag of
+// its own; the lowest-ranked rank whose deadline passed collects, for a grace period (a tenth
+// of the deadline, 50 ms to 5 s), which ranks are in that collective and tells everyone: each
+// waiting rank returns kDeadlineExceeded "<collective> on rank L gave up after waiting T ms
+// for ranks R to enter it (collective #N of this communicator)", and so does each late rank
+// when it reaches that collective. The communicator is aborted for every rank that gave up.
+// The header all-reduce given up on cannot be cancelled (MPI has no way to): it stays pending
+// and its small buffers are kept until exit; Open MPI finalises normally with it pending.
+// A rank that DIES (crash, kill -9, exit without MPI_Finalize) is a different matter: Open
+// MPI's mpirun kills every other process of the job at once ("mpirun noticed that process
+// rank 2 ... exited on signal 9"), so the survivors return nothing; see docs/RELIABILITY.md.
 //
 // Thread safety: as for every Comm, one thread at a time per Comm, and different Comms (a
 // parent and a child from Split) may be used concurrently from different threads. With
@@ -78,6 +92,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 
@@ -94,6 +109,15 @@ struct MpiCommOptions {
   // enough that only huge buffers need more than one call. Smaller values cost one collective
   // per chunk; tests lower it to exercise the chunking.
   int64_t max_message_bytes = int64_t{1} << 30;
+  // The collective deadline (comm.h): how long a rank waits for its peers to enter a
+  // collective. Then the ranks that are waiting agree (point-to-point messages of their own,
+  // see "Deadline" above) on the ranks that never came and each returns the same
+  // kDeadlineExceeded naming them; so does a late rank when it arrives. The communicator is
+  // then aborted. Zero or less: wait forever (MPI_Wait, no polling). Every rank must pass the
+  // same value. Default 10 minutes. Costs a poll of MPI_Test and MPI_Iprobe every 50 us at
+  // most while a rank waits to enter a collective (the data transfers after it are waited for
+  // without a deadline: every rank is then known to be there).
+  std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};
 };
 
 // COLLECTIVE over `user_comm`: every rank of it must call. Returns a Comm over a duplicate of

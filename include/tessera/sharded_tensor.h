@@ -20,6 +20,9 @@
 
 namespace tessera {
 
+// The most dimensions a tensor may have (what the manifest can record, docs/FORMAT.md).
+inline constexpr size_t kMaxTensorRank = 64;
+
 // Which copy of a replicated shard this is. All zeros (or empty) is the main replica, e.g.
 // {tp_rank_replica, dp_rank} in Megatron terms. Only the main replica is written unless
 // SaveOptions::balance_writes spreads the work.
@@ -60,7 +63,10 @@ struct ShardedTensor {
 
   // The local box, with defaults applied.
   Box LocalBox() const;
-  // Checks that shapes, offsets, flat range and data agree; the error names the key.
+  // Checks that shapes, offsets, flat range and data agree, that the dtype is a defined one,
+  // that the rank is at most kMaxTensorRank and that the global tensor's element count and
+  // byte size fit in an int64. Errors (InvalidArgument, or OutOfRange for a local box outside
+  // the global shape) name the key.
   Status Validate() const;
 };
 

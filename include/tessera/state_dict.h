@@ -21,7 +21,8 @@ const std::string& EntryKey(const StateEntry& entry);
 
 class StateDict {
  public:
-  // Fails (naming the key) when the key is already present or the tensor is inconsistent.
+  // Fails (naming the key) when the key is already present, is not valid UTF-8, or the tensor
+  // is inconsistent (ShardedTensor::Validate).
   Status Add(ShardedTensor tensor);
   Status Add(ShardedObject object);
 

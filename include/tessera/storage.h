@@ -104,13 +104,30 @@ class ReadableFile {
 
 enum class FileType { kNotFound, kFile, kDirectory };
 
+// What NewWritableFile does when the name already exists.
+enum class CreateMode {
+  // The name must be new (POSIX: open with O_CREAT | O_EXCL | O_NOFOLLOW). An existing file,
+  // directory or symbolic link of that name, even a dangling link, is kAlreadyExists naming
+  // the path; a symbolic link is never followed. Every file a save writes is created this way,
+  // so nothing planted in a checkpoint directory can redirect a write to another file.
+  kExclusive,
+  // Creates the file, or truncates an existing one to zero bytes (following symbolic links).
+  kTruncate,
+};
+
 class Storage {
  public:
   virtual ~Storage() = default;
 
-  // Creates `path` or truncates it to zero bytes. The parent directory must exist. The new
+  // Opens `path` for writing, created as `mode` says. The parent directory must exist. A new
   // directory entry is durable only after SyncDir(parent).
-  virtual Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) = 0;
+  virtual Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
+                                                                CreateMode mode) = 0;
+  // NewWritableFile(path, CreateMode::kExclusive): a new file, never an existing name.
+  // (Implementations add `using Storage::NewWritableFile;` to keep this overload visible.)
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) {
+    return NewWritableFile(path, CreateMode::kExclusive);
+  }
   // kNotFound when `path` does not exist.
   virtual Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) = 0;
   // Like `mkdir -p`. OK when the directory exists.

@@ -22,6 +22,7 @@ struct TensorView {
   TensorView(const void* data_in, DType dtype_in, Shape shape_in)
       : data(const_cast<void*>(data_in)), dtype(dtype_in), shape(std::move(shape_in)) {}
 
+  // Product of the shape (1 for a scalar); INT64_MAX when it does not fit in an int64.
   int64_t NumElements() const;
   size_t NumBytes() const { return static_cast<size_t>(NumElements()) * DTypeSize(dtype); }
   std::byte* bytes() const { return static_cast<std::byte*>(data); }

@@ -9,6 +9,8 @@
 #include <string>
 #include <utility>
 
+#include "core/utf8.h"
+#include "format/checksum.h"
 #include "py_comm.h"
 #include "py_state.h"
 #include "py_status.h"
@@ -21,6 +23,12 @@ namespace tessera::python {
 namespace {
 
 std::string BoxRepr(const Box& box) { return box.ToString(); }
+
+py::list TextList(const std::vector<std::string>& texts) {
+  py::list out;
+  for (const std::string& text : texts) out.append(TextToStr(text));
+  return out;
+}
 
 // Runs `call` (returning a Result) without the GIL and returns its value or throws.
 template <typename F>
@@ -97,9 +105,14 @@ void RegisterReports(py::module_& m) {
       });
   // dynamic_attr: tessera.load attaches the loaded state dict as `state_dict`.
   py::class_<LoadReport>(m, "LoadReport", py::dynamic_attr())
-      .def_readonly("missing_keys", &LoadReport::missing_keys)
-      .def_readonly("unexpected_keys", &LoadReport::unexpected_keys)
-      .def_readonly("shape_mismatched_keys", &LoadReport::shape_mismatched_keys)
+      // Keys of the checkpoint may hold bytes that are not UTF-8 (a corrupt or foreign
+      // manifest): escaped, never a UnicodeDecodeError.
+      .def_property_readonly("missing_keys",
+                             [](const LoadReport& r) { return TextList(r.missing_keys); })
+      .def_property_readonly("unexpected_keys",
+                             [](const LoadReport& r) { return TextList(r.unexpected_keys); })
+      .def_property_readonly("shape_mismatched_keys",
+                             [](const LoadReport& r) { return TextList(r.shape_mismatched_keys); })
       .def_readonly("bytes_read", &LoadReport::bytes_read)
       .def_readonly("bytes_needed", &LoadReport::bytes_needed)
       .def_readonly("read_calls", &LoadReport::read_calls)
@@ -327,10 +340,23 @@ void RegisterCheckpoint(py::module_& m) {
       py::arg("state"), py::arg("path"), py::arg("comm"), py::arg("options"));
   m.def(
       "read_metadata",
-      [](const std::string& path) { return WithoutGil([&] { return ReadMetadata(path); }); },
+      [](const std::string& path) {
+        Metadata metadata = WithoutGil([&] { return ReadMetadata(path); });
+        // Keys and user metadata become Python strs: a manifest holding bytes that are not
+        // UTF-8 is a tessera error naming them, not a UnicodeDecodeError on first access.
+        ThrowIfError(CheckMetadataIsUtf8(metadata, JoinPath(path, "tessera.manifest")));
+        return metadata;
+      },
       py::arg("path"),
       "Reads and checks the manifest of the checkpoint at `path`: its keys, dtypes, shapes,\n"
       "chunks, files and user metadata.");
+  m.def(
+      "_checksum",
+      [](py::bytes data) {
+        const std::string_view bytes(data);
+        return Checksum(bytes.data(), bytes.size());
+      },
+      py::arg("data"), "XXH3-64 (seed 0) of `data`, as the format uses it (for tests).");
   m.def(
       "verify",
       [](const std::string& path, int num_threads) {

@@ -436,7 +436,7 @@ void RegisterComm(py::module_& m) {
       },
       py::arg("impl"),
       "A communicator whose collectives call methods of `impl` (see docs/PYTHON.md).");
-  m.def("run_local", &RunLocal, py::arg("num_ranks"), py::arg("fn"), py::arg("timeout") = 300.0,
+  m.def("run_local", &RunLocal, py::arg("num_ranks"), py::arg("fn"), py::arg("timeout") = 600.0,
         "Runs fn(comm) for num_ranks ranks on as many threads, over an in-process communicator,\n"
         "and returns the results indexed by rank. A collective waits at most `timeout` seconds\n"
         "for its peers. If any rank raises, the exception of the first failing rank is raised\n"

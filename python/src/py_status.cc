@@ -6,10 +6,17 @@ namespace py = pybind11;
 
 namespace tessera::python {
 
+py::str TextToStr(const std::string& text) {
+  PyObject* str =
+      PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "backslashreplace");
+  if (str == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(str);
+}
+
 py::object StatusToException(const Status& status) {
   py::object from_status = py::module_::import("tessera._errors").attr("from_status");
   return from_status(static_cast<int>(status.code()), std::string(StatusCodeName(status.code())),
-                     status.message());
+                     TextToStr(status.message()));
 }
 
 Status StatusFromPythonError(py::error_already_set& error, StatusCode fallback,

@@ -36,6 +36,11 @@ T ValueOrThrow(Result<T> result) {
   return std::move(result).value();
 }
 
+// `text` as a Python str: UTF-8 decoded, any byte that is not UTF-8 written as \xNN
+// ("backslashreplace"), so that bytes of a corrupt checkpoint quoted in a message or a report
+// never become a UnicodeDecodeError. Requires the GIL.
+pybind11::str TextToStr(const std::string& text);
+
 // The Python exception for `status` (not OK), built but not raised. Requires the GIL.
 pybind11::object StatusToException(const Status& status);
 

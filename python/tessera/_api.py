@@ -37,6 +37,9 @@ def _set_options(function, opts, options):
                 raise invalid_argument(f"user_metadata key '{_state.STRUCTURE_KEY}' is reserved")
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
                 raise TypeError("user_metadata must map str to str")
+            for k, v in value.items():
+                _state.check_text(k, "user_metadata key")
+                _state.check_text(v, f"user_metadata[{k!r}]")
         setattr(opts, name, value)
     return opts
 
@@ -122,24 +125,38 @@ def _load_options(strict, options):
     return _set_options("load", opts, options)
 
 
-def _load_prepared(state_dict, flat, builder, path, comm, opts, function="tessera.load"):
+_OBJECTS = ("unpickle", "bytes")
+
+
+def _check_objects(objects):
+    if objects not in _OBJECTS:
+        raise ValueError(f"objects must be one of {list(_OBJECTS)}, not {objects!r}")
+
+
+def _load_prepared(state_dict, flat, builder, path, comm, opts, function="tessera.load",
+                   objects="unpickle"):
     report = _tessera._load(builder, path, comm, opts)
     flat.finish_load(set(report.missing_keys))
     if function is not None:
         warn_partial_load(f"{function}(strict=False)", report.missing_keys,
                           report.unexpected_keys, stacklevel=4)
-    new_values = _state.decode_objects(flat, builder, set(report.missing_keys))
+    new_values = _state.decode_objects(flat, builder, set(report.missing_keys),
+                                       unpickle=objects == "unpickle")
     if new_values:
         state_dict = _state.map_leaves(state_dict, lambda i, leaf: new_values.get(i, leaf))
     report.state_dict = state_dict
     return report
 
 
-def load(state_dict, path, *, comm=None, strict=True, **options):
+def load(state_dict, path, *, comm=None, strict=True, objects="unpickle", **options):
     """Loads the checkpoint at `path` into `state_dict`, in place: every tensor and array is
     written straight into its memory (any layout, whatever the layout of the save); every
     object is replaced by the loaded one (in the dict or list holding it; a tuple holding one
     is rebuilt). COLLECTIVE over `comm`.
+
+    Security: an object leaf whose placeholder is not bytes/bytearray is unpickled, and
+    unpickling runs code the checkpoint chooses. Load only checkpoints you trust, or pass
+    objects="bytes": nothing is unpickled, every object comes back as its stored bytes.
 
     strict=True: a key the checkpoint lacks (MissingKeysError) or a key of the checkpoint that
     no rank asks for (InvalidArgumentError) is an error, and nothing is loaded. strict=False
@@ -156,16 +173,23 @@ def load(state_dict, path, *, comm=None, strict=True, **options):
     comm = _comm_handle(comm)
 
     def prepare():
+        _check_objects(objects)
         flat = _state.Flat(state_dict, for_load=True)
         builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=True)
         return flat, builder, _load_options(strict, options), os.fspath(path)
 
     flat, builder, opts, path = _prepare(comm, prepare)
-    return _load_prepared(state_dict, flat, builder, path, comm, opts)
+    return _load_prepared(state_dict, flat, builder, path, comm, opts, objects=objects)
 
 
-def load_all(path, *, comm=None, tensor_type=None, **options):
+def load_all(path, *, comm=None, tensor_type=None, objects="unpickle", **options):
     """Loads the whole checkpoint at `path` into a new state dict, built from its metadata.
+
+    Security: objects saved pickled are unpickled, and unpickling runs code the checkpoint
+    chooses (so may importing the namedtuple types its structure names). Load only
+    checkpoints you trust, or pass objects="bytes": nothing is unpickled and no module is
+    imported; pickled objects come back as their stored bytes, namedtuples as equivalent new
+    types unless their type is already imported.
 
     Saved from Python: the same containers (dict, OrderedDict, list, tuple, namedtuple) and
     leaves: torch tensors where torch tensors were saved, NumPy arrays where arrays were
@@ -183,13 +207,17 @@ def load_all(path, *, comm=None, tensor_type=None, **options):
         if tensor_type not in (None, "numpy", "torch"):
             raise ValueError(
                 f"tensor_type must be None, 'numpy' or 'torch', not {tensor_type!r}")
-        template = _state.template_from_metadata(read_metadata(path), tensor_type)
+        _check_objects(objects)
+        template = _state.template_from_metadata(
+            read_metadata(path), tensor_type, source=os.fspath(path),
+            import_modules=objects == "unpickle")
         flat = _state.Flat(template, for_load=True)
         builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=True)
         return template, flat, builder, _load_options(True, options), os.fspath(path)
 
     template, flat, builder, opts, path = _prepare(comm, prepare)
-    report = _load_prepared(template, flat, builder, path, comm, opts)
+    report = _load_prepared(template, flat, builder, path, comm, opts, "tessera.load_all",
+                            objects=objects)
     return _state.unwrap(report.state_dict)
 
 

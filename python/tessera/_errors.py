@@ -192,3 +192,8 @@ def from_status(status_code, code_name, message):
 def invalid_argument(message):
     """An InvalidArgumentError raised by the Python layer itself."""
     return from_status(_INVALID_ARGUMENT, "InvalidArgument", message)
+
+
+def corrupt_checkpoint(message):
+    """A CorruptCheckpointError (DataLoss) raised by the Python layer itself."""
+    return from_status(_DATA_LOSS, "DataLoss", message)

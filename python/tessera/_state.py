@@ -21,12 +21,13 @@ import collections
 import importlib
 import json
 import pickle
+import sys
 
 from . import _adapters
 from . import _dtypes
 from . import _merge
 from . import _tessera
-from ._errors import invalid_argument
+from ._errors import Error, corrupt_checkpoint, invalid_argument
 
 STRUCTURE_KEY = "tessera.python.structure"
 STRUCTURE_VERSION = 1
@@ -119,6 +120,16 @@ class ShardedObject:
 
 
 # ---- traversal ---------------------------------------------------------------------------
+
+def check_text(text, what):
+    """Keys and user metadata are UTF-8 text: a str holding lone surrogates (how Python spells
+    bytes that are not UTF-8, e.g. os.fsdecode) cannot be saved."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid_argument(f"{what} {text!r} is not valid UTF-8 text ({e.reason} at "
+                               f"position {e.start})") from None
+
 
 def _is_namedtuple(value):
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
@@ -288,6 +299,8 @@ class Flat:
 
     def _visit(self, path, value):
         key = ".".join(path)
+        custom = value.key if isinstance(value, (ShardedTensor, ShardedObject)) else None
+        check_text(custom or key, "key")
         if not isinstance(value, (ShardedTensor, ShardedObject)):
             adapted = _adapters.adapt(value, key, self.for_load)
             if adapted is not None:
@@ -441,9 +454,11 @@ def _torch_strided():
     return torch.strided
 
 
-def decode_objects(flat, builder, skipped):
+def decode_objects(flat, builder, skipped, unpickle=True):
     """After a load: the new value of each object leaf, by leaf index (ShardedObject leaves
-    are updated in place instead). Keys in `skipped` (not loaded) are left alone."""
+    are updated in place instead). Keys in `skipped` (not loaded) are left alone. With
+    unpickle=False nothing is unpickled: a leaf whose placeholder is not bytes or bytearray
+    receives the stored bytes as they are."""
     new_values = {}
     for leaf, entry in zip(flat.leaves, flat.entries):
         index = leaf.index
@@ -455,6 +470,8 @@ def decode_objects(flat, builder, skipped):
             value = data
         elif isinstance(current, bytearray):
             value = bytearray(data)
+        elif not unpickle:
+            value = data
         else:
             try:
                 value = pickle.loads(data)
@@ -491,10 +508,12 @@ def _allocate(info, lib, key=None):
     return ShardedTensor(data, dtype=info.dtype, key=key)
 
 
-def _namedtuple_type(node):
+def _namedtuple_type(node, import_modules):
+    """The namedtuple class the structure names, when it can be found (imported by name only
+    with import_modules: importing runs a module's code), else an equivalent new one."""
     module, _, qualname = node["type"].partition(":")
     try:
-        t = importlib.import_module(module)
+        t = importlib.import_module(module) if import_modules else sys.modules[module]
         for part in qualname.split("."):
             t = getattr(t, part)
         if isinstance(t, type) and issubclass(t, tuple) and list(t._fields) == node["fields"]:
@@ -505,12 +524,20 @@ def _namedtuple_type(node):
     return collections.namedtuple(name, node["fields"])
 
 
-def template_from_node(node, tensors, tensor_type, used=None, allocated=None):
+def _malformed(source, detail):
+    return corrupt_checkpoint(f"{source}: the saved structure (user metadata "
+                              f"'{STRUCTURE_KEY}') is malformed: {detail}")
+
+
+def template_from_node(node, tensors, tensor_type, used=None, allocated=None,
+                       import_modules=True, source="the checkpoint"):
     """The template of one saved structure node: a freshly allocated tensor for each tensor
     leaf (a ShardedTensor naming its key), a placeholder ShardedObject for each object leaf, in
     the saved containers. `tensors`: the checkpoint's TensorInfo by key; `used` collects the
     keys named; `allocated` (key -> ShardedTensor) makes leaves naming one key (pieces of one
-    tensor, e.g. Megatron's layers) share one whole tensor."""
+    tensor, e.g. Megatron's layers) share one whole tensor. A node that does not parse is a
+    CorruptCheckpointError naming `source`; namedtuple types are imported only with
+    import_modules."""
     used = set() if used is None else used
     allocated = {} if allocated is None else allocated
 
@@ -518,8 +545,8 @@ def template_from_node(node, tensors, tensor_type, used=None, allocated=None):
         if "tensor" in node:
             key = node["tensor"]
             if key not in tensors:
-                raise invalid_argument(f"the saved structure names tensor '{key}' but the "
-                                       "checkpoint has no such tensor")
+                raise _malformed(source, f"it names tensor {key!r} but the checkpoint has no "
+                                 "such tensor")
             used.add(key)
             if key not in allocated:
                 allocated[key] = _allocate(tensors[key], tensor_type or node.get("lib", "numpy"),
@@ -541,47 +568,62 @@ def template_from_node(node, tensors, tensor_type, used=None, allocated=None):
         if "tuple" in node:
             return tuple(build(v) for v in node["tuple"])
         if "namedtuple" in node:
-            return _namedtuple_type(node)._make(build(v) for v in node["namedtuple"])
-        raise invalid_argument(f"unknown node in the saved structure: {sorted(node)}")
+            return _namedtuple_type(node, import_modules)._make(
+                build(v) for v in node["namedtuple"])
+        raise _malformed(source, f"unknown node {sorted(node)}")
 
-    return build(node)
+    try:
+        return build(node)
+    except Error:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as e:
+        raise _malformed(source, f"{type(e).__name__}: {e}") from None
 
 
-def saved_structure(metadata):
-    """The saved structure's root node, or None (a checkpoint not saved from Python)."""
+def _structure(metadata, source):
+    """The saved structure record (a dict), or None (a checkpoint not saved from Python)."""
     text = metadata.user_metadata.get(STRUCTURE_KEY)
     if text is None:
         return None
-    structure = json.loads(text)
+    try:
+        structure = json.loads(text)
+    except ValueError as e:
+        raise _malformed(source, f"not JSON ({e})") from None
+    if not isinstance(structure, dict):
+        raise _malformed(source, f"a JSON {type(structure).__name__}, not an object")
     if structure.get("version") != STRUCTURE_VERSION:
         raise invalid_argument(
             f"the saved structure has version {structure.get('version')}; this tessera "
             f"reads version {STRUCTURE_VERSION}")
-    return structure["root"]
+    if "root" not in structure:
+        raise _malformed(source, "it has no 'root'")
+    extra = structure.get("extra", {})
+    if not isinstance(extra, dict) or not isinstance(extra.get("objects", {}), dict):
+        raise _malformed(source, f"'extra' must be an object of objects, not {extra!r}")
+    return structure
 
 
-def template_from_metadata(metadata, tensor_type):
+def saved_structure(metadata, source="the checkpoint"):
+    """The saved structure's root node, or None (a checkpoint not saved from Python)."""
+    structure = _structure(metadata, source)
+    return None if structure is None else structure["root"]
+
+
+def template_from_metadata(metadata, tensor_type, source="the checkpoint", import_modules=True):
     """A state dict with a freshly allocated tensor for every tensor of the checkpoint and a
     placeholder for every object, in the saved container structure when the checkpoint has one
-    (saved from Python), else a flat dict by key."""
+    (saved from Python), else a flat dict by key. A structure record that does not parse is a
+    CorruptCheckpointError naming `source`."""
     tensors = {t.key: t for t in metadata.tensors}
     objects = {o.key for o in metadata.objects}
     used = set()
     allocated = {}
-
-    def build(node):
-        return template_from_node(node, tensors, tensor_type, used, allocated)
-
-    text = metadata.user_metadata.get(STRUCTURE_KEY)
+    structure = _structure(metadata, source)
     root = {}
     extra = {}
-    if text is not None:
-        structure = json.loads(text)
-        if structure.get("version") != STRUCTURE_VERSION:
-            raise invalid_argument(
-                f"the saved structure has version {structure.get('version')}; this tessera "
-                f"reads version {STRUCTURE_VERSION}")
-        root = build(structure["root"])
+    if structure is not None:
+        root = template_from_node(structure["root"], tensors, tensor_type, used, allocated,
+                                  import_modules, source)
         extra = structure.get("extra", {})
     # Keys the structure does not name (saved from C++, or only by ranks other than rank 0):
     # placed by their dotted path under the containers they share with the structure.

@@ -203,12 +203,14 @@ class GateStorage : public Storage {
     open_ = true;
     cv_.notify_all();
   }
-  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override {
+  using Storage::NewWritableFile;
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
+                                                        CreateMode mode) override {
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return open_; });
     }
-    return base_->NewWritableFile(path);
+    return base_->NewWritableFile(path, mode);
   }
   Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
     return base_->NewReadableFile(path);

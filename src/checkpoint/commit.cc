@@ -120,7 +120,8 @@ std::string ParentDir(const std::string& path) {
 }
 
 Status WriteWholeFile(Storage& storage, const std::string& path, const Bytes& bytes, bool sync) {
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, storage.NewWritableFile(path));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
+                           storage.NewWritableFile(path, CreateMode::kExclusive));
   TESSERA_RETURN_IF_ERROR(out->WriteAt(0, bytes.data(), bytes.size()));
   if (sync) TESSERA_RETURN_IF_ERROR(out->Sync());
   return out->Close();

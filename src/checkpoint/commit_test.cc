@@ -118,12 +118,14 @@ class PausingStorage : public Storage {
   PausingStorage(At at, int reached, int resume)
       : inner_(NewPosixStorage()), at_(at), reached_(reached), resume_(resume) {}
 
-  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override {
+  using Storage::NewWritableFile;
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
+                                                        CreateMode mode) override {
     if (at_ == At::kTempManifestCreated &&
         IsTempManifestName(std::filesystem::path(path).filename().string())) {
       Pause();
     }
-    return inner_->NewWritableFile(path);
+    return inner_->NewWritableFile(path, mode);
   }
   Status Rename(const std::string& from, const std::string& to) override {
     Status s = inner_->Rename(from, to);

@@ -89,9 +89,12 @@ struct FileResult {
 Status WriteDataFile(Storage& storage, const std::string& dir, const StateDict& state,
                      const LocalPlan& plan, uint32_t file_index, const DataFilePlan& file,
                      const FileLayout& layout, const DataFileWriteOptions& options,
-                     std::atomic<uint64_t>& written, FileResult& result) {
+                     std::atomic<uint64_t>& written, FileResult& result, uint8_t& created) {
   const std::string path = JoinPath(dir, file.name);
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, storage.NewWritableFile(path));
+  // Created exclusively: a name that exists (a planted link) is an error, never a target.
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
+                           storage.NewWritableFile(path, CreateMode::kExclusive));
+  created = 1;
   TESSERA_RETURN_IF_ERROR(out->WriteAt(0, layout.header.data(), layout.header.size()));
   const uint64_t data_start = layout.header.size();
   const bool durable = options.sync == SyncPolicy::kFull;
@@ -193,6 +196,7 @@ Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, con
   }
   std::vector<FileResult> results(files.size());
   std::vector<Status> statuses(files.size());
+  std::vector<uint8_t> created(files.size(), 0);  // bytes, not vector<bool>: one per thread
   std::atomic<size_t> next{0};
   std::atomic<uint64_t> written{0};
   std::atomic<size_t> finished{0};
@@ -201,7 +205,7 @@ Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, con
   auto work = [&] {
     for (size_t f; (f = next.fetch_add(1)) < files.size();) {
       statuses[f] = WriteDataFile(storage, dir, state, plan, static_cast<uint32_t>(f), files[f],
-                                  layouts[f], options, written, results[f]);
+                                  layouts[f], options, written, results[f], created[f]);
       if (finished.fetch_add(1) + 1 == files.size()) {
         std::lock_guard<std::mutex> lock(mutex);
         all_done.notify_all();
@@ -227,8 +231,12 @@ Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, con
   for (std::thread& t : threads) t.join();
   if (report) options.on_progress(written.load());
   for (size_t f = 0; f < files.size(); ++f) {
-    if (!statuses[f].ok()) {  // leave nothing behind: no manifest will refer to these files
-      for (const DataFilePlan& file : files) storage.Remove(JoinPath(dir, file.name)).IgnoreError();
+    if (!statuses[f].ok()) {
+      // Leave nothing behind (no manifest will refer to these files), but only what this save
+      // created: a name that was already taken belongs to someone else.
+      for (size_t g = 0; g < files.size(); ++g) {
+        if (created[g]) storage.Remove(JoinPath(dir, files[g].name)).IgnoreError();
+      }
       return statuses[f].WithContext("writing " + JoinPath(dir, files[f].name));
     }
   }

@@ -16,6 +16,7 @@
 #include "checkpoint/data_files.h"
 #include "checkpoint/envelope.h"
 #include "core/byte_io.h"
+#include "core/utf8.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
 #include "plan/save_plan.h"
@@ -30,6 +31,22 @@ constexpr int kCoordinator = 0;
 // "rank 0: " would only puzzle).
 std::string SenderName(const Comm& comm, int r) {
   return comm.size() > 1 ? "rank " + std::to_string(r) : std::string();
+}
+
+// User metadata is UTF-8 text, keys and values (docs/FORMAT.md): readers hand it to JSON and
+// to Python as strings.
+Status CheckUserMetadata(const std::map<std::string, std::string>& metadata) {
+  for (const auto& [key, value] : metadata) {
+    if (!IsValidUtf8(key)) {
+      return InvalidArgument("SaveOptions::user_metadata key " + QuoteBytes(key) +
+                             " is not valid UTF-8");
+    }
+    if (!IsValidUtf8(value)) {
+      return InvalidArgument("SaveOptions::user_metadata[" + QuoteBytes(key) +
+                             "] = " + QuoteBytes(value) + " is not valid UTF-8");
+    }
+  }
+  return Status::Ok();
 }
 
 std::vector<std::string> SortedUnique(std::vector<std::string> v) {
@@ -228,6 +245,9 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
                                 : Result<LocalPlan>(InvalidArgument(
                                       "SaveOptions::num_io_threads must be at least 1, got " +
                                       std::to_string(options.num_io_threads)));
+  if (local.ok() && coordinator) {
+    if (Status text = CheckUserMetadata(options.user_metadata); !text.ok()) local = text;
+  }
   Bytes encoded_plan = local.ok() ? EncodeLocalPlan(*local) : Bytes();
   const uint64_t plan_key = Checksum(encoded_plan.data(), encoded_plan.size()) ^
                             (options.balance_writes ? 0x9e3779b97f4a7c15ULL : 0) ^
@@ -293,7 +313,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   Bytes outcome_bytes;
   if (coordinator) {
     outcome_bytes =
-        EncodeOutcome(CommitOnCoordinator(*storage, path, *global, gathered, save_id, options));
+        EncodeOutcome(CommitOnCoordinator(comm, *storage, path, *global, gathered, save_id, options));
   }
   TESSERA_RETURN_IF_ERROR(comm.Broadcast(&outcome_bytes, kCoordinator));
   TESSERA_ASSIGN_OR_RETURN(Outcome outcome, DecodeOutcome(outcome_bytes));

@@ -69,13 +69,33 @@ struct Payload {
 
 std::string Ms(std::chrono::milliseconds d) { return std::to_string(d.count()) + " ms"; }
 
+// "rank 3", "ranks 1, 3".
+std::string RanksText(const std::vector<int>& ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
+}
+
 class Group {
  public:
   Group(int size, std::chrono::milliseconds timeout)
       : size_(size),
         timeout_(timeout),
         mailboxes_(size),
-        departed_(std::make_unique<std::atomic<bool>[]>(size)) {}
+        departed_(std::make_unique<std::atomic<bool>[]>(size)),
+        entered_(std::make_unique<std::atomic<uint64_t>[]>(size)) {}
+
+  // `rank` has entered collective number `seq` (counted from 0).
+  void Enter(int rank, uint64_t seq) { entered_[rank].store(seq + 1, std::memory_order_release); }
+
+  // The ranks that have not entered collective `seq` yet, ascending.
+  std::vector<int> NotEntered(uint64_t seq) const {
+    std::vector<int> out;
+    for (int r = 0; r < size_; ++r) {
+      if (entered_[r].load(std::memory_order_acquire) <= seq) out.push_back(r);
+    }
+    return out;
+  }
 
   int size() const { return size_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
@@ -124,9 +144,18 @@ class Group {
                         " left the communicator (destroyed its Comm) without taking part" +
                         (reason.ok() ? "" : " after failing: " + reason.ToString()));
       } else if (Clock::now() >= deadline) {
+        // Name the ranks that never reached this collective: the one this rank waits for may
+        // itself be waiting for them (a tree). Every waiting rank then returns this error.
+        std::vector<int> missing = NotEntered(key.seq);
+        if (missing.empty()) missing = {key.src};
         error = DeadlineExceeded(std::string(op) + " on rank " + std::to_string(me) +
-                                 " timed out after " + Ms(timeout_) + " waiting for rank " +
-                                 std::to_string(key.src));
+                                 " gave up after waiting " + Ms(timeout_) + " for " +
+                                 RanksText(missing) + " to enter it (collective #" +
+                                 std::to_string(key.seq) + " of this communicator)");
+        lock.unlock();
+        Abort(error);
+        // Several ranks may time out at once: all return the first one's status.
+        return abort_status();
       }
       if (!error.ok()) {
         lock.unlock();
@@ -201,6 +230,7 @@ class Group {
   const std::chrono::milliseconds timeout_;
   std::vector<Mailbox> mailboxes_;
   std::unique_ptr<std::atomic<bool>[]> departed_;
+  std::unique_ptr<std::atomic<uint64_t>[]> entered_;  // per rank: collectives entered
 
   std::mutex mu_;  // guards writes of abort_status_, and children_
   std::atomic<bool> aborted_{false};
@@ -384,6 +414,7 @@ class LocalComm final : public Comm {
   // Starts a collective: numbers it, and fails if the group is aborted.
   Status Begin(uint64_t* seq) {
     *seq = next_seq_++;
+    group_->Enter(rank_, *seq);
     return group_->abort_status();
   }
 

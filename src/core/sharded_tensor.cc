@@ -1,7 +1,9 @@
 #include "tessera/sharded_tensor.h"
 
 #include <algorithm>
+#include <string>
 
+#include "core/utf8.h"
 #include "tessera/state_dict.h"
 
 namespace tessera {
@@ -51,13 +53,52 @@ Box ShardedTensor::LocalBox() const {
   return Box(std::move(offsets), std::move(sizes));
 }
 
+namespace {
+
+// Keys are UTF-8 text (docs/FORMAT.md): they end up in JSON headers, in Python strs, on
+// terminals.
+Status CheckKeyText(const std::string& key, const char* kind) {
+  if (IsValidUtf8(key)) return Status::Ok();
+  return InvalidArgument(std::string(kind) + " key " + QuoteBytes(key) +
+                         " is not valid UTF-8 (keys are UTF-8 text)");
+}
+
+// True when the elements of `shape` (all >= 0), times `element_size`, fit in an int64.
+bool FitsInt64Bytes(const Shape& shape, size_t element_size) {
+  for (int64_t d : shape) {
+    if (d == 0) return true;
+  }
+  int64_t n = static_cast<int64_t>(element_size);
+  for (int64_t d : shape) {
+    if (__builtin_mul_overflow(n, d, &n)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 Status ShardedTensor::Validate() const {
   auto fail = [&](const std::string& what) {
     return InvalidArgument("tensor '" + key + "': " + what);
   };
   if (key.empty()) return InvalidArgument("a tensor has an empty key");
+  TESSERA_RETURN_IF_ERROR(CheckKeyText(key, "tensor"));
+  if (!IsValidDType(static_cast<uint8_t>(data.dtype))) {
+    return fail("dtype value " + std::to_string(static_cast<int>(data.dtype)) +
+                " is not a tessera dtype");
+  }
+  if (global_shape.size() > kMaxTensorRank) {
+    return fail("global shape has " + std::to_string(global_shape.size()) +
+                " dimensions; at most " + std::to_string(kMaxTensorRank) + " are supported");
+  }
   for (int64_t s : global_shape) {
     if (s < 0) return fail("negative global shape " + ShapeToString(global_shape));
+  }
+  // Every later computation on this tensor's boxes and bytes relies on this.
+  if (!FitsInt64Bytes(global_shape, DTypeSize(data.dtype))) {
+    return fail("global shape " + ShapeToString(global_shape) + " of " +
+                std::string(DTypeName(data.dtype)) +
+                " is too large: its size in bytes does not fit in an int64");
   }
   if (!global_offset.empty() && global_offset.size() != global_shape.size()) {
     return fail("global offset " + ShapeToString(global_offset) + " has " +
@@ -112,6 +153,7 @@ Status StateDict::Add(ShardedTensor tensor) {
 
 Status StateDict::Add(ShardedObject object) {
   if (object.key.empty()) return InvalidArgument("an object has an empty key");
+  TESSERA_RETURN_IF_ERROR(CheckKeyText(object.key, "object"));
   if (index_.count(object.key)) return InvalidArgument("duplicate key '" + object.key + "'");
   index_.emplace(object.key, entries_.size());
   entries_.emplace_back(std::move(object));

@@ -18,6 +18,16 @@ namespace tessera {
 
 namespace {
 
+// Decimal digits of a non-negative 128-bit count.
+std::string Int128ToString(__int128 v) {
+  std::string digits;
+  do {
+    digits.push_back(static_cast<char>('0' + static_cast<int>(v % 10)));
+    v /= 10;
+  } while (v > 0);
+  return std::string(digits.rbegin(), digits.rend());
+}
+
 // `boxes` is anything indexable whose elements give a Box through `box_of`.
 template <typename Boxes, typename BoxOf>
 std::optional<BoxCheckFailure> CheckTilingOf(const Boxes& items, BoxOf box_of, const Shape& shape,
@@ -29,8 +39,12 @@ std::optional<BoxCheckFailure> CheckTilingOf(const Boxes& items, BoxOf box_of, c
     size_t size() const { return items.size(); }
   } boxes{items, box_of};
   const size_t rank = shape.size();
+  // Exact in 128 bits: a shape of 64 dimensions may overflow even that (then `total` is
+  // unknown, and no set of in-bounds boxes can be said to cover it).
   __int128 total = 1;
-  for (int64_t s : shape) total *= s;
+  bool total_overflows = false;
+  for (int64_t s : shape) total_overflows |= __builtin_mul_overflow(total, s, &total);
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) total = 0, total_overflows = false;
   __int128 covered = 0;
   std::vector<uint32_t> order;
   order.reserve(boxes.size());
@@ -106,9 +120,9 @@ std::optional<BoxCheckFailure> CheckTilingOf(const Boxes& items, BoxOf box_of, c
       expiry.emplace(box.end(sweep), where);
     }
   }
-  if (require_coverage && covered != total) {
-    return BoxCheckFailure{"the boxes cover " + std::to_string(static_cast<int64_t>(covered)) +
-                               " of the " + std::to_string(static_cast<int64_t>(total)) +
+  if (require_coverage && (total_overflows || covered != total)) {
+    return BoxCheckFailure{"the boxes cover " + Int128ToString(covered) + " of the " +
+                               (total_overflows ? "more than 2^127" : Int128ToString(total)) +
                                " elements of shape " + ShapeToString(shape) +
                                " (mark the tensor partial if that is intended)",
                            -1, -1};

@@ -2,30 +2,49 @@
 
 #include <algorithm>
 
+#include "format/checksum.h"
 #include "format/huggingface/hf_index.h"
 #include "format/manifest.h"
 
 namespace tessera {
 namespace {
 
-// A manifest larger than this is refused before it is read: version 2 takes about 12 bytes a
-// chunk, so this is tens of millions of chunks.
-constexpr uint64_t kMaxManifestBytes = 1ull << 30;
+// Bytes per read call of a manifest.
+constexpr uint64_t kManifestPiece = 8u << 20;
 
 bool Has(const std::vector<std::string>& names, const std::string& name) {
   return std::binary_search(names.begin(), names.end(), name);
 }
 
+// Nothing is allocated from a length the file claims until it is checked: the header first
+// (the file must have exactly the size it declares, within kMaxManifestBytes), then the
+// checksum, streamed through a small buffer, and only then the manifest's own buffer. A corrupt
+// or hostile manifest (e.g. sparse, 64 GiB) costs a short error, not its size in memory.
 Result<Metadata> ReadTesseraManifest(Storage& storage, const std::string& dir) {
   const std::string path = JoinPath(dir, kManifestFileName);
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, storage.NewReadableFile(path));
-  if (file->size() > kMaxManifestBytes) {
-    return DataLoss(path + ": corrupt manifest: " + std::to_string(file->size()) +
-                    " bytes, more than the " + std::to_string(kMaxManifestBytes) +
-                    " a manifest may have");
+  const ReadableFile& in = *file;
+  Bytes prefix(std::min<uint64_t>(in.size(), kManifestHeaderBytes));
+  TESSERA_RETURN_IF_ERROR(in.ReadAt(0, prefix.data(), prefix.size()));
+  TESSERA_ASSIGN_OR_RETURN(const uint64_t total, CheckManifestHeader(prefix, in.size(), path));
+  const uint64_t covered = total - kManifestTrailerBytes;  // bytes the checksum covers
+  std::vector<uint8_t> piece(std::min<uint64_t>(covered, kManifestPiece));
+  ChecksumStream checksum;
+  for (uint64_t done = 0; done < covered;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(piece.size(), covered - done));
+    TESSERA_RETURN_IF_ERROR(in.ReadAt(done, piece.data(), n));
+    checksum.Update(piece.data(), n);
+    done += n;
   }
-  Bytes bytes(file->size());
-  TESSERA_RETURN_IF_ERROR(file->ReadAt(0, bytes.data(), bytes.size()));
+  uint64_t stored = 0;
+  TESSERA_RETURN_IF_ERROR(in.ReadAt(covered, &stored, sizeof(stored)));  // little-endian host
+  if (checksum.Digest() != stored) return ManifestChecksumMismatch(path);
+  Bytes bytes(total);
+  for (uint64_t done = 0; done < total;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(kManifestPiece, total - done));
+    TESSERA_RETURN_IF_ERROR(in.ReadAt(done, bytes.data() + done, n));
+    done += n;
+  }
   return DecodeManifest(bytes, path);
 }
 

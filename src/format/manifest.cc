@@ -517,10 +517,16 @@ Bytes EncodeManifestVersion1(const Metadata& m) {
   return out;
 }
 
-Result<Metadata> DecodeManifest(std::span<const uint8_t> bytes, std::string_view source) {
+Result<uint64_t> CheckManifestHeader(std::span<const uint8_t> prefix, uint64_t file_size,
+                                     std::string_view source) {
   const std::string src(source);
-  const size_t size = bytes.size();
-  const uint8_t* data = bytes.data();
+  const uint64_t size = file_size;
+  const uint8_t* data = prefix.data();
+  if (prefix.size() < std::min<uint64_t>(size, kManifestHeaderBytes)) {
+    return Internal(src + ": CheckManifestHeader needs the first " +
+                    std::to_string(std::min<uint64_t>(size, kManifestHeaderBytes)) +
+                    " bytes, got " + std::to_string(prefix.size()));
+  }
   if (size < sizeof(kMagic) || std::memcmp(data, kMagic, sizeof(kMagic)) != 0) {
     return DataLoss(src + ": not a tessera manifest (the file does not start with \"TSRMANIF\"" +
                     (size < sizeof(kMagic) ? "; it has only " + std::to_string(size) + " bytes"
@@ -553,10 +559,27 @@ Result<Metadata> DecodeManifest(std::span<const uint8_t> bytes, std::string_view
     return DataLoss(src + ": manifest has " + std::to_string(available - body_length) +
                     " unexpected bytes after its checksum");
   }
-  const uint64_t stored = LoadLE<uint64_t>(data + kHeaderBytes + body_length);
-  if (Checksum(data, kHeaderBytes + body_length) != stored) {
-    return DataLoss(src + ": manifest checksum mismatch (file corrupt or truncated)");
+  if (size > kMaxManifestBytes) {
+    return DataLoss(src + ": manifest of " + std::to_string(size) + " bytes is larger than the " +
+                    std::to_string(kMaxManifestBytes) +
+                    " bytes this build of tessera reads (a corrupt header?)");
   }
+  return size;
+}
+
+Status ManifestChecksumMismatch(std::string_view source) {
+  return DataLoss(std::string(source) + ": manifest checksum mismatch (file corrupt or truncated)");
+}
+
+Result<Metadata> DecodeManifest(std::span<const uint8_t> bytes, std::string_view source) {
+  const std::string src(source);
+  const size_t size = bytes.size();
+  const uint8_t* data = bytes.data();
+  TESSERA_RETURN_IF_ERROR(CheckManifestHeader(bytes, size, source).status());
+  const uint64_t body_length = LoadLE<uint64_t>(data + 16);
+  const uint32_t version = LoadLE<uint32_t>(data + 8);
+  const uint64_t stored = LoadLE<uint64_t>(data + kHeaderBytes + body_length);
+  if (Checksum(data, kHeaderBytes + body_length) != stored) return ManifestChecksumMismatch(src);
   const uint32_t flags = LoadLE<uint32_t>(data + 12);
   if (flags != 0) {
     char hex[16];

@@ -21,6 +21,24 @@ inline constexpr uint32_t kFormatVersion = 2;
 // most a verified partial read reads beyond each end of a contiguous range it needs.
 inline constexpr uint64_t kChecksumBlockBytes = 256u << 10;
 
+// The fixed header (magic, format_version, flags, body_length) and trailer (checksum) around
+// the body: a manifest is kManifestHeaderBytes + body_length + kManifestTrailerBytes bytes.
+inline constexpr uint64_t kManifestHeaderBytes = 24;
+inline constexpr uint64_t kManifestTrailerBytes = 8;
+// The largest manifest a reader accepts (not stored; may be raised): 4 GiB, some 70 million
+// 2-D chunks. Readers never allocate for a manifest more than its header declares, and that
+// only once the file has exactly that size and its checksum matches.
+inline constexpr uint64_t kMaxManifestBytes = uint64_t{4} << 30;
+
+// Checks what can be checked of a manifest of `file_size` bytes from its first
+// min(file_size, kManifestHeaderBytes) bytes, `prefix`, before reading the rest: magic,
+// version, that the file has exactly the size the header declares, and the size limit. Returns
+// that size, or the error DecodeManifest would return (`source` prefixes it).
+Result<uint64_t> CheckManifestHeader(std::span<const uint8_t> prefix, uint64_t file_size,
+                                     std::string_view source);
+// The error of a manifest whose trailing checksum does not match its bytes.
+Status ManifestChecksumMismatch(std::string_view source);
+
 // Serialises `metadata` in version kFormatVersion (format_version is ignored). The same
 // encoding carries the metadata of other formats between ranks (Metadata::format says which).
 Bytes EncodeManifest(const Metadata& metadata);

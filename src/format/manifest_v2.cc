@@ -199,13 +199,13 @@ class DecoderV2 {
     return Status();
   }
   Status Signed(int64_t* v, const char* what) {
-    uint64_t u;
+    uint64_t u = 0;
     TESSERA_RETURN_IF_ERROR(Varint(&u, what));
     *v = UnZigZag(u);
     return Status();
   }
   Status Str(std::string* s, const char* what) {
-    uint64_t n;
+    uint64_t n = 0;
     TESSERA_RETURN_IF_ERROR(Varint(&n, what));
     if (n > Remaining()) return PastEnd(what);
     s->assign(reinterpret_cast<const char*>(p_), n);
@@ -214,7 +214,7 @@ class DecoderV2 {
   }
   // A key front-coded against `previous`; the result must sort strictly after it.
   Status FrontCoded(std::string* s, const std::string& previous, bool first, const char* what) {
-    uint64_t shared;
+    uint64_t shared = 0;
     TESSERA_RETURN_IF_ERROR(Varint(&shared, what));
     if (shared > previous.size()) {
       return Corrupt(std::string(what) + ": shares " + std::to_string(shared) +
@@ -285,7 +285,7 @@ Status DecoderV2::Preamble(Metadata& m) {
     return Corrupt("unknown manifest kind " + std::to_string(kind));
   }
   TESSERA_RETURN_IF_ERROR(Str(&m.save_id, "save_id"));
-  uint64_t num_ranks, time;
+  uint64_t num_ranks = 0, time = 0;
   TESSERA_RETURN_IF_ERROR(Varint(&num_ranks, "num_ranks"));
   if (num_ranks > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
     return Corrupt("num_ranks " + std::to_string(num_ranks) + " is too large");
@@ -300,7 +300,7 @@ Status DecoderV2::Preamble(Metadata& m) {
 }
 
 Status DecoderV2::Files(Metadata& m) {
-  uint64_t count;
+  uint64_t count = 0;
   TESSERA_RETURN_IF_ERROR(Count(&count, 3, "file count"));
   if (count > std::numeric_limits<uint32_t>::max()) {
     return Corrupt("file count " + std::to_string(count) + " exceeds 2^32-1");
@@ -310,7 +310,7 @@ Status DecoderV2::Files(Metadata& m) {
   names.reserve(count);
   for (uint64_t i = 0; i < count; ++i) {
     FileInfo& f = m.files[i];
-    uint64_t shared;
+    uint64_t shared = 0;
     TESSERA_RETURN_IF_ERROR(Varint(&shared, "file name"));
     const std::string& previous = i ? m.files[i - 1].name : f.name;
     if (shared > previous.size()) {
@@ -336,7 +336,7 @@ Status DecoderV2::Files(Metadata& m) {
 
 // Separate prefixes and user metadata.
 Status DecoderV2::Strings(Metadata& m) {
-  uint64_t count;
+  uint64_t count = 0;
   TESSERA_RETURN_IF_ERROR(Count(&count, 1, "separate prefix count"));
   m.separate_prefixes.resize(count);
   for (uint64_t i = 0; i < count; ++i) {
@@ -398,7 +398,7 @@ Status DecoderV2::Chunk(Metadata& m, TensorInfo& t, size_t index, const std::str
   }
   c.box.offsets.resize(rank);
   for (size_t d = 0; d < rank; ++d) {
-    uint64_t delta;
+    uint64_t delta = 0;
     if (!RawVarint(&delta)) [[unlikely]]
       return BadVarint("chunk offset");
     // Wrapping arithmetic: an out-of-range result is caught by the bounds check below.
@@ -411,7 +411,7 @@ Status DecoderV2::Chunk(Metadata& m, TensorInfo& t, size_t index, const std::str
   } else {
     c.box.sizes.resize(rank);
     for (size_t d = 0; d < rank; ++d) {
-      uint64_t size;
+      uint64_t size = 0;
       if (!RawVarint(&size)) [[unlikely]]
         return BadVarint("chunk size");
       c.box.sizes[d] = UnZigZag(size);
@@ -427,7 +427,7 @@ Status DecoderV2::Chunk(Metadata& m, TensorInfo& t, size_t index, const std::str
   }
   uint32_t file = previous_file_;
   if (!(flags & kSameFile)) {
-    uint64_t delta;
+    uint64_t delta = 0;
     if (!RawVarint(&delta)) [[unlikely]]
       return BadVarint("chunk file index");
     const int64_t f = static_cast<int64_t>(previous_file_) + UnZigZag(delta);
@@ -523,20 +523,20 @@ Status DecoderV2::Tensor(Metadata& m, TensorInfo& t, const std::string& previous
   }
   t.global_shape.resize(rank);
   for (size_t d = 0; d < rank; ++d) {
-    uint64_t dim;
+    uint64_t dim = 0;
     TESSERA_RETURN_IF_ERROR(Varint(&dim, "tensor global shape"));
     if (dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
       return Corrupt(where + ": global shape dimension " + std::to_string(dim) + " is too large");
     }
     t.global_shape[d] = static_cast<int64_t>(dim);
   }
-  uint64_t elements, bytes;
+  uint64_t elements = 0, bytes = 0;
   if (!CountElements(t.global_shape.data(), rank, &elements) ||
       __builtin_mul_overflow(elements, DTypeSize(t.dtype), &bytes) ||
       bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
     return Corrupt(where + ": global shape " + ShapeToString(t.global_shape) + " is too large");
   }
-  uint64_t count;
+  uint64_t count = 0;
   TESSERA_RETURN_IF_ERROR(Count(&count, 1 + rank, "chunk count"));
   t.chunks.resize(count);
   previous_offsets_.assign(rank, 0);
@@ -561,7 +561,7 @@ Status DecoderV2::Tensor(Metadata& m, TensorInfo& t, const std::string& previous
 }
 
 Status DecoderV2::Objects(Metadata& m) {
-  uint64_t count;
+  uint64_t count = 0;
   TESSERA_RETURN_IF_ERROR(Count(&count, 6, "object count"));
   m.objects.resize(count);
   for (uint64_t i = 0; i < count; ++i) {
@@ -575,7 +575,7 @@ Status DecoderV2::Objects(Metadata& m) {
       return Corrupt(where + ": unknown object encoding " + std::to_string(encoding));
     }
     o.encoding = static_cast<ObjectEncoding>(encoding);
-    uint64_t file;
+    uint64_t file = 0;
     TESSERA_RETURN_IF_ERROR(Varint(&file, "object file index"));
     if (file >= m.files.size()) {
       return Corrupt(where + ": file index " + std::to_string(file) + " out of range (" +
@@ -598,7 +598,7 @@ Result<Metadata> DecoderV2::Decode() {
   TESSERA_RETURN_IF_ERROR(Preamble(m));
   TESSERA_RETURN_IF_ERROR(Files(m));
   TESSERA_RETURN_IF_ERROR(Strings(m));
-  uint64_t count;
+  uint64_t count = 0;
   TESSERA_RETURN_IF_ERROR(Count(&count, 5, "tensor count"));
   m.tensors.resize(count);
   for (uint64_t i = 0; i < count; ++i) {

@@ -19,7 +19,10 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -110,6 +113,52 @@ std::string ReduceOpName(int64_t op) {
       return "kMax";
   }
   return "ReduceOp " + std::to_string(op);
+}
+
+// ---- collective deadline (MpiCommOptions::collective_timeout) ------------------------------
+//
+// A rank that has waited `timeout` for its peers to enter a collective (its header all-reduce)
+// asks who is there: point-to-point control messages on the same communicator, under a tag of
+// their own (MPI keeps them apart from the collectives). The lowest-ranked rank that gives up
+// decides for everyone:
+//   NOTICE(seq)   "my deadline in collective #seq passed": sent to every other rank. A rank
+//                 that has entered #seq answers PRESENT; a rank waiting in #seq stops waiting
+//                 on its own and follows the lowest-ranked sender of a NOTICE (the leader).
+//   PRESENT(seq)  the answer.
+//   VERDICT(seq)  after a grace period, from the leader to every other rank: "proceed" if its
+//                 header completed meanwhile (every rank came), else "give up" with the ranks
+//                 that neither answered nor sent a NOTICE: every rank that hears it (the late
+//                 ones too, when they arrive) returns the same kDeadlineExceeded naming them.
+// A header request given up on stays pending inside MPI (a nonblocking collective cannot be
+// cancelled), so its buffers are kept alive until exit; the communicator is then aborted for
+// this rank (every later collective returns the same status without communicating). A rank
+// never starts a collective's data phase after a NOTICE for it without the leader's "proceed",
+// so no data transfer is ever left half done.
+enum Control : int64_t { kNotice = 1, kPresent = 2, kVerdict = 3 };
+constexpr int kControlTag = 0x7e55;  // < 32767, the smallest MPI_TAG_UB MPI allows
+
+using Clock = std::chrono::steady_clock;
+
+// How long a leader collects answers, and (times 4) how long a follower waits for the verdict.
+std::chrono::milliseconds Grace(std::chrono::milliseconds timeout) {
+  return std::clamp<std::chrono::milliseconds>(timeout / 10, std::chrono::milliseconds(50),
+                                               std::chrono::milliseconds(5000));
+}
+
+// "rank 3", "ranks 1, 3".
+std::string RanksText(const std::vector<int>& ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
+}
+
+// Buffers MPI may still write into (an abandoned header, a control message whose send was
+// released): kept until exit.
+void KeepUntilExit(std::shared_ptr<void> buffer) {
+  static std::mutex mu;
+  static auto* kept = new std::vector<std::shared_ptr<void>>();  // never destroyed
+  std::lock_guard<std::mutex> lock(mu);
+  kept->push_back(std::move(buffer));
 }
 
 // Header fields. Every field is reduced with MAX except kTotal (SUM); a field and its negation
@@ -284,6 +333,10 @@ class MpiComm final : public Comm {
     MPI_Finalized(&finalized);
     if (finalized) return;
     MaybeLock lock(serialized());
+    for (auto& [request, buffer] : sends_) {
+      MPI_Request_free(&request);  // allowed for a send; MPI may still read the buffer
+      KeepUntilExit(std::move(buffer));
+    }
     MPI_Comm_free(&comm_);
   }
 
@@ -614,10 +667,15 @@ class MpiComm final : public Comm {
     h[kFailed] = failed ? 1 : 0;
     h[kNegFailedRank] = failed ? -static_cast<int64_t>(rank_) : INT64_MIN;
     Header result{};
-    TESSERA_RETURN_IF_ERROR(Run("MPI_Iallreduce", op, [&](MPI_Request* request) {
-      return MPI_Iallreduce(h.data(), result.data(), 1, settings_->header.type,
-                            settings_->header.op, comm_, request);
-    }));
+    const uint64_t seq = entered_++;
+    if (settings_->options.collective_timeout.count() > 0) {
+      TESSERA_RETURN_IF_ERROR(ExchangeHeaderWithDeadline(kind, seq, h, result));
+    } else {
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallreduce", op, [&](MPI_Request* request) {
+        return MPI_Iallreduce(h.data(), result.data(), 1, settings_->header.type,
+                              settings_->header.op, comm_, request);
+      }));
+    }
     if (result[kFailed] != 0) {
       const int who = static_cast<int>(-result[kNegFailedRank]);
       Bytes encoded;
@@ -700,6 +758,233 @@ class MpiComm final : public Comm {
     return Status::Ok();
   }
 
+  // ---- the collective deadline (see the comment at Control) ----------------------------------
+
+  struct Verdict {
+    bool give_up = false;
+    Status status;  // the leader's kDeadlineExceeded when give_up
+  };
+
+  // The header all-reduce of collective #seq under the deadline. On failure the communicator
+  // is aborted for this rank with the returned status.
+  Status ExchangeHeaderWithDeadline(Kind kind, uint64_t seq, const Header& h, Header& result) {
+    const std::string op = KindName(static_cast<int64_t>(kind));
+    // NOTICEs of this collective that arrived before this rank entered it: answer them now.
+    for (int r : noticed_[seq]) Send(r, {kPresent, static_cast<int64_t>(seq)});
+    Status status = DrainControl(op);
+    if (status.ok() && verdicts_.count(seq) && verdicts_[seq].give_up) {
+      status = verdicts_[seq].status;  // a late rank: its peers gave up on this collective
+    }
+    if (status.ok()) {
+      // Heap buffers: if this rank gives up, MPI may still write the result until exit.
+      auto buffers = std::make_shared<std::array<Header, 2>>();
+      (*buffers)[0] = h;
+      MPI_Request request = MPI_REQUEST_NULL;
+      int rc;
+      {
+        MaybeLock lock(serialized());
+        rc = MPI_Iallreduce((*buffers)[0].data(), (*buffers)[1].data(), 1, settings_->header.type,
+                            settings_->header.op, comm_, &request);
+      }
+      if (rc != MPI_SUCCESS) return Failed(rc, "MPI_Iallreduce", op);
+      bool done = false;
+      status = AwaitHeader(request, seq, kind, done);
+      if (status.ok()) result = (*buffers)[1];
+      if (!done) KeepUntilExit(std::move(buffers));
+    }
+    ForgetControlBefore(seq);
+    if (!status.ok()) state_->Agree(status);
+    return status;
+  }
+
+  // Waits for the header request of collective #seq (see the comment at Control). `done`:
+  // whether the request completed (else it stays pending, given up on).
+  Status AwaitHeader(MPI_Request& request, uint64_t seq, Kind kind, bool& done) {
+    const std::string op = KindName(static_cast<int64_t>(kind));
+    const std::chrono::milliseconds timeout = settings_->options.collective_timeout;
+    const std::chrono::milliseconds grace = Grace(timeout);
+    const Clock::time_point start = Clock::now();
+    bool leading = false;  // this rank's deadline passed and it sent NOTICE
+    bool extended = false;
+    Clock::time_point grace_end{}, follow_end{};
+    int followed = -1;
+    for (int polls = 0;; ++polls) {
+      if (!done) {
+        int completed = 0, rc;
+        {
+          MaybeLock lock(serialized());
+          rc = MPI_Test(&request, &completed, MPI_STATUS_IGNORE);
+        }
+        if (rc != MPI_SUCCESS) return Failed(rc, "MPI_Test", op);
+        done = completed != 0;
+      }
+      // After the test: a NOTICE sent before the completion is seen before acting on it.
+      TESSERA_RETURN_IF_ERROR(DrainControl(op));
+      const Clock::time_point now = Clock::now();
+      int leader = leading ? rank_ : -1;
+      if (auto it = noticed_.find(seq); it != noticed_.end() && !it->second.empty()) {
+        leader = leader < 0 ? *it->second.begin() : std::min(leader, *it->second.begin());
+      }
+      if (leader < 0) {  // nobody has given up
+        if (done) return Status::Ok();
+        if (now - start >= timeout) {
+          leading = true;
+          grace_end = now + grace;
+          SendToAll({kNotice, static_cast<int64_t>(seq)});
+        }
+      } else if (leader == rank_) {  // this rank decides
+        if (done) {
+          SendToAll({kVerdict, static_cast<int64_t>(seq), 0});
+          return Status::Ok();
+        }
+        if (now >= grace_end) {
+          std::vector<int> missing = Missing(seq);
+          if (missing.empty() && !extended) {  // everyone answered: give MPI a moment more
+            extended = true;
+            grace_end = now + grace;
+          } else {
+            Status verdict = GaveUp(kind, rank_, timeout, seq, missing);
+            std::vector<int64_t> message = {kVerdict, static_cast<int64_t>(seq), 1,
+                                            static_cast<int64_t>(kind), timeout.count()};
+            message.insert(message.end(), missing.begin(), missing.end());
+            SendToAll(message);
+            return verdict;
+          }
+        }
+      } else {  // follow the leader's verdict
+        if (followed != leader) follow_end = now + 4 * grace;
+        followed = leader;
+        auto it = verdicts_.find(seq);
+        if (it != verdicts_.end() && it->second.give_up) return it->second.status;
+        if (it != verdicts_.end()) {
+          if (done) return Status::Ok();  // "proceed": every rank came; the header completes
+        } else if (now >= follow_end) {
+          return DeadlineExceeded(Where(op) + ": rank " + std::to_string(leader) +
+                                  " gave up waiting for its peers to enter collective #" +
+                                  std::to_string(seq) + " of this communicator, and its " +
+                                  "verdict did not arrive within " +
+                                  std::to_string((4 * grace).count()) + " ms");
+        }
+      }
+      if (polls < 100) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+
+  // The status of a give-up by `leader`, the same text on every rank that learns of it.
+  Status GaveUp(Kind kind, int leader, std::chrono::milliseconds timeout, uint64_t seq,
+                const std::vector<int>& missing) const {
+    return DeadlineExceeded(KindName(static_cast<int64_t>(kind)) + " on rank " +
+                            std::to_string(leader) + " gave up after waiting " +
+                            std::to_string(timeout.count()) + " ms for " + RanksText(missing) +
+                            " to enter it (collective #" + std::to_string(seq) +
+                            " of this communicator)");
+  }
+
+  // The ranks other than this one that neither answered its NOTICE(seq) nor sent one.
+  std::vector<int> Missing(uint64_t seq) {
+    std::vector<int> missing;
+    const std::set<int>& present = present_[seq];
+    const std::set<int>& noticed = noticed_[seq];
+    for (int r = 0; r < size_; ++r) {
+      if (r != rank_ && !present.count(r) && !noticed.count(r)) missing.push_back(r);
+    }
+    return missing;
+  }
+
+  // Receives every control message waiting for this rank and answers the NOTICEs of
+  // collectives it has entered; releases completed sends.
+  Status DrainControl(std::string_view op) {
+    while (true) {
+      int flag = 0, rc;
+      MPI_Status st;
+      {
+        MaybeLock lock(serialized());
+        rc = MPI_Iprobe(MPI_ANY_SOURCE, kControlTag, comm_, &flag, &st);
+      }
+      if (rc != MPI_SUCCESS) return Failed(rc, "MPI_Iprobe", op);
+      if (!flag) break;
+      int count = 0;
+      MPI_Get_count(&st, MPI_INT64_T, &count);
+      std::vector<int64_t> message(std::max(count, 0));
+      {
+        MaybeLock lock(serialized());
+        rc = MPI_Recv(message.data(), count, MPI_INT64_T, st.MPI_SOURCE, kControlTag, comm_,
+                      MPI_STATUS_IGNORE);
+      }
+      if (rc != MPI_SUCCESS) return Failed(rc, "MPI_Recv", op);
+      HandleControl(st.MPI_SOURCE, message);
+    }
+    for (auto it = sends_.begin(); it != sends_.end();) {
+      int completed = 0;
+      {
+        MaybeLock lock(serialized());
+        MPI_Test(&it->first, &completed, MPI_STATUS_IGNORE);
+      }
+      it = completed ? sends_.erase(it) : std::next(it);
+    }
+    return Status::Ok();
+  }
+
+  void HandleControl(int from, const std::vector<int64_t>& message) {
+    if (message.size() < 2 || from < 0 || from >= size_) return;
+    const auto seq = static_cast<uint64_t>(message[1]);
+    switch (message[0]) {
+      case kNotice:
+        noticed_[seq].insert(from);
+        if (seq < entered_) Send(from, {kPresent, message[1]});
+        break;
+      case kPresent:
+        present_[seq].insert(from);
+        break;
+      case kVerdict: {
+        Verdict verdict;
+        verdict.give_up = message.size() >= 5 && message[2] != 0;
+        if (verdict.give_up) {
+          std::vector<int> missing(message.begin() + 5, message.end());
+          verdict.status = GaveUp(static_cast<Kind>(message[3]), from,
+                                  std::chrono::milliseconds(message[4]), seq, missing);
+        }
+        // The lowest-ranked leader's verdict counts (the others defer to it).
+        auto [it, inserted] = verdicts_.try_emplace(seq, verdict);
+        if (!inserted && from < verdict_from_[seq]) it->second = verdict;
+        if (inserted || from < verdict_from_[seq]) verdict_from_[seq] = from;
+        break;
+      }
+      default:
+        break;
+    }
+  }
+
+  // Drops what is known of collectives before #seq: none of it matters any more.
+  void ForgetControlBefore(uint64_t seq) {
+    for (auto* m : {&noticed_, &present_}) m->erase(m->begin(), m->lower_bound(seq));
+    verdicts_.erase(verdicts_.begin(), verdicts_.lower_bound(seq));
+    verdict_from_.erase(verdict_from_.begin(), verdict_from_.lower_bound(seq));
+  }
+
+  void SendToAll(const std::vector<int64_t>& message) {
+    for (int r = 0; r < size_; ++r) {
+      if (r != rank_) Send(r, message);
+    }
+  }
+
+  // Best effort: a control message that cannot be sent only makes the verdict less precise.
+  void Send(int to, std::vector<int64_t> message) {
+    auto buffer = std::make_shared<std::vector<int64_t>>(std::move(message));
+    MPI_Request request = MPI_REQUEST_NULL;
+    int rc;
+    {
+      MaybeLock lock(serialized());
+      rc = MPI_Isend(buffer->data(), static_cast<int>(buffer->size()), MPI_INT64_T, to, kControlTag,
+                     comm_, &request);
+    }
+    if (rc == MPI_SUCCESS) sends_.emplace_back(request, std::move(buffer));
+  }
+
   Status BcastData(uint8_t* data, int64_t size, int root, std::string_view op) {
     const int64_t chunk = settings_->options.max_message_bytes;
     for (int64_t begin = 0; begin < size; begin += chunk) {
@@ -726,6 +1011,13 @@ class MpiComm final : public Comm {
   const int size_;
   const std::shared_ptr<const Settings> settings_;
   const std::shared_ptr<AbortState> state_ = std::make_shared<AbortState>();
+  // The collective deadline's state (used by the one thread that uses this Comm).
+  uint64_t entered_ = 0;  // collectives this rank has entered: #0 .. #entered_-1
+  std::map<uint64_t, std::set<int>> noticed_;  // collective -> ranks whose deadline passed in it
+  std::map<uint64_t, std::set<int>> present_;  // collective -> ranks that answered this rank
+  std::map<uint64_t, Verdict> verdicts_;       // collective -> the leader's verdict
+  std::map<uint64_t, int> verdict_from_;       // collective -> that leader
+  std::vector<std::pair<MPI_Request, std::shared_ptr<std::vector<int64_t>>>> sends_;
 };
 
 }  // namespace

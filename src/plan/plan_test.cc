@@ -151,6 +151,19 @@ TEST(CheckTilingTest, ReportsBoundsAndCoverage) {
   EXPECT_TRUE(CheckTiling(std::vector<Box>{Box(), Box()}, {}, true));
 }
 
+// Issue 11, item 8: the element count of a shape beyond int64 was printed truncated ("the
+// boxes cover 4 of the 0 elements"), and a 64-dimension shape overflowed the count.
+TEST(CheckTilingTest, CoverageMessageCountsBeyondInt64Exactly) {
+  auto out = CheckTiling(std::vector<Box>{Box({0, 0}, {2, 2})},
+                         {int64_t{1} << 32, int64_t{1} << 32}, true);
+  ASSERT_TRUE(out);
+  EXPECT_THAT(out->message, HasSubstr("cover 4 of the 18446744073709551616 elements"));
+  const Shape huge(64, int64_t{1} << 40);
+  out = CheckTiling(std::vector<Box>{Box(std::vector<int64_t>(64, 0), Shape(64, 1))}, huge, true);
+  ASSERT_TRUE(out);
+  EXPECT_THAT(out->message, HasSubstr("cover 1 of the more than 2^127 elements"));
+}
+
 TEST(CheckTilingTest, MillionChunkRowSlicesAreFast) {
   std::vector<Box> boxes;
   for (int64_t i = 0; i < 1 << 20; ++i) boxes.push_back(Box({i * 2, 0}, {2, 64}));

@@ -40,6 +40,9 @@ Status ErrnoStatus(const std::string& what, int err) {
   if (err == ENOENT) {
     return Status(StatusCode::kNotFound, what + ": " + std::strerror(err));
   }
+  if (err == EEXIST) {
+    return Status(StatusCode::kAlreadyExists, what + ": " + std::strerror(err));
+  }
   return IOErrorFromErrno(what, err);
 }
 
@@ -208,7 +211,8 @@ void ResetToDurable(const NodePtr& node, std::unordered_set<const Node*>& visite
 MemoryStorage::MemoryStorage() : impl_(std::make_shared<Impl>()) {}
 MemoryStorage::~MemoryStorage() = default;
 
-Result<std::unique_ptr<WritableFile>> MemoryStorage::NewWritableFile(const std::string& path) {
+Result<std::unique_ptr<WritableFile>> MemoryStorage::NewWritableFile(const std::string& path,
+                                                                     CreateMode mode) {
   const std::string what = "open " + path + " for writing";
   const std::vector<std::string> comps = Components(path);
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -217,6 +221,8 @@ Result<std::unique_ptr<WritableFile>> MemoryStorage::NewWritableFile(const std::
   NodePtr& slot = parent->entries[comps.back()];
   if (slot == nullptr) {
     slot = std::make_shared<Node>(/*dir=*/false);
+  } else if (mode == CreateMode::kExclusive) {
+    return ErrnoStatus(what + " as a new file", EEXIST);
   } else if (slot->is_dir) {
     return ErrnoStatus(what, EISDIR);
   } else {

@@ -23,11 +23,14 @@
 namespace tessera {
 namespace {
 
-// An errno turned into a Status: kNotFound for a missing path, kIOError otherwise. The
-// message is "<what>: <strerror>".
+// An errno turned into a Status: kNotFound for a missing path, kAlreadyExists for EEXIST (an
+// exclusive create), kIOError otherwise. The message is "<what>: <strerror>".
 Status ErrnoStatus(const std::string& what, int err) {
   if (err == ENOENT) {
     return Status(StatusCode::kNotFound, what + ": " + std::strerror(err));
+  }
+  if (err == EEXIST) {
+    return Status(StatusCode::kAlreadyExists, what + ": " + std::strerror(err));
   }
   return IOErrorFromErrno(what, err);
 }
@@ -213,9 +216,18 @@ class PosixStorage : public Storage {
     if (options_.max_io_bytes == 0) options_.max_io_bytes = PosixStorageOptions().max_io_bytes;
   }
 
-  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override {
-    const int fd = OpenRetry(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return ErrnoStatus("open " + path + " for writing", errno);
+  using Storage::NewWritableFile;
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
+                                                        CreateMode mode) override {
+    // O_EXCL alone already refuses a symbolic link (even a dangling one); O_NOFOLLOW says so.
+    const int how =
+        mode == CreateMode::kExclusive ? O_CREAT | O_EXCL | O_NOFOLLOW : O_CREAT | O_TRUNC;
+    const int fd = OpenRetry(path, O_WRONLY | how | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      return ErrnoStatus("open " + path + " for writing" +
+                             (mode == CreateMode::kExclusive ? " as a new file" : ""),
+                         errno);
+    }
     return std::unique_ptr<WritableFile>(
         std::make_unique<PosixWritableFile>(path, fd, options_.max_io_bytes));
   }

@@ -50,6 +50,8 @@ using ::testing::StartsWith;
 #define STORAGE_ASSIGN_OR_FAIL(lhs, expr) \
   STORAGE_ASSIGN_OR_FAIL_IMPL(TESSERA_CONCAT(_storage_test_result_, __LINE__), lhs, expr)
 
+constexpr CreateMode kExclusiveMode = CreateMode::kExclusive;
+
 // Small enough that the large-write test crosses it many times, and not a power of two.
 constexpr size_t kPosixMaxIoBytes = 4000;
 
@@ -67,8 +69,9 @@ std::vector<uint8_t> Bytes(const std::string& s) {
   return std::vector<uint8_t>(s.begin(), s.end());
 }
 
-Status WriteFile(Storage& storage, const std::string& path, const std::string& contents) {
-  TESSERA_ASSIGN_OR_RETURN(auto file, storage.NewWritableFile(path));
+Status WriteFile(Storage& storage, const std::string& path, const std::string& contents,
+                 CreateMode mode = CreateMode::kExclusive) {
+  TESSERA_ASSIGN_OR_RETURN(auto file, storage.NewWritableFile(path, mode));
   TESSERA_RETURN_IF_ERROR(file->WriteAt(0, contents.data(), contents.size()));
   TESSERA_RETURN_IF_ERROR(file->Sync());
   return file->Close();
@@ -257,7 +260,7 @@ TEST_P(StorageTest, ReadOfFileTruncatedAfterOpenIsDataLoss) {
   const std::string path = Path("trunc");
   STORAGE_ASSERT_OK(WriteFile(storage(), path, std::string(100, 'x')));
   STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
-  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));  // truncates
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path, CreateMode::kTruncate));
   char buf[10];
   const Status s = r->ReadAt(50, buf, 10);
   EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
@@ -270,7 +273,7 @@ TEST_P(StorageTest, MapOfFileTruncatedAfterOpenFails) {
   const std::string path = Path("shrinks");
   STORAGE_ASSERT_OK(WriteFile(storage(), path, std::string(3 << 20, 'x')));
   STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
-  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));  // truncates
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path, CreateMode::kTruncate));
   const Result<FileMapping> m = r->Map(1 << 20, 1 << 20);
   ASSERT_FALSE(m.ok());
   if (m.status().code() == StatusCode::kUnimplemented) return;
@@ -279,12 +282,35 @@ TEST_P(StorageTest, MapOfFileTruncatedAfterOpenFails) {
   EXPECT_THAT(m.status().message(), HasSubstr(path));
 }
 
-TEST_P(StorageTest, NewWritableFileTruncatesExistingFile) {
+TEST_P(StorageTest, TruncateModeTruncatesExistingFile) {
   const std::string path = Path("t");
   STORAGE_ASSERT_OK(WriteFile(storage(), path, "long old contents"));
-  STORAGE_ASSERT_OK(WriteFile(storage(), path, "new"));
+  STORAGE_ASSERT_OK(WriteFile(storage(), path, "new", CreateMode::kTruncate));
   STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
   EXPECT_EQ(got, "new");
+}
+
+// Issue 11, item 5: the default, exclusive creation, refuses every name that exists: an error
+// naming it, and the existing file untouched.
+TEST_P(StorageTest, ExclusiveCreateRefusesAnExistingFileOrDirectory) {
+  const std::string path = Path("taken");
+  STORAGE_ASSERT_OK(WriteFile(storage(), path, "precious"));
+  for (const CreateMode* mode : {static_cast<const CreateMode*>(nullptr), &kExclusiveMode}) {
+    auto w = mode ? storage().NewWritableFile(path, *mode) : storage().NewWritableFile(path);
+    ASSERT_FALSE(w.ok());
+    EXPECT_EQ(w.status().code(), StatusCode::kAlreadyExists) << w.status().ToString();
+    EXPECT_THAT(w.status().message(), HasSubstr(path));
+  }
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
+  EXPECT_EQ(got, "precious");
+
+  const std::string dir = Path("dir");
+  STORAGE_ASSERT_OK(storage().CreateDirs(dir));
+  auto w = storage().NewWritableFile(dir);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kAlreadyExists) << w.status().ToString();
+  STORAGE_ASSIGN_OR_FAIL(FileType type, storage().Stat(dir));
+  EXPECT_EQ(type, FileType::kDirectory);
 }
 
 TEST_P(StorageTest, MissingPathsAreNotFound) {
@@ -673,6 +699,29 @@ TEST(PosixStorageTest, MapIsOnByDefaultAndCanBeTurnedOff) {
   EXPECT_THAT(m.status().message(), HasSubstr("map_reads"));
 }
 
+// Issue 11, item 5: a symbolic link planted under the name of a new file (pointing at a file
+// outside, or dangling) is refused, never followed: the target is neither written nor created.
+TEST(PosixStorageTest, ExclusiveCreateNeverFollowsASymbolicLink) {
+  PosixEnv env;
+  PosixEnv outside;
+  const std::string target = JoinPath(outside.root(), "victim");
+  STORAGE_ASSERT_OK(WriteFile(outside.storage(), target, "not yours"));
+  const std::string missing_target = JoinPath(outside.root(), "created?");
+  for (const std::string& to : {target, missing_target}) {
+    const std::string link = JoinPath(env.root(), "link");
+    ::unlink(link.c_str());
+    ASSERT_EQ(::symlink(to.c_str(), link.c_str()), 0) << std::strerror(errno);
+    auto w = env.storage().NewWritableFile(link);
+    ASSERT_FALSE(w.ok());
+    EXPECT_EQ(w.status().code(), StatusCode::kAlreadyExists) << w.status().ToString();
+    EXPECT_THAT(w.status().message(), HasSubstr("open " + link + " for writing as a new file"));
+  }
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(outside.storage(), target));
+  EXPECT_EQ(got, "not yours");
+  STORAGE_ASSIGN_OR_FAIL(FileType type, outside.storage().Stat(missing_target));
+  EXPECT_EQ(type, FileType::kNotFound);
+}
+
 TEST(PosixStorageTest, StartWritebackOfAClosedFileFails) {
   PosixEnv env;
   const std::string path = JoinPath(env.root(), "f");
@@ -811,7 +860,7 @@ TEST(MemoryStorageTest, RemoveIsNotDurableUntilSyncDir) {
 TEST(MemoryStorageTest, TruncationIsNotDurableUntilSync) {
   MemoryStorage m;
   m.SetFileContents("f", Bytes("durable"));
-  STORAGE_ASSIGN_OR_FAIL(auto w, m.NewWritableFile("f"));
+  STORAGE_ASSIGN_OR_FAIL(auto w, m.NewWritableFile("f", CreateMode::kTruncate));
   STORAGE_ASSERT_OK(w->WriteAt(0, "v2", 2));
   m.SimulateCrash();
   STORAGE_ASSIGN_OR_FAIL(auto got, m.GetFileContents("f"));

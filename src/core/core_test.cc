@@ -1,0 +1,106 @@
+// Box arithmetic and the validation of caller input (StateDict::Add).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "tessera/box.h"
+#include "tessera/state_dict.h"
+#include "testing/test_util.h"
+
+namespace tessera {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+
+// Issue 11, item 8: Box::end and Box::NumElements overflowed (undefined behaviour, found by
+// UBSan), so a box at offset INT64_MAX - 1 looked in bounds.
+TEST(BoxTest, ArithmeticNeverOverflows) {
+  const Box far({kMax - 1}, {4});
+  EXPECT_EQ(far.end(0), kMax);  // saturated
+  EXPECT_FALSE(far.InBounds({kMax}));
+  EXPECT_FALSE(Box({0}, {kMax}).Contains(far));
+  EXPECT_TRUE(Box({0}, {kMax}).Contains(Box({kMax - 1}, {1})));
+  EXPECT_EQ(Box({0, 0}, {int64_t{1} << 32, int64_t{1} << 32}).NumElements(), kMax);
+  EXPECT_EQ(Box({0, 0, 0}, {0, int64_t{1} << 40, int64_t{1} << 40}).NumElements(), 0);
+  EXPECT_FALSE(Intersect(far, Box({0}, {kMax - 1})));
+  std::optional<Box> common = Intersect(far, Box({kMax - 2}, {2}));
+  ASSERT_TRUE(common);
+  EXPECT_EQ(*common, Box({kMax - 1}, {1}));
+  EXPECT_EQ(RowMajorStrides({0, int64_t{1} << 40, int64_t{1} << 40})[0], kMax);
+}
+
+ShardedTensor Tensor(const std::string& key, const void* data, DType dtype, Shape local,
+                     Shape global, std::vector<int64_t> offset) {
+  return ShardedTensor::Shard(key, TensorView(data, dtype, std::move(local)), std::move(global),
+                              std::move(offset));
+}
+
+// Issue 11, item 8: caller mistakes must be InvalidArgument (or OutOfRange) at Add time, naming
+// the key, not a DataLoss from deep inside a save.
+TEST(StateDictTest, CallerMistakesAreRefusedAtAddNamingTheKey) {
+  std::vector<uint8_t> bytes(64);
+  StateDict state;
+
+  Status s = state.Add(
+      ShardedTensor::Whole("rank300", TensorView(bytes.data(), DType::kU8, Shape(300, 1))));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("tensor 'rank300'"));
+  EXPECT_THAT(s.message(), HasSubstr("300 dimensions; at most 64"));
+  EXPECT_OK(state.Add(
+      ShardedTensor::Whole("rank64", TensorView(bytes.data(), DType::kU8, Shape(64, 1)))));
+
+  s = state.Add(
+      ShardedTensor::Whole("dtype99", TensorView(bytes.data(), static_cast<DType>(99), Shape{4})));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("tensor 'dtype99': dtype value 99 is not a tessera dtype"));
+
+  // Global tensors whose byte size overflows an int64.
+  for (const Shape& global :
+       {Shape{int64_t{1} << 62, 4}, Shape{int64_t{1} << 32, int64_t{1} << 32}, Shape{kMax}}) {
+    ShardedTensor t = Tensor("huge", bytes.data(), DType::kF32, {2, 2}, global, {0, 0});
+    if (global.size() == 1) t = Tensor("huge", bytes.data(), DType::kF32, {4}, global, {0});
+    t.partial = true;
+    s = state.Add(t);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << ShapeToString(global) << s.ToString();
+    EXPECT_THAT(s.message(), HasSubstr("tensor 'huge': global shape"));
+    EXPECT_THAT(s.message(), HasSubstr("too large"));
+  }
+  // The largest U8 tensor still fits; a box reaching past its end does not.
+  ShardedTensor far = Tensor("far", bytes.data(), DType::kU8, {4}, {kMax}, {kMax - 1});
+  far.partial = true;
+  s = state.Add(far);
+  EXPECT_EQ(s.code(), StatusCode::kOutOfRange) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("tensor 'far': local box"));
+  ShardedTensor last = Tensor("last", bytes.data(), DType::kU8, {1}, {kMax}, {kMax - 1});
+  last.partial = true;
+  EXPECT_OK(state.Add(last));
+  // A data shape whose element count overflows does not match any box.
+  s = state.Add(Tensor("data", bytes.data(), DType::kU8, {int64_t{1} << 32, int64_t{1} << 32},
+                       {4, 4}, {0, 0}));
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(s.message(), HasSubstr("tensor 'data'"));
+}
+
+// Issue 11, item 6: keys are UTF-8 text, checked when added (a name JSON and Python can hold).
+TEST(StateDictTest, KeysMustBeUtf8) {
+  std::vector<uint8_t> bytes(8);
+  StateDict state;
+  Status s =
+      state.Add(ShardedTensor::Whole("w\xff", TensorView(bytes.data(), DType::kU8, Shape{8})));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("tensor key \"w\\xff\" is not valid UTF-8"));
+  s = state.Add(ShardedObject{"o\xc3", {1}, {}});  // a truncated sequence
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("object key \"o\\xc3\" is not valid UTF-8"));
+  EXPECT_OK(state.Add(
+      ShardedTensor::Whole("caf\xc3\xa9", TensorView(bytes.data(), DType::kU8, Shape{8}))));
+  EXPECT_OK(state.Add(ShardedObject{"\xe2\x82\xac", {1}, {}}));
+}
+
+}  // namespace
+}  // namespace tessera
