@@ -19,6 +19,7 @@
 #include "core/utf8.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
+#include "plan/plan_exchange.h"
 #include "plan/save_plan.h"
 #include "tessera/checkpoint.h"
 
@@ -143,30 +144,49 @@ Result<Preamble> AgreeOnPreamble(Comm& comm, bool cache_hit, const Result<std::s
 
 // Step 2 when the plan cache misses: gather the local plans, plan globally on the coordinator,
 // scatter each rank's write list. COLLECTIVE; every rank returns the same error.
-// The coordinator prepares the directory after planning (when it has not already), so a save
-// whose plan is refused leaves no trace; the save id travels with each rank's write list.
+// Step 2 when the plan cache misses (plan/plan_exchange.h): every rank learns which ranks hold
+// the same boxes (one all-gather of 16-byte signatures, which also carries any rank's local
+// error to every rank); one rank of each such group sends the plan, every rank the items it
+// holds as the main replica; the coordinator plans and scatters each rank's write ranges with
+// the save id. The coordinator prepares the directory after planning (when it has not
+// already), so a save whose plan is refused leaves no trace. COLLECTIVE; every rank returns
+// the same error.
 Result<std::vector<uint32_t>> PlanWrites(Comm& comm, Storage& storage, const std::string& path,
-                                         const Result<LocalPlan>& local, Bytes encoded_plan,
-                                         const SaveOptions& options,
+                                         const Result<LocalPlan>& local, const SaveOptions& options,
                                          std::shared_ptr<const GlobalSavePlan>& global,
                                          std::string& save_id) {
-  std::vector<Bytes> gathered;
+  const Bytes holdings = local.ok() ? EncodeHoldings(*local) : Bytes();
+  std::vector<Bytes> signatures;
   TESSERA_RETURN_IF_ERROR(
-      comm.Gather(local.ok() ? Seal(Status::Ok(), std::move(encoded_plan)) : Seal(local.status()),
-                  &gathered, kCoordinator));
+      comm.AllGather(local.ok() ? Seal(Status::Ok(), EncodeSignature(SignHoldings(holdings)))
+                                : Seal(local.status()),
+                     &signatures));
+  std::vector<PlanSignature> signature_of(signatures.size());
+  for (size_t r = 0; r < signatures.size(); ++r) {
+    TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> body,
+                             Open(signatures[r], SenderName(comm, static_cast<int>(r))));
+    TESSERA_ASSIGN_OR_RETURN(signature_of[r], DecodeSignature(body));
+  }
+  signatures.clear();
+  const PlanGroups groups = GroupBySignature(signature_of);
+  const bool leads = groups.members[groups.group_of[comm.rank()]][0] == comm.rank();
+  std::vector<Bytes> gathered;
+  TESSERA_RETURN_IF_ERROR(comm.Gather(
+      Seal(Status::Ok(), EncodePlanMessage(leads ? &holdings : nullptr, MainItemRanges(*local))),
+      &gathered, kCoordinator));
   std::vector<Bytes> assignments;
   if (comm.rank() == kCoordinator) {
     Status status = [&]() -> Status {
-      std::vector<std::span<const uint8_t>> bodies(gathered.size());
+      std::vector<PlanMessage> messages(gathered.size());
       for (size_t r = 0; r < gathered.size(); ++r) {
-        TESSERA_ASSIGN_OR_RETURN(bodies[r], Open(gathered[r], SenderName(comm, r)));
+        const std::string who = SenderName(comm, static_cast<int>(r));
+        TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> body, Open(gathered[r], who));
+        TESSERA_ASSIGN_OR_RETURN(messages[r], DecodePlanMessage(body));
+        gathered[r] = Bytes();
       }
-      TESSERA_ASSIGN_OR_RETURN(std::vector<LocalPlan> plans,
-                               DecodeLocalPlans(bodies, options.num_io_threads));
-      gathered.clear();
       TESSERA_ASSIGN_OR_RETURN(
           GlobalSavePlan plan,
-          BuildGlobalSavePlan(plans, {.balance_writes = options.balance_writes}));
+          BuildGroupedSavePlan(groups, messages, {.balance_writes = options.balance_writes}));
       global = std::make_shared<const GlobalSavePlan>(std::move(plan));
       if (save_id.empty()) {
         TESSERA_ASSIGN_OR_RETURN(save_id, PrepareDirectory(storage, path, options.sync));
@@ -177,9 +197,9 @@ Result<std::vector<uint32_t>> PlanWrites(Comm& comm, Storage& storage, const std
     for (int r = 0; r < comm.size(); ++r) {
       Bytes assignment;
       if (status.ok()) {
-        ByteWriter writer(&assignment);
-        writer.PutString(save_id);
-        writer.PutVector(global->writes[r]);
+        ByteWriter(&assignment).PutString(save_id);
+        const Bytes ranges = EncodeRanges(ToRanges(global->writes[r]));
+        assignment.insert(assignment.end(), ranges.begin(), ranges.end());
       }
       assignments[r] = Seal(status, std::move(assignment));
     }
@@ -188,19 +208,21 @@ Result<std::vector<uint32_t>> PlanWrites(Comm& comm, Storage& storage, const std
   TESSERA_RETURN_IF_ERROR(comm.Scatter(assignments, &mine, kCoordinator));
   assignments.clear();
   TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> body, Open(mine, "save planning"));
-  std::vector<uint32_t> items;
   ByteReader reader(body);
   TESSERA_RETURN_IF_ERROR(reader.GetString(&save_id));
-  TESSERA_RETURN_IF_ERROR(reader.GetVector(&items));
+  TESSERA_ASSIGN_OR_RETURN(ItemRanges ranges, DecodeRanges(body.subspan(reader.position())));
+  std::vector<uint32_t> items = FromRanges(ranges);
+  for (uint32_t i : items) {
+    if (i >= local->items.size()) return Internal("save planning assigned an item out of range");
+  }
   return items;
 }
 
 // Step 4 on the coordinator: the manifest from every rank's write results, committed, then the
 // cleanup.
 Outcome CommitOnCoordinator(const Comm& comm, Storage& storage, const std::string& path,
-                            const GlobalSavePlan& global,
-                            const std::vector<Bytes>& gathered, const std::string& save_id,
-                            const SaveOptions& options) {
+                            const GlobalSavePlan& global, const std::vector<Bytes>& gathered,
+                            const std::string& save_id, const SaveOptions& options) {
   Outcome outcome;
   outcome.total_bytes = global.total_bytes;
   outcome.status = [&]() -> Status {
@@ -248,7 +270,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   if (local.ok() && coordinator) {
     if (Status text = CheckUserMetadata(options.user_metadata); !text.ok()) local = text;
   }
-  Bytes encoded_plan = local.ok() ? EncodeLocalPlan(*local) : Bytes();
+  const Bytes encoded_plan = local.ok() ? EncodeLocalPlan(*local) : Bytes();
   const uint64_t plan_key = Checksum(encoded_plan.data(), encoded_plan.size()) ^
                             (options.balance_writes ? 0x9e3779b97f4a7c15ULL : 0) ^
                             static_cast<uint64_t>(comm.size());
@@ -279,8 +301,8 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
     global = cache->global;  // null except on the coordinator
     items = cache->items;
   } else {
-    TESSERA_ASSIGN_OR_RETURN(items, PlanWrites(comm, *storage, path, local, std::move(encoded_plan),
-                                               options, global, save_id));
+    TESSERA_ASSIGN_OR_RETURN(items,
+                             PlanWrites(comm, *storage, path, local, options, global, save_id));
   }
 
   // 3. Write this rank's files.
@@ -312,8 +334,8 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   // 4. The coordinator commits the manifest, then tells everyone the outcome.
   Bytes outcome_bytes;
   if (coordinator) {
-    outcome_bytes =
-        EncodeOutcome(CommitOnCoordinator(comm, *storage, path, *global, gathered, save_id, options));
+    outcome_bytes = EncodeOutcome(
+        CommitOnCoordinator(comm, *storage, path, *global, gathered, save_id, options));
   }
   TESSERA_RETURN_IF_ERROR(comm.Broadcast(&outcome_bytes, kCoordinator));
   TESSERA_ASSIGN_OR_RETURN(Outcome outcome, DecodeOutcome(outcome_bytes));

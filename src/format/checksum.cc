@@ -10,6 +10,11 @@ namespace tessera {
 
 uint64_t Checksum(const void* data, size_t n) { return XXH3_64bits_dispatch(data, n); }
 
+Checksum128Value Checksum128(const void* data, size_t n) {
+  const XXH128_hash_t h = XXH3_128bits_dispatch(data, n);
+  return {h.low64, h.high64};
+}
+
 ChecksumStream::ChecksumStream() : state_(XXH3_createState()) {
   XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_));
 }

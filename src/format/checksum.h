@@ -9,6 +9,14 @@ namespace tessera {
 
 uint64_t Checksum(const void* data, size_t n);
 
+// XXH3-128 (seed 0), as {low 64 bits, high 64 bits}: for telling contents apart (plan
+// signatures), where 64 bits would make a collision among millions of values merely unlikely.
+struct Checksum128Value {
+  uint64_t low = 0;
+  uint64_t high = 0;
+};
+Checksum128Value Checksum128(const void* data, size_t n);
+
 // Streaming form, for bytes that arrive in pieces: the result equals Checksum() of the
 // concatenation.
 class ChecksumStream {

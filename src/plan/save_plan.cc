@@ -82,7 +82,7 @@ Result<LocalPlan> BuildLocalPlan(const StateDict& state) {
   return plan;
 }
 
-Bytes EncodeLocalPlan(const LocalPlan& plan) {
+Bytes EncodeLocalPlan(const LocalPlan& plan, bool with_replica_ids) {
   Bytes out;
   out.reserve(plan.items.size() * 64);
   ByteWriter w(&out);
@@ -97,13 +97,13 @@ Bytes EncodeLocalPlan(const LocalPlan& plan) {
     w.PutBytes(item.global_shape.data(), item.global_shape.size() * sizeof(int64_t));
     w.PutBytes(item.box.offsets.data(), item.box.rank() * sizeof(int64_t));
     w.PutBytes(item.box.sizes.data(), item.box.rank() * sizeof(int64_t));
-    w.PutVector(item.replica_id);
+    if (with_replica_ids) w.PutVector(item.replica_id);
     w.Put<uint64_t>(item.num_bytes);
   }
   return out;
 }
 
-Result<LocalPlan> DecodeLocalPlan(std::span<const uint8_t> bytes) {
+Result<LocalPlan> DecodeLocalPlan(std::span<const uint8_t> bytes, bool with_replica_ids) {
   ByteReader r(bytes);
   uint32_t count = 0;
   TESSERA_RETURN_IF_ERROR(r.Get(&count));
@@ -136,7 +136,7 @@ Result<LocalPlan> DecodeLocalPlan(std::span<const uint8_t> bytes) {
     for (auto* v : {&item.global_shape, &item.box.offsets, &item.box.sizes}) {
       for (int64_t& x : *v) TESSERA_RETURN_IF_ERROR(r.Get(&x));
     }
-    TESSERA_RETURN_IF_ERROR(r.GetVector(&item.replica_id));
+    if (with_replica_ids) TESSERA_RETURN_IF_ERROR(r.GetVector(&item.replica_id));
     TESSERA_RETURN_IF_ERROR(r.Get(&item.num_bytes));
   }
   if (!r.AtEnd()) return DataLoss("local plan: trailing bytes");
@@ -186,9 +186,19 @@ struct Shard {
   uint32_t index = 0;   // chunk index within the tensor, or object index
 };
 
-std::string DescribeHolders(std::span<const ItemRef> holders) {
+// "rank 3" or "ranks 3, 131, 259": the ranks the plans of `refs` stand for.
+std::string DescribeHolders(std::span<const ItemRef> refs, const SavePlanOptions& options) {
   std::vector<int32_t> ranks;
-  for (const ItemRef& h : holders) ranks.push_back(h.rank);
+  for (const ItemRef& h : refs) {
+    if (options.ranks_of) {
+      std::vector<int32_t> members = options.ranks_of(h.rank);
+      ranks.insert(ranks.end(), members.begin(), members.end());
+    } else {
+      ranks.push_back(h.rank);
+    }
+  }
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
   return (ranks.size() == 1 ? "rank " : "ranks ") + RanksToString(ranks);
 }
 
@@ -214,6 +224,9 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
   auto item_of = [&](const ItemRef& ref) -> const LocalItem& {
     return plans[ref.rank].items[ref.item];
   };
+  auto who = [&](const ItemRef& ref) {
+    return DescribeHolders(std::span<const ItemRef>(&ref, 1), options);
+  };
   std::vector<uint32_t> group_order(groups.size());
   std::iota(group_order.begin(), group_order.end(), 0);
   std::sort(group_order.begin(), group_order.end(), [&](uint32_t a, uint32_t b) {
@@ -236,11 +249,10 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
     for (const ItemRef& ref : refs) {
       const LocalItem& item = item_of(ref);
       if (item.kind != first.kind) {
-        return InvalidArgument("key '" + key + "' is a " +
-                               (first.kind == ItemKind::kTensor ? "tensor" : "object") +
-                               " on rank " + std::to_string(refs[0].rank) + " but a " +
-                               (item.kind == ItemKind::kTensor ? "tensor" : "object") +
-                               " on rank " + std::to_string(ref.rank));
+        return InvalidArgument(
+            "key '" + key + "' is a " + (first.kind == ItemKind::kTensor ? "tensor" : "object") +
+            " on " + who(refs[0]) + " but a " +
+            (item.kind == ItemKind::kTensor ? "tensor" : "object") + " on " + who(ref));
       }
     }
     if (first.kind == ItemKind::kObject) {
@@ -261,21 +273,18 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
       const LocalItem& item = item_of(ref);
       if (item.dtype != first.dtype) {
         return InvalidArgument("key '" + key + "': dtype " + std::string(DTypeName(first.dtype)) +
-                               " on rank " + std::to_string(refs[0].rank) + " but " +
-                               std::string(DTypeName(item.dtype)) + " on rank " +
-                               std::to_string(ref.rank));
+                               " on " + who(refs[0]) + " but " +
+                               std::string(DTypeName(item.dtype)) + " on " + who(ref));
       }
       if (item.global_shape != first.global_shape) {
-        return InvalidArgument(
-            "key '" + key + "': global shape " + ShapeToString(first.global_shape) + " on rank " +
-            std::to_string(refs[0].rank) + " but " + ShapeToString(item.global_shape) +
-            " on rank " + std::to_string(ref.rank));
+        return InvalidArgument("key '" + key + "': global shape " +
+                               ShapeToString(first.global_shape) + " on " + who(refs[0]) + " but " +
+                               ShapeToString(item.global_shape) + " on " + who(ref));
       }
       if (!item.box.InBounds(item.global_shape)) {
-        return Status(StatusCode::kOutOfRange, "key '" + key + "': box " + item.box.ToString() +
-                                                   " on rank " + std::to_string(ref.rank) +
-                                                   " is outside the global shape " +
-                                                   ShapeToString(item.global_shape));
+        return Status(StatusCode::kOutOfRange,
+                      "key '" + key + "': box " + item.box.ToString() + " on " + who(ref) +
+                          " is outside the global shape " + ShapeToString(item.global_shape));
       }
       partial = partial || item.partial;
     }
@@ -327,9 +336,11 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
     if (auto failure = CheckTiling(info.chunks, info.global_shape, !partial)) {
       std::string message = "key '" + key + "': " + failure->message;
       if (failure->first >= 0) {
-        message += " (held by " + DescribeHolders(holders_of(shards[first_shard + failure->first]));
+        message += " (held by " +
+                   DescribeHolders(holders_of(shards[first_shard + failure->first]), options);
         if (failure->second >= 0) {
-          message += " and " + DescribeHolders(holders_of(shards[first_shard + failure->second]));
+          message +=
+              " and " + DescribeHolders(holders_of(shards[first_shard + failure->second]), options);
         }
         message += ")";
       }
@@ -358,7 +369,8 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
                                "] and nothing holds its main replica (replica id all zeros), "
                                "the copy that is written");
       }
-      return InvalidArgument(describe_shard(shard) + " is held by " + DescribeHolders(held_by) +
+      return InvalidArgument(describe_shard(shard) + " is held by " +
+                             DescribeHolders(held_by, options) +
                              " but none holds the main replica (replica id all zeros)");
     }
     shard.writer = *main;
@@ -396,7 +408,7 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
     plan.total_bytes += shard.num_bytes;
   }
   for (auto& w : plan.writes) std::sort(w.begin(), w.end());
-  plan.metadata.num_ranks = num_ranks;
+  plan.metadata.num_ranks = options.num_ranks >= 0 ? options.num_ranks : num_ranks;
   return plan;
 }
 

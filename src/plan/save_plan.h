@@ -9,6 +9,7 @@
 #define TESSERA_PLAN_SAVE_PLAN_H_
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -51,8 +52,10 @@ struct LocalPlan {
 Result<LocalPlan> BuildLocalPlan(const StateDict& state);
 
 // Compact binary encoding (what travels to the coordinator) and its inverse.
-Bytes EncodeLocalPlan(const LocalPlan& plan);
-Result<LocalPlan> DecodeLocalPlan(std::span<const uint8_t> bytes);
+// Without replica ids (`with_replica_ids` false) the encoding holds what data-parallel
+// replicas have in common (plan_exchange.h); decoded, every item is then the main replica.
+Bytes EncodeLocalPlan(const LocalPlan& plan, bool with_replica_ids = true);
+Result<LocalPlan> DecodeLocalPlan(std::span<const uint8_t> bytes, bool with_replica_ids = true);
 // Decodes every rank's plan (entry r from rank r) with up to `threads` threads. Errors name the
 // rank.
 Result<std::vector<LocalPlan>> DecodeLocalPlans(std::span<const std::span<const uint8_t>> encoded,
@@ -60,6 +63,11 @@ Result<std::vector<LocalPlan>> DecodeLocalPlans(std::span<const std::span<const 
 
 struct SavePlanOptions {
   bool balance_writes = false;  // see SaveOptions::balance_writes
+  // When the plans stand for groups of ranks (data-parallel replicas sending one plan for the
+  // group, plan_exchange.h): the ranks plan i stands for, for error messages, and the number of
+  // ranks of the job (Metadata::num_ranks). Default: plan i is rank i.
+  std::function<std::vector<int32_t>(int32_t)> ranks_of;
+  int32_t num_ranks = -1;
 };
 
 // Identifies one item on one rank.
