@@ -103,7 +103,8 @@ void RegisterConvert(py::module_& m) {
       .def_readwrite("verify_checksums", &ConvertOptions::verify_checksums);
   py::class_<ConvertReport>(m, "ConvertReport")
       .def_property_readonly(
-          "source_format", [](const ConvertReport& r) { return CheckpointFormatName(r.source_format); })
+          "source_format",
+          [](const ConvertReport& r) { return CheckpointFormatName(r.source_format); })
       .def_readonly("tensors", &ConvertReport::tensors, "written, by all ranks")
       .def_readonly("objects", &ConvertReport::objects, "written, by all ranks")
       .def_readonly("total_bytes", &ConvertReport::total_bytes, "of the output, all ranks")
@@ -114,8 +115,10 @@ void RegisterConvert(py::module_& m) {
       .def_property_readonly("skipped_objects",
                              [](const ConvertReport& r) { return TextList(r.skipped_objects); })
       .def("__repr__", [](const ConvertReport& r) {
-        return "ConvertReport(source_format='" + std::string(CheckpointFormatName(r.source_format)) +
-               "', tensors=" + std::to_string(r.tensors) + ", objects=" + std::to_string(r.objects) +
+        return "ConvertReport(source_format='" +
+               std::string(CheckpointFormatName(r.source_format)) +
+               "', tensors=" + std::to_string(r.tensors) +
+               ", objects=" + std::to_string(r.objects) +
                ", total_bytes=" + std::to_string(r.total_bytes) +
                ", files=" + std::to_string(r.files.size()) +
                ", skipped_objects=" + std::to_string(r.skipped_objects.size()) + ")";
@@ -142,9 +145,8 @@ void RegisterConvert(py::module_& m) {
           };
         }
         Comm* c = comm ? &comm->get() : nullptr;
-        ConvertReport report = WithoutGil([&] {
-          return c ? Convert(src, dst, options, *c) : Convert(src, dst, options);
-        });
+        ConvertReport report = WithoutGil(
+            [&] { return c ? Convert(src, dst, options, *c) : Convert(src, dst, options); });
         if (raised) throw std::move(*raised);
         return report;
       },
