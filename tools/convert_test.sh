@@ -130,9 +130,13 @@ check "--progress draws a bar that reaches 100%" $?
 [ ! -s "$work/nobar.txt" ]; check "no bar when stderr is not a terminal" $?
 
 # Memory is bounded by the buffer, not the checkpoint: a 96 MiB export with an 8 MiB buffer.
-"$tessera" demo --out "$work/big" --size 96MiB --save-layout tp2,dp1 --load-layout tp1,dp1 \
-  --no-sync > /dev/null
-$python - "$tessera" "$work/big" "$work/big_hf" <<'PY'
+# (Not under AddressSanitizer, whose shadow memory and quarantine dwarf the figure.)
+if ldd "$tessera" 2> /dev/null | grep -q libasan; then
+  echo "skipped: resident memory under AddressSanitizer"
+else
+  "$tessera" demo --out "$work/big" --size 96MiB --save-layout tp2,dp1 --load-layout tp1,dp1 \
+    --no-sync > /dev/null
+  $python - "$tessera" "$work/big" "$work/big_hf" <<'PY'
 import resource, subprocess, sys
 subprocess.check_call([sys.argv[1], "convert", sys.argv[2], sys.argv[3], "--to", "safetensors",
                        "--buffer", "8MiB", "--threads", "2", "--quiet", "--no-sync"],
@@ -141,7 +145,8 @@ peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 print(f"peak resident memory of the conversion: {peak_mib:.1f} MiB")
 assert peak_mib < 48, peak_mib
 PY
-check "a 96 MiB conversion with --buffer 8MiB stays under 48 MiB resident" $?
+  check "a 96 MiB conversion with --buffer 8MiB stays under 48 MiB resident" $?
+fi
 
 if [ "$failures" -ne 0 ]; then echo "$failures check(s) failed"; exit 1; fi
 echo "all convert checks passed"
