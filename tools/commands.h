@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -18,9 +19,11 @@ int Fail(const Status& status);
 // process exit code in *exit_code.
 void AddInspectCommands(CLI::App& app, int* exit_code);  // inspect, verify
 void AddDemoCommand(CLI::App& app, int* exit_code);
-void AddBenchPlanCommand(CLI::App& bench, int* exit_code);   // tessera bench plan
-void AddBenchIoCommand(CLI::App& bench, int* exit_code);     // tessera bench io
-void AddBenchAsyncCommand(CLI::App& bench, int* exit_code);  // tessera bench async
+void AddConvertCommand(CLI::App& app, int* exit_code);
+void AddBenchConvertCommand(CLI::App& bench, int* exit_code);  // tessera bench convert
+void AddBenchPlanCommand(CLI::App& bench, int* exit_code);     // tessera bench plan
+void AddBenchIoCommand(CLI::App& bench, int* exit_code);       // tessera bench io
+void AddBenchAsyncCommand(CLI::App& bench, int* exit_code);    // tessera bench async
 
 int RunInspect(const std::string& path, bool json);
 int RunVerify(const std::string& path);
@@ -37,6 +40,25 @@ struct DemoOptions {
   std::string comm = "local";        // local | mpi
 };
 int RunDemo(const DemoOptions& options);
+
+struct ConvertCliOptions {
+  std::string src, dst;
+  std::string to;  // tessera | torch_dist | safetensors
+  std::string max_shard_size = "5GB";
+  std::vector<std::string> keys;
+  std::string strip_prefix;
+  std::string dtype;  // empty: keep
+  int threads = 4;
+  std::string buffer = "256MiB";
+  std::string comm = "local";
+  int ranks = 1;          // with --comm local
+  bool progress = false;  // draw even when stderr is not a terminal
+  bool quiet = false;
+  bool json = false;
+  bool sync = true;
+  bool verify = true;
+};
+int RunConvert(const ConvertCliOptions& options);
 
 // A directory for a benchmark's files: `requested` if not empty (created), else a fresh
 // temporary directory. RemoveBenchDir removes it only if it was temporary.

@@ -1,4 +1,4 @@
-// tessera: inspect, verify, demo and benchmark checkpoints from the command line.
+// tessera: inspect, verify, convert, demo and benchmark checkpoints from the command line.
 #include <CLI/CLI.hpp>
 #include <new>
 
@@ -11,11 +11,13 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   AddInspectCommands(app, &exit_code);
   AddDemoCommand(app, &exit_code);
+  AddConvertCommand(app, &exit_code);
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks that print JSON");
   bench->require_subcommand(1);
   AddBenchPlanCommand(*bench, &exit_code);
   AddBenchIoCommand(*bench, &exit_code);
   AddBenchAsyncCommand(*bench, &exit_code);
+  AddBenchConvertCommand(*bench, &exit_code);
   try {
     CLI11_PARSE(app, argc, argv);
   } catch (const std::bad_alloc&) {

@@ -47,6 +47,7 @@ class FaultInjectingStorage : public Storage {
   Result<std::vector<std::string>> ListDir(const std::string& dir) override;
   Status Rename(const std::string& from, const std::string& to) override;
   Status Remove(const std::string& path) override;
+  Status RemoveDir(const std::string& path) override;
   Status SyncDir(const std::string& dir) override;
 
   // Counts one operation; returns the injected error if this one must fail. Used by the

@@ -38,6 +38,7 @@ class MemoryStorage : public Storage {
   Result<std::vector<std::string>> ListDir(const std::string& dir) override;
   Status Rename(const std::string& from, const std::string& to) override;
   Status Remove(const std::string& path) override;
+  Status RemoveDir(const std::string& path) override;
   Status SyncDir(const std::string& dir) override;
 
   // Forgets everything not yet durable (see the header comment).

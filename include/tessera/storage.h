@@ -139,6 +139,13 @@ class Storage {
   virtual Status Rename(const std::string& from, const std::string& to) = 0;
   // Removes a file. kNotFound when it does not exist.
   virtual Status Remove(const std::string& path) = 0;
+  // Removes an empty directory (what a failed `tessera convert` does with its temporary
+  // directory once it has removed the files in it). kNotFound when it does not exist; an
+  // error naming the path when it is not empty or not a directory. The default returns
+  // kUnimplemented (a Storage that cannot remove directories leaves them behind).
+  virtual Status RemoveDir(const std::string& path) {
+    return Unimplemented("RemoveDir is not supported for " + path);
+  }
   // Makes the directory's entries (creations, renames, removals) durable (fsync of the dir).
   virtual Status SyncDir(const std::string& dir) = 0;
 };

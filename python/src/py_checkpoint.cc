@@ -16,6 +16,7 @@
 #include "py_status.h"
 #include "tessera/async_save.h"
 #include "tessera/checkpoint.h"
+#include "tessera/convert.h"
 
 namespace py = pybind11;
 
@@ -88,6 +89,71 @@ void RegisterOptions(py::module_& m) {
                      &AsyncSaveOptions::check_unchanged_until_staged);
 }
 
+// ConvertOptions without `to`, `dtype` and `progress`, which _convert takes as arguments
+// (a format name, a dtype name, a Python callable).
+void RegisterConvert(py::module_& m) {
+  py::class_<ConvertOptions>(m, "ConvertOptions")
+      .def(py::init<>())
+      .def_readwrite("max_file_bytes", &ConvertOptions::max_file_bytes)
+      .def_readwrite("keys", &ConvertOptions::keys)
+      .def_readwrite("strip_prefix", &ConvertOptions::strip_prefix)
+      .def_readwrite("num_threads", &ConvertOptions::num_threads)
+      .def_readwrite("buffer_bytes", &ConvertOptions::buffer_bytes)
+      .def_readwrite("sync", &ConvertOptions::sync)
+      .def_readwrite("verify_checksums", &ConvertOptions::verify_checksums);
+  py::class_<ConvertReport>(m, "ConvertReport")
+      .def_property_readonly(
+          "source_format",
+          [](const ConvertReport& r) { return CheckpointFormatName(r.source_format); })
+      .def_readonly("tensors", &ConvertReport::tensors, "written, by all ranks")
+      .def_readonly("objects", &ConvertReport::objects, "written, by all ranks")
+      .def_readonly("total_bytes", &ConvertReport::total_bytes, "of the output, all ranks")
+      .def_readonly("bytes_written", &ConvertReport::bytes_written, "by this rank")
+      .def_readonly("bytes_read", &ConvertReport::bytes_read, "from the source, by this rank")
+      .def_property_readonly("files", [](const ConvertReport& r) { return TextList(r.files); })
+      .def_readonly("files_written", &ConvertReport::files_written, "by this rank")
+      .def_property_readonly("skipped_objects",
+                             [](const ConvertReport& r) { return TextList(r.skipped_objects); })
+      .def("__repr__", [](const ConvertReport& r) {
+        return "ConvertReport(source_format='" +
+               std::string(CheckpointFormatName(r.source_format)) +
+               "', tensors=" + std::to_string(r.tensors) +
+               ", objects=" + std::to_string(r.objects) +
+               ", total_bytes=" + std::to_string(r.total_bytes) +
+               ", files=" + std::to_string(r.files.size()) +
+               ", skipped_objects=" + std::to_string(r.skipped_objects.size()) + ")";
+      });
+  m.def(
+      "_convert",
+      [](const std::string& src, const std::string& dst, const std::string& to,
+         std::optional<std::string> dtype, const CommHandle* comm, ConvertOptions options,
+         py::object progress) {
+        options.to = ValueOrThrow(CheckpointFormatFromName(to));
+        if (dtype) options.dtype = ValueOrThrow(DTypeFromName(*dtype));
+        // Called from this thread while it runs without the GIL; an exception in the callback
+        // does not stop the conversion: the first one is raised once it is over.
+        std::optional<py::error_already_set> raised;
+        if (!progress.is_none()) {
+          options.progress = [&](uint64_t done, uint64_t total) {
+            py::gil_scoped_acquire gil;
+            if (raised) return;
+            try {
+              progress(done, total);
+            } catch (py::error_already_set& e) {
+              raised = std::move(e);
+            }
+          };
+        }
+        Comm* c = comm ? &comm->get() : nullptr;
+        ConvertReport report = WithoutGil(
+            [&] { return c ? Convert(src, dst, options, *c) : Convert(src, dst, options); });
+        if (raised) throw std::move(*raised);
+        return report;
+      },
+      py::arg("src"), py::arg("dst"), py::arg("to"), py::arg("dtype"), py::arg("comm"),
+      py::arg("options"), py::arg("progress"));
+}
+
 void RegisterReports(py::module_& m) {
   py::class_<SaveReport>(m, "SaveReport")
       .def_readonly("save_id", &SaveReport::save_id)
@@ -130,6 +196,11 @@ void RegisterReports(py::module_& m) {
       .def_readonly("chunks_checked", &VerifyReport::chunks_checked)
       .def_readonly("bytes_checked", &VerifyReport::bytes_checked)
       .def_readonly("files_checked", &VerifyReport::files_checked)
+      .def_property_readonly(
+          "format", [](const VerifyReport& r) { return CheckpointFormatName(r.format); },
+          "'tessera', 'torch_dist' or 'safetensors'")
+      .def_readonly("checksums", &VerifyReport::checksums,
+                    "False when the format has none: only the structure was checked")
       .def("__repr__", [](const VerifyReport& r) {
         return "VerifyReport(chunks_checked=" + std::to_string(r.chunks_checked) +
                ", bytes_checked=" + std::to_string(r.bytes_checked) +
@@ -183,6 +254,12 @@ void RegisterMetadata(py::module_& m) {
       });
   py::class_<Metadata>(m, "Metadata")
       .def_readonly("format_version", &Metadata::format_version)
+      .def_property_readonly(
+          "format", [](const Metadata& m) { return CheckpointFormatName(m.format); },
+          "'tessera', 'torch_dist' or 'safetensors' (detected from the files)")
+      .def_property_readonly(
+          "checksums", [](const Metadata& m) { return m.checksum != ChecksumKind::kNone; },
+          "whether the format stores checksums (Hugging Face files and DCP do not)")
       .def_readonly("save_id", &Metadata::save_id)
       .def_readonly("num_ranks", &Metadata::num_ranks)
       .def_readonly("tensors", &Metadata::tensors)
@@ -304,6 +381,7 @@ void RegisterCheckpoint(py::module_& m) {
   RegisterReports(m);
   RegisterMetadata(m);
   RegisterAsync(m);
+  RegisterConvert(m);
 
   m.def(
       "_save",

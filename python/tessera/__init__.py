@@ -9,6 +9,7 @@ mirrors torch.distributed.checkpoint:
     handle = tessera.async_save(state_dict, path)      # handle.wait()
     state = tessera.load_all(path)                     # a new state dict from the metadata
     tessera.read_metadata(path); tessera.verify(path)
+    tessera.convert(src, dst, to="safetensors")        # e.g. export for inference
 
 See docs/PYTHON.md.
 """
@@ -16,15 +17,15 @@ See docs/PYTHON.md.
 from . import _tessera
 from . import megatron
 from . import torch
-from ._api import async_save, load, load_all, read_metadata, save, verify
+from ._api import async_save, convert, load, load_all, read_metadata, save, verify
 from ._errors import (AlreadyExistsError, CommError, CommTimeoutError, CorruptCheckpointError,
                       Error, FailedPreconditionError, InternalError, InvalidArgumentError,
                       MissingKeysError, NotFoundError, PartialLoadWarning, StorageError,
                       UnimplementedError)
 from ._state import STRUCTURE_KEY, ShardedObject, ShardedTensor
 from ._torch_comm import torch_dist_comm
-from ._tessera import (AsyncSaveHandle, Comm, LoadReport, Metadata, SaveReport, VerifyReport,
-                       python_comm, run_local, single_rank_comm)
+from ._tessera import (AsyncSaveHandle, Comm, ConvertReport, LoadReport, Metadata, SaveReport,
+                       VerifyReport, python_comm, run_local, single_rank_comm)
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ def mpi_comm(comm=None):
 
 __all__ = [
     "AlreadyExistsError", "AsyncSaveHandle", "Comm", "CommError", "CommTimeoutError",
+    "ConvertReport", "convert",
     "CorruptCheckpointError", "Error", "FailedPreconditionError", "HAS_MPI", "InternalError",
     "InvalidArgumentError", "LoadReport", "Metadata", "MissingKeysError", "NotFoundError",
     "PartialLoadWarning", "STRUCTURE_KEY", "SaveReport", "ShardedObject", "ShardedTensor", "StorageError",

@@ -1,9 +1,11 @@
-"""save, load, async_save, load_all, read_metadata, verify: thin wrappers that flatten the
-state dict (tessera/_state.py), set the C++ options from keyword arguments and call the
-extension module without the GIL."""
+"""save, load, async_save, load_all, read_metadata, verify, convert: thin wrappers that
+flatten the state dict (tessera/_state.py), set the C++ options from keyword arguments and call
+the extension module without the GIL."""
 
 import atexit
 import os
+import re
+import sys
 import threading
 
 from . import _state
@@ -233,6 +235,124 @@ def verify(path, num_threads=2):
     first problem found (usually a CorruptCheckpointError; an InvalidArgumentError for
     num_threads < 1)."""
     return _tessera.verify(os.fspath(path), num_threads)
+
+
+# ---- conversion ----------------------------------------------------------------------------
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_TARGET_DTYPES = {"bf16": "BF16", "bfloat16": "BF16", "f16": "F16", "float16": "F16",
+                  "half": "F16", "f32": "F32", "float32": "F32", "float": "F32", "f64": "F64",
+                  "float64": "F64", "double": "F64"}
+_FORMATS = ("tessera", "torch_dist", "safetensors")
+
+
+def _size(value, name):
+    """Bytes from an int or a text such as "5GB", "256MiB"."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if match and match.group(2).upper() in _SIZE_UNITS:
+            return int(round(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()]))
+    raise ValueError(f"{name} must be a number of bytes or a size such as '5GB' or '256MiB', "
+                     f"not {value!r}")
+
+
+def _target_dtype(dtype):
+    """The safetensors name of a float dtype given as text, a torch dtype or a NumPy dtype."""
+    if dtype is None:
+        return None
+    text = str(dtype).lower()
+    text = text[len("torch."):] if text.startswith("torch.") else text
+    if not isinstance(dtype, str):
+        try:
+            import numpy  # noqa: PLC0415
+            text = numpy.dtype(dtype).name
+        except TypeError:
+            pass
+    if text not in _TARGET_DTYPES:
+        raise ValueError(f"dtype must be bf16, f16, f32 or f64 (or the torch or NumPy float "
+                         f"dtype), not {dtype!r}")
+    return _TARGET_DTYPES[text]
+
+
+def _progress_bar():
+    """A progress callback: tqdm's bar when tqdm is installed, else one line on stderr."""
+    try:
+        from tqdm import tqdm  # noqa: PLC0415
+    except ImportError:
+        tqdm = None
+    state = {}
+
+    def update(done, total):
+        if tqdm is not None:
+            bar = state.get("bar")
+            if bar is None:
+                bar = state["bar"] = tqdm(total=total, unit="B", unit_scale=True, desc="convert")
+            bar.update(done - bar.n)
+            if done >= total:
+                bar.close()
+            return
+        percent = 100 if total == 0 else 100 * done // total
+        sys.stderr.write(f"\rconvert {percent:3d}% {done / 1e6:.1f} / {total / 1e6:.1f} MB")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return update
+
+
+def convert(src, dst, *, to, comm=None, max_shard_size="5GB", keys=None, strip_prefix=None,
+            dtype=None, num_threads=4, buffer_bytes="256MiB", sync=True, verify_checksums=True,
+            progress=None):
+    """Rewrites the checkpoint at `src` (tessera, PyTorch DCP / Megatron torch_dist, Hugging
+    Face safetensors files or one .safetensors file: detected) as a new directory `dst` in the
+    format `to`: "safetensors" (Hugging Face: model.safetensors, or model-0000i-of-0000N
+    shards and model.safetensors.index.json; whole tensors; objects are not exported) or
+    "tessera" (objects kept). "torch_dist" is not available yet (UnimplementedError).
+
+    Streams: memory is bounded by `buffer_bytes` (per rank), not by the checkpoint; each
+    tensor is loaded in units of at most buffer_bytes / num_threads (and 32 MiB) and written
+    whole. `dst` must not exist (or be an empty directory); it is written under a temporary
+    name beside it and renamed at the end, so it is complete or absent.
+
+    max_shard_size: largest output file ("5GB", "2GiB" or bytes; a larger tensor gets a file
+    of its own). keys: keep only keys starting with this prefix or these prefixes.
+    strip_prefix: removed from every output key that starts with it. dtype: "bf16", "f16",
+    "f32", "f64" (or torch.bfloat16, numpy.float32, ...): every F64/F32/F16/BF16 tensor is
+    written in it, rounded to nearest even; integers and float8 keep theirs. sync=False skips
+    fsync. verify_checksums: check the source's checksums where it has them. progress: a
+    callable (bytes done, bytes total) of this rank, or True for a bar (tqdm's when installed).
+
+    COLLECTIVE over `comm`: every rank calls it with the same arguments; the output files are
+    spread over the ranks. Returns a ConvertReport (tensors, objects, total_bytes, files,
+    skipped_objects, bytes_read and bytes_written of this rank, ...).
+    """
+    comm = _comm_handle(comm)
+    if to not in _FORMATS:
+        raise ValueError(f"to must be one of {list(_FORMATS)}, not {to!r}")
+    if isinstance(keys, str):
+        keys = [keys]
+    keys = list(keys or [])
+    if not all(isinstance(k, str) for k in keys):
+        raise TypeError("keys must be a str or a list of str")
+    opts = _tessera.ConvertOptions()
+    opts.max_file_bytes = _size(max_shard_size, "max_shard_size")
+    opts.buffer_bytes = _size(buffer_bytes, "buffer_bytes")
+    opts.keys = keys
+    opts.strip_prefix = strip_prefix or ""
+    opts.num_threads = num_threads
+    opts.sync = _tessera.SyncPolicy.FULL if sync else _tessera.SyncPolicy.NONE
+    opts.verify_checksums = bool(verify_checksums)
+    if progress is True:
+        progress = _progress_bar() if comm is None or comm.rank == 0 else None
+    elif progress is False:
+        progress = None
+    elif progress is not None and not callable(progress):
+        raise TypeError("progress must be a callable (done, total), True or None")
+    return _tessera._convert(os.fspath(src), os.fspath(dst), to, _target_dtype(dtype), comm, opts,
+                             progress)
 
 
 # ---- asynchronous saves ------------------------------------------------------------------

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "checkpoint/envelope.h"
+#include "checkpoint/load_internal.h"
 #include "checkpoint/reader.h"
 #include "core/byte_io.h"
 #include "format/checkpoint_index.h"
@@ -24,6 +25,8 @@ namespace tessera {
 namespace {
 
 constexpr int kCoordinator = 0;
+
+}  // namespace
 
 // Rank 0 reads the index and broadcasts it: [root][manifest encoding of the metadata]; every
 // rank decodes it. One read of storage for the whole job. COLLECTIVE.
@@ -51,8 +54,6 @@ Result<CheckpointIndex> ReadAndShareIndex(Comm& comm, Storage& storage, const st
                                           "the index of " + path + " sent by rank 0"));
   return index;
 }
-
-}  // namespace
 
 namespace {
 
@@ -140,6 +141,12 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
   std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
   // 1. The index, read once (in whatever format) and shared in the manifest encoding.
   TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadAndShareIndex(comm, *storage, path));
+  return LoadFromIndex(state, index, path, comm, *storage, options);
+}
+
+Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
+                                 const std::string& path, Comm& comm, Storage& storage,
+                                 const LoadOptions& options, bool list_unexpected) {
   const Metadata& metadata = index.metadata;
   const std::string& root = index.root;
 
@@ -160,7 +167,7 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
     report.missing_keys = planned->missing_keys;
     report.shape_mismatched_keys = planned->shape_mismatched_keys;
     report.bytes_needed = planned->bytes_needed;
-    for (size_t k = 0; k < num_keys; ++k) {
+    for (size_t k = 0; k < num_keys && list_unexpected; ++k) {
       if (asked[k]) continue;
       report.unexpected_keys.push_back(k < metadata.tensors.size()
                                            ? metadata.tensors[k].key
@@ -183,15 +190,15 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
   const RankReadPlan& plan = *planned;
   // ReadShared is collective and fails alike on every rank; ExecuteReads is local.
   Status read_status = options.read_sharing != ReadSharing::kNone && comm.size() > 1
-                           ? ReadShared(comm, *storage, root, metadata, plan.runs, options, report)
-                           : ExecuteReads(*storage, root, metadata, plan.runs, options, report);
+                           ? ReadShared(comm, storage, root, metadata, plan.runs, options, report)
+                           : ExecuteReads(storage, root, metadata, plan.runs, options, report);
   if (read_status.ok()) {
-    read_status = ExecutePermutedCopies(*storage, root, metadata, plan.permuted, options, report);
+    read_status = ExecutePermutedCopies(storage, root, metadata, plan.permuted, options, report);
   }
   for (const ObjectRead& read : plan.objects) {
     if (!read_status.ok()) break;
     read_status =
-        ReadObject(*storage, root, metadata, *read.info, options, read.destination->data, report);
+        ReadObject(storage, root, metadata, *read.info, options, read.destination->data, report);
     read.destination->encoding = read.info->encoding;
   }
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, read_status));

@@ -161,6 +161,11 @@ Status FaultInjectingStorage::Remove(const std::string& path) {
   return base_->Remove(path);
 }
 
+Status FaultInjectingStorage::RemoveDir(const std::string& path) {
+  TESSERA_RETURN_IF_ERROR(Check("RemoveDir", path));
+  return base_->RemoveDir(path);
+}
+
 Status FaultInjectingStorage::SyncDir(const std::string& dir) {
   TESSERA_RETURN_IF_ERROR(Check("SyncDir", dir));
   return base_->SyncDir(dir);

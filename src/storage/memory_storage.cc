@@ -323,6 +323,20 @@ Status MemoryStorage::Remove(const std::string& path) {
   return Status::Ok();
 }
 
+Status MemoryStorage::RemoveDir(const std::string& path) {
+  const std::string what = "rmdir " + path;
+  const std::vector<std::string> comps = Components(path);
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (comps.empty()) return ErrnoStatus(what, EBUSY);
+  TESSERA_ASSIGN_OR_RETURN(NodePtr parent, impl_->ResolveParent(comps, what));
+  auto it = parent->entries.find(comps.back());
+  if (it == parent->entries.end()) return ErrnoStatus(what, ENOENT);
+  if (!it->second->is_dir) return ErrnoStatus(what, ENOTDIR);
+  if (!it->second->entries.empty()) return ErrnoStatus(what, ENOTEMPTY);
+  parent->entries.erase(it);
+  return Status::Ok();
+}
+
 Status MemoryStorage::SyncDir(const std::string& dir) {
   const std::string what = "open directory " + dir;
   const std::vector<std::string> comps = Components(dir);

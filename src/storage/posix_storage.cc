@@ -307,6 +307,11 @@ class PosixStorage : public Storage {
     return Status::Ok();
   }
 
+  Status RemoveDir(const std::string& path) override {
+    if (::rmdir(OsPath(path)) != 0) return ErrnoStatus("rmdir " + path, errno);
+    return Status::Ok();
+  }
+
   Status SyncDir(const std::string& dir) override {
     const int fd = OpenRetry(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return ErrnoStatus("open directory " + dir, errno);

@@ -435,6 +435,20 @@ TEST_P(StorageTest, RemoveDeletesAFileButNotADirectory) {
   EXPECT_EQ(storage().Remove(Path("dir")).code(), StatusCode::kIOError);
 }
 
+TEST_P(StorageTest, RemoveDirRemovesOnlyAnEmptyDirectory) {
+  STORAGE_ASSERT_OK(storage().CreateDirs(Path("full")));
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("full/f"), "x"));
+  const Status not_empty = storage().RemoveDir(Path("full"));
+  EXPECT_EQ(not_empty.code(), StatusCode::kIOError);
+  EXPECT_NE(not_empty.message().find(Path("full")), std::string::npos) << not_empty.ToString();
+  EXPECT_EQ(storage().RemoveDir(Path("full/f")).code(), StatusCode::kIOError);  // a file
+  STORAGE_ASSERT_OK(storage().Remove(Path("full/f")));
+  STORAGE_ASSERT_OK(storage().RemoveDir(Path("full")));
+  STORAGE_ASSIGN_OR_FAIL(FileType type, storage().Stat(Path("full")));
+  EXPECT_EQ(type, FileType::kNotFound);
+  EXPECT_EQ(storage().RemoveDir(Path("full")).code(), StatusCode::kNotFound);
+}
+
 TEST_P(StorageTest, DuplicateSlashesAndDotsNameTheSameFile) {
   STORAGE_ASSERT_OK(storage().CreateDirs(Path("d")));
   STORAGE_ASSERT_OK(WriteFile(storage(), env_->root() + "/d//x", "same"));

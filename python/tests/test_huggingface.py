@@ -1,0 +1,189 @@
+"""Hugging Face safetensors checkpoints in Python: files written by an independent writer (the
+standard library only, src/format/huggingface/testdata/write_hf.py) load whole with load_all
+and resharded with load, over 1, 2 and 4 ranks (run_local) and 2 gloo processes, by rows and
+by columns; bad files are CorruptCheckpointErrors naming the file; verify checks structure."""
+
+import datetime
+import os
+import pathlib
+import struct
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import tessera
+from conftest import free_port, raw_bytes
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "src" / "format" /
+                       "huggingface" / "testdata"))
+import write_hf  # noqa: E402
+
+# name -> (torch tensor, safetensors dtype): what the checkpoint holds.
+TORCH_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+                torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def model():
+    g = torch.Generator().manual_seed(5)
+    return {
+        "model.embed_tokens.weight": torch.randn(16, 12, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(12, 12, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(20, 12, generator=g).to(torch.float16),
+        "model.norm.weight": torch.randn(12, generator=g).double(),
+        "model.rope.inv_freq": torch.arange(6, dtype=torch.int64),
+        "model.mask": torch.rand(4, 6, generator=g) > 0.5,
+        "model.small": torch.arange(-8, 8, dtype=torch.int8).reshape(4, 4),
+        "lm_head.weight": torch.randn(16, 12, generator=g),
+    }
+
+
+def entry(name, tensor):
+    data = raw_bytes(tensor)
+    return (name, TORCH_DTYPES[tensor.dtype], list(tensor.shape), data)
+
+
+def write(directory, layout, tensors):
+    """layout: "single", "indexed" (3 shards + index) or "noindex" (2 shards)."""
+    os.makedirs(directory, exist_ok=True)
+    names = sorted(tensors)
+    if layout == "single":
+        groups = {"model.safetensors": names}
+    elif layout == "indexed":
+        groups = {f"model-0000{i + 1}-of-00003.safetensors": names[i::3] for i in range(3)}
+    else:
+        groups = {"part-a.safetensors": names[:4], "part-b.safetensors": names[4:]}
+    weight_map = {}
+    for file_name, group in groups.items():
+        write_hf.write_safetensors(os.path.join(directory, file_name),
+                                   [entry(n, tensors[n]) for n in group], {"format": "pt"})
+        weight_map.update({n: file_name for n in group})
+    if layout == "indexed":
+        write_hf.write_index(directory, weight_map,
+                             sum(len(raw_bytes(t)) for t in tensors.values()))
+    return os.path.join(directory, "model.safetensors") if layout == "single" else directory
+
+
+@pytest.mark.parametrize("layout", ["single", "indexed", "noindex"])
+def test_load_all_reads_every_layout(tmp_path, layout):
+    tensors = model()
+    path = write(tmp_path / "hf", layout, tensors)
+    for where in {path, str(tmp_path / "hf")}:
+        loaded = tessera.load_all(where, tensor_type="torch")
+        assert sorted(loaded) == sorted(tensors)
+        for name, t in tensors.items():
+            assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+    metadata = tessera.read_metadata(path)
+    assert metadata.format == "safetensors" and not metadata.checksums
+    assert metadata.user_metadata["format"] == "pt"
+
+
+def test_every_safetensors_dtype_as_numpy(tmp_path):
+    rng = np.random.default_rng(1)
+    dtypes = list(write_hf.DTYPE_SIZES)
+    tensors = [(f"t.{d}", d, [3, 5], rng.integers(0, 256, 15 * write_hf.DTYPE_SIZES[d],
+                                                  dtype=np.uint8).tobytes()) for d in dtypes]
+    write_hf.write_safetensors(str(tmp_path / "model.safetensors"), tensors)
+    loaded = tessera.load_all(tmp_path, tensor_type="numpy")
+    for name, _, shape, data in tensors:
+        assert list(loaded[name].shape) == shape and loaded[name].tobytes() == data, name
+
+
+def test_verify_checks_structure_only(tmp_path):
+    write(tmp_path, "indexed", model())
+    report = tessera.verify(tmp_path)
+    assert report.format == "safetensors" and report.checksums is False
+    assert report.files_checked == 3 and report.bytes_checked == 0
+
+
+def rank_box(shape, rank, ranks, dim):
+    offsets, sizes = [0] * len(shape), list(shape)
+    if dim < len(shape):
+        offsets[dim] = shape[dim] * rank // ranks
+        sizes[dim] = shape[dim] * (rank + 1) // ranks - offsets[dim]
+    return offsets, sizes
+
+
+def load_sharded(path, tensors, comm, dim):
+    """Every rank loads its slice along `dim` of every tensor that has it (the whole of the
+    others) and checks it; returns the bytes it needed and read."""
+    state = {}
+    for name, t in tensors.items():
+        offsets, sizes = rank_box(list(t.shape), comm.rank, comm.size, dim)
+        state[name] = tessera.ShardedTensor(torch.zeros(sizes, dtype=t.dtype), tuple(t.shape),
+                                            tuple(offsets))
+    report = tessera.load(state, path, comm=comm)
+    for name, t in tensors.items():
+        offsets, sizes = rank_box(list(t.shape), comm.rank, comm.size, dim)
+        want = t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        assert torch.equal(state[name].data, want), (comm.rank, name)
+    return report.bytes_needed, report.bytes_read
+
+
+@pytest.mark.parametrize("layout", ["single", "indexed", "noindex"])
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_resharded_load_on_local_ranks(tmp_path, layout, ranks, dim):
+    tensors = model()
+    path = write(tmp_path / "hf", layout, tensors)
+    results = tessera.run_local(ranks, lambda comm: load_sharded(path, tensors, comm, dim))
+    for needed, read in results:
+        assert needed == read, results  # no checksums: exactly the bytes needed
+
+
+def gloo_worker(rank, size, port, path):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=60))
+    try:
+        comm = tessera.torch_dist_comm()
+        for dim in (0, 1):
+            needed, read = load_sharded(path, model(), comm, dim)
+            assert needed == read > 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_resharded_load_on_two_gloo_processes(tmp_path):
+    path = write(tmp_path / "hf", "indexed", model())
+    mp.start_processes(gloo_worker, args=(2, free_port(), path), nprocs=2, join=True,
+                       start_method="spawn")
+
+
+def raw_file(path, header, data, declared=None):
+    text = header.encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text) if declared is None else declared))
+        f.write(text + data)
+
+
+def test_an_unknown_dtype_names_the_tensor_and_the_file(tmp_path):
+    path = str(tmp_path / "model.safetensors")
+    raw_file(path, '{"w":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}}', b"\0")
+    with pytest.raises(tessera.CorruptCheckpointError) as e:
+        tessera.load_all(tmp_path)
+    assert path in str(e.value) and 'entry "w": dtype "F4" is not supported' in str(e.value)
+
+
+@pytest.mark.parametrize("header,data,declared,what", [
+    ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', bytes(8), 9999,
+     "runs past the end of the file"),
+    ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]', bytes(8), None, "invalid JSON"),
+    ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+     '"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}', bytes(12), None, "overlap"),
+    ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', bytes(4), None,
+     "entries end at byte 8"),
+    ('{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}', bytes(8), None,
+     "do not match 12 bytes"),
+])
+def test_invalid_headers_name_the_file(tmp_path, header, data, declared, what):
+    write(tmp_path, "indexed", model())
+    shard = str(tmp_path / "model-00002-of-00003.safetensors")
+    raw_file(shard, header, data, declared)
+    for call in (tessera.read_metadata, tessera.load_all, tessera.verify):
+        with pytest.raises(tessera.CorruptCheckpointError) as e:
+            call(str(tmp_path))
+        assert shard in str(e.value) and what in str(e.value), str(e.value)
