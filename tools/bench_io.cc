@@ -58,6 +58,7 @@
 #include "tessera/checkpoint.h"
 #include "tessera/local_comm.h"
 #include "tools/commands.h"
+#include "tools/memory.h"
 #include "tools/ranks.h"
 #include "workload/model_state.h"
 
@@ -228,31 +229,10 @@ std::string RawFile(const std::string& dir, int rank, int thread) {
 
 // ---- memory -------------------------------------------------------------------------------------
 
-// A "VmXXX:  1234 kB" line of /proc/self/status, in bytes; 0 when unavailable.
-uint64_t ProcStatusBytes(const char* field) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  const size_t n = std::strlen(field);
-  while (std::getline(in, line)) {
-    if (line.compare(0, n, field) == 0 && line.size() > n && line[n] == ':') {
-      return std::strtoull(line.c_str() + n + 1, nullptr, 10) * 1024;
-    }
-  }
-  return 0;
-}
-
 uint64_t MaxRssBytes() {
   struct rusage usage;
   if (getrusage(RUSAGE_SELF, &usage) != 0) return 0;
   return static_cast<uint64_t>(usage.ru_maxrss) * 1024;  // KiB on Linux
-}
-
-// Resets VmHWM to the current RSS. False when the kernel does not allow it.
-bool ResetPeakRss() {
-  std::ofstream out("/proc/self/clear_refs");
-  out << "5";
-  out.flush();
-  return static_cast<bool>(out);
 }
 
 constexpr const char* kDropCachesPath = "/proc/sys/vm/drop_caches";
