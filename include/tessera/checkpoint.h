@@ -100,10 +100,12 @@ struct LoadOptions {
   bool verify_partial_chunks = false;
   // Parallel readers per rank. Default 2.
   int num_io_threads = 2;
-  // Default kNone. With kBroadcast or kAllGather (the same on every rank), bytes that several
-  // ranks need (data-parallel replicas) are read from storage once between them and exchanged
-  // through the Comm: storage reads total the unique bytes needed. Costs an all-gather of every
-  // rank's read list, and the exchange, which sends each shared piece to every rank.
+  // Default kNone. With kBroadcast or kAllGather (the same on every rank), ranks that need
+  // exactly the same bytes (data-parallel replicas of the load layout) read them from storage
+  // once between them and exchange them through a communicator of their own: the group's
+  // storage reads total its unique bytes. Costs an all-gather of a 16-byte signature per rank
+  // and a Comm::Split; no rank learns another's read list. Bytes needed by ranks of different
+  // groups (e.g. a tensor replicated over tensor-parallel ranks) are read once per group.
   ReadSharing read_sharing = ReadSharing::kNone;
   // Exchange memory per rank and round, in bytes: what a rank contributes to one all-gather
   // round or one broadcast. Default 256 MiB. An all-gather round holds ranks x this in each

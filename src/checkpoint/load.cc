@@ -18,6 +18,7 @@
 #include "format/checksum.h"
 #include "format/manifest.h"
 #include "plan/load_plan.h"
+#include "plan/plan_exchange.h"
 #include "plan/read_sharing.h"
 #include "tessera/checkpoint.h"
 
@@ -57,33 +58,11 @@ Result<CheckpointIndex> ReadAndShareIndex(Comm& comm, Storage& storage, const st
 
 namespace {
 
-// Reads `runs` with read sharing: every rank learns every rank's runs, each distinct run is read
-// by one of the ranks that need it, and the readers send the shared ones to the others.
-// COLLECTIVE; every rank returns the same status.
-Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const Metadata& metadata,
-                  const std::vector<ReadRun>& runs, const LoadOptions& options,
-                  LoadReport& report) {
-  std::vector<Bytes> all;
-  TESSERA_RETURN_IF_ERROR(comm.AllGather(EncodeRunKeys(runs), &all));
-  std::vector<std::vector<RunKey>> keys(all.size());
-  for (size_t r = 0; r < all.size(); ++r) {
-    TESSERA_ASSIGN_OR_RETURN(keys[r], DecodeRunKeys(all[r]));
-  }
-  all.clear();
-  const ReadAssignment assignment = AssignReads(keys);
+// The exchange of read runs between the ranks of `comm`: the same schedule on every rank.
+Status ExchangeWithinGroup(Comm& comm, const ReadAssignment& assignment,
+                           const std::vector<std::byte*>& destination, const LoadOptions& options,
+                           LoadReport& report) {
   const int me = comm.rank();
-  const std::vector<uint32_t>& mine = assignment.unique_of[me];
-  // Where each distinct run lands in this rank's memory, when this rank needs it.
-  std::vector<std::byte*> destination(assignment.unique.size(), nullptr);
-  std::vector<ReadRun> to_read;
-  for (size_t i = 0; i < runs.size(); ++i) {
-    destination[mine[i]] = runs[i].destination;
-    if (assignment.reader[mine[i]] == me) to_read.push_back(runs[i]);
-  }
-  TESSERA_RETURN_IF_ERROR(
-      AgreeOnStatus(comm, ExecuteReads(storage, path, metadata, to_read, options, report)));
-
-  // Exchange: the same schedule on every rank.
   const std::vector<std::vector<ExchangePiece>> rounds =
       ScheduleExchange(assignment, comm.size(), options.exchange_bytes);
   auto needs = [&](const ExchangePiece& p) {
@@ -132,6 +111,53 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
     }
   }
   return Status::Ok();
+}
+
+// Reads `runs` with read sharing. Ranks that need the same runs (data-parallel replicas of the
+// load layout) are found by one all-gather of 16-byte signatures of their run lists (without
+// the runs of flat ranges: a distributed optimizer's shards differ between replicas and are
+// read by their own rank); each such group gets its own communicator, reads every distinct run
+// once between its members, and exchanges them within the group only. No rank learns any other
+// rank's run list. COLLECTIVE over `comm`; within a group every rank returns the same status.
+Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const Metadata& metadata,
+                  const std::vector<ReadRun>& all_runs, const LoadOptions& options,
+                  LoadReport& report) {
+  std::vector<ReadRun> runs, own;
+  for (const ReadRun& run : all_runs) (run.flat ? own : runs).push_back(run);
+  const Bytes keys = EncodeRunKeys(runs);
+  const Checksum128Value hash = Checksum128(keys.data(), keys.size());
+  std::vector<Bytes> all;
+  TESSERA_RETURN_IF_ERROR(comm.AllGather(EncodeSignature({hash.low, hash.high}), &all));
+  std::vector<PlanSignature> signatures(all.size());
+  for (size_t r = 0; r < all.size(); ++r) {
+    TESSERA_ASSIGN_OR_RETURN(signatures[r], DecodeSignature(all[r]));
+  }
+  all.clear();
+  const PlanGroups groups = GroupBySignature(signatures);
+  const std::vector<int32_t>& members = groups.members[groups.group_of[comm.rank()]];
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Comm> group_comm, comm.Split(members[0], comm.rank()));
+  Comm& group = *group_comm;
+  if (group.size() == 1) return ExecuteReads(storage, path, metadata, all_runs, options, report);
+  TESSERA_ASSIGN_OR_RETURN(std::vector<RunKey> my_keys, DecodeRunKeys(keys));
+  const ReadAssignment assignment = AssignIdenticalReads(my_keys, group.size());
+  const int me = group.rank();
+  // Where each distinct run lands in this rank's memory.
+  std::vector<std::byte*> destination(assignment.unique.size(), nullptr);
+  std::vector<ReadRun> to_read = std::move(own);
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const uint32_t u = static_cast<uint32_t>(
+        std::lower_bound(assignment.unique.begin(), assignment.unique.end(), my_keys[i]) -
+        assignment.unique.begin());
+    destination[u] = runs[i].destination;
+    if (assignment.reader[u] == me) to_read.push_back(runs[i]);
+  }
+  std::sort(to_read.begin(), to_read.end(), [](const ReadRun& a, const ReadRun& b) {
+    return a.file_index != b.file_index ? a.file_index < b.file_index
+                                        : a.file_offset < b.file_offset;
+  });
+  TESSERA_RETURN_IF_ERROR(
+      AgreeOnStatus(group, ExecuteReads(storage, path, metadata, to_read, options, report)));
+  return ExchangeWithinGroup(group, assignment, destination, options, report);
 }
 
 }  // namespace

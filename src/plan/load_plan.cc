@@ -119,7 +119,7 @@ void CoalesceRuns(std::vector<ReadRun>& runs) {
       // Runs of different chunks stay apart, so every run belongs to one chunk.
       if (last.file_index == next.file_index && last.tensor == next.tensor &&
           last.chunk == next.chunk && last.file_offset + last.length == next.file_offset &&
-          last.destination + last.length == next.destination) {
+          last.destination + last.length == next.destination && last.flat == next.flat) {
         last.length += next.length;
         continue;
       }
@@ -180,8 +180,12 @@ Status PlanTensor(const Metadata& metadata, std::vector<std::unique_ptr<ChunkInd
                         " is outside the saved global shape " + ShapeToString(info->global_shape));
     }
     const int64_t needed = wanted.NumElements();
+    const size_t first_run = plan.runs.size();
     const int64_t covered = PlanTensorReads(metadata, t, *indexes[t], wanted, piece.box,
                                             destination, plan.runs, plan.permuted);
+    if (tensor.flat_range) {
+      for (size_t i = first_run; i < plan.runs.size(); ++i) plan.runs[i].flat = true;
+    }
     plan.bytes_needed += needed * element_size;
     if (covered != needed) {
       return DataLoss("key '" + tensor.key + "': box " + wanted.ToString() + " is covered by " +

@@ -46,6 +46,9 @@ struct ReadRun {
   std::byte* destination = nullptr;
   uint32_t tensor = 0;  // index into Metadata::tensors (the reader checks its checksums)
   uint32_t chunk = 0;   // index into that tensor's chunks
+  // For a flat range of a local box (a distributed optimizer's shard): such runs are not
+  // shared between ranks (read sharing), data-parallel ranks never hold the same ones.
+  bool flat = false;
 };
 
 // A part of a chunk stored in another dimension order than row-major (ChunkInfo::

@@ -1,5 +1,7 @@
 #include "plan/read_sharing.h"
 
+#include <queue>
+
 #include <algorithm>
 #include <numeric>
 
@@ -57,6 +59,10 @@ ReadAssignment AssignReads(std::span<const std::vector<RunKey>> runs_by_rank) {
     }
     return a.unique[x].length > a.unique[y].length;
   });
+  a.num_holders.resize(a.unique.size());
+  for (size_t u = 0; u < a.unique.size(); ++u) {
+    a.num_holders[u] = static_cast<uint32_t>(a.holders[u].size());
+  }
   std::vector<uint64_t> load(runs_by_rank.size(), 0);
   a.reader.assign(a.unique.size(), -1);
   for (uint32_t u : order) {
@@ -66,6 +72,31 @@ ReadAssignment AssignReads(std::span<const std::vector<RunKey>> runs_by_rank) {
     }
     a.reader[u] = best;
     load[best] += a.unique[u].length;
+  }
+  return a;
+}
+
+ReadAssignment AssignIdenticalReads(std::span<const RunKey> runs, int num_ranks) {
+  ReadAssignment a;
+  a.unique.assign(runs.begin(), runs.end());
+  std::sort(a.unique.begin(), a.unique.end());
+  a.unique.erase(std::unique(a.unique.begin(), a.unique.end()), a.unique.end());
+  a.num_holders.assign(a.unique.size(), static_cast<uint32_t>(num_ranks));
+  std::vector<uint32_t> order(a.unique.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](uint32_t x, uint32_t y) { return a.unique[x].length > a.unique[y].length; });
+  // Least loaded first: a heap of (bytes, rank).
+  std::priority_queue<std::pair<uint64_t, int32_t>, std::vector<std::pair<uint64_t, int32_t>>,
+                      std::greater<>>
+      load;
+  for (int32_t r = 0; r < num_ranks; ++r) load.push({0, r});
+  a.reader.assign(a.unique.size(), -1);
+  for (uint32_t u : order) {
+    auto [bytes, rank] = load.top();
+    load.pop();
+    a.reader[u] = rank;
+    load.push({bytes + a.unique[u].length, rank});
   }
   return a;
 }
@@ -81,7 +112,7 @@ std::vector<std::vector<ExchangePiece>> ScheduleExchange(const ReadAssignment& a
   std::vector<size_t> next_round(num_ranks, 0);
   std::vector<uint64_t> used_in_next(num_ranks, 0);
   for (uint32_t u = 0; u < assignment.unique.size(); ++u) {
-    if (assignment.holders[u].size() < 2) continue;
+    if (assignment.num_holders[u] < 2) continue;
     const int32_t sender = assignment.reader[u];
     for (uint64_t begin = 0; begin < assignment.unique[u].length;) {
       if (used_in_next[sender] == cap) {

@@ -28,7 +28,9 @@ Result<std::vector<RunKey>> DecodeRunKeys(std::span<const uint8_t> bytes);
 struct ReadAssignment {
   std::vector<RunKey> unique;                 // every distinct run, sorted
   std::vector<int32_t> reader;                // per unique run: the rank that reads it
+  std::vector<uint32_t> num_holders;          // per unique run: how many ranks need it
   std::vector<std::vector<int32_t>> holders;  // per unique run: ranks that need it, ascending
+                                              // (AssignReads only)
   // unique_of[r][i]: the unique run of rank r's run i.
   std::vector<std::vector<uint32_t>> unique_of;
 };
@@ -37,6 +39,12 @@ struct ReadAssignment {
 // larger first, each to the least-loaded (in bytes) of its ranks, ties by rank. The total read
 // from storage is the unique bytes needed.
 ReadAssignment AssignReads(std::span<const std::vector<RunKey>> runs_by_rank);
+
+// The assignment for `num_ranks` ranks that all need exactly `runs` (data-parallel replicas:
+// Load groups ranks by the signature of their run lists): each distinct run to the least-loaded
+// rank, larger runs first. O(runs log runs + num_ranks), whatever the number of ranks; `holders`
+// and `unique_of` are left empty (every rank needs every run).
+ReadAssignment AssignIdenticalReads(std::span<const RunKey> runs, int num_ranks);
 
 // One piece of a shared run sent by its reader to the other ranks that need it.
 struct ExchangePiece {

@@ -382,16 +382,27 @@ Status ReadSharingReadsEachByteOnce(Comm& comm, const std::string& dir, ReadShar
   options.exchange_bytes = 64 << 10;  // many rounds
   TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(loaded.dict, dir + "/ck", comm, options));
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, workload::CheckRankState(loaded)));
+  // The bytes of this rank's boxes (shared with its data-parallel replicas, which hold the
+  // same boxes) and of its flat ranges (a distributed optimizer's shards: its own).
+  int64_t box_bytes = 0, flat_bytes = 0;
+  for (const StateEntry& entry : loaded.dict.entries()) {
+    if (const auto* t = std::get_if<ShardedTensor>(&entry)) {
+      (t->flat_range ? flat_bytes : box_bytes) += static_cast<int64_t>(t->data.NumBytes());
+    }
+  }
   std::vector<int64_t> totals = {static_cast<int64_t>(report.bytes_read),
-                                 static_cast<int64_t>(report.bytes_received)};
+                                 static_cast<int64_t>(report.bytes_received), box_bytes,
+                                 flat_bytes};
   TESSERA_RETURN_IF_ERROR(comm.AllReduce(totals, ReduceOp::kSum));
-  // Every tensor byte once; the small "optimizer.step" object is read by every rank.
-  const int64_t object_bytes = 9;
-  const int64_t unique = static_cast<int64_t>(config.StateBytes()) - object_bytes;
-  TESSERA_RETURN_IF_ERROR(Expect(totals[0] == unique + object_bytes * comm.size(),
-                                 "storage reads (" + std::to_string(totals[0]) +
-                                     ") equal the unique bytes (" + std::to_string(unique) +
-                                     ") plus one object per rank"));
+  // The replicas read their boxes once between them; flat ranges and the small
+  // "optimizer.step" object are read by the rank that needs them.
+  const int64_t object_bytes = 9 * comm.size();
+  const int64_t expected = totals[2] / layout.dp + totals[3] + object_bytes;
+  TESSERA_RETURN_IF_ERROR(
+      Expect(totals[0] == expected, "storage reads (" + std::to_string(totals[0]) +
+                                        ") equal the boxes once per group of replicas plus the "
+                                        "flat ranges and objects (" +
+                                        std::to_string(expected) + ")"));
   return Expect(layout.dp == 1 || totals[1] > 0, "replicas received their share by exchange");
 }
 
