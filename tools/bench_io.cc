@@ -89,12 +89,12 @@ struct BenchIoOptions {
   int repeat = 3;
   int warmup = 1;
   std::string dir = "/tmp";
-  std::string save_layout;       // default: tp<ranks>
-  std::string reshard_layout;    // default: see DefaultReshardLayout
-  bool flush = true;             // syncfs before each phase, outside the timing
-  bool drop_caches = false;      // drop the page cache before each read phase (root)
-  bool check = true;             // check every loaded element in the first repeat
-  bool verify_checksums = true;  // LoadOptions::verify_checksums
+  std::string save_layout;                // default: tp<ranks>
+  std::string reshard_layout;             // default: see DefaultReshardLayout
+  bool flush = true;                      // syncfs before each phase, outside the timing
+  bool drop_caches = false;               // drop the page cache before each read phase (root)
+  bool check = true;                      // check every loaded element in the first repeat
+  bool verify_checksums = true;           // LoadOptions::verify_checksums
   std::string format = "tessera";         // SaveOptions::format: tessera or torch_dist
   std::string torch_dist_flavor = "2.x";  // SaveOptions::torch_dist_flavor: 2.x or 1.13
   bool save_only = false;                 // skip load, raw_read and reshard_load
