@@ -30,6 +30,10 @@
 // baseline as for tessera. Each figure is the best of the --repeat timed samples; every sample is
 // reported too. The first repeat (a warm-up one by default) checks every loaded element.
 //
+// --format torch_dist saves a PyTorch DCP checkpoint instead (SaveOptions::format;
+// --torch-dist-flavor); --save-only runs the save and raw write phases alone (the comparison
+// with DCP's own save_state_dict: bench/peers/compare.py --format torch_dist --save-only).
+//
 // Memory: getrusage's ru_maxrss covers the whole process, which holds the save, load and
 // reshard states at once. What one phase adds on top of the memory it starts with is measured
 // too (*_extra_rss_bytes): rank 0 resets the kernel's high-water mark (/proc/self/clear_refs)
@@ -86,12 +90,15 @@ struct BenchIoOptions {
   int repeat = 3;
   int warmup = 1;
   std::string dir = "/tmp";
-  std::string save_layout;       // default: tp<ranks>
-  std::string reshard_layout;    // default: see DefaultReshardLayout
-  bool flush = true;             // syncfs before each phase, outside the timing
-  bool drop_caches = false;      // drop the page cache before each read phase (root)
-  bool check = true;             // check every loaded element in the first repeat
-  bool verify_checksums = true;  // LoadOptions::verify_checksums
+  std::string save_layout;                // default: tp<ranks>
+  std::string reshard_layout;             // default: see DefaultReshardLayout
+  bool flush = true;                      // syncfs before each phase, outside the timing
+  bool drop_caches = false;               // drop the page cache before each read phase (root)
+  bool check = true;                      // check every loaded element in the first repeat
+  bool verify_checksums = true;           // LoadOptions::verify_checksums
+  std::string format = "tessera";         // SaveOptions::format: tessera or torch_dist
+  std::string torch_dist_flavor = "2.x";  // SaveOptions::torch_dist_flavor: 2.x or 1.13
+  bool save_only = false;                 // skip load, raw_read and reshard_load
 };
 
 // tp<R/2>,dp2 for an even R (a TP change plus a DP split of the moments' flat ranges);
@@ -304,6 +311,10 @@ int RunBenchIo(const BenchIoOptions& options) {
   SaveOptions save_options;
   save_options.num_io_threads = o.io_threads;
   save_options.sync = o.sync ? SyncPolicy::kFull : SyncPolicy::kNone;
+  save_options.format =
+      o.format == "torch_dist" ? CheckpointFormat::kTorchDist : CheckpointFormat::kTessera;
+  save_options.torch_dist_flavor =
+      o.torch_dist_flavor == "1.13" ? TorchDistFlavor::kTorch113 : TorchDistFlavor::kTorch2;
   LoadOptions load_options;
   load_options.num_io_threads = o.io_threads;
   load_options.verify_checksums = o.verify_checksums;
@@ -447,7 +458,9 @@ int RunBenchIo(const BenchIoOptions& options) {
       TESSERA_RETURN_IF_ERROR(raw_write(kRawWrite));
       if (o.sync && k % 2 == 0) TESSERA_RETURN_IF_ERROR(raw_write(kRawWriteStreamed));
       if (k % 2 == 1) TESSERA_RETURN_IF_ERROR(save());
-      if (k % 2 == 0) {
+      if (o.save_only) {
+        // No read phase: the next repeat starts from an empty directory all the same.
+      } else if (k % 2 == 0) {
         TESSERA_RETURN_IF_ERROR(load(kLoad, loaded));
         if (k == 0 && o.check) {
           TESSERA_RETURN_IF_ERROR(
@@ -458,8 +471,8 @@ int RunBenchIo(const BenchIoOptions& options) {
         TESSERA_RETURN_IF_ERROR(raw_read());
         TESSERA_RETURN_IF_ERROR(load(kLoad, loaded));
       }
-      TESSERA_RETURN_IF_ERROR(load(kReshard, resharded));
-      if (k == 0 && o.check) {
+      if (!o.save_only) TESSERA_RETURN_IF_ERROR(load(kReshard, resharded));
+      if (k == 0 && o.check && !o.save_only) {
         TESSERA_RETURN_IF_ERROR(
             AgreeOnStatus(comm, CheckRankState(resharded).WithContext("checking the reshard")));
         if (lead) res.checked = true;
@@ -544,6 +557,9 @@ int RunBenchIo(const BenchIoOptions& options) {
   out["comm"] = o.comm;
   out["sync"] = o.sync;
   out["io_threads"] = o.io_threads;
+  out["format"] = o.format;
+  if (o.format == "torch_dist") out["torch_dist_flavor"] = o.torch_dist_flavor;
+  out["save_only"] = o.save_only;
   out["repeat"] = o.repeat;
   out["warmup"] = o.warmup;
   out["verify_checksums"] = o.verify_checksums;
@@ -564,23 +580,25 @@ int RunBenchIo(const BenchIoOptions& options) {
   }
   out["save_gb_per_s"] = res.total_bytes / save_s / 1e9;
   out["raw_write_gb_per_s"] = raw_bytes / raw_write_s / 1e9;
-  out["load_seconds"] = load_s;
-  out["raw_read_seconds"] = raw_read_s;
-  out["load_over_raw"] = raw_read_s / load_s;
   out["median_save_over_raw"] = median(kRawWrite) / median(kSave);
-  out["median_load_over_raw"] = median(kRawRead) / median(kLoad);
-  out["load_gb_per_s"] = res.load_bytes_read / load_s / 1e9;
-  out["raw_read_gb_per_s"] = raw_bytes / raw_read_s / 1e9;
-  out["load_bytes_read"] = res.load_bytes_read;
-  out["load_bytes_needed"] = res.load_bytes_needed;
-  out["reshard_load_seconds"] = reshard_s;
-  out["reshard_load_gb_per_s"] = res.reshard_bytes_read / reshard_s / 1e9;
-  out["reshard_bytes_read"] = res.reshard_bytes_read;
-  out["reshard_bytes_needed"] = res.reshard_bytes_needed;
-  out["reshard_bytes_read_over_needed"] = res.reshard_bytes_needed
-                                              ? static_cast<double>(res.reshard_bytes_read) /
-                                                    static_cast<double>(res.reshard_bytes_needed)
-                                              : 0.0;
+  if (!o.save_only) {
+    out["load_seconds"] = load_s;
+    out["raw_read_seconds"] = raw_read_s;
+    out["load_over_raw"] = raw_read_s / load_s;
+    out["median_load_over_raw"] = median(kRawRead) / median(kLoad);
+    out["load_gb_per_s"] = res.load_bytes_read / load_s / 1e9;
+    out["raw_read_gb_per_s"] = raw_bytes / raw_read_s / 1e9;
+    out["load_bytes_read"] = res.load_bytes_read;
+    out["load_bytes_needed"] = res.load_bytes_needed;
+    out["reshard_load_seconds"] = reshard_s;
+    out["reshard_load_gb_per_s"] = res.reshard_bytes_read / reshard_s / 1e9;
+    out["reshard_bytes_read"] = res.reshard_bytes_read;
+    out["reshard_bytes_needed"] = res.reshard_bytes_needed;
+    out["reshard_bytes_read_over_needed"] = res.reshard_bytes_needed
+                                                ? static_cast<double>(res.reshard_bytes_read) /
+                                                      static_cast<double>(res.reshard_bytes_needed)
+                                                : 0.0;
+  }
   out["raw_bytes"] = raw_bytes;
   out["bytes_written_per_rank"] = res.written_per_rank;
   out["data_files_per_rank"] = res.files_per_rank;
@@ -656,6 +674,17 @@ void AddBenchIoCommand(CLI::App& bench, int* exit_code) {
   io->add_flag("--no-check", *no_check, "do not check the loaded elements");
   io->add_flag("--no-verify-checksums", *no_verify,
                "load without checking chunk checksums (LoadOptions::verify_checksums = false)");
+  io->add_option("--format", o->format,
+                 "what the save writes: tessera, or torch_dist (PyTorch DCP; its loads need "
+                 "tessera's DCP reader)")
+      ->check(CLI::IsMember({"tessera", "torch_dist"}))
+      ->capture_default_str();
+  io->add_option("--torch-dist-flavor", o->torch_dist_flavor,
+                 "class paths of a torch_dist .metadata: 2.x or 1.13")
+      ->check(CLI::IsMember({"2.x", "1.13"}))
+      ->capture_default_str();
+  io->add_flag("--save-only", o->save_only,
+               "only the save and raw write phases (no load, raw_read, reshard_load)");
   io->add_flag("--json", *json, "print JSON (the only output format)");
   io->callback([=] {
     // CLI11 keeps a reference to *json and writes it at parse time: the callback owns it.

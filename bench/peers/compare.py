@@ -17,6 +17,13 @@ the ratios:
 
     /usr/bin/python3 bench/peers/compare.py --ranks 2 --size 1GiB [--sync]
 
+--format torch_dist: tessera writes a PyTorch DCP checkpoint (the format DCP writes: torch.save
+items and a .metadata pickle) instead of its own, so dcp_save_over_tessera_save compares two
+writers of the same format. With --save-only (needed for torch_dist until tessera reads DCP)
+both sides only save, and the output holds the save figures alone:
+
+    /usr/bin/python3 bench/peers/compare.py --format torch_dist --save-only [--sync]
+
 Only the standard library is needed here; dcp_bench.py runs under /usr/bin/python3 (torch).
 """
 
@@ -64,15 +71,24 @@ def main():
     ap.add_argument("--tessera", default=None,
                     help="the tessera binary (default: build/tessera, else build-bench/tessera)")
     ap.add_argument("--python", default="/usr/bin/python3", help="interpreter with torch 1.13")
+    ap.add_argument("--format", choices=("tessera", "torch_dist"), default="tessera",
+                    help="what tessera writes: its own format, or PyTorch DCP (torch_dist, the "
+                         "format DCP writes too); torch_dist loads need tessera's DCP reader")
+    ap.add_argument("--torch-dist-flavor", choices=("2.x", "1.13"), default="2.x",
+                    help="class paths of tessera's torch_dist .metadata")
+    ap.add_argument("--save-only", action="store_true",
+                    help="time the saves only (both sides): no load phases, save ratios only")
     ap.add_argument("--json", action="store_true", help="print JSON (the only output format)")
     args = ap.parse_args()
 
     common = ["--ranks", str(args.ranks), "--size", args.size, "--repeat", str(args.repeat),
               "--warmup", str(args.warmup), "--dir", args.dir] + (["--sync"] if args.sync else []) + \
         (["--drop-caches"] if args.drop_caches else [])
+    only = ["--save-only"] if args.save_only else []
     tessera_cmd = [args.tessera or find_tessera(), "bench", "io", "--io-threads",
-                   str(args.io_threads), "--json"] + common
-    dcp_cmd = [args.python, os.path.join(HERE, "dcp_bench.py"), "--json"] + common
+                   str(args.io_threads), "--format", args.format, "--torch-dist-flavor",
+                   args.torch_dist_flavor, "--json"] + common + only
+    dcp_cmd = [args.python, os.path.join(HERE, "dcp_bench.py"), "--json"] + common + only
 
     tessera_runs, dcp_runs = [], []
     for _ in range(args.rounds):
@@ -94,7 +110,13 @@ def main():
     if first_t["bytes"] != first_d["bytes"]:
         print(f"compare: warning: tessera saves {first_t['bytes']} bytes, DCP "
               f"{first_d['bytes']}", file=sys.stderr)
+    if args.save_only:
+        out = save_comparison(args, tessera_runs, dcp_runs, t, d, best_raw_write,
+                              tessera_cmd, dcp_cmd)
+        print(json.dumps(out, indent=2))
+        return
     out = {
+        "format": args.format,
         "bytes": first_t["bytes"],
         "ranks": args.ranks,
         "sync": args.sync,
@@ -146,6 +168,45 @@ def main():
             first_d.get("reshard_layout") == first_t["reshard_layout"]:
         out["dcp_reshard_load_over_tessera_reshard_load"] = d["reshard_load"] / t["reshard_load"]
     print(json.dumps(out, indent=2))
+
+
+def save_comparison(args, tessera_runs, dcp_runs, t, d, best_raw_write, tessera_cmd, dcp_cmd):
+    """The figures of a --save-only comparison: saves and raw writes only."""
+    first_t, first_d = tessera_runs[0], dcp_runs[0]
+    return {
+        "format": args.format,
+        "torch_dist_flavor": args.torch_dist_flavor if args.format == "torch_dist" else None,
+        "bytes": first_t["bytes"],
+        "ranks": args.ranks,
+        "sync": args.sync,
+        "rounds": args.rounds,
+        "repeat_per_run": args.repeat,
+        "warmup_per_run": args.warmup,
+        "order": "tessera, dcp, alternating, each a fresh process",
+        "tessera": {
+            "save_seconds": t["save"],
+            "raw_write_seconds": t["raw_write"],
+            "raw_write_streamed_seconds": t["raw_write_streamed"],
+            "save_over_raw": t["raw_write"] / t["save"],
+            "save_over_raw_per_run": [r["save_over_raw"] for r in tessera_runs],
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in tessera_runs),
+            "samples_seconds": {p: [s for r in tessera_runs for s in
+                                    r["samples_seconds"].get(p, [])]
+                                for p in ("save", "raw_write", "raw_write_streamed")},
+            "command": " ".join(shlex.quote(c) for c in tessera_cmd),
+        },
+        "dcp": {
+            "peer": first_d["peer"],
+            "writer": first_d["writer"],
+            "save_seconds": d["save"],
+            "file_bytes": first_d["file_bytes"],
+            "samples_seconds": [s for r in dcp_runs for s in r["samples_seconds"]["save"]],
+            "command": " ".join(shlex.quote(c) for c in dcp_cmd),
+        },
+        "dcp_save_over_tessera_save": d["save"] / t["save"],
+        "tessera_save_over_raw": t["raw_write"] / t["save"],
+        "dcp_save_over_best_raw_write": d["save"] / best_raw_write,
+    }
 
 
 if __name__ == "__main__":

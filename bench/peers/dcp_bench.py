@@ -325,9 +325,10 @@ def worker(rank, o):
         timed("save", lambda: dcp.save_state_dict(saved, writer))
         if k == 0 and lead:
             file_bytes = sum(os.path.getsize(os.path.join(ckpt, n)) for n in os.listdir(ckpt))
-        timed("load", lambda: dcp.load_state_dict(loaded, dcp.FileSystemReader(ckpt)))
-        if k == 0 and o["check"]:
-            check_state(loaded, save_entries)
+        if not o["save_only"]:
+            timed("load", lambda: dcp.load_state_dict(loaded, dcp.FileSystemReader(ckpt)))
+            if k == 0 and o["check"]:
+                check_state(loaded, save_entries)
         if reshard:
             reader = CountingReader(ckpt)
             timed("reshard_load", lambda: dcp.load_state_dict(resharded, reader))
@@ -364,9 +365,11 @@ def worker(rank, o):
             "save_layout": f"tp{r},dp1",
             "model": c,
             "save_seconds": best["save"],
-            "load_seconds": best["load"],
+            "load_seconds": best.get("load"),
             "save_gb_per_s": state_bytes(c) / best["save"] / 1e9,
-            "load_gb_per_s": sum(e["save_held"] for e in everyone) / best["load"] / 1e9,
+            "load_gb_per_s": (sum(e["save_held"] for e in everyone) / best["load"] / 1e9
+                              if "load" in best else None),
+            "save_only": o["save_only"],
             "samples_seconds": samples,
             "warmup": o["warmup"],
             "warmup_samples_seconds": warmup,
@@ -402,6 +405,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=1, help="untimed repeats first")
     ap.add_argument("--dir", default="/tmp", help="where the run's temporary directory goes")
     ap.add_argument("--no-reshard", action="store_true", help="skip the resharded load")
+    ap.add_argument("--save-only", action="store_true", help="only the save (no loads)")
     ap.add_argument("--no-flush", action="store_true", help="no syncfs between phases")
     ap.add_argument("--drop-caches", action="store_true",
                     help="drop the page cache before every load, so loads read the disk (root)")
@@ -416,7 +420,8 @@ def main():
     try:
         o = {"ranks": args.ranks, "size": parse_size(args.size), "sync": args.sync,
              "repeat": args.repeat, "warmup": args.warmup, "run_dir": run_dir,
-             "reshard": not args.no_reshard and args.ranks > 1, "flush": not args.no_flush,
+             "reshard": not args.no_reshard and not args.save_only and args.ranks > 1,
+             "save_only": args.save_only, "flush": not args.no_flush,
              "check": not args.no_check, "drop_caches": args.drop_caches}
         mp.spawn(worker, args=(o,), nprocs=args.ranks, join=True)
         with open(os.path.join(run_dir, "result.json")) as f:

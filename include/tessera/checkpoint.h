@@ -2,7 +2,8 @@
 //
 // A checkpoint is a directory holding data files (each a valid safetensors file) and one
 // manifest, written last and atomically: a directory without a manifest holds no checkpoint.
-// See docs/FORMAT.md.
+// See docs/FORMAT.md. Save can also write PyTorch DCP (torch_dist) checkpoints, which torch's
+// own DCP reads (SaveOptions::format; docs/FORMAT_TORCH_DIST.md).
 //
 // Save and Load taking a Comm are COLLECTIVE: every rank of `comm` calls them with the same
 // path and options. The overloads without a Comm run as a single rank.
@@ -30,7 +31,30 @@ enum class SyncPolicy {
   kNone,  // no syncs at all: fastest; a crash of the machine may lose or tear the checkpoint
 };
 
+// The class paths of the `.metadata` pickle of a torch_dist save (the numeric values are not
+// written to disk).
+enum class TorchDistFlavor {
+  kTorch2,    // torch.distributed.checkpoint.* (torch 2.x), with version, storage_meta and
+              // planner_data (default)
+  kTorch113,  // torch.distributed._shard.checkpoint.* (torch 1.13), which torch 2.x cannot
+              // unpickle; 1.13 lacks float8 and uint16/32/64, so a save holding them fails
+};
+
 struct SaveOptions {
+  // What to write. Default CheckpointFormat::kTessera (docs/FORMAT.md).
+  // CheckpointFormat::kTorchDist writes a PyTorch DCP directory (Megatron-Core's torch_dist
+  // backend) that torch's own `load_state_dict` reads: every chunk a torch.save item and every
+  // object a byte item in `__<rank>_<n>.tsr-<save_id>.distcp` files, and `.metadata` (a pickle of
+  // torch's classes) written last and atomically; the same planning, threads and commit protocol
+  // (docs/FORMAT_TORCH_DIST.md). No checksums (DCP has none), about 1 KiB of zip records per
+  // chunk; user_metadata must be empty (DCP has no place for it); a directory holding a tessera
+  // checkpoint is refused. Objects become what torch.load gives back: kPickle the unpickled
+  // value, kBytes and kJson a bytes object, kTorchSave whatever was saved. kSafetensors is not
+  // writable (InvalidArgument).
+  CheckpointFormat format = CheckpointFormat::kTessera;
+  // With kTorchDist: which torch's class paths the `.metadata` uses. Default kTorch2.
+  TorchDistFlavor torch_dist_flavor = TorchDistFlavor::kTorch2;
+
   // Data files each rank writes in parallel, one per I/O thread. Default 2. More threads help
   // on fast parallel storage and cost one file and one thread each.
   int num_io_threads = 2;
@@ -43,7 +67,9 @@ struct SaveOptions {
   // must be valid UTF-8 (else the save fails with InvalidArgument naming the key).
   std::map<std::string, std::string> user_metadata;
   // After the new manifest is committed, remove the data files of the previous save and of
-  // interrupted saves (tessera-named files the manifest does not list). Default true.
+  // interrupted saves (tessera-named files the manifest does not list). Default true. With
+  // kTorchDist: the files of earlier tessera saves the new `.metadata` does not reference, never
+  // a file torch wrote (one without a tessera save id in its name).
   bool remove_stale_files = true;
   // Reuse the previous save's plan when every rank's holdings are unchanged: one small
   // all-reduce instead of gathering, validating and scattering plans. Default true. The cache
@@ -160,8 +186,9 @@ struct VerifyOptions {
 };
 
 // Re-reads every chunk and object, checks checksums (where the format has them; see
-// VerifyReport::checksums), file sizes, and that every tensor's chunks cover it exactly. The first problem found is returned, naming key, chunk and file
-// (with several threads: the problem of the first file, in manifest order, that has one).
+// VerifyReport::checksums), file sizes, and that every tensor's chunks cover it exactly. The first
+// problem found is returned, naming key, chunk and file (with several threads: the problem of the
+// first file, in manifest order, that has one).
 Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& options);
 Result<VerifyReport> Verify(const std::string& path, std::shared_ptr<Storage> storage = nullptr);
 

@@ -52,6 +52,13 @@ void RegisterOptions(py::module_& m) {
       .value("NONE", ReadSharing::kNone)
       .value("BROADCAST", ReadSharing::kBroadcast)
       .value("ALL_GATHER", ReadSharing::kAllGather);
+  py::enum_<CheckpointFormat>(m, "CheckpointFormat")
+      .value("TESSERA", CheckpointFormat::kTessera)
+      .value("TORCH_DIST", CheckpointFormat::kTorchDist)
+      .value("SAFETENSORS", CheckpointFormat::kSafetensors);
+  py::enum_<TorchDistFlavor>(m, "TorchDistFlavor")
+      .value("TORCH_2", TorchDistFlavor::kTorch2)
+      .value("TORCH_1_13", TorchDistFlavor::kTorch113);
   py::enum_<WhenBusy>(m, "WhenBusy")
       .value("WAIT", WhenBusy::kWait)
       .value("QUEUE", WhenBusy::kQueue);
@@ -68,7 +75,9 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("balance_writes", &SaveOptions::balance_writes)
       .def_readwrite("user_metadata", &SaveOptions::user_metadata)
       .def_readwrite("remove_stale_files", &SaveOptions::remove_stale_files)
-      .def_readwrite("plan_cache", &SaveOptions::plan_cache);
+      .def_readwrite("plan_cache", &SaveOptions::plan_cache)
+      .def_readwrite("format", &SaveOptions::format)
+      .def_readwrite("torch_dist_flavor", &SaveOptions::torch_dist_flavor);
   py::class_<LoadOptions>(m, "LoadOptions")
       .def(py::init<>())
       .def_readwrite("missing_keys", &LoadOptions::missing_keys)

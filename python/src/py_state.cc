@@ -79,9 +79,11 @@ size_t StateBuilder::Add(std::string key, TensorView view, const TensorSpec& spe
   return dict_.size() - 1;
 }
 
-size_t StateBuilder::AddObject(std::string key, std::string_view data, ReplicaId replica_id) {
+size_t StateBuilder::AddObject(std::string key, std::string_view data, ReplicaId replica_id,
+                               bool pickled) {
   ShardedObject object;
   object.key = std::move(key);
+  object.encoding = pickled ? ObjectEncoding::kPickle : ObjectEncoding::kBytes;
   object.data.assign(data.begin(), data.end());
   object.replica_id = std::move(replica_id);
   ThrowIfError(dict_.Add(std::move(object)));
@@ -157,10 +159,12 @@ void RegisterState(py::module_& m) {
           py::arg("partial") = false)
       .def(
           "add_object",
-          [](StateBuilder& s, std::string key, py::bytes data, ReplicaId replica_id) {
-            return s.AddObject(std::move(key), std::string_view(data), std::move(replica_id));
+          [](StateBuilder& s, std::string key, py::bytes data, ReplicaId replica_id, bool pickled) {
+            return s.AddObject(std::move(key), std::string_view(data), std::move(replica_id),
+                               pickled);
           },
-          py::arg("key"), py::arg("data"), py::arg("replica_id") = ReplicaId{})
+          py::arg("key"), py::arg("data"), py::arg("replica_id") = ReplicaId{},
+          py::arg("pickled") = false)
       .def("object_data", &StateBuilder::ObjectData, py::arg("index"));
 }
 

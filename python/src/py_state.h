@@ -49,7 +49,9 @@ class StateBuilder {
   size_t AddPointer(std::string key, uintptr_t data_ptr, const std::string& dtype, Shape shape,
                     pybind11::object owner, const TensorSpec& spec);
   // An object: opaque bytes. Returns the entry's index.
-  size_t AddObject(std::string key, std::string_view data, ReplicaId replica_id);
+  // `pickled`: the bytes are a Python pickle (ObjectEncoding::kPickle), else kBytes.
+  size_t AddObject(std::string key, std::string_view data, ReplicaId replica_id,
+                   bool pickled = false);
 
   // The bytes of the object at `index` (after a load: what was loaded).
   pybind11::bytes ObjectData(size_t index) const;

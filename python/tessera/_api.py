@@ -12,6 +12,9 @@ from . import _state
 from . import _tessera
 from ._errors import _INVALID_ARGUMENT, Error, invalid_argument, warn_partial_load
 
+# torch_dist_flavor="2.x" or "1.13": SaveOptions::torch_dist_flavor.
+_TORCH_DIST_FLAVORS = {"2.x": "TORCH_2", "1.13": "TORCH_1_13"}
+
 # Keyword arguments that are not fields of the C++ options structs.
 _NOT_OPTIONS = {"missing_keys", "unexpected_keys", "storage", "save", "when_busy"}
 
@@ -25,6 +28,11 @@ def _set_options(function, opts, options):
             raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
         current = getattr(opts, name)
         members = getattr(type(current), "__members__", None)
+        if name == "torch_dist_flavor" and isinstance(value, str):
+            if value not in _TORCH_DIST_FLAVORS:
+                raise ValueError(f"{function}(): torch_dist_flavor must be one of "
+                                 f"{list(_TORCH_DIST_FLAVORS)}, not {value!r}")
+            value = members[_TORCH_DIST_FLAVORS[value]]
         if members is not None:
             if name == "sync" and isinstance(value, bool):
                 value = "full" if value else "none"
@@ -98,9 +106,11 @@ def _prepare_save(function, state_dict, comm, options):
         summaries = comm.gather(flat.rank_summary(), 0)
         if comm.rank == 0:
             flat.merge_rank_summaries(summaries)
-    metadata = opts.user_metadata
-    metadata[_state.STRUCTURE_KEY] = flat.structure
-    opts.user_metadata = metadata
+    if opts.format != _tessera.CheckpointFormat.TORCH_DIST:
+        # A DCP checkpoint has no place for it: torch_dist saves keep flat keys only.
+        metadata = opts.user_metadata
+        metadata[_state.STRUCTURE_KEY] = flat.structure
+        opts.user_metadata = metadata
     return comm, builder, opts
 
 
@@ -111,7 +121,13 @@ def save(state_dict, path, *, comm=None, **options):
     Options (fields of SaveOptions, include/tessera/checkpoint.h, which documents each default
     and cost): num_io_threads=2, sync=True ("full"; False or "none": no fsync at all),
     balance_writes=False, user_metadata={} (str -> str; rank 0's is kept),
-    remove_stale_files=True, plan_cache=True.
+    remove_stale_files=True, plan_cache=True, format="tessera".
+
+    format="torch_dist" writes a PyTorch DCP checkpoint (Megatron-Core's torch_dist) that
+    torch's own torch.distributed.checkpoint.load_state_dict reads, with torch_dist_flavor="2.x"
+    (default: torch 2.x's class paths) or "1.13". Keys are the dotted paths of the leaves; objects
+    come back from torch as the values saved (pickled ones unpickled, bytes as bytes). No
+    user_metadata; tessera.load_all then returns a flat dict (the nesting is not stored).
 
     Returns a SaveReport.
     """

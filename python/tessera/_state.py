@@ -369,7 +369,8 @@ class Flat:
                     ) from e
             else:
                 data = bytes(value)
-            self.entries.append(builder.add_object(leaf.key, data, replica))
+            self.entries.append(builder.add_object(leaf.key, data, replica,
+                                                   pickled=leaf.encoding == "pickle"))
         return builder
 
     def _add_pieces(self, builder, key, values, rank, for_load):

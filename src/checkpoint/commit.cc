@@ -119,6 +119,8 @@ std::string ParentDir(const std::string& path) {
   return parent_end == std::string::npos ? "/" : path.substr(0, parent_end + 1);
 }
 
+}  // namespace
+
 Status WriteWholeFile(Storage& storage, const std::string& path, const Bytes& bytes, bool sync) {
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
                            storage.NewWritableFile(path, CreateMode::kExclusive));
@@ -127,7 +129,22 @@ Status WriteWholeFile(Storage& storage, const std::string& path, const Bytes& by
   return out->Close();
 }
 
-}  // namespace
+SaveMarkers FindSaveMarkers(Storage& storage, const std::string& dir,
+                            const std::vector<std::string>& names, const std::string& own_save_id) {
+  const ProcessIdentity me = ThisProcess();
+  SaveMarkers markers;
+  markers.running.insert(own_save_id);
+  for (const std::string& name : names) {
+    const std::string id = MarkerSaveId(name);
+    if (id.empty() || id == own_save_id) continue;
+    if (MarkerOwnerAlive(storage, dir, name, me)) {
+      markers.running.insert(id);
+    } else {
+      markers.dead_markers.push_back(name);
+    }
+  }
+  return markers;
+}
 
 Status CreateDurableDirs(Storage& storage, const std::string& path, SyncPolicy sync) {
   std::vector<std::string> missing;  // deepest first
@@ -159,10 +176,12 @@ std::string NewSaveId(const std::vector<std::string>& existing_names) {
     const uint64_t bits = (static_cast<uint64_t>(device()) << 32) ^ device();
     char id[17];
     std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(bits));
-    const std::string prefix = "tsr-" + std::string(id);
     const std::string marker = MarkerName(id);
+    const std::string tagged = "tsr-" + std::string(id);
     const bool used = std::any_of(existing_names.begin(), existing_names.end(), [&](const auto& n) {
-      return n.starts_with(prefix) || n.starts_with(marker) || SaveIdOf(n) == id;
+      // Any name carrying the id: tessera's files and those of other formats (DCP data files
+      // "__0_0.tsr-<id>.distcp").
+      return n.find(tagged) != std::string::npos || n.starts_with(marker) || SaveIdOf(n) == id;
     });
     if (!used) return id;
   }
@@ -240,20 +259,8 @@ void RemoveStaleFiles(Storage& storage, const std::string& dir, const Metadata& 
   // 1. What is there.
   Result<std::vector<std::string>> names = storage.ListDir(dir);
   if (!names.ok()) return;
-  // 2. Which saves may still be running. A save keeps its marker from before its first file
-  // until after its cleanup, so a save found without a live marker here has finished or died.
-  const ProcessIdentity me = ThisProcess();
-  std::set<std::string> running = {committed.save_id};
-  std::vector<std::string> dead_markers;
-  for (const std::string& name : *names) {
-    const std::string id = MarkerSaveId(name);
-    if (id.empty() || id == committed.save_id) continue;
-    if (MarkerOwnerAlive(storage, dir, name, me)) {
-      running.insert(id);
-    } else {
-      dead_markers.push_back(name);
-    }
-  }
+  // 2. Which saves may still be running.
+  const SaveMarkers markers = FindSaveMarkers(storage, dir, *names, committed.save_id);
   // 3. The manifest in place now, read after the markers: a save that committed after our own
   // commit and has already finished is listed there.
   std::set<std::string> live = {};
@@ -266,10 +273,12 @@ void RemoveStaleFiles(Storage& storage, const std::string& dir, const Metadata& 
   // 4. Remove the rest.
   for (const std::string& name : *names) {
     const std::string id = SaveIdOf(name);
-    if (id.empty() || running.count(id) || live.count(name)) continue;
+    if (id.empty() || markers.running.count(id) || live.count(name)) continue;
     storage.Remove(JoinPath(dir, name)).IgnoreError();
   }
-  for (const std::string& name : dead_markers) storage.Remove(JoinPath(dir, name)).IgnoreError();
+  for (const std::string& name : markers.dead_markers) {
+    storage.Remove(JoinPath(dir, name)).IgnoreError();
+  }
 }
 
 }  // namespace tessera

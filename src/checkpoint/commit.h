@@ -4,6 +4,7 @@
 #ifndef TESSERA_CHECKPOINT_COMMIT_H_
 #define TESSERA_CHECKPOINT_COMMIT_H_
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,21 @@ std::string NewSaveId(const std::vector<std::string>& existing_names);
 Status CreateSaveMarker(Storage& storage, const std::string& dir, const std::string& save_id,
                         SyncPolicy sync);
 void RemoveSaveMarker(Storage& storage, const std::string& dir, const std::string& save_id);
+
+// The in-progress markers found among `names` (the entries of `dir`): the saves that may still
+// be running (marker there, owner alive; `own_save_id` always counts as running), and the
+// markers of saves whose owner died. A save keeps its marker from before its first file until
+// after its cleanup, so a save found without a live marker has finished or died. Used by every
+// format's cleanup.
+struct SaveMarkers {
+  std::set<std::string> running;
+  std::vector<std::string> dead_markers;  // names
+};
+SaveMarkers FindSaveMarkers(Storage& storage, const std::string& dir,
+                            const std::vector<std::string>& names, const std::string& own_save_id);
+
+// Creates `path` exclusively, writes `bytes`, syncs when `sync`, closes.
+Status WriteWholeFile(Storage& storage, const std::string& path, const Bytes& bytes, bool sync);
 
 // Commits `metadata` as the checkpoint of `dir`: checks that the manifest decodes (everything
 // the writer writes must pass the reader's validation) and that every data file it lists is in

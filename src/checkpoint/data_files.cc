@@ -14,18 +14,18 @@
 namespace tessera {
 namespace {
 
-// Bytes written and then checksummed per WriteAt: small enough that the bytes the kernel just
-// copied into the page cache are still in the CPU's cache when the hash reads them. Hashing
-// after the write, not before, lets the kernel's copy (not the hash) pull them from memory,
-// which it does faster (build/tessera_bench_io_patterns, page_cache_write_seconds: 1 GiB by 4
-// threads, 0.145 s hashed after, 0.168 s hashed before, 0.123 s not hashed).
-constexpr uint64_t kWritePiece = 256u << 10;
-
-// With SyncPolicy::kFull, every this many bytes written to a data file are handed to
-// WritableFile::StartWriteback, so the device writes while the rest is being copied instead of
-// all at the final fdatasync (tessera_bench_io_patterns, synced_write_seconds: 1 GiB by 4
-// threads, 0.44 s against 0.55 s for 64 MiB pwrites and one fdatasync per file).
-constexpr uint64_t kWritebackStep = 8u << 20;
+// kWritePiece (data_files.h): bytes written and then checksummed per WriteAt: small enough that
+// the bytes the kernel just copied into the page cache are still in the CPU's cache when the
+// hash reads them. Hashing after the write, not before, lets the kernel's copy (not the hash)
+// pull them from memory, which it does faster (build/tessera_bench_io_patterns,
+// page_cache_write_seconds: 1 GiB by 4 threads, 0.145 s hashed after, 0.168 s hashed before,
+// 0.123 s not hashed).
+//
+// kWritebackStep (data_files.h): with SyncPolicy::kFull, every this many bytes written to a data
+// file are handed to WritableFile::StartWriteback, so the device writes while the rest is being
+// copied instead of all at the final fdatasync (tessera_bench_io_patterns,
+// synced_write_seconds: 1 GiB by 4 threads, 0.44 s against 0.55 s for 64 MiB pwrites and one
+// fdatasync per file).
 
 // How often the calling thread reports progress while the writers work.
 constexpr auto kProgressInterval = std::chrono::milliseconds(100);
@@ -184,28 +184,19 @@ std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector
   return files;
 }
 
-Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, const StateDict& state,
-                                   const LocalPlan& plan, const std::vector<DataFilePlan>& files,
-                                   const std::string& save_id,
-                                   const DataFileWriteOptions& options) {
-  const std::map<std::string, std::string> header_metadata = {{"format", "pt"},
-                                                              {"tessera_save_id", save_id}};
-  std::vector<FileLayout> layouts(files.size());
-  for (size_t f = 0; f < files.size(); ++f) {
-    TESSERA_ASSIGN_OR_RETURN(layouts[f], LayOutFile(plan, files[f], header_metadata));
-  }
-  std::vector<FileResult> results(files.size());
+Status WriteFilesInParallel(Storage& storage, const std::string& dir,
+                            const std::vector<DataFilePlan>& files,
+                            const DataFileWriteOptions& options, std::atomic<uint64_t>& written,
+                            const std::function<Status(size_t f, uint8_t& created)>& write_file) {
   std::vector<Status> statuses(files.size());
   std::vector<uint8_t> created(files.size(), 0);  // bytes, not vector<bool>: one per thread
   std::atomic<size_t> next{0};
-  std::atomic<uint64_t> written{0};
   std::atomic<size_t> finished{0};
   std::mutex mutex;
   std::condition_variable all_done;
   auto work = [&] {
     for (size_t f; (f = next.fetch_add(1)) < files.size();) {
-      statuses[f] = WriteDataFile(storage, dir, state, plan, static_cast<uint32_t>(f), files[f],
-                                  layouts[f], options, written, results[f], created[f]);
+      statuses[f] = write_file(f, created[f]);
       if (finished.fetch_add(1) + 1 == files.size()) {
         std::lock_guard<std::mutex> lock(mutex);
         all_done.notify_all();
@@ -232,7 +223,7 @@ Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, con
   if (report) options.on_progress(written.load());
   for (size_t f = 0; f < files.size(); ++f) {
     if (!statuses[f].ok()) {
-      // Leave nothing behind (no manifest will refer to these files), but only what this save
+      // Leave nothing behind (no index will refer to these files), but only what this save
       // created: a name that was already taken belongs to someone else.
       for (size_t g = 0; g < files.size(); ++g) {
         if (created[g]) storage.Remove(JoinPath(dir, files[g].name)).IgnoreError();
@@ -240,6 +231,26 @@ Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, con
       return statuses[f].WithContext("writing " + JoinPath(dir, files[f].name));
     }
   }
+  return Status::Ok();
+}
+
+Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, const StateDict& state,
+                                   const LocalPlan& plan, const std::vector<DataFilePlan>& files,
+                                   const std::string& save_id,
+                                   const DataFileWriteOptions& options) {
+  const std::map<std::string, std::string> header_metadata = {{"format", "pt"},
+                                                              {"tessera_save_id", save_id}};
+  std::vector<FileLayout> layouts(files.size());
+  for (size_t f = 0; f < files.size(); ++f) {
+    TESSERA_ASSIGN_OR_RETURN(layouts[f], LayOutFile(plan, files[f], header_metadata));
+  }
+  std::vector<FileResult> results(files.size());
+  std::atomic<uint64_t> written{0};
+  TESSERA_RETURN_IF_ERROR(
+      WriteFilesInParallel(storage, dir, files, options, written, [&](size_t f, uint8_t& created) {
+        return WriteDataFile(storage, dir, state, plan, static_cast<uint32_t>(f), files[f],
+                             layouts[f], options, written, results[f], created);
+      }));
   WriteResult result;
   for (size_t f = 0; f < files.size(); ++f) {
     result.files.push_back(

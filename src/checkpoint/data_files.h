@@ -2,6 +2,7 @@
 #ifndef TESSERA_CHECKPOINT_DATA_FILES_H_
 #define TESSERA_CHECKPOINT_DATA_FILES_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -42,6 +43,22 @@ struct DataFileWriteOptions {
   // Called with the bytes written so far by this rank, from the calling thread only.
   std::function<void(uint64_t done)> on_progress;
 };
+
+// Bytes written per WriteAt, and (with SyncPolicy::kFull) between StartWriteback calls, by the
+// data file writers of every format (the reasons are in data_files.cc).
+inline constexpr uint64_t kWritePiece = 256u << 10;
+inline constexpr uint64_t kWritebackStep = 8u << 20;
+
+// The threads of a rank's data file writers, for any format: runs write_file(f, created[f]) for
+// every f in [0, files.size()) on up to options.num_threads threads. With options.on_progress
+// the calling thread only reports `written` (which write_file advances) every 100 ms and once at
+// the end; otherwise it writes too. write_file sets `created` once it created its file. When any
+// file fails, removes every file created (never a name that was already taken: that belongs to
+// someone else) and returns the first failure in file order, prefixed "writing <dir>/<name>".
+Status WriteFilesInParallel(Storage& storage, const std::string& dir,
+                            const std::vector<DataFilePlan>& files,
+                            const DataFileWriteOptions& options, std::atomic<uint64_t>& written,
+                            const std::function<Status(size_t f, uint8_t& created)>& write_file);
 
 // Writes the planned files with up to options.num_threads threads, checksumming every piece
 // right after writing it, and reports where every item landed. On failure removes every file

@@ -14,11 +14,14 @@
 
 #include "checkpoint/commit.h"
 #include "checkpoint/data_files.h"
+#include "checkpoint/dcp_commit.h"
+#include "checkpoint/dcp_data_files.h"
 #include "checkpoint/envelope.h"
 #include "core/byte_io.h"
 #include "core/utf8.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
+#include "format/torch_dist/dcp_writer.h"
 #include "plan/plan_exchange.h"
 #include "plan/save_plan.h"
 #include "tessera/checkpoint.h"
@@ -100,9 +103,14 @@ Result<Outcome> DecodeOutcome(std::span<const uint8_t> bytes) {
 
 // Step 0 on the coordinator, before any rank writes: the directory, a fresh save id, and the
 // marker that protects this save's files from the cleanup of other saves into the directory.
-Result<std::string> PrepareDirectory(Storage& storage, const std::string& path, SyncPolicy sync) {
+Result<std::string> PrepareDirectory(Storage& storage, const std::string& path,
+                                     const SaveOptions& options) {
+  const SyncPolicy sync = options.sync;
   TESSERA_RETURN_IF_ERROR(CreateDurableDirs(storage, path, sync));
   TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(path));
+  if (options.format == CheckpointFormat::kTorchDist) {
+    TESSERA_RETURN_IF_ERROR(CheckDcpSaveTarget(path, names));
+  }
   std::string save_id = NewSaveId(names);
   TESSERA_RETURN_IF_ERROR(CreateSaveMarker(storage, path, save_id, sync));
   return save_id;
@@ -189,7 +197,7 @@ Result<std::vector<uint32_t>> PlanWrites(Comm& comm, Storage& storage, const std
           BuildGroupedSavePlan(groups, messages, {.balance_writes = options.balance_writes}));
       global = std::make_shared<const GlobalSavePlan>(std::move(plan));
       if (save_id.empty()) {
-        TESSERA_ASSIGN_OR_RETURN(save_id, PrepareDirectory(storage, path, options.sync));
+        TESSERA_ASSIGN_OR_RETURN(save_id, PrepareDirectory(storage, path, options));
       }
       return Status::Ok();
     }();
@@ -240,6 +248,16 @@ Outcome CommitOnCoordinator(const Comm& comm, Storage& storage, const std::strin
     metadata.save_time_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                                      std::chrono::system_clock::now().time_since_epoch())
                                      .count();
+    if (options.format == CheckpointFormat::kTorchDist) {
+      torch_dist::MarkDcpItems(metadata);
+      TESSERA_RETURN_IF_ERROR_CTX(
+          CommitDcpCheckpoint(storage, path, metadata,
+                              {DcpFlavorOf(options.torch_dist_flavor), options.sync},
+                              outcome.manifest_renamed),
+          "committing the .metadata of " + path);
+      if (options.remove_stale_files) RemoveStaleDcpFiles(storage, path, save_id);
+      return Status::Ok();
+    }
     TESSERA_RETURN_IF_ERROR_CTX(
         CommitManifest(storage, path, metadata, options.sync, outcome.manifest_renamed),
         "committing the manifest of " + path);
@@ -270,6 +288,9 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   if (local.ok() && coordinator) {
     if (Status text = CheckUserMetadata(options.user_metadata); !text.ok()) local = text;
   }
+  if (local.ok()) {
+    if (Status format = CheckSaveFormat(options, coordinator); !format.ok()) local = format;
+  }
   const Bytes encoded_plan = local.ok() ? EncodeLocalPlan(*local) : Bytes();
   const uint64_t plan_key = Checksum(encoded_plan.data(), encoded_plan.size()) ^
                             (options.balance_writes ? 0x9e3779b97f4a7c15ULL : 0) ^
@@ -278,7 +299,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
       "tessera.save_plan_cache", [] { return new SavePlanCache(); });
   const bool my_hit = options.plan_cache && local.ok() && cache->valid && cache->key == plan_key;
   Result<std::string> prepared = coordinator && my_hit
-                                     ? PrepareDirectory(*storage, path, options.sync)
+                                     ? PrepareDirectory(*storage, path, options)
                                      : Result<std::string>(std::string());
   Result<Preamble> preamble = AgreeOnPreamble(comm, my_hit, prepared);
   // The coordinator removes its marker when the save ends, whatever happens.
@@ -315,11 +336,14 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   if (options.progress) {
     write_options.on_progress = [&](uint64_t done) { options.progress(done, my_bytes); };
   }
+  const bool torch_dist = options.format == CheckpointFormat::kTorchDist;
+  const auto plan_files = torch_dist ? PlanDcpDataFiles : PlanDataFiles;
+  const std::vector<DataFilePlan> files =
+      plan_files(*local, items, options.num_io_threads, options.separate_prefixes, save_id, rank);
   Result<WriteResult> written =
-      WriteDataFiles(*storage, path, state, *local,
-                     PlanDataFiles(*local, items, options.num_io_threads, options.separate_prefixes,
-                                   save_id, rank),
-                     save_id, write_options);
+      torch_dist ? WriteDcpDataFiles(*storage, path, state, *local, files,
+                                     DcpFlavorOf(options.torch_dist_flavor), write_options)
+                 : WriteDataFiles(*storage, path, state, *local, files, save_id, write_options);
   SaveReport report;
   report.save_id = save_id;
   if (written.ok()) {
