@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "checkpoint/envelope.h"
+#include "checkpoint/progress.h"
 #include "checkpoint/reader.h"
 #include "core/byte_io.h"
 #include "format/checkpoint_index.h"
@@ -61,7 +62,7 @@ namespace {
 // COLLECTIVE; every rank returns the same status.
 Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const Metadata& metadata,
                   const std::vector<ReadRun>& runs, const LoadOptions& options,
-                  LoadReport& report) {
+                  LoadReport& report, ProgressMeter& progress) {
   std::vector<Bytes> all;
   TESSERA_RETURN_IF_ERROR(comm.AllGather(EncodeRunKeys(runs), &all));
   std::vector<std::vector<RunKey>> keys(all.size());
@@ -79,8 +80,8 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
     destination[mine[i]] = runs[i].destination;
     if (assignment.reader[mine[i]] == me) to_read.push_back(runs[i]);
   }
-  TESSERA_RETURN_IF_ERROR(
-      AgreeOnStatus(comm, ExecuteReads(storage, path, metadata, to_read, options, report)));
+  TESSERA_RETURN_IF_ERROR(AgreeOnStatus(
+      comm, ExecuteReads(storage, path, metadata, to_read, options, report, &progress)));
 
   // Exchange: the same schedule on every rank.
   const std::vector<std::vector<ExchangePiece>> rounds =
@@ -102,6 +103,7 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
         if (needs(p)) {
           std::memcpy(destination[p.unique_run] + p.begin, bytes.data(), p.length);
           report.bytes_received += p.length;
+          progress.Add(p.length);
         }
       }
       continue;
@@ -126,9 +128,11 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
         std::memcpy(destination[p.unique_run] + p.begin, received[sender].data() + cursor[sender],
                     p.length);
         report.bytes_received += p.length;
+        progress.Add(p.length);
       }
       cursor[sender] += p.length;
     }
+    progress.Report();
   }
   return Status::Ok();
 }
@@ -181,20 +185,28 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
   // 3. Read only if every rank's plan is good; then agree on the outcome.
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, plan_status));
   const RankReadPlan& plan = *planned;
+  ProgressMeter progress(options.progress, plan.bytes_needed);
   // ReadShared is collective and fails alike on every rank; ExecuteReads is local.
-  Status read_status = options.read_sharing != ReadSharing::kNone && comm.size() > 1
-                           ? ReadShared(comm, *storage, root, metadata, plan.runs, options, report)
-                           : ExecuteReads(*storage, root, metadata, plan.runs, options, report);
+  Status read_status =
+      options.read_sharing != ReadSharing::kNone && comm.size() > 1
+          ? ReadShared(comm, *storage, root, metadata, plan.runs, options, report, progress)
+          : ExecuteReads(*storage, root, metadata, plan.runs, options, report, &progress);
   if (read_status.ok()) {
     read_status = ExecutePermutedCopies(*storage, root, metadata, plan.permuted, options, report);
+    for (const PermutedCopy& copy : plan.permuted) {
+      progress.Add(copy.part.NumElements() * DTypeSize(metadata.tensors[copy.tensor].dtype));
+    }
+    progress.Report();
   }
   for (const ObjectRead& read : plan.objects) {
     if (!read_status.ok()) break;
     read_status =
         ReadObject(*storage, root, metadata, *read.info, options, read.destination->data, report);
     read.destination->encoding = read.info->encoding;
+    progress.Add(read.info->location.length);
   }
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, read_status));
+  progress.Finish();
   return report;
 }
 
