@@ -1,4 +1,5 @@
-// tessera: inspect, verify, demo and benchmark checkpoints from the command line.
+// tessera: inspect, verify, list, compare, prune, demo and benchmark checkpoints from the
+// command line.
 #include <CLI/CLI.hpp>
 #include <new>
 
@@ -11,6 +12,9 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   AddInspectCommands(app, &exit_code);
   AddDemoCommand(app, &exit_code);
+  AddLsCommand(app, &exit_code);
+  AddDiffCommand(app, &exit_code);
+  AddRmKeysCommand(app, &exit_code);
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks that print JSON");
   bench->require_subcommand(1);
   AddBenchPlanCommand(*bench, &exit_code);

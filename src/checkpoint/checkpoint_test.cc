@@ -801,7 +801,9 @@ TEST(CrashConsistencyTest, CrashAtEveryStepOfRemoveKeysLeavesTheOldCheckpointOrT
       Status error;
       const int state = OldOrNewAfterRemoval(run.memory, &error);
       ASSERT_TRUE(state == 1 || state == 2) << "state " << state << ": " << error.ToString();
-      if (run.removed.ok()) EXPECT_EQ(state, 2) << "a removal that reported success must last";
+      if (run.removed.ok()) {
+        EXPECT_EQ(state, 2) << "a removal that reported success must last";
+      }
       (state == 1 ? old_seen : new_seen)++;
       // After the crash, removing again succeeds (or finds nothing left to remove).
       RemoveKeysOptions o;

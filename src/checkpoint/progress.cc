@@ -24,6 +24,7 @@ void ProgressMeter::Finish() {
 
 void ProgressMeter::ParallelFor(size_t n, const std::function<void(size_t)>& work) {
   if (n == 0) return;
+  Report();  // where the work starts: a bar's clock and total
   if (!callback_) {
     std::vector<std::thread> threads;
     for (size_t i = 1; i < n; ++i) threads.emplace_back(work, i);

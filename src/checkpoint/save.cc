@@ -292,6 +292,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   for (uint32_t i : items) my_bytes += local->items[i].num_bytes;
   if (options.progress) {
     write_options.on_progress = [&](uint64_t done) { options.progress(done, my_bytes); };
+    options.progress(0, my_bytes);  // the start: a bar's clock and total
   }
   Result<WriteResult> written =
       WriteDataFiles(*storage, path, state, *local,
