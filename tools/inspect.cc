@@ -187,8 +187,9 @@ std::string ObjectValueText(const std::vector<uint8_t>& bytes, ObjectEncoding en
 
 // The values of the objects of `m` (those `shown`) up to kSmallObjectBytes, read with Load;
 // empty when they cannot be read (inspect still shows the rest).
-std::map<std::string, std::string> SmallObjectValues(const std::string& path, const Metadata& m,
-                                                     const std::vector<bool>& shown) {
+std::map<std::string, std::string> SmallObjectValues(
+    const std::string& path, const Metadata& m, const std::vector<bool>& shown,
+    const std::map<std::string, ObjectEncoding>& encodings) {
   StateDict state;
   for (size_t i = 0; i < m.objects.size(); ++i) {
     if (shown[m.tensors.size() + i] && m.objects[i].location.length <= kSmallObjectBytes) {
@@ -203,42 +204,84 @@ std::map<std::string, std::string> SmallObjectValues(const std::string& path, co
   if (!Load(state, path, options).ok()) return values;
   for (const StateEntry& entry : state.entries()) {
     const auto& object = std::get<ShardedObject>(entry);
-    std::string text = ObjectValueText(object.data, object.encoding);
+    std::string text = ObjectValueText(object.data, encodings.at(object.key));
     if (!text.empty()) values[object.key] = std::move(text);
   }
   return values;
 }
 
-// "<Python structure: 14 leaves in 5 containers, 2.1 kB of JSON>".
-std::string SummariseStructure(const std::string& text) {
-  nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  const std::string size = FormatBytes(text.size()) + " of JSON";
-  if (doc.is_discarded() || !doc.is_object() || !doc.contains("root")) {
-    return "<" + size + ">";
-  }
+// What tessera's Python package records under kStructureKey: the containers and leaves of
+// the state dict it saved (tessera/_state.py).
+struct PythonStructure {
+  bool parsed = false;
   uint64_t leaves = 0, containers = 0;
+  // Object key -> "pickle", "bytes" or "bytearray": the package stores objects as bytes, and
+  // says here which of them are pickles.
+  std::map<std::string, std::string> object_encodings;
+};
+
+PythonStructure ParseStructure(const std::string& text) {
+  PythonStructure out;
+  nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded() || !doc.is_object() || !doc.contains("root")) return out;
+  out.parsed = true;
   std::vector<const nlohmann::json*> stack = {&doc["root"]};
   while (!stack.empty()) {
     const nlohmann::json& node = *stack.back();
     stack.pop_back();
     if (!node.is_object()) continue;
     if (node.contains("tensor") || node.contains("object")) {
-      ++leaves;
+      ++out.leaves;
+      if (node.contains("object") && node["object"].is_string() && node.contains("encoding") &&
+          node["encoding"].is_string()) {
+        out.object_encodings[node["object"]] = node["encoding"];
+      }
       continue;
     }
     for (const char* kind : {"dict", "odict", "list", "tuple", "namedtuple"}) {
       if (!node.contains(kind) || !node[kind].is_array()) continue;
-      ++containers;
+      ++out.containers;
+      const bool pairs = std::string_view(kind) == "dict" || std::string_view(kind) == "odict";
       for (const nlohmann::json& child : node[kind]) {
-        // dict children are [key, node] pairs.
-        const bool pair = (std::string(kind) == "dict" || std::string(kind) == "odict") &&
-                          child.is_array() && child.size() == 2;
-        stack.push_back(pair ? &child[1] : &child);
+        // A dict's children are [key, node] pairs.
+        stack.push_back(pairs && child.is_array() && child.size() == 2 ? &child[1] : &child);
       }
     }
   }
-  return "<Python structure: " + std::to_string(leaves) + " leaves in " +
-         std::to_string(containers) + " containers, " + size + ">";
+  // Objects only other ranks held (merge_rank_summaries).
+  if (doc.contains("extra") && doc["extra"].is_object() && doc["extra"].contains("objects") &&
+      doc["extra"]["objects"].is_object()) {
+    for (const auto& [key, encoding] : doc["extra"]["objects"].items()) {
+      if (encoding.is_string()) out.object_encodings.emplace(key, encoding);
+    }
+  }
+  return out;
+}
+
+// "<Python structure: 14 leaves, 5 containers, 2.1 kB>".
+std::string SummariseStructure(const std::string& text) {
+  const PythonStructure s = ParseStructure(text);
+  const std::string size = FormatBytes(text.size());
+  if (!s.parsed) return "<" + size + " of JSON>";
+  return "<Python structure: " + std::to_string(s.leaves) + " leaves, " +
+         std::to_string(s.containers) + " containers, " + size + ">";
+}
+
+// The encodings of `m`'s objects as they read: the manifest's, except that objects the Python
+// package saved as bytes but recorded as pickles are pickles.
+std::map<std::string, ObjectEncoding> EffectiveEncodings(const Metadata& m) {
+  std::map<std::string, std::string> python;
+  if (auto it = m.user_metadata.find(kStructureKey); it != m.user_metadata.end()) {
+    python = ParseStructure(it->second).object_encodings;
+  }
+  std::map<std::string, ObjectEncoding> out;
+  for (const ObjectInfo& o : m.objects) {
+    auto p = python.find(o.key);
+    out[o.key] = o.encoding == ObjectEncoding::kBytes && p != python.end() && p->second == "pickle"
+                     ? ObjectEncoding::kPickle
+                     : o.encoding;
+  }
+  return out;
 }
 
 // Prints `line` cut to the output width.
@@ -259,7 +302,8 @@ void PrintSummary(const std::string& path, const Metadata& m, const Printer& pri
   print("  format     " + format);
   std::string saved = FormatTime(m.save_time_unix_ms);
   saved = (saved == "-" ? "time unknown" : saved) + ", by " +
-          (m.num_ranks > 0 ? std::to_string(m.num_ranks) : std::string("?")) + " ranks";
+          (m.num_ranks > 0 ? std::to_string(m.num_ranks) : std::string("?")) +
+          (m.num_ranks == 1 ? " rank" : " ranks");
   print("  saved      " + saved);
   uint64_t file_bytes = 0;  // shown too when well above the tensors' bytes
   for (const FileInfo& f : m.files) file_bytes += f.size;
@@ -294,17 +338,27 @@ struct Row {
 void PrintRows(const std::vector<Row>& rows, const Printer& print) {
   const size_t width = print.width;
   Row head{"KEY", "DTYPE", "SHAPE", "CHUNKS", "BYTES", ""};
-  size_t dtype_w = 5, shape_w = 5, chunks_w = 6, bytes_w = 5, key_max = 3;
+  size_t dtype_w = 5, shape_w = 5, chunks_w = 6, bytes_w = 5;
   for (const Row& r : rows) {
     dtype_w = std::max(dtype_w, DisplayWidth(r.dtype));
     shape_w = std::max(shape_w, DisplayWidth(r.shape));
     chunks_w = std::max(chunks_w, DisplayWidth(r.chunks));
     bytes_w = std::max(bytes_w, DisplayWidth(r.bytes));
-    key_max = std::max(key_max, DisplayWidth(r.key));
   }
   shape_w = std::min<size_t>(shape_w, 28);  // longer shapes are cut in the middle
   const size_t rest = 2 + dtype_w + 2 + shape_w + 2 + chunks_w + 2 + bytes_w;
-  const size_t key_w = std::max<size_t>(std::min(key_max, width > rest ? width - rest : 0), 16);
+  // The key column: as wide as the longest key that fits beside the columns and a short
+  // value; longer keys get lines of their own.
+  size_t value_room = 0;
+  for (const Row& r : rows) {
+    if (!r.value.empty())
+      value_room = std::max(value_room, 4 + std::min<size_t>(DisplayWidth(r.value), 12));
+  }
+  const size_t room = width > rest + value_room ? width - rest - value_room : 0;
+  size_t key_w = 16;
+  for (const Row& r : rows) {
+    if (DisplayWidth(r.key) <= room) key_w = std::max(key_w, DisplayWidth(r.key));
+  }
   auto columns = [&](const Row& r) {
     return "  " + PadRight(r.dtype, dtype_w) + "  " +
            PadRight(FitMiddle(r.shape, shape_w), shape_w) + "  " + PadLeft(r.chunks, chunks_w) +
@@ -321,10 +375,14 @@ void PrintRows(const std::vector<Row>& rows, const Printer& print) {
       for (const std::string& piece : Wrap(r.key, width)) print(piece);
       line = std::string(key_w, ' ') + columns(r);
     }
-    if (!r.value.empty() && DisplayWidth(line) + 6 < width) {
-      line += "  = " + FitEnd(r.value, width - DisplayWidth(line) - 4);
+    if (r.value.empty()) {
+      print(line);
+    } else if (DisplayWidth(line) + 4 + std::min<size_t>(DisplayWidth(r.value), 12) <= width) {
+      print(line + "  = " + FitEnd(r.value, width - DisplayWidth(line) - 4));
+    } else {  // no room at the end: the value on a line of its own, under the columns
+      print(line);
+      print(std::string(key_w + 2, ' ') + "= " + r.value);
     }
-    print(line);
   }
 }
 
@@ -419,7 +477,8 @@ bool Selected(const std::string& key, const std::vector<std::string>& globs) {
 }
 
 int PrintJson(const std::string& path, const Metadata& m, const std::vector<bool>& shown,
-              const std::map<std::string, std::string>& values) {
+              const std::map<std::string, std::string>& values,
+              const std::map<std::string, ObjectEncoding>& encodings) {
   // JSON strings hold Unicode text: refuse (naming the string) rather than abort inside the
   // JSON library or print silently altered names.
   Status text = CheckMetadataIsUtf8(m, JoinPath(path, "tessera.manifest"));
@@ -461,7 +520,7 @@ int PrintJson(const std::string& path, const Metadata& m, const std::vector<bool
     const ObjectInfo& o = m.objects[i];
     nlohmann::json object = {{"key", o.key},
                              {"bytes", o.location.length},
-                             {"encoding", EncodingName(o.encoding)},
+                             {"encoding", EncodingName(encodings.at(o.key))},
                              {"file", m.files[o.location.file_index].name}};
     if (auto it = values.find(o.key); it != values.end()) object["value"] = it->second;
     objects.push_back(std::move(object));
@@ -484,8 +543,10 @@ int RunInspect(const InspectOptions& options) {
   for (const TensorInfo& t : m.tensors) shown.push_back(Selected(t.key, options.keys));
   for (const ObjectInfo& o : m.objects) shown.push_back(Selected(o.key, options.keys));
   for (bool s : shown) num_shown += s;
-  const std::map<std::string, std::string> values = SmallObjectValues(options.path, m, shown);
-  if (options.json) return PrintJson(options.path, m, shown, values);
+  const std::map<std::string, ObjectEncoding> encodings = EffectiveEncodings(m);
+  const std::map<std::string, std::string> values =
+      SmallObjectValues(options.path, m, shown, encodings);
+  if (options.json) return PrintJson(options.path, m, shown, values, encodings);
 
   const Printer print{static_cast<size_t>(std::max(OutputWidth(), 20))};
   PrintSummary(options.path, m, print);
@@ -503,7 +564,7 @@ int RunInspect(const InspectOptions& options) {
     if (!shown[m.tensors.size() + i]) continue;
     const ObjectInfo& o = m.objects[i];
     auto value = values.find(o.key);
-    rows.push_back({Printable(o.key), "object", EncodingName(o.encoding), "-",
+    rows.push_back({Printable(o.key), "object", EncodingName(encodings.at(o.key)), "-",
                     FormatBytes(o.location.length), value == values.end() ? "" : value->second});
     bytes.push_back(o.location.length);
   }

@@ -9,6 +9,7 @@ mirrors torch.distributed.checkpoint:
     handle = tessera.async_save(state_dict, path)      # handle.wait()
     state = tessera.load_all(path)                     # a new state dict from the metadata
     tessera.read_metadata(path); tessera.verify(path)
+    tessera.remove_keys(path, "optimizer.")            # drop keys, free their bytes
 
 See docs/PYTHON.md.
 """
@@ -16,15 +17,15 @@ See docs/PYTHON.md.
 from . import _tessera
 from . import megatron
 from . import torch
-from ._api import async_save, load, load_all, read_metadata, save, verify
+from ._api import async_save, load, load_all, read_metadata, remove_keys, save, verify
 from ._errors import (AlreadyExistsError, CommError, CommTimeoutError, CorruptCheckpointError,
                       Error, FailedPreconditionError, InternalError, InvalidArgumentError,
                       MissingKeysError, NotFoundError, PartialLoadWarning, StorageError,
                       UnimplementedError)
 from ._state import STRUCTURE_KEY, ShardedObject, ShardedTensor
 from ._torch_comm import torch_dist_comm
-from ._tessera import (AsyncSaveHandle, Comm, LoadReport, Metadata, SaveReport, VerifyReport,
-                       python_comm, run_local, single_rank_comm)
+from ._tessera import (AsyncSaveHandle, Comm, LoadReport, Metadata, RemoveKeysReport, SaveReport,
+                       VerifyReport, python_comm, run_local, single_rank_comm)
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ __all__ = [
     "InvalidArgumentError", "LoadReport", "Metadata", "MissingKeysError", "NotFoundError",
     "PartialLoadWarning", "STRUCTURE_KEY", "SaveReport", "ShardedObject", "ShardedTensor", "StorageError",
     "UnimplementedError", "VerifyReport", "async_save", "load", "load_all", "mpi_comm",
-    "python_comm", "read_metadata", "run_local", "save", "single_rank_comm", "torch_dist_comm",
+    "python_comm", "read_metadata", "remove_keys", "RemoveKeysReport", "run_local", "save",
+    "single_rank_comm", "torch_dist_comm",
     "verify", "megatron", "torch",
 ]
