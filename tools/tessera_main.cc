@@ -9,6 +9,10 @@ int main(int argc, char** argv) {
   using namespace tessera::tools;
   CLI::App app{"tessera: distributed checkpoints of sharded tensors"};
   app.require_subcommand(1);
+  // A command line that does not parse is one line too, like every other error.
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return "tessera: error: " + std::string(e.what()) + " (--help for usage)\n";
+  });
   int exit_code = 0;
   AddInspectCommands(app, &exit_code);
   AddDemoCommand(app, &exit_code);
