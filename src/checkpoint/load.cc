@@ -61,8 +61,8 @@ namespace {
 // by one of the ranks that need it, and the readers send the shared ones to the others.
 // COLLECTIVE; every rank returns the same status.
 Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const Metadata& metadata,
-                  const std::vector<ReadRun>& runs, const LoadOptions& options,
-                  LoadReport& report, ProgressMeter& progress) {
+                  const std::vector<ReadRun>& runs, const LoadOptions& options, LoadReport& report,
+                  ProgressMeter& progress) {
   std::vector<Bytes> all;
   TESSERA_RETURN_IF_ERROR(comm.AllGather(EncodeRunKeys(runs), &all));
   std::vector<std::vector<RunKey>> keys(all.size());
