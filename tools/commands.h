@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 
 #include "tessera/status.h"
+#include "tools/progress.h"
 
 namespace tessera::tools {
 
@@ -25,8 +26,19 @@ void AddBenchPlanCommand(CLI::App& bench, int* exit_code);     // tessera bench 
 void AddBenchIoCommand(CLI::App& bench, int* exit_code);       // tessera bench io
 void AddBenchAsyncCommand(CLI::App& bench, int* exit_code);    // tessera bench async
 
-int RunInspect(const std::string& path, bool json);
-int RunVerify(const std::string& path);
+struct InspectOptions {
+  std::string path;
+  bool json = false;
+  std::vector<std::string> keys;  // globs; empty: every key
+  bool tree = false;
+  int depth = 0;  // --tree levels; 0: all
+  bool files = false;
+};
+int RunInspect(const InspectOptions& options);
+int RunVerify(const std::string& path, int threads, ProgressMode progress);
+void AddLsCommand(CLI::App& app, int* exit_code);      // tessera ls
+void AddDiffCommand(CLI::App& app, int* exit_code);    // tessera diff
+void AddRmKeysCommand(CLI::App& app, int* exit_code);  // tessera rm-keys
 
 struct DemoOptions {
   std::string out;
@@ -38,6 +50,7 @@ struct DemoOptions {
   bool sync = true;
   std::string share_reads = "none";  // none | broadcast | allgather
   std::string comm = "local";        // local | mpi
+  ProgressMode progress = ProgressMode::kAuto;
 };
 int RunDemo(const DemoOptions& options);
 

@@ -87,15 +87,19 @@ int RunConvert(const ConvertCliOptions& cli) {
   Result<std::unique_ptr<RankRunner>> runner = RankRunner::Create(cli.comm);
   if (!runner.ok()) return Fail(runner.status());
   const bool printer = (*runner)->printer();
-  const bool draw = printer && !cli.quiet && !cli.json && (cli.progress || StderrIsTerminal());
-  ProgressBar bar("convert", draw);
+  const ProgressMode mode = !printer || cli.json ? ProgressMode::kQuiet
+                            : cli.quiet            ? ProgressMode::kQuiet
+                            : cli.progress         ? ProgressMode::kForce
+                                                   : ProgressMode::kAuto;
+  ProgressBar bar("convert", mode);
+  const bool draw = bar.active();
   ConvertReport report;
   const int ranks = (*runner)->fixed_size() > 0 ? (*runner)->fixed_size() : cli.ranks;
   const Status status = (*runner)->Run(ranks, [&](Comm& comm, bool) -> Status {
     ConvertOptions mine = options;
     // Rank 0's own bytes: every rank writes about as much (files are spread by size).
     if (comm.rank() == 0 && draw) {
-      mine.progress = [&](uint64_t done, uint64_t total) { bar.Update(done, total); };
+      mine.progress = bar.Callback();
     }
     Result<ConvertReport> converted = Convert(cli.src, cli.dst, mine, comm);
     if (converted.ok() && comm.rank() == 0) report = *converted;

@@ -10,6 +10,7 @@
 #include "tessera/checkpoint.h"
 #include "tessera/local_comm.h"
 #include "tools/commands.h"
+#include "tools/progress.h"
 #include "tools/ranks.h"
 #include "workload/model_state.h"
 
@@ -69,12 +70,22 @@ int RunDemo(const DemoOptions& options) {
   // Save with the save layout.
   uint64_t held_bytes = 0, total_bytes = 0;
   double save_seconds = 0;
+  // Progress: the sum over the ranks of this process (all of them with threads; with MPI,
+  // the printing process shows its own rank).
+  const int local_ranks = options.comm == "mpi" ? 1 : save_layout->ranks();
+  ProgressBar save_bar(options.comm == "mpi" ? "save (rank 0)" : "save",
+                       print ? options.progress : ProgressMode::kQuiet);
   Status saved = (*runner)->Run(save_layout->ranks(), [&](Comm& comm, bool active) -> Status {
     RankState state;
     if (active) state = BuildRankState(config, *save_layout, comm.rank(), /*fill=*/true);
     TESSERA_RETURN_IF_ERROR(comm.Barrier());
     Clock::time_point start = Clock::now();
-    TESSERA_ASSIGN_OR_RETURN(SaveReport report, Save(state.dict, options.out, comm, save_options));
+    SaveOptions rank_options = save_options;
+    if (save_bar.active()) {
+      rank_options.progress =
+          save_bar.RankCallback(local_ranks == 1 ? 0 : comm.rank(), local_ranks);
+    }
+    TESSERA_ASSIGN_OR_RETURN(SaveReport report, Save(state.dict, options.out, comm, rank_options));
     TESSERA_RETURN_IF_ERROR(comm.Barrier());
     const double seconds = Seconds(start, Clock::now());
     TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> totals,
@@ -86,6 +97,7 @@ int RunDemo(const DemoOptions& options) {
     }
     return Status::Ok();
   });
+  save_bar.Finish();
   if (!saved.ok()) return Fail(saved.WithContext("save"));
   Result<Metadata> metadata = ReadMetadata(options.out);
   if (!metadata.ok()) return Fail(metadata.status());
@@ -106,12 +118,20 @@ int RunDemo(const DemoOptions& options) {
   if (options.share_reads == "allgather") load_options.read_sharing = ReadSharing::kAllGather;
   uint64_t read_bytes = 0, needed_bytes = 0, received_bytes = 0;
   double load_seconds = 0;
+  const int local_load_ranks = options.comm == "mpi" ? 1 : load_layout->ranks();
+  ProgressBar load_bar(options.comm == "mpi" ? "load (rank 0)" : "load",
+                       print ? options.progress : ProgressMode::kQuiet);
   Status loaded = (*runner)->Run(load_layout->ranks(), [&](Comm& comm, bool active) -> Status {
     RankState state;
     if (active) state = BuildRankState(config, *load_layout, comm.rank(), /*fill=*/false);
     TESSERA_RETURN_IF_ERROR(comm.Barrier());
     Clock::time_point start = Clock::now();
-    TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(state.dict, options.out, comm, load_options));
+    LoadOptions rank_options = load_options;
+    if (load_bar.active()) {
+      rank_options.progress =
+          load_bar.RankCallback(local_load_ranks == 1 ? 0 : comm.rank(), local_load_ranks);
+    }
+    TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(state.dict, options.out, comm, rank_options));
     TESSERA_RETURN_IF_ERROR(comm.Barrier());
     const double seconds = Seconds(start, Clock::now());
     TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> totals,
@@ -125,6 +145,7 @@ int RunDemo(const DemoOptions& options) {
     return AgreeOnStatus(comm,
                          CheckRankState(state).WithContext("rank " + std::to_string(comm.rank())));
   });
+  load_bar.Finish();
   if (!loaded.ok()) return Fail(loaded.WithContext("load"));
   if (print) {
     std::printf("load: %d ranks (%s) needed %s, read %s from storage%s, %.3f s, %.2f GB/s\n",
@@ -167,7 +188,10 @@ void AddDemoCommand(CLI::App& app, int* exit_code) {
                    "replicas read shared bytes once and exchange them: none|broadcast|allgather")
       ->check(CLI::IsMember({"none", "broadcast", "allgather"}))
       ->capture_default_str();
+  auto progress = std::make_shared<ProgressFlags>();
+  AddProgressFlags(*demo, *progress);
   demo->callback([=] {
+    options->progress = progress->Mode();
     Result<uint64_t> size = ParseSize(*size_text);
     if (!size.ok()) {
       *exit_code = Fail(size.status());

@@ -1,4 +1,5 @@
-// tessera: inspect, verify, convert, demo and benchmark checkpoints from the command line.
+// tessera: inspect, verify, list, compare, prune, convert, demo and benchmark checkpoints from the
+// command line.
 #include <CLI/CLI.hpp>
 #include <new>
 
@@ -8,10 +9,17 @@ int main(int argc, char** argv) {
   using namespace tessera::tools;
   CLI::App app{"tessera: distributed checkpoints of sharded tensors"};
   app.require_subcommand(1);
+  // A command line that does not parse is one line too, like every other error.
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return "tessera: error: " + std::string(e.what()) + " (--help for usage)\n";
+  });
   int exit_code = 0;
   AddInspectCommands(app, &exit_code);
   AddDemoCommand(app, &exit_code);
   AddConvertCommand(app, &exit_code);
+  AddLsCommand(app, &exit_code);
+  AddDiffCommand(app, &exit_code);
+  AddRmKeysCommand(app, &exit_code);
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks that print JSON");
   bench->require_subcommand(1);
   AddBenchPlanCommand(*bench, &exit_code);

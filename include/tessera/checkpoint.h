@@ -137,6 +137,10 @@ struct LoadOptions {
   // round or one broadcast. Default 256 MiB. An all-gather round holds ranks x this in each
   // rank; lower it for many ranks.
   uint64_t exchange_bytes = 256ull << 20;
+  // Called on each rank with the bytes of its requests loaded so far (read from storage or
+  // received from other ranks) and LoadReport::bytes_needed, from one thread (the calling one),
+  // every 100 ms while data files are read and once at the end (done == total). Default none.
+  std::function<void(uint64_t done, uint64_t total)> progress;
   // Where files come from. Default null: the local file system.
   std::shared_ptr<Storage> storage;
 };
@@ -181,6 +185,10 @@ struct VerifyReport {
 struct VerifyOptions {
   // Data files checked at once, each by one thread, each read sequentially.
   int num_threads = 2;
+  // Called with the bytes checked so far and the bytes to check (VerifyReport::bytes_checked
+  // once done; 0 for formats without checksums), from one thread (the calling one), every
+  // 100 ms while files are checked and once at the end (done == total). Default none.
+  std::function<void(uint64_t done, uint64_t total)> progress;
   // Where the files are; null means local files (NewPosixStorage()).
   std::shared_ptr<Storage> storage = nullptr;
 };

@@ -1,9 +1,10 @@
-// Save, Load, AsyncSave, ReadMetadata, Verify and the structs they take and return. Every call
-// into the library releases the GIL.
+// Save, Load, AsyncSave, ReadMetadata, Verify, RemoveKeys and the structs they take and
+// return. Every call into the library releases the GIL.
 #include "py_checkpoint.h"
 
 #include <pybind11/stl.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -17,6 +18,7 @@
 #include "tessera/async_save.h"
 #include "tessera/checkpoint.h"
 #include "tessera/convert.h"
+#include "tessera/remove_keys.h"
 
 namespace py = pybind11;
 
@@ -38,6 +40,73 @@ auto WithoutGil(F&& call) {
     py::gil_scoped_release release;
     return call();
   }();
+  return ValueOrThrow(std::move(result));
+}
+
+// A Python progress callable in a C++ options struct (SaveOptions::progress, ...). The library
+// calls it from the thread that called the operation, which runs without the GIL: each call
+// takes the GIL. The first exception it raises (a KeyboardInterrupt arrives this way, as the
+// callable is the only Python code running during the operation) stops further calls and is
+// re-raised once the operation returns (RethrowProgressError).
+struct PyProgressFn {
+  struct State {
+    py::object fn;
+    std::unique_ptr<py::error_already_set> error;
+    // The last copy may go on a thread without the GIL (a copy of the options).
+    ~State() {
+      py::gil_scoped_acquire gil;
+      error.reset();
+      fn = py::object();
+    }
+  };
+  std::shared_ptr<State> state;
+
+  void operator()(uint64_t done, uint64_t total) const {
+    py::gil_scoped_acquire gil;
+    if (state->error) return;
+    try {
+      state->fn(done, total);
+    } catch (py::error_already_set& e) {
+      state->error = std::make_unique<py::error_already_set>(std::move(e));
+    }
+  }
+};
+
+std::function<void(uint64_t, uint64_t)> ProgressFromPython(py::object fn) {
+  if (fn.is_none()) return nullptr;
+  if (!PyCallable_Check(fn.ptr())) {
+    throw py::type_error("progress must be a callable progress(done, total), not " +
+                         std::string(py::str(py::type::of(fn).attr("__name__"))));
+  }
+  auto state = std::make_shared<PyProgressFn::State>();
+  state->fn = std::move(fn);
+  return PyProgressFn{std::move(state)};
+}
+
+py::object ProgressToPython(const std::function<void(uint64_t, uint64_t)>& progress) {
+  const PyProgressFn* f = progress.target<PyProgressFn>();
+  return f ? f->state->fn : py::none();
+}
+
+// Re-raises what the progress callable raised during the operation, if anything. Requires the
+// GIL.
+void RethrowProgressError(const std::function<void(uint64_t, uint64_t)>& progress) {
+  const PyProgressFn* f = progress.target<PyProgressFn>();
+  if (f == nullptr || !f->state->error) return;
+  py::error_already_set error = std::move(*f->state->error);
+  f->state->error.reset();
+  throw error;
+}
+
+// Runs `call` (returning a Result) without the GIL; raises what the progress callable raised,
+// else the call's error; returns its value.
+template <typename F>
+auto WithProgress(const std::function<void(uint64_t, uint64_t)>& progress, F&& call) {
+  auto result = [&] {
+    py::gil_scoped_release release;
+    return call();
+  }();
+  RethrowProgressError(progress);
   return ValueOrThrow(std::move(result));
 }
 
@@ -77,7 +146,11 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("remove_stale_files", &SaveOptions::remove_stale_files)
       .def_readwrite("plan_cache", &SaveOptions::plan_cache)
       .def_readwrite("format", &SaveOptions::format)
-      .def_readwrite("torch_dist_flavor", &SaveOptions::torch_dist_flavor);
+      .def_readwrite("torch_dist_flavor", &SaveOptions::torch_dist_flavor)
+      .def_readwrite("separate_prefixes", &SaveOptions::separate_prefixes)
+      .def_property(
+          "progress", [](const SaveOptions& o) { return ProgressToPython(o.progress); },
+          [](SaveOptions& o, py::object fn) { o.progress = ProgressFromPython(std::move(fn)); });
   py::class_<LoadOptions>(m, "LoadOptions")
       .def(py::init<>())
       .def_readwrite("missing_keys", &LoadOptions::missing_keys)
@@ -86,7 +159,10 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("verify_partial_chunks", &LoadOptions::verify_partial_chunks)
       .def_readwrite("num_io_threads", &LoadOptions::num_io_threads)
       .def_readwrite("read_sharing", &LoadOptions::read_sharing)
-      .def_readwrite("exchange_bytes", &LoadOptions::exchange_bytes);
+      .def_readwrite("exchange_bytes", &LoadOptions::exchange_bytes)
+      .def_property(
+          "progress", [](const LoadOptions& o) { return ProgressToPython(o.progress); },
+          [](LoadOptions& o, py::object fn) { o.progress = ProgressFromPython(std::move(fn)); });
   py::class_<AsyncSaveOptions>(m, "AsyncSaveOptions")
       .def(py::init<>())
       .def_readwrite("save", &AsyncSaveOptions::save)
@@ -214,6 +290,38 @@ void RegisterReports(py::module_& m) {
         return "VerifyReport(chunks_checked=" + std::to_string(r.chunks_checked) +
                ", bytes_checked=" + std::to_string(r.bytes_checked) +
                ", files_checked=" + std::to_string(r.files_checked) + ")";
+      });
+}
+
+void RegisterRemoveKeysReport(py::module_& m) {
+  py::class_<RemoveKeysReport>(m, "RemoveKeysReport")
+      .def_property_readonly("removed_tensors",
+                             [](const RemoveKeysReport& r) { return TextList(r.removed_tensors); })
+      .def_property_readonly("removed_objects",
+                             [](const RemoveKeysReport& r) { return TextList(r.removed_objects); })
+      .def_readonly("matches_per_prefix", &RemoveKeysReport::matches_per_prefix,
+                    "keys each prefix matched, in the order given")
+      .def_readonly("files_before", &RemoveKeysReport::files_before)
+      .def_readonly("files_after", &RemoveKeysReport::files_after)
+      .def_readonly("files_dropped", &RemoveKeysReport::files_dropped,
+                    "held removed chunks only: deleted, nothing copied")
+      .def_readonly("files_rewritten", &RemoveKeysReport::files_rewritten,
+                    "held kept and removed chunks: the kept ones copied to a new file")
+      .def_readonly("bytes_before", &RemoveKeysReport::bytes_before)
+      .def_readonly("bytes_after", &RemoveKeysReport::bytes_after)
+      .def_property_readonly(
+          "bytes_freed", [](const RemoveKeysReport& r) { return r.bytes_before - r.bytes_after; })
+      .def_readonly("bytes_copied", &RemoveKeysReport::bytes_copied)
+      .def_readonly("save_id", &RemoveKeysReport::save_id)
+      .def_readonly("dry_run", &RemoveKeysReport::dry_run)
+      .def("__repr__", [](const RemoveKeysReport& r) {
+        return "RemoveKeysReport(removed_tensors=" + std::to_string(r.removed_tensors.size()) +
+               ", removed_objects=" + std::to_string(r.removed_objects.size()) +
+               ", files_dropped=" + std::to_string(r.files_dropped) +
+               ", files_rewritten=" + std::to_string(r.files_rewritten) +
+               ", bytes_freed=" + std::to_string(r.bytes_before - r.bytes_after) +
+               ", bytes_copied=" + std::to_string(r.bytes_copied) +
+               (r.dry_run ? ", dry_run=True)" : ")");
       });
 }
 
@@ -388,6 +496,7 @@ void RegisterAsync(py::module_& m) {
 void RegisterCheckpoint(py::module_& m) {
   RegisterOptions(m);
   RegisterReports(m);
+  RegisterRemoveKeysReport(m);
   RegisterMetadata(m);
   RegisterAsync(m);
   RegisterConvert(m);
@@ -397,7 +506,7 @@ void RegisterCheckpoint(py::module_& m) {
       [](StateBuilder& state, const std::string& path, const CommHandle* comm,
          const SaveOptions& options) {
         Comm* c = comm ? &comm->get() : nullptr;
-        return WithoutGil([&] {
+        return WithProgress(options.progress, [&] {
           return c ? Save(state.dict(), path, *c, options) : Save(state.dict(), path, options);
         });
       },
@@ -407,7 +516,7 @@ void RegisterCheckpoint(py::module_& m) {
       [](StateBuilder& state, const std::string& path, const CommHandle* comm,
          const LoadOptions& options) {
         Comm* c = comm ? &comm->get() : nullptr;
-        return WithoutGil([&] {
+        return WithProgress(options.progress, [&] {
           return c ? Load(state.dict(), path, *c, options) : Load(state.dict(), path, options);
         });
       },
@@ -446,13 +555,30 @@ void RegisterCheckpoint(py::module_& m) {
       py::arg("data"), "XXH3-64 (seed 0) of `data`, as the format uses it (for tests).");
   m.def(
       "verify",
-      [](const std::string& path, int num_threads) {
-        return WithoutGil([&] { return Verify(path, VerifyOptions{.num_threads = num_threads}); });
+      [](const std::string& path, int num_threads, py::object progress) {
+        VerifyOptions options{.num_threads = num_threads};
+        options.progress = ProgressFromPython(std::move(progress));
+        return WithProgress(options.progress, [&] { return Verify(path, options); });
       },
       py::arg("path"), py::arg("num_threads") = VerifyOptions().num_threads,
+      py::arg("progress") = py::none(),
       "Re-reads every chunk and object of the checkpoint at `path` and checks checksums, file\n"
       "sizes and exact coverage, `num_threads` data files at once; raises the first problem\n"
-      "found (that of the first file, in manifest order, that has one).");
+      "found (that of the first file, in manifest order, that has one). `progress(done,\n"
+      "total)`, if given, is called with the bytes checked.");
+  m.def(
+      "_remove_keys",
+      [](const std::string& path, const std::vector<std::string>& prefixes, bool dry_run,
+         SyncPolicy sync, int num_io_threads, py::object progress) {
+        RemoveKeysOptions options;
+        options.dry_run = dry_run;
+        options.sync = sync;
+        options.num_io_threads = num_io_threads;
+        options.progress = ProgressFromPython(std::move(progress));
+        return WithProgress(options.progress, [&] { return RemoveKeys(path, prefixes, options); });
+      },
+      py::arg("path"), py::arg("prefixes"), py::arg("dry_run"), py::arg("sync"),
+      py::arg("num_io_threads"), py::arg("progress"));
 }
 
 }  // namespace tessera::python

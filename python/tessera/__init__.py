@@ -10,6 +10,7 @@ mirrors torch.distributed.checkpoint:
     state = tessera.load_all(path)                     # a new state dict from the metadata
     tessera.read_metadata(path); tessera.verify(path)
     tessera.convert(src, dst, to="safetensors")        # e.g. export for inference
+    tessera.remove_keys(path, "optimizer.")            # drop keys, free their bytes
 
 See docs/PYTHON.md.
 """
@@ -17,15 +18,16 @@ See docs/PYTHON.md.
 from . import _tessera
 from . import megatron
 from . import torch
-from ._api import async_save, convert, load, load_all, read_metadata, save, verify
+from ._api import (async_save, convert, load, load_all, read_metadata, remove_keys, save,
+                   verify)
 from ._errors import (AlreadyExistsError, CommError, CommTimeoutError, CorruptCheckpointError,
                       Error, FailedPreconditionError, InternalError, InvalidArgumentError,
                       MissingKeysError, NotFoundError, PartialLoadWarning, StorageError,
                       UnimplementedError)
 from ._state import STRUCTURE_KEY, ShardedObject, ShardedTensor
 from ._torch_comm import torch_dist_comm
-from ._tessera import (AsyncSaveHandle, Comm, ConvertReport, LoadReport, Metadata, SaveReport,
-                       VerifyReport, python_comm, run_local, single_rank_comm)
+from ._tessera import (AsyncSaveHandle, Comm, ConvertReport, LoadReport, Metadata,
+                       RemoveKeysReport, SaveReport, VerifyReport, python_comm, run_local, single_rank_comm)
 
 __version__ = "0.1.0"
 
@@ -49,6 +51,7 @@ __all__ = [
     "InvalidArgumentError", "LoadReport", "Metadata", "MissingKeysError", "NotFoundError",
     "PartialLoadWarning", "STRUCTURE_KEY", "SaveReport", "ShardedObject", "ShardedTensor", "StorageError",
     "UnimplementedError", "VerifyReport", "async_save", "load", "load_all", "mpi_comm",
-    "python_comm", "read_metadata", "run_local", "save", "single_rank_comm", "torch_dist_comm",
+    "python_comm", "read_metadata", "remove_keys", "RemoveKeysReport", "run_local", "save",
+    "single_rank_comm", "torch_dist_comm",
     "verify", "megatron", "torch",
 ]

@@ -1,6 +1,6 @@
-"""save, load, async_save, load_all, read_metadata, verify, convert: thin wrappers that
-flatten the state dict (tessera/_state.py), set the C++ options from keyword arguments and call
-the extension module without the GIL."""
+"""save, load, async_save, load_all, read_metadata, verify, convert, remove_keys: thin wrappers
+that flatten the state dict (tessera/_state.py), set the C++ options from keyword arguments and
+call the extension module without the GIL."""
 
 import atexit
 import os
@@ -121,7 +121,12 @@ def save(state_dict, path, *, comm=None, **options):
     Options (fields of SaveOptions, include/tessera/checkpoint.h, which documents each default
     and cost): num_io_threads=2, sync=True ("full"; False or "none": no fsync at all),
     balance_writes=False, user_metadata={} (str -> str; rank 0's is kept),
-    remove_stale_files=True, plan_cache=True, format="tessera".
+    remove_stale_files=True, plan_cache=True, separate_prefixes=[] (keys starting with each
+    prefix go to data files of their own, so remove_keys of that prefix copies nothing),
+    progress=None (a callable progress(done, total): this rank's bytes written so far and in
+    all, called from the calling thread every 100 ms and at the end; e.g. a tqdm bar's
+    update, see docs/PYTHON.md; what it raises is raised once the save returns),
+    format="tessera".
 
     format="torch_dist" writes a PyTorch DCP checkpoint (Megatron-Core's torch_dist) that
     torch's own torch.distributed.checkpoint.load_state_dict reads, with torch_dist_flavor="2.x"
@@ -182,7 +187,9 @@ def load(state_dict, path, *, comm=None, strict=True, objects="unpickle", **opti
     tessera.PartialLoadWarning (warnings.warn).
 
     Options (fields of LoadOptions): verify_checksums=True, verify_partial_chunks=False,
-    num_io_threads=2, read_sharing="none" ("broadcast", "all_gather"), exchange_bytes=256 MiB.
+    num_io_threads=2, read_sharing="none" ("broadcast", "all_gather"), exchange_bytes=256 MiB,
+    progress=None (a callable progress(done, total): the bytes of this rank's requests loaded
+    so far and in all, from the calling thread, as for save).
 
     Returns a LoadReport (missing_keys, unexpected_keys, shape_mismatched_keys, bytes_read,
     ...) whose `state_dict` is the loaded state dict: `state_dict` itself, or a new one when
@@ -245,12 +252,40 @@ def read_metadata(path):
     return _tessera.read_metadata(os.fspath(path))
 
 
-def verify(path, num_threads=2):
+def verify(path, num_threads=2, progress=None):
     """Re-reads every chunk and object of the checkpoint at `path`: checksums, file sizes,
     exact coverage, `num_threads` data files at once. Returns a VerifyReport or raises the
     first problem found (usually a CorruptCheckpointError; an InvalidArgumentError for
-    num_threads < 1)."""
-    return _tessera.verify(os.fspath(path), num_threads)
+    num_threads < 1). progress(done, total), if given, is called with the bytes checked."""
+    return _tessera.verify(os.fspath(path), num_threads, progress)
+
+
+def remove_keys(path, prefixes, *, dry_run=False, sync=True, num_io_threads=2, progress=None):
+    """Removes from the tessera checkpoint at `path` every tensor and object whose key starts
+    with one of `prefixes` (a str or a list of them) and frees their bytes: data files that
+    hold only removed keys are deleted; files that also hold kept keys are rewritten, their
+    kept chunks copied with every checksum verified on the way; the new manifest is committed
+    atomically like a save's, so a crash leaves the old checkpoint or the new one. Keys saved
+    with separate_prefixes=[prefix] are removed without copying anything.
+
+    Not collective: call it from one process. dry_run=True reports without changing anything.
+    sync=False skips every fsync. progress(done, total): bytes copied so far and to copy.
+
+    Returns a RemoveKeysReport (removed_tensors, removed_objects, matches_per_prefix,
+    files_dropped, files_rewritten, bytes_before, bytes_after, bytes_freed, bytes_copied).
+    Nothing matching is not an error (the report is empty). Raises FailedPreconditionError for
+    a checkpoint in another format, CorruptCheckpointError for a corrupt chunk met while
+    copying (nothing is then changed).
+    """
+    if isinstance(prefixes, (str, bytes)):
+        prefixes = [prefixes]
+    prefixes = list(prefixes)
+    for p in prefixes:
+        if not isinstance(p, str):
+            raise TypeError(f"remove_keys(): prefixes must be str, not {type(p).__name__}")
+    policy = _tessera.SyncPolicy.FULL if sync else _tessera.SyncPolicy.NONE
+    return _tessera._remove_keys(os.fspath(path), prefixes, bool(dry_run), policy,
+                                 int(num_io_threads), progress)
 
 
 # ---- conversion ----------------------------------------------------------------------------
@@ -415,6 +450,9 @@ def async_save(state_dict, path, *, comm=None, when_busy="wait", staging="blocki
         raise ValueError(f"when_busy must be 'wait' or 'queue', not {when_busy!r}")
     if staging not in ("blocking", "deferred"):
         raise ValueError(f"staging must be 'blocking' or 'deferred', not {staging!r}")
+    if "progress" in options:
+        raise TypeError("async_save() does not take progress: the save runs in the background "
+                        "(handle.done() polls it)")
     lock = None
     if comm is None:
         # The process-wide comm: a Comm is used by one thread at a time.

@@ -32,7 +32,7 @@ from . import _api
 from . import _state
 from ._errors import Error, invalid_argument, warn_partial_load
 
-__all__ = ["load", "load_plain_tensors", "save"]
+__all__ = ["load", "load_plain_tensors", "remove_sharded_tensors", "save"]
 
 # Megatron's StrictHandling values -> (skip keys asked for but absent from the checkpoint,
 # skip keys of the checkpoint no rank asks for, warn, return). Megatron's names are the other
@@ -151,6 +151,20 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
     if returned is None:
         return result
     return result, (unasked if returned == "all" else set()), absent
+
+
+def remove_sharded_tensors(checkpoint_dir, key_prefix):
+    """Removes every tensor and object whose key starts with `key_prefix` from the checkpoint
+    at `checkpoint_dir` and frees their bytes, as Megatron's remove_sharded_tensors does (e.g.
+    key_prefix="optimizer." to keep only the model). Crash-safe (tessera.remove_keys); saving
+    with separate_prefixes=[key_prefix] (Megatron's separation_hint) makes it delete whole
+    files without copying. Not collective, like Megatron's: call it from one process. Warns,
+    as Megatron does, when no key has the prefix.
+    """
+    report = _api.remove_keys(os.fspath(checkpoint_dir), [key_prefix])
+    if not report.removed_tensors and not report.removed_objects:
+        warnings.warn(f'There are no keys in {os.fspath(checkpoint_dir)} that begin with '
+                      f'"{key_prefix}".', stacklevel=2)
 
 
 def load_plain_tensors(checkpoint_dir, *, comm=None, **options):

@@ -13,6 +13,7 @@
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
+#include "tessera/remove_keys.h"
 #include "testing/test_util.h"
 
 namespace tessera {
@@ -725,6 +726,118 @@ TEST(CrashConsistencyTest, CrashDuringAFirstSaveLeavesNoCheckpoint) {
   EXPECT_TRUE(error.code() == StatusCode::kNotFound ||
               error.code() == StatusCode::kFailedPrecondition)
       << error.ToString();
+}
+
+// ---- crash consistency of RemoveKeys ----------------------------------------------------------
+
+// What the checkpoint at "/ck" holds after RemoveKeys(prefix "b") of generation 1: 1 for the
+// old checkpoint (a, b and o), 2 for the new one (a and o, b gone, values of generation 1),
+// -1 when neither loads (`error` says why).
+int OldOrNewAfterRemoval(std::shared_ptr<Storage> storage, Status* error) {
+  Generation g(0), want(1);
+  LoadOptions o;
+  o.storage = storage;
+  StateDict all = g.Dict();
+  if (Load(all, "/ck", o).ok()) {
+    g.obj = std::get<ShardedObject>(*all.Find("o")).data;
+    return g.a == want.a && g.b == want.b && g.obj == want.obj ? 1 : -2;
+  }
+  StateDict kept;
+  (void)kept.Add(ShardedTensor::Whole("a", TensorView(g.a.data(), DType::kF32, {20, 15})));
+  (void)kept.Add(ShardedObject{"o", {}, {}});
+  *error = Load(kept, "/ck", o).status();
+  if (!error->ok()) return -1;
+  return g.a == want.a && std::get<ShardedObject>(*kept.Find("o")).data == want.obj ? 2 : -2;
+}
+
+// Saves generation 1 into a fresh MemoryStorage (`save` decides the files: with one I/O thread
+// "b" shares its file with "a" and "o", so removing it rewrites that file; with
+// separate_prefixes {"b"} it has files of its own, dropped whole), then removes "b" through a
+// FaultInjectingStorage with `plan`.
+struct RemoveFromExisting {
+  std::shared_ptr<MemoryStorage> memory = std::make_shared<MemoryStorage>();
+  std::shared_ptr<FaultInjectingStorage> faulty;
+  Status saved, removed;
+  RemoveKeysReport report;
+
+  RemoveFromExisting(FaultPlan plan, SaveOptions save) {
+    Generation g1(1);
+    save.storage = memory;
+    saved = Save(g1.Dict(), "/ck", save).status();
+    faulty = std::make_shared<FaultInjectingStorage>(memory, std::move(plan));
+    RemoveKeysOptions o;
+    o.storage = faulty;
+    Result<RemoveKeysReport> r = RemoveKeys("/ck", {"b"}, o);
+    removed = r.status();
+    if (r.ok()) report = *r;
+  }
+};
+
+std::vector<SaveOptions> RemovalLayouts() {
+  SaveOptions shared_file, own_files;
+  shared_file.num_io_threads = 1;
+  own_files.num_io_threads = 1;
+  own_files.separate_prefixes = {"b"};
+  return {shared_file, own_files};
+}
+
+TEST(CrashConsistencyTest, CrashAtEveryStepOfRemoveKeysLeavesTheOldCheckpointOrTheNew) {
+  for (const SaveOptions& layout : RemovalLayouts()) {
+    const bool own_files = !layout.separate_prefixes.empty();
+    SCOPED_TRACE(own_files ? "b in files of its own" : "b shares its file");
+    RemoveFromExisting clean{FaultPlan{}, layout};
+    ASSERT_OK(clean.saved);
+    ASSERT_OK(clean.removed);
+    EXPECT_EQ(clean.report.files_rewritten, own_files ? 0 : 1);
+    EXPECT_EQ(clean.report.bytes_copied, own_files ? 0u : 300u * 4 + 2);
+    const int64_t total_ops = clean.faulty->operation_count();
+    ASSERT_GT(total_ops, 8);
+    int old_seen = 0, new_seen = 0;
+    for (int64_t n = 0; n <= total_ops; ++n) {
+      SCOPED_TRACE("crash at operation " + std::to_string(n));
+      RemoveFromExisting run{FaultPlan{.fail_at = n, .crash = true, .path_filter = ""}, layout};
+      ASSERT_OK(run.saved);
+      run.memory->SimulateCrash();
+      Status error;
+      const int state = OldOrNewAfterRemoval(run.memory, &error);
+      ASSERT_TRUE(state == 1 || state == 2) << "state " << state << ": " << error.ToString();
+      if (run.removed.ok()) {
+        EXPECT_EQ(state, 2) << "a removal that reported success must last";
+      }
+      (state == 1 ? old_seen : new_seen)++;
+      // After the crash, removing again succeeds (or finds nothing left to remove).
+      RemoveKeysOptions o;
+      o.storage = run.memory;
+      ASSERT_OK_AND_ASSIGN(RemoveKeysReport again, RemoveKeys("/ck", {"b"}, o));
+      EXPECT_EQ(again.removed_tensors.size(), state == 1 ? 1u : 0u);
+      ASSERT_OK(Verify("/ck", run.memory));
+      EXPECT_EQ(OldOrNewAfterRemoval(run.memory, &error), 2) << error.ToString();
+    }
+    EXPECT_GT(old_seen, 0);
+    EXPECT_GT(new_seen, 0);
+  }
+}
+
+TEST(CrashConsistencyTest, FailureAtEveryStepOfRemoveKeysLeavesTheOldCheckpointOrTheNew) {
+  for (const SaveOptions& layout : RemovalLayouts()) {
+    SCOPED_TRACE(layout.separate_prefixes.empty() ? "b shares its file" : "b in own files");
+    int64_t n = 0;
+    for (;; ++n) {
+      SCOPED_TRACE("failure at operation " + std::to_string(n));
+      RemoveFromExisting run{FaultPlan{.fail_at = n, .crash = false, .path_filter = ""}, layout};
+      ASSERT_OK(run.saved);
+      Status error;
+      const int state = OldOrNewAfterRemoval(run.memory, &error);
+      if (run.removed.ok()) {
+        EXPECT_EQ(state, 2) << error.ToString();
+        if (!run.faulty->fault_fired()) break;  // past the last operation
+      } else {
+        EXPECT_THAT(run.removed.message(), HasSubstr("injected fault"));
+        EXPECT_TRUE(state == 1 || state == 2) << error.ToString();
+      }
+    }
+    EXPECT_GT(n, 8);
+  }
 }
 
 TEST(ResaveTest, OldFilesAreRemovedOnlyAfterTheNewManifestCommits) {

@@ -12,6 +12,7 @@
 
 #include "checkpoint/envelope.h"
 #include "checkpoint/load_internal.h"
+#include "checkpoint/progress.h"
 #include "checkpoint/reader.h"
 #include "core/byte_io.h"
 #include "format/checkpoint_index.h"
@@ -61,7 +62,7 @@ namespace {
 // The exchange of read runs between the ranks of `comm`: the same schedule on every rank.
 Status ExchangeWithinGroup(Comm& comm, const ReadAssignment& assignment,
                            const std::vector<std::byte*>& destination, const LoadOptions& options,
-                           LoadReport& report) {
+                           LoadReport& report, ProgressMeter& progress) {
   const int me = comm.rank();
   const std::vector<std::vector<ExchangePiece>> rounds =
       ScheduleExchange(assignment, comm.size(), options.exchange_bytes);
@@ -82,6 +83,7 @@ Status ExchangeWithinGroup(Comm& comm, const ReadAssignment& assignment,
         if (needs(p)) {
           std::memcpy(destination[p.unique_run] + p.begin, bytes.data(), p.length);
           report.bytes_received += p.length;
+          progress.Add(p.length);
         }
       }
       continue;
@@ -106,9 +108,11 @@ Status ExchangeWithinGroup(Comm& comm, const ReadAssignment& assignment,
         std::memcpy(destination[p.unique_run] + p.begin, received[sender].data() + cursor[sender],
                     p.length);
         report.bytes_received += p.length;
+        progress.Add(p.length);
       }
       cursor[sender] += p.length;
     }
+    progress.Report();
   }
   return Status::Ok();
 }
@@ -121,7 +125,7 @@ Status ExchangeWithinGroup(Comm& comm, const ReadAssignment& assignment,
 // rank's run list. COLLECTIVE over `comm`; within a group every rank returns the same status.
 Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const Metadata& metadata,
                   const std::vector<ReadRun>& all_runs, const LoadOptions& options,
-                  LoadReport& report) {
+                  LoadReport& report, ProgressMeter& progress) {
   std::vector<ReadRun> runs, own;
   for (const ReadRun& run : all_runs) (run.flat ? own : runs).push_back(run);
   const Bytes keys = EncodeRunKeys(runs);
@@ -137,7 +141,9 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
   const std::vector<int32_t>& members = groups.members[groups.group_of[comm.rank()]];
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Comm> group_comm, comm.Split(members[0], comm.rank()));
   Comm& group = *group_comm;
-  if (group.size() == 1) return ExecuteReads(storage, path, metadata, all_runs, options, report);
+  if (group.size() == 1) {
+    return ExecuteReads(storage, path, metadata, all_runs, options, report, &progress);
+  }
   TESSERA_ASSIGN_OR_RETURN(std::vector<RunKey> my_keys, DecodeRunKeys(keys));
   const ReadAssignment assignment = AssignIdenticalReads(my_keys, group.size());
   const int me = group.rank();
@@ -156,8 +162,9 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
                                         : a.file_offset < b.file_offset;
   });
   TESSERA_RETURN_IF_ERROR(
-      AgreeOnStatus(group, ExecuteReads(storage, path, metadata, to_read, options, report)));
-  return ExchangeWithinGroup(group, assignment, destination, options, report);
+      AgreeOnStatus(group, ExecuteReads(storage, path, metadata, to_read, options, report,
+                                        &progress)));
+  return ExchangeWithinGroup(group, assignment, destination, options, report, progress);
 }
 
 }  // namespace
@@ -214,20 +221,28 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
   // 3. Read only if every rank's plan is good; then agree on the outcome.
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, plan_status));
   const RankReadPlan& plan = *planned;
+  ProgressMeter progress(options.progress, plan.bytes_needed);
   // ReadShared is collective and fails alike on every rank; ExecuteReads is local.
-  Status read_status = options.read_sharing != ReadSharing::kNone && comm.size() > 1
-                           ? ReadShared(comm, storage, root, metadata, plan.runs, options, report)
-                           : ExecuteReads(storage, root, metadata, plan.runs, options, report);
+  Status read_status =
+      options.read_sharing != ReadSharing::kNone && comm.size() > 1
+          ? ReadShared(comm, storage, root, metadata, plan.runs, options, report, progress)
+          : ExecuteReads(storage, root, metadata, plan.runs, options, report, &progress);
   if (read_status.ok()) {
     read_status = ExecutePermutedCopies(storage, root, metadata, plan.permuted, options, report);
+    for (const PermutedCopy& copy : plan.permuted) {
+      progress.Add(copy.part.NumElements() * DTypeSize(metadata.tensors[copy.tensor].dtype));
+    }
+    progress.Report();
   }
   for (const ObjectRead& read : plan.objects) {
     if (!read_status.ok()) break;
     read_status =
         ReadObject(storage, root, metadata, *read.info, options, read.destination->data, report);
     read.destination->encoding = read.info->encoding;
+    progress.Add(read.info->location.length);
   }
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, read_status));
+  progress.Finish();
   return report;
 }
 

@@ -168,7 +168,8 @@ std::string ChecksumMismatch(const std::string& dir, const Metadata& metadata, c
 // Performs one unit read. `buffer` holds kCheckedReadPiece bytes.
 Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata& metadata,
                 const UnitRead& unit, const std::vector<Segment>& segments,
-                std::vector<std::byte>& buffer, uint64_t& bytes_read, uint64_t& calls) {
+                std::vector<std::byte>& buffer, uint64_t& bytes_read, uint64_t& calls,
+                ProgressMeter* progress) {
   auto context = [&] { return "reading " + DescribeChunk(metadata, unit.tensor, unit.chunk); };
   ChecksumStream checksum;
   if (unit.direct) {
@@ -184,6 +185,7 @@ Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata
         TESSERA_RETURN_IF_ERROR_CTX(file.ReadAt(seg.file_offset + done, seg.destination + done, n),
                                     context());
         if (unit.check) checksum.Update(seg.destination + done, n);
+        if (progress) progress->Add(n);
         done += n;
       }
       bytes_read += seg.length;
@@ -203,6 +205,7 @@ Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata
         if (from < to) {
           std::memcpy(seg.destination + (from - seg.file_offset),
                       buffer.data() + (from - piece_begin), to - from);
+          if (progress) progress->Add(to - from);
         }
         if (seg.file_offset + seg.length <= piece_end) next = s + 1;
       }
@@ -220,7 +223,7 @@ Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata
 
 Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& metadata,
                     const std::vector<ReadRun>& runs, const LoadOptions& options,
-                    LoadReport& report) {
+                    LoadReport& report, ProgressMeter* progress) {
   if (runs.empty()) return Status::Ok();
   std::vector<UnitRead> units;
   std::vector<Segment> segments;
@@ -256,13 +259,17 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
     std::vector<std::byte> buffer(kCheckedReadPiece);
     for (size_t i = bounds[slice]; i < bounds[slice + 1] && statuses[slice].ok(); ++i) {
       statuses[slice] = ReadUnit(*files[units[i].file_index], dir, metadata, units[i], segments,
-                                 buffer, bytes[slice], calls[slice]);
+                                 buffer, bytes[slice], calls[slice], progress);
     }
   };
-  std::vector<std::thread> threads;
-  for (size_t s = 1; s < slices; ++s) threads.emplace_back(work, s);
-  if (slices > 0) work(0);
-  for (std::thread& t : threads) t.join();
+  if (progress) {
+    progress->ParallelFor(slices, work);  // the calling thread reports
+  } else {
+    std::vector<std::thread> threads;
+    for (size_t s = 1; s < slices; ++s) threads.emplace_back(work, s);
+    if (slices > 0) work(0);
+    for (std::thread& t : threads) t.join();
+  }
   for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
   for (size_t s = 0; s < slices; ++s) {
     report.bytes_read += bytes[s];

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/progress.h"
 #include "plan/load_plan.h"
 #include "tessera/checkpoint.h"
 
@@ -12,10 +13,11 @@ namespace tessera {
 
 // Performs `runs` with options.num_io_threads threads, checking the checksum of every run that
 // covers a whole chunk when options.verify_checksums. Opens each file once and checks its size
-// against the manifest. Errors name the key, the chunk, the file.
+// against the manifest. Errors name the key, the chunk, the file. With a `progress` meter,
+// counts the bytes of `runs` as they land and reports from the calling thread.
 Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& metadata,
                     const std::vector<ReadRun>& runs, const LoadOptions& options,
-                    LoadReport& report);
+                    LoadReport& report, ProgressMeter* progress = nullptr);
 
 // Performs copies of parts of chunks stored in another dimension order: reads each chunk
 // whole (checking its checksum blocks when options.verify_checksums and the format has them),

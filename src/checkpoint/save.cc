@@ -335,6 +335,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   for (uint32_t i : items) my_bytes += local->items[i].num_bytes;
   if (options.progress) {
     write_options.on_progress = [&](uint64_t done) { options.progress(done, my_bytes); };
+    options.progress(0, my_bytes);  // the start: a bar's clock and total
   }
   const bool torch_dist = options.format == CheckpointFormat::kTorchDist;
   const auto plan_files = torch_dist ? PlanDcpDataFiles : PlanDataFiles;

@@ -6,6 +6,7 @@
 #include <optional>
 #include <thread>
 
+#include "checkpoint/progress.h"
 #include "checkpoint/reader.h"
 #include "format/checkpoint_index.h"
 #include "format/checksum.h"
@@ -56,7 +57,8 @@ struct ExpectedChecksums {
 // Reads the bytes of `expected.where` in pieces (mapped where worth it) and checks every
 // checksum block of them.
 Status CheckBytes(const ReadableFile& file, const ExpectedChecksums& expected,
-                  const std::string& what, std::vector<uint8_t>& buffer, VerifyReport& report) {
+                  const std::string& what, std::vector<uint8_t>& buffer, VerifyReport& report,
+                  ProgressMeter& progress) {
   const ByteLocation& where = *expected.where;
   const uint64_t block = std::max<uint64_t>(expected.BlockLength(), 1);
   ChecksumStream checksum;
@@ -100,6 +102,7 @@ Status CheckBytes(const ReadableFile& file, const ExpectedChecksums& expected,
                                   "reading " + what);
       TESSERA_RETURN_IF_ERROR(hash(buffer.data(), done, n));
     }
+    progress.Add(n);
     done += n;
   }
   report.bytes_checked += where.length;
@@ -152,6 +155,7 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
     Shape shape;
   };
   std::vector<std::vector<Piece>> pieces(metadata.files.size());
+  ProgressMeter progress(options.progress, 0);
   for (const TensorInfo& tensor : metadata.tensors) {
     for (size_t c = 0; c < tensor.chunks.size(); ++c) {
       const ChunkInfo& chunk = tensor.chunks[c];
@@ -190,7 +194,8 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
       }
       if (report.checksums) {
         const ExpectedChecksums expected{&piece.where, piece.blocks, metadata.checksum_block_bytes};
-        TESSERA_RETURN_IF_ERROR(CheckBytes(*file, expected, piece.what, buffer, file_report));
+        TESSERA_RETURN_IF_ERROR(
+            CheckBytes(*file, expected, piece.what, buffer, file_report, progress));
       }
       file_report.chunks_checked += 1;
     }
@@ -207,17 +212,20 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
       statuses[f] = check_file(static_cast<uint32_t>(f), buffer, file_reports[f]);
     }
   };
-  std::vector<std::thread> threads;
+  uint64_t to_check = 0;
+  for (const std::vector<Piece>& list : pieces) {
+    for (const Piece& piece : list) to_check += report.checksums ? piece.where.length : 0;
+  }
+  progress.set_total(to_check);
   const size_t num_threads = std::min<size_t>(static_cast<size_t>(options.num_threads), num_files);
-  for (size_t t = 1; t < num_threads; ++t) threads.emplace_back(work);
-  work();
-  for (std::thread& t : threads) t.join();
+  progress.ParallelFor(std::max<size_t>(num_threads, 1), [&](size_t) { work(); });
   for (size_t f = 0; f < num_files; ++f) {
     TESSERA_RETURN_IF_ERROR(statuses[f]);
     report.chunks_checked += file_reports[f].chunks_checked;
     report.bytes_checked += file_reports[f].bytes_checked;
     report.files_checked += file_reports[f].files_checked;
   }
+  progress.Finish();
   return report;
 }
 

@@ -1,0 +1,259 @@
+// tessera ls: the checkpoints under a directory, oldest first.
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+
+#include "core/utf8.h"
+#include "format/manifest.h"
+#include "tessera/checkpoint.h"
+#include "tools/commands.h"
+#include "tools/text.h"
+
+namespace tessera::tools {
+namespace {
+
+namespace fs = std::filesystem;
+
+// One checkpoint found.
+struct Found {
+  std::string path;    // relative to the directory searched; "." for itself
+  std::string format;  // CheckpointFormatName
+  std::string step;    // user metadata "step"; "" when absent
+  uint64_t bytes = 0;  // of its files
+  int files = 0;
+  int ranks = 0;             // 0: unknown
+  int64_t save_time_ms = 0;  // the manifest's, else the newest file's modification time
+  bool committed = true;     // false: the files of a save that did not finish
+  std::string problem;       // why it could not be read, or ""
+};
+
+struct Entry {
+  std::string name;
+  uint64_t size = 0;
+  int64_t mtime_ms = 0;
+};
+
+int64_t ModifiedMs(const struct stat& st) {
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000 + st.st_mtim.tv_nsec / 1000000;
+}
+
+// The regular files (names, sizes, times) and the subdirectories of `dir`. Symbolic links are
+// neither followed nor listed.
+void ListDir(const fs::path& dir, std::vector<Entry>& files, std::vector<fs::path>& subdirs) {
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, fs::directory_options::skip_permission_denied, ec), end;
+       !ec && it != end; it.increment(ec)) {
+    struct stat st;
+    if (lstat(it->path().c_str(), &st) != 0) continue;
+    if (S_ISDIR(st.st_mode)) subdirs.push_back(it->path());
+    if (S_ISREG(st.st_mode)) {
+      files.push_back(
+          {it->path().filename().string(), static_cast<uint64_t>(st.st_size), ModifiedMs(st)});
+    }
+  }
+  std::sort(files.begin(), files.end(),
+            [](const Entry& a, const Entry& b) { return a.name < b.name; });
+}
+
+const Entry* Find(const std::vector<Entry>& files, const std::string& name) {
+  for (const Entry& e : files) {
+    if (e.name == name) return &e;
+  }
+  return nullptr;
+}
+
+// Files whose names satisfy `pick`: counted, summed, newest time.
+void Tally(const std::vector<Entry>& files, bool (*pick)(const std::string&), Found& found) {
+  for (const Entry& e : files) {
+    if (!pick(e.name)) continue;
+    found.files += 1;
+    found.bytes += e.size;
+    found.save_time_ms = std::max(found.save_time_ms, e.mtime_ms);
+  }
+}
+
+bool IsTesseraSaveFile(const std::string& n) {
+  return IsTesseraDataFileName(n) || IsTempManifestName(n);
+}
+bool IsDistcp(const std::string& n) { return n.ends_with(".distcp"); }
+bool IsSafetensors(const std::string& n) {
+  return n.ends_with(".safetensors") || n == "model.safetensors.index.json";
+}
+bool AnyFile(const std::string&) { return true; }
+
+// Fills `found` from the checkpoint's index; on failure keeps what the listing said and
+// records the problem.
+void FromMetadata(const fs::path& dir, Found& found) {
+  Result<Metadata> m = ReadMetadata(dir.string());
+  if (!m.ok()) {
+    found.problem = m.status().ToString();
+    return;
+  }
+  found.format = CheckpointFormatName(m->format);
+  found.files = static_cast<int>(m->files.size());
+  found.bytes = 0;
+  for (const FileInfo& f : m->files) found.bytes += f.size;
+  found.ranks = m->num_ranks;
+  if (m->save_time_unix_ms > 0) found.save_time_ms = m->save_time_unix_ms;
+  if (auto it = m->user_metadata.find("step"); it != m->user_metadata.end())
+    found.step = it->second;
+}
+
+// The checkpoint `dir` holds, if any (its format decided by its names, as ReadMetadata does).
+std::optional<Found> Examine(const fs::path& dir, const std::vector<Entry>& files) {
+  Found found;
+  auto any = [&](bool (*pick)(const std::string&)) {
+    return std::any_of(files.begin(), files.end(), [&](const Entry& e) { return pick(e.name); });
+  };
+  if (const Entry* manifest = Find(files, kManifestFileName)) {
+    found.format = "tessera";
+    found.save_time_ms = manifest->mtime_ms;
+    FromMetadata(dir, found);
+  } else if (any(IsTesseraSaveFile)) {
+    found.format = "tessera";
+    found.committed = false;
+    Tally(files, IsTesseraSaveFile, found);
+  } else if (const Entry* metadata = Find(files, ".metadata")) {
+    found.format = "torch_dist";
+    Tally(files, AnyFile, found);
+    found.save_time_ms = metadata->mtime_ms;
+    FromMetadata(dir, found);
+  } else if (any(IsDistcp)) {
+    found.format = "torch_dist";  // DCP writes .metadata last: without it, no commit
+    found.committed = false;
+    Tally(files, IsDistcp, found);
+  } else if (any(IsSafetensors)) {
+    found.format = "safetensors";
+    Tally(files, IsSafetensors, found);
+    FromMetadata(dir, found);
+  } else {
+    return std::nullopt;
+  }
+  return found;
+}
+
+// Every checkpoint under `root`; a checkpoint's own subdirectories are not searched.
+std::vector<Found> Search(const fs::path& root) {
+  std::vector<Found> all;
+  std::vector<fs::path> todo = {root};
+  while (!todo.empty()) {
+    const fs::path dir = std::move(todo.back());
+    todo.pop_back();
+    std::vector<Entry> files;
+    std::vector<fs::path> subdirs;
+    ListDir(dir, files, subdirs);
+    if (std::optional<Found> found = Examine(dir, files)) {
+      found->path = dir == root ? "." : fs::relative(dir, root).string();
+      all.push_back(std::move(*found));
+      continue;
+    }
+    todo.insert(todo.end(), subdirs.begin(), subdirs.end());
+  }
+  std::sort(all.begin(), all.end(), [](const Found& a, const Found& b) {
+    if (a.save_time_ms != b.save_time_ms) return a.save_time_ms < b.save_time_ms;
+    return NaturalLess(a.path, b.path);
+  });
+  return all;
+}
+
+std::string State(const Found& f) {
+  if (!f.problem.empty()) return "unreadable: " + f.problem;
+  return f.committed ? "committed" : "uncommitted (a save that did not finish, or still runs)";
+}
+
+int PrintJson(const std::string& dir, const std::vector<Found>& all) {
+  nlohmann::json list = nlohmann::json::array();
+  for (const Found& f : all) {
+    if (!IsValidUtf8(f.path) || !IsValidUtf8(f.step) || !IsValidUtf8(f.problem)) {
+      return Fail(InvalidArgument("the checkpoint " + QuoteBytes(f.path) +
+                                  " has a name or step that is not valid UTF-8; JSON cannot "
+                                  "hold it (`tessera ls` without --json shows it escaped)"));
+    }
+    nlohmann::json item = {{"path", f.path},
+                           {"format", f.format},
+                           {"step", f.step.empty() ? nlohmann::json() : nlohmann::json(f.step)},
+                           {"bytes", f.bytes},
+                           {"files", f.files},
+                           {"ranks", f.ranks},
+                           {"save_time_unix_ms", f.save_time_ms},
+                           {"committed", f.committed}};
+    if (!f.problem.empty()) item["error"] = f.problem;
+    list.push_back(std::move(item));
+  }
+  std::cout << nlohmann::json{{"dir", dir}, {"checkpoints", list}}.dump(2) << "\n";
+  return 0;
+}
+
+void PrintTable(const std::vector<Found>& all) {
+  const size_t width = static_cast<size_t>(std::max(OutputWidth(), 20));
+  std::vector<std::vector<std::string>> rows = {
+      {"PATH", "FORMAT", "STEP", "BYTES", "FILES", "RANKS", "SAVED", "STATE"}};
+  for (const Found& f : all) {
+    rows.push_back({Printable(f.path), f.format, f.step.empty() ? "-" : Printable(f.step),
+                    FormatBytes(f.bytes), std::to_string(f.files),
+                    f.ranks > 0 ? std::to_string(f.ranks) : "-", FormatTime(f.save_time_ms),
+                    State(f)});
+  }
+  std::vector<size_t> w(8, 0);
+  for (const auto& row : rows) {
+    for (size_t c = 0; c < row.size(); ++c) w[c] = std::max(w[c], DisplayWidth(row[c]));
+  }
+  // The path column gives way first (cut in the middle), down to 12 columns; the state, last,
+  // is cut at the end of the line.
+  size_t others = 0;
+  for (size_t c = 1; c < 7; ++c) others += w[c] + 2;
+  const size_t state_room = 12;
+  if (w[0] + others + state_room > width) {
+    w[0] = std::max<size_t>(12, width > others + state_room ? width - others - state_room : 0);
+  }
+  const bool right[8] = {false, false, true, true, true, true, false, false};
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t c = 0; c < row.size(); ++c) {
+      const std::string cell = c == 0 ? FitMiddle(row[c], w[0]) : row[c];
+      if (c == 7) {
+        line += cell;
+      } else {
+        line += (right[c] ? PadLeft(cell, w[c]) : PadRight(cell, w[c])) + "  ";
+      }
+    }
+    std::printf("%s\n", FitEnd(line, width).c_str());
+  }
+}
+
+int RunLs(const std::string& dir, bool json) {
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0) {
+    return Fail(NotFound("directory " + Printable(dir) + " does not exist"));
+  }
+  if (!S_ISDIR(st.st_mode)) return Fail(FailedPrecondition(Printable(dir) + " is not a directory"));
+  const std::vector<Found> all = Search(fs::path(dir));
+  if (json) return PrintJson(dir, all);
+  if (all.empty()) {
+    std::printf("no checkpoints under %s\n", Printable(dir).c_str());
+    return 0;
+  }
+  PrintTable(all);
+  return 0;
+}
+
+}  // namespace
+
+void AddLsCommand(CLI::App& app, int* exit_code) {
+  auto dir = std::make_shared<std::string>();
+  auto json = std::make_shared<bool>(false);
+  CLI::App* ls = app.add_subcommand(
+      "ls",
+      "List the checkpoints under a directory (tessera, PyTorch DCP, Hugging Face), oldest first");
+  ls->add_option("DIR", *dir, "directory searched, with its subdirectories")->required();
+  ls->add_flag("--json", *json, "print one JSON document");
+  ls->callback([=] { *exit_code = RunLs(*dir, *json); });
+}
+
+}  // namespace tessera::tools

@@ -1,0 +1,251 @@
+#!/usr/bin/env bash
+# End-to-end tests of the commands that operate checkpoints: ls, inspect, diff, rm-keys, and
+# the progress output of demo, verify and rm-keys. Usage: ops_test.sh PATH_TO_TESSERA
+set -uo pipefail
+tessera="$1"
+python=/usr/bin/python3
+# The Python package of the same build, to make checkpoints with chosen contents.
+export PYTHONPATH="$(cd "$(dirname "$tessera")" && pwd)/python${PYTHONPATH:+:$PYTHONPATH}"
+work="$(mktemp -d "${TMPDIR:-/tmp}/tessera-ops-XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+failures=0
+check() {  # check NAME CONDITION-EXIT-CODE
+  if [ "$2" -eq 0 ]; then echo "ok: $1"; else echo "FAILED: $1"; failures=$((failures + 1)); fi
+}
+longest() { awk '{ if (length($0) > m) m = length($0) } END { print m + 0 }' "$1"; }
+
+# ---- progress ------------------------------------------------------------------------------
+"$tessera" demo --out "$work/runs/a" --size 16MiB --no-sync --progress > "$work/demo.out" 2> "$work/demo.err"
+check "demo --progress exits 0" $?
+grep -q "^save: " "$work/demo.err" && grep -q "^load: " "$work/demo.err"
+check "demo --progress prints save and load lines on stderr" $?
+$python - "$work/demo.err" <<'PY'
+import re, sys
+lines = open(sys.argv[1]).read().splitlines()
+for phase in ("save", "load"):
+    mine = [l for l in lines if l.startswith(phase + ": ")]
+    assert len(mine) >= 2, (phase, mine)
+    last = re.match(rf"{phase}: (\S+ \S+) / (\S+ \S+) \(100%\).*done in", mine[-1])
+    assert last and last.group(1) == last.group(2), mine[-1]  # bytes reach the total
+PY
+check "demo's progress lines reach the total and end with 'done in'" $?
+! grep -q "save:" "$work/demo.out"  || grep -q "^save: 4 ranks" "$work/demo.out"
+check "progress stays off stdout" $?
+"$tessera" demo --out "$work/quiet" --size 4MiB --no-sync 2> "$work/quiet.err" > /dev/null
+[ ! -s "$work/quiet.err" ]; check "without a terminal and without --progress, no progress" $?
+"$tessera" verify "$work/runs/a" --progress > /dev/null 2> "$work/verify.err"
+check "verify --progress exits 0" $?
+tail -n 1 "$work/verify.err" | grep -Eq "^verify: (\S+ \S+) / \1 \(100%\)"
+check "verify --progress ends at the total" $?
+"$tessera" verify "$work/runs/a" --quiet > /dev/null 2> "$work/verify_quiet.err"
+[ ! -s "$work/verify_quiet.err" ]; check "verify --quiet prints no progress" $?
+msg="$("$tessera" verify "$work/runs/a" --quiet --progress 2>&1)"; rc=$?
+[ $rc -ne 0 ]; check "--quiet and --progress together are refused" $?
+
+# ---- test checkpoints: from Python when this build has the package (steps, objects, a long
+# structure, values that differ), else from the demo (the sanitizer build has no Python) ----
+if $python -c "import tessera" 2> /dev/null; then have_python=1; else have_python=0; fi
+if [ $have_python -eq 1 ]; then
+$python - "$work" <<'PY'
+import os, sys, time
+import numpy as np
+import tessera
+work = sys.argv[1]
+rng = np.random.default_rng(0)
+state = {"model": {f"layers.{i}.w": rng.standard_normal((8, 8)).astype(np.float32)
+                   for i in range(300)},
+         "optimizer": {"exp_avg": np.ones((64, 64), np.float32), "step": 7},
+         "note": "hello", "lr": 0.5}
+state["model"]["a_rather_long_module_name." * 6 + "weight"] = np.zeros(3, np.float32)
+tessera.save(state, os.path.join(work, "runs/step100"), user_metadata={"step": "100"},
+             num_io_threads=1, sync=False)
+time.sleep(0.01)
+state["model"]["layers.3.w"][0, 0] += 0.25
+tessera.save(state, os.path.join(work, "runs/nested/step200"), user_metadata={"step": "200"},
+             num_io_threads=1, sync=False)
+PY
+  check "python saves the test checkpoints" $?
+else
+  echo "skip: the checks that need checkpoints saved from Python (no tessera package in this build)"
+  "$tessera" demo --out "$work/runs/step100" --size 4MiB --no-sync > /dev/null \
+    && "$tessera" demo --out "$work/runs/nested/step200" --size 4MiB --no-sync > /dev/null
+  check "demo saves the test checkpoints" $?
+fi
+
+# ---- inspect -------------------------------------------------------------------------------
+COLUMNS=100 "$tessera" inspect "$work/runs/step100" > "$work/inspect.txt"
+check "inspect exits 0" $?
+[ "$(longest "$work/inspect.txt")" -le 100 ]; check "inspect: no line longer than COLUMNS=100" $?
+head -n 1 "$work/inspect.txt" | grep -q "^checkpoint " && grep -q "^  format     tessera" "$work/inspect.txt" \
+  && grep -q "^  saved      20" "$work/inspect.txt" && grep -q "^  contents   " "$work/inspect.txt"
+check "inspect starts with a summary: format, save time, contents" $?
+COLUMNS=40 "$tessera" inspect "$work/runs/step100" > "$work/narrow.txt"
+[ "$(longest "$work/narrow.txt")" -le 40 ]; check "inspect at 40 columns: no longer line" $?
+"$tessera" inspect --json "$work/runs/step100" > "$work/inspect.json"
+$python - "$work/inspect.json" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+for k in ["path", "format_version", "save_id", "num_ranks", "total_bytes", "total_chunks",
+          "user_metadata", "tensors", "objects", "files", "format", "save_time_unix_ms"]:
+    assert k in doc, k
+assert doc["format"] == "tessera" and doc["save_time_unix_ms"] > 0
+PY
+check "inspect --json keeps its fields, adds format and save time" $?
+if [ $have_python -eq 1 ]; then
+grep -q "tessera.python.structure = <Python structure: 305 leaves, 3 containers" "$work/inspect.txt"
+check "inspect summarises the Python structure instead of dumping it" $?
+grep -q "^  metadata   step = 100" "$work/inspect.txt"; check "inspect shows the step" $?
+grep -Eq "^optimizer.step +object +pickle .*= 7$" "$work/inspect.txt" \
+  && grep -Eq "^note .*= 'hello'$" "$work/inspect.txt" && grep -Eq "^lr .*= 0.5$" "$work/inspect.txt"
+check "inspect shows small objects by value" $?
+grep -A1 "^optimizer.step " "$work/narrow.txt" | grep -Eq "^ += 7$"
+check "inspect at 40 columns: a value with no room gets a line of its own" $?
+grep -q "^model.a_rather_long_module_name" "$work/inspect.txt"
+check "a key longer than its column is printed whole (wrapped)" $?
+$python - "$work/inspect.txt" <<'PY'
+import sys
+lines = open(sys.argv[1]).read().splitlines()
+i = lines.index(next(l for l in lines if l.startswith("KEY ")))
+rows = [l for l in lines[i + 1:] if l and not l.startswith(" ")]
+keys = [l.split()[0] for l in rows if len(l.split()) >= 4]
+layers = [int(k.split(".")[2]) for k in keys if k.startswith("model.layers.")]
+assert layers == sorted(layers) and len(layers) == 300, layers[:12]  # natural order
+dtype_col = {l.index(" F32 ") for l in rows if " F32 " in l}
+assert len(dtype_col) == 1, dtype_col  # aligned
+PY
+check "inspect: aligned columns, keys in natural order (layers.2 before layers.10)" $?
+COLUMNS=100 "$tessera" inspect "$work/runs/step100" --keys 'model.layers.1?.w' > "$work/keys.txt"
+grep -q "^10 of 305 keys match" "$work/keys.txt" && [ "$(grep -c '^model.layers.1[0-9].w ' "$work/keys.txt")" -eq 10 ]
+check "inspect --keys GLOB filters" $?
+COLUMNS=100 "$tessera" inspect "$work/runs/step100" --tree --depth 2 > "$work/tree.txt"
+grep -Eq "^model +301 " "$work/tree.txt" && grep -Eq "^  layers +300 +[0-9.]+ kB" "$work/tree.txt" \
+  && grep -Eq "^optimizer +2 " "$work/tree.txt"
+check "inspect --tree groups by dotted prefix with key counts and bytes" $?
+$python - "$work/inspect.json" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+objects = {o["key"]: o for o in doc["objects"]}
+assert objects["optimizer.step"]["value"] == "7" and objects["optimizer.step"]["encoding"] == "pickle"
+assert doc["user_metadata"]["tessera.python.structure"].startswith("{")  # --json keeps it whole
+PY
+check "inspect --json: object values; the structure whole" $?
+else
+COLUMNS=100 "$tessera" inspect "$work/runs/step100" --keys '*embedding*' > "$work/keys.txt"
+grep -q "^3 of 67 keys match" "$work/keys.txt"; check "inspect --keys GLOB filters" $?
+COLUMNS=100 "$tessera" inspect "$work/runs/step100" --tree --depth 1 > "$work/tree.txt"
+grep -Eq "^decoder +21 " "$work/tree.txt" && grep -Eq "^optimizer +45 " "$work/tree.txt"
+check "inspect --tree groups by dotted prefix with key counts and bytes" $?
+fi
+
+# ---- ls ------------------------------------------------------------------------------------
+mkdir -p "$work/runs/broken" "$work/runs/dcp_partial" "$work/runs/dcp"
+cp "$work/runs/step100/"*.safetensors "$work/runs/broken/"        # data files, no manifest
+echo junk > "$work/runs/dcp/.metadata"; echo x > "$work/runs/dcp/__0_0.distcp"
+echo x > "$work/runs/dcp_partial/__0_0.distcp"
+mkdir -p "$work/runs/hf"
+$python - "$work/runs/hf/model.safetensors" <<'PY'
+import json, struct, sys
+header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+open(sys.argv[1], "wb").write(struct.pack("<Q", len(header)) + header + bytes(8))
+PY
+COLUMNS=120 "$tessera" ls "$work/runs" > "$work/ls.txt"; check "ls exits 0" $?
+cat "$work/ls.txt"
+"$tessera" ls --json "$work/runs" > "$work/ls.json"; check "ls --json exits 0" $?
+$python - "$work/ls.json" "$have_python" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+found = {c["path"]: c for c in doc["checkpoints"]}
+assert set(found) == {"a", "step100", "nested/step200", "broken", "dcp", "dcp_partial", "hf"}, found
+if sys.argv[2] == "1":  # saved from Python with user_metadata step
+    assert found["step100"]["step"] == "100" and found["nested/step200"]["step"] == "200"
+assert found["step100"]["format"] == "tessera" and found["step100"]["committed"]
+assert found["a"]["ranks"] == 4 and found["a"]["files"] == 8 and found["a"]["step"] is None
+assert found["broken"]["committed"] is False and found["broken"]["format"] == "tessera"
+assert found["broken"]["bytes"] > 0
+assert found["dcp_partial"]["format"] == "torch_dist" and not found["dcp_partial"]["committed"]
+assert found["dcp"]["format"] == "torch_dist" and "error" in found["dcp"]
+assert found["hf"]["format"] == "safetensors" and found["hf"]["files"] == 1
+times = [c["save_time_unix_ms"] for c in doc["checkpoints"]]
+assert times == sorted(times), times
+order = [c["path"] for c in doc["checkpoints"]]
+assert order.index("step100") < order.index("nested/step200")
+PY
+check "ls finds every checkpoint (tessera, uncommitted, DCP, HF) with step, bytes, files, ranks, sorted by save time" $?
+head -n 1 "$work/ls.txt" | grep -q "PATH.*FORMAT.*STEP.*BYTES.*FILES.*RANKS.*SAVED.*STATE"
+check "ls prints a table with a header" $?
+grep -Eq "^broken .* uncommitted" "$work/ls.txt"; check "ls marks an uncommitted save" $?
+msg="$("$tessera" ls "$work/nothing" 2>&1)"; rc=$?
+[ $rc -eq 1 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "does not exist"
+check "ls of a missing directory: one line, exit 1" $?
+
+# ---- diff ----------------------------------------------------------------------------------
+"$tessera" diff "$work/runs/step100" "$work/runs/step100" > /dev/null; rc=$?
+[ $rc -eq 0 ]; check "diff of a checkpoint with itself: exit 0" $?
+"$tessera" diff "$work/runs/step100" "$work/runs/nested/step200" > "$work/diff.txt"; rc=$?
+[ $rc -eq 0 ] && grep -q "values not compared" "$work/diff.txt" \
+  && { [ $have_python -eq 0 ] || grep -q "metadata step: 100 -> 200" "$work/diff.txt"; }
+check "diff without --values: same keys, dtypes, shapes -> exit 0, metadata noted" $?
+if [ $have_python -eq 1 ]; then
+"$tessera" diff --values --json "$work/runs/step100" "$work/runs/nested/step200" > "$work/diff.json"; rc=$?
+[ $rc -eq 1 ]; check "diff --values of checkpoints whose values differ: exit 1" $?
+$python - "$work/diff.json" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+assert doc["identical"] is False and doc["values_compared"] is True
+diffs = {d["key"]: d for d in doc["differing_values"]}
+assert set(diffs) == {"model.layers.3.w"}, diffs
+assert diffs["model.layers.3.w"]["elements_differing"] == 1
+assert abs(diffs["model.layers.3.w"]["max_abs_diff"] - 0.25) < 1e-6
+assert doc["keys_compared"] == 305
+PY
+check "diff --values names the tensor that differs and its max absolute difference" $?
+fi
+cp -r "$work/runs/step100" "$work/copy"
+"$tessera" diff --values "$work/runs/step100" "$work/copy" > "$work/same.txt"; rc=$?
+[ $rc -eq 0 ] && grep -q "chunks and objects equal by checksum, not read" "$work/same.txt" && tail -n 1 "$work/same.txt" | grep -q identical
+check "diff --values of a copy: identical by checksums, exit 0" $?
+"$tessera" diff "$work/runs/step100" "$work/nothing" > /dev/null 2> "$work/diff.err"; rc=$?
+[ $rc -eq 2 ] && [ "$(wc -l < "$work/diff.err")" -eq 1 ]; check "diff with a missing checkpoint: one line, exit 2" $?
+
+# ---- rm-keys -------------------------------------------------------------------------------
+before="$(md5sum "$work/copy/tessera.manifest")"
+"$tessera" rm-keys "$work/copy" --prefix optimizer. --dry-run > "$work/dry.txt"; check "rm-keys --dry-run exits 0" $?
+[ "$before" = "$(md5sum "$work/copy/tessera.manifest")" ] && grep -Eq "^would remove [1-9][0-9]* tensors and 1 objects" "$work/dry.txt"
+check "rm-keys --dry-run says what it would do and changes nothing" $?
+"$tessera" rm-keys "$work/copy" --prefix optimizer. --prefix none. --progress --json > "$work/rm.json" 2> "$work/rm.err"
+check "rm-keys exits 0" $?
+$python - "$work/rm.json" "$work/copy" "$have_python" <<'PY'
+import json, os, sys
+r = json.load(open(sys.argv[1]))
+removed = r["removed_tensors"] + r["removed_objects"]
+assert removed and all(k.startswith("optimizer.") for k in removed), removed
+assert r["removed_objects"] == ["optimizer.step"]
+assert [p["keys"] for p in r["prefixes"]] == [len(removed), 0]
+assert r["bytes_freed"] > 0 and r["files_rewritten"] >= 1
+if sys.argv[3] == "1":
+    assert r["removed_tensors"] == ["optimizer.exp_avg"] and r["files_rewritten"] == 1
+    assert r["bytes_freed"] >= 64 * 64 * 4
+on_disk = sum(os.path.getsize(os.path.join(sys.argv[2], f)) for f in os.listdir(sys.argv[2])
+              if f.endswith(".safetensors"))
+assert on_disk == r["bytes_after"], (on_disk, r["bytes_after"])
+PY
+check "rm-keys frees the bytes on disk (--json report)" $?
+tail -n 1 "$work/rm.err" | grep -Eq "^rm-keys: (\S+ \S+) / \1 \(100%\)"
+check "rm-keys --progress ends at the bytes copied" $?
+"$tessera" verify "$work/copy" > /dev/null; check "verify passes after rm-keys" $?
+"$tessera" diff --json "$work/runs/step100" "$work/copy" > "$work/after.json"; rc=$?
+[ $rc -eq 1 ] && $python -c "
+import json, sys; d = json.load(open(sys.argv[1])); r = json.load(open(sys.argv[2]))
+assert set(d['only_in_a']) == set(r['removed_tensors'] + r['removed_objects']), d
+assert d['only_in_b'] == [] and d['changed'] == [], d" "$work/after.json" "$work/rm.json"
+check "diff after rm-keys: the removed keys are only in a, exit 1" $?
+msg="$("$tessera" rm-keys "$work/runs/hf" --prefix w 2>&1)"; rc=$?
+[ $rc -eq 1 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "it is a safetensors checkpoint"
+check "rm-keys of a Hugging Face checkpoint: one line naming the format, exit 1" $?
+
+msg="$("$tessera" rm-keys "$work/copy" 2>&1)"; rc=$?
+[ $rc -ne 0 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "^tessera: error: .*--prefix"
+check "a command line that does not parse: one line naming what is missing" $?
+
+if [ $failures -ne 0 ]; then echo "$failures check(s) failed"; exit 1; fi
+echo "all operations checks passed"
