@@ -36,9 +36,10 @@ struct InspectOptions {
 };
 int RunInspect(const InspectOptions& options);
 int RunVerify(const std::string& path, int threads, ProgressMode progress);
-void AddLsCommand(CLI::App& app, int* exit_code);      // tessera ls
-void AddDiffCommand(CLI::App& app, int* exit_code);    // tessera diff
-void AddRmKeysCommand(CLI::App& app, int* exit_code);  // tessera rm-keys
+void AddLsCommand(CLI::App& app, int* exit_code);        // tessera ls
+void AddDiffCommand(CLI::App& app, int* exit_code);      // tessera diff
+void AddRmKeysCommand(CLI::App& app, int* exit_code);    // tessera rm-keys
+void AddFinalizeCommand(CLI::App& app, int* exit_code);  // tessera finalize
 
 struct DemoOptions {
   std::string out;
@@ -51,6 +52,7 @@ struct DemoOptions {
   std::string share_reads = "none";  // none | broadcast | allgather
   std::string comm = "local";        // local | mpi
   ProgressMode progress = ProgressMode::kAuto;
+  bool rank_local = false;  // SaveOptions::collective false
 };
 int RunDemo(const DemoOptions& options);
 

@@ -60,6 +60,14 @@ int RunDemo(const DemoOptions& options) {
   save_options.num_io_threads = options.io_threads;
   save_options.sync = options.sync ? SyncPolicy::kFull : SyncPolicy::kNone;
   save_options.user_metadata = {{"producer", "tessera demo"}, {"layout", save_layout->ToString()}};
+  if (options.rank_local) {
+    // No collective in the save: each rank commits its own part under a tag all ranks know.
+    save_options.collective = false;
+    save_options.save_tag =
+        "demo-" + std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     std::chrono::system_clock::now().time_since_epoch())
+                                     .count());
+  }
 
   // Sums over ranks, computed with an all-reduce so that MPI runs print totals too.
   auto sum = [](Comm& comm, std::vector<int64_t> values) -> Result<std::vector<int64_t>> {
@@ -88,11 +96,13 @@ int RunDemo(const DemoOptions& options) {
     TESSERA_ASSIGN_OR_RETURN(SaveReport report, Save(state.dict, options.out, comm, rank_options));
     TESSERA_RETURN_IF_ERROR(comm.Barrier());
     const double seconds = Seconds(start, Clock::now());
-    TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> totals,
-                             sum(comm, {static_cast<int64_t>(state.bytes)}));
+    // A rank-local save reports each rank's own bytes: the total is their sum.
+    TESSERA_ASSIGN_OR_RETURN(
+        std::vector<int64_t> totals,
+        sum(comm, {static_cast<int64_t>(state.bytes), static_cast<int64_t>(report.total_bytes)}));
     if (comm.rank() == 0) {
       save_seconds = seconds;
-      total_bytes = report.total_bytes;
+      total_bytes = options.rank_local ? totals[1] : report.total_bytes;
       held_bytes = totals[0];
     }
     return Status::Ok();
@@ -104,11 +114,12 @@ int RunDemo(const DemoOptions& options) {
   if (print) {
     std::printf(
         "save: %d ranks (%s) held %s, wrote %s once (replicas deduplicated) in %zu "
-        "files, %llu chunks, %.3f s, %.2f GB/s%s\n",
+        "files, %llu chunks, %.3f s, %.2f GB/s%s%s\n",
         save_layout->ranks(), save_layout->ToString().c_str(), FormatBytes(held_bytes).c_str(),
         FormatBytes(total_bytes).c_str(), metadata->files.size(),
         static_cast<unsigned long long>(metadata->TotalChunks()), save_seconds,
-        total_bytes / save_seconds / 1e9, options.sync ? " (fsync'ed)" : " (page cache, no fsync)");
+        total_bytes / save_seconds / 1e9, options.sync ? " (fsync'ed)" : " (page cache, no fsync)",
+        options.rank_local ? ", rank-local (no collective; one manifest per rank)" : "");
   }
 
   // Load with the load layout, into zeroed buffers, and check every element.
@@ -181,6 +192,9 @@ void AddDemoCommand(CLI::App& app, int* exit_code) {
   demo->add_option("--io-threads", options->io_threads, "I/O threads per rank")
       ->capture_default_str();
   demo->add_flag("--no-sync", *no_sync, "skip fsync (page-cache speed, no durability)");
+  demo->add_flag("--rank-local", options->rank_local,
+                 "save with no collective: every rank commits a manifest of its own part "
+                 "(SaveOptions::collective false); the load merges them");
   demo->add_option("--comm", options->comm, "local (threads of this process) or mpi (mpirun)")
       ->check(CLI::IsMember({"local", "mpi"}))
       ->capture_default_str();

@@ -247,5 +247,29 @@ msg="$("$tessera" rm-keys "$work/copy" 2>&1)"; rc=$?
 [ $rc -ne 0 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "^tessera: error: .*--prefix"
 check "a command line that does not parse: one line naming what is missing" $?
 
+# ---- rank-local saves and finalize ---------------------------------------------------------
+"$tessera" demo --out "$work/rl" --size 8MiB --no-sync --rank-local --save-layout tp2,dp2 \
+  --load-layout tp4,dp1 > "$work/rl.out" 2>&1
+check "demo --rank-local saves without a collective and loads resharded" $?
+[ "$(ls "$work/rl" | grep -c '^tessera.manifest.rank-')" -eq 4 ] && [ ! -e "$work/rl/tessera.manifest" ]
+check "a rank-local save leaves one rank manifest per rank and no tessera.manifest" $?
+"$tessera" verify "$work/rl" --quiet > /dev/null
+check "verify reads the rank manifests as one checkpoint" $?
+"$tessera" finalize "$work/rl" > "$work/finalize.out"
+check "finalize exits 0" $?
+[ -e "$work/rl/tessera.manifest" ] && [ "$(ls "$work/rl" | grep -c '^tessera.manifest.rank-')" -eq 0 ]
+check "finalize merges the rank manifests into tessera.manifest" $?
+"$tessera" verify "$work/rl" --quiet > /dev/null
+check "the finalized checkpoint verifies" $?
+msg="$("$tessera" finalize "$work/rl" 2>&1)"; rc=$?
+[ $rc -ne 0 ] && echo "$msg" | grep -q "nothing to finalize"
+check "finalize of a finalized checkpoint: one line saying there is nothing to do" $?
+rm "$work/rl/tessera.manifest"
+"$tessera" demo --out "$work/rl2" --size 4MiB --no-sync --rank-local > /dev/null 2>&1
+rm "$work/rl2/"tessera.manifest.rank-*-r00001
+msg="$("$tessera" verify "$work/rl2" 2>&1)"; rc=$?
+[ $rc -ne 0 ] && echo "$msg" | grep -q "lacks the manifests of rank 1 (of 4)"
+check "a rank-local save missing a rank manifest: an error naming the rank" $?
+
 if [ $failures -ne 0 ]; then echo "$failures check(s) failed"; exit 1; fi
 echo "all operations checks passed"

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/utf8.h"
+#include "tessera/checkpoint.h"
 #include "tessera/remove_keys.h"
 #include "tools/commands.h"
 #include "tools/progress.h"
@@ -129,6 +130,27 @@ void AddRmKeysCommand(CLI::App& app, int* exit_code) {
   cmd->callback([=] {
     o->sync = !*no_sync;
     *exit_code = RunRmKeys(*o);
+  });
+}
+
+// tessera finalize PATH: a rank-local save's rank manifests merged into one manifest.
+void AddFinalizeCommand(CLI::App& app, int* exit_code) {
+  auto path = std::make_shared<std::string>();
+  CLI::App* cmd = app.add_subcommand(
+      "finalize",
+      "Merge the rank manifests of a rank-local save into one committed manifest (atomic) and "
+      "remove the files of earlier saves");
+  cmd->add_option("PATH", *path, "checkpoint directory")->required();
+  cmd->callback([=] {
+    Result<Metadata> merged = Finalize(*path);
+    if (!merged.ok()) {
+      *exit_code = Fail(merged.status());
+      return;
+    }
+    std::printf("finalized %s: save %s of %d ranks (tensors: %zu, objects: %zu, chunks: %llu)\n",
+                path->c_str(), merged->save_id.c_str(), merged->num_ranks, merged->tensors.size(),
+                merged->objects.size(), static_cast<unsigned long long>(merged->TotalChunks()));
+    *exit_code = 0;
   });
 }
 

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   AddLsCommand(app, &exit_code);
   AddDiffCommand(app, &exit_code);
   AddRmKeysCommand(app, &exit_code);
+  AddFinalizeCommand(app, &exit_code);
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks that print JSON");
   bench->require_subcommand(1);
   AddBenchPlanCommand(*bench, &exit_code);

@@ -84,6 +84,20 @@ struct SaveOptions {
   // from one thread (the calling one), every 100 ms while data files are written and once at
   // the end. Default none.
   std::function<void(uint64_t done, uint64_t total)> progress;
+  // Default true: the ranks plan together (dedup, balance, one manifest committed last), a few
+  // small collectives. false: a rank-local save, with no Comm call at all (the comm only gives
+  // rank and size): every rank writes the boxes and objects it holds as the main replica and
+  // commits a manifest of its own part (docs/FORMAT.md, section 4.2). Load, ReadMetadata,
+  // Verify and inspect treat the parts as one checkpoint once every rank's is there and their
+  // union covers every tensor; Finalize merges them into one manifest. Requires `save_tag`;
+  // format kTessera only. Costs: no dedup of replicas that all claim the main replica (the
+  // merge keeps one), no balance_writes, no cleanup of earlier saves until Finalize or the
+  // next collective save, and rank 0 reads every rank's manifest on load until Finalize.
+  bool collective = true;
+  // With collective false, required: names the save on every rank without a message (e.g.
+  // "step-1000"); the save id is a hash of it, so it must differ from save to save into one
+  // directory (a tag already saved by a rank is refused, naming it).
+  std::string save_tag;
   // Where files go. Default null: the local file system (NewPosixStorage()).
   std::shared_ptr<Storage> storage;
 };
@@ -115,14 +129,18 @@ struct LoadOptions {
   KeyPolicy missing_keys = KeyPolicy::kError;
   // A key of the checkpoint that no rank asks for. Default kError.
   KeyPolicy unexpected_keys = KeyPolicy::kError;
-  // Check the XXH3-64 checksum of every chunk this rank needs whole (a chunk of which a
-  // resharded load needs only part cannot be checked without reading all of it; `tessera
-  // verify` checks everything). Default true; costs one pass over the bytes at ~10 GB/s.
+  // Check every byte this rank loads against the checkpoint's XXH3-64 checksums: a chunk
+  // needed whole by its checksum; a chunk needed in part (a resharded load) by the checksum
+  // blocks it touches (Metadata::checksum_block_bytes, 256 KiB as tessera writes them), each
+  // read whole, so a load reads at most one block more than it needs at each end of a run.
+  // Default true; costs one pass over the bytes read at ~10 GB/s. Formats without checksums
+  // (DCP, Hugging Face) and version-1 manifests (one checksum per chunk: partial reads are
+  // then checked only with verify_partial_chunks) load unchecked. `tessera verify` checks
+  // everything.
   bool verify_checksums = true;
-  // Also check the chunks this rank needs only part of, by reading each of them whole (in
-  // pieces, through a 256 KiB buffer per I/O thread) and copying out the parts it needs.
-  // Default false: a resharded load then reads more than the bytes it needs (up to whole
-  // chunks), in exchange for every byte it loads being checked.
+  // Also check the chunks this rank needs only part of when the checkpoint has no checksum
+  // blocks (a version-1 manifest), by reading each of them whole (in pieces, through a 256 KiB
+  // buffer per I/O thread) and copying out the parts it needs. Default false.
   bool verify_partial_chunks = false;
   // Parallel readers per rank. Default 2.
   int num_io_threads = 2;
@@ -181,6 +199,13 @@ struct VerifyReport {
   // structure only (files, sizes, headers, coverage), not the bytes.
   bool checksums = true;
 };
+
+// Merges the rank manifests of the rank-local save at `path` (the newest complete one, as
+// ReadMetadata chooses) into one committed manifest, atomically, and removes the rank
+// manifests and the files of earlier saves. Not collective: run it from one process. Returns
+// the merged metadata. Errors as ReadMetadata's (naming the ranks whose manifest is missing, or
+// the keys with gaps); kFailedPrecondition when `path` holds no rank-local save to finalize.
+Result<Metadata> Finalize(const std::string& path, std::shared_ptr<Storage> storage = nullptr);
 
 struct VerifyOptions {
   // Data files checked at once, each by one thread, each read sequentially.

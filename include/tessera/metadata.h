@@ -106,8 +106,12 @@ struct Metadata {
   // Bytes per checksum block of a chunk (see ChunkInfo::block_checksums); 0: one checksum
   // per chunk whatever its length (format version 1).
   uint64_t checksum_block_bytes = 0;
-  std::string save_id;              // unique per save; part of every data file's name
-  int32_t num_ranks = 0;            // ranks that saved (0 when the format does not say)
+  std::string save_id;    // unique per save; part of every data file's name
+  int32_t num_ranks = 0;  // ranks that saved (0 when the format does not say)
+  // -1 for a whole checkpoint. Otherwise this is the rank manifest of rank `part_rank` of a
+  // rank-local save (SaveOptions::collective false): only the chunks and objects that rank
+  // wrote, so its tensors need not be covered; readers merge the num_ranks parts.
+  int32_t part_rank = -1;
   int64_t save_time_unix_ms = 0;    // when the save committed; 0 when unknown
   std::vector<TensorInfo> tensors;  // sorted by key
   std::vector<ObjectInfo> objects;  // sorted by key

@@ -148,6 +148,8 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("format", &SaveOptions::format)
       .def_readwrite("torch_dist_flavor", &SaveOptions::torch_dist_flavor)
       .def_readwrite("separate_prefixes", &SaveOptions::separate_prefixes)
+      .def_readwrite("collective", &SaveOptions::collective)
+      .def_readwrite("save_tag", &SaveOptions::save_tag)
       .def_property(
           "progress", [](const SaveOptions& o) { return ProgressToPython(o.progress); },
           [](SaveOptions& o, py::object fn) { o.progress = ProgressFromPython(std::move(fn)); });
@@ -566,6 +568,14 @@ void RegisterCheckpoint(py::module_& m) {
       "sizes and exact coverage, `num_threads` data files at once; raises the first problem\n"
       "found (that of the first file, in manifest order, that has one). `progress(done,\n"
       "total)`, if given, is called with the bytes checked.");
+  m.def(
+      "_finalize",
+      [](const std::string& path) {
+        Metadata metadata = WithoutGil([&] { return Finalize(path); });
+        ThrowIfError(CheckMetadataIsUtf8(metadata, JoinPath(path, "tessera.manifest")));
+        return metadata;
+      },
+      py::arg("path"));
   m.def(
       "_remove_keys",
       [](const std::string& path, const std::vector<std::string>& prefixes, bool dry_run,

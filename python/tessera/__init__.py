@@ -18,7 +18,7 @@ See docs/PYTHON.md.
 from . import _tessera
 from . import megatron
 from . import torch
-from ._api import (async_save, convert, load, load_all, read_metadata, remove_keys, save,
+from ._api import (async_save, convert, finalize, load, load_all, read_metadata, remove_keys, save,
                    verify)
 from ._errors import (AlreadyExistsError, CommError, CommTimeoutError, CorruptCheckpointError,
                       Error, FailedPreconditionError, InternalError, InvalidArgumentError,
@@ -50,7 +50,7 @@ __all__ = [
     "CorruptCheckpointError", "Error", "FailedPreconditionError", "HAS_MPI", "InternalError",
     "InvalidArgumentError", "LoadReport", "Metadata", "MissingKeysError", "NotFoundError",
     "PartialLoadWarning", "STRUCTURE_KEY", "SaveReport", "ShardedObject", "ShardedTensor", "StorageError",
-    "UnimplementedError", "VerifyReport", "async_save", "load", "load_all", "mpi_comm",
+    "UnimplementedError", "VerifyReport", "async_save", "finalize", "load", "load_all", "mpi_comm",
     "python_comm", "read_metadata", "remove_keys", "RemoveKeysReport", "run_local", "save",
     "single_rank_comm", "torch_dist_comm",
     "verify", "megatron", "torch",

@@ -69,18 +69,18 @@ def _status_of(error):
     return _INVALID_ARGUMENT, f"{type(error).__name__}: {error}"
 
 
-def _prepare(comm, prepare):
+def _prepare(comm, prepare, collective=True):
     """Runs prepare() (flattening, checking, options) on this rank. With several ranks, all
     of them then learn whether every rank succeeded (one small collective), so bad input on
     one rank fails the call on every rank instead of leaving the others waiting in the next
     collective. The failing rank raises its own exception; the others a tessera.Error of the
-    same status naming it."""
+    same status naming it. With collective False (a rank-local save) nothing is exchanged."""
     error = None
     try:
         result = prepare()
     except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
         error = e
-    if comm is not None and comm.size > 1:
+    if comm is not None and comm.size > 1 and collective:
         code, message = (0, "") if error is None else _status_of(error)
         try:
             _tessera._agree_on_status(comm, code, message)
@@ -100,8 +100,11 @@ def _prepare_save(function, state_dict, comm, options):
         builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=False)
         return flat, builder, _set_options(function, _tessera.SaveOptions(), options)
 
-    flat, builder, opts = _prepare(comm, prepare)
-    if comm is not None and comm.size > 1:
+    # collective=False: a rank-local save, which sends nothing (rank 0's structure is kept
+    # as it is; load_all decodes the leaves only other ranks hold from the manifest alone).
+    collective = options.get("collective", True)
+    flat, builder, opts = _prepare(comm, prepare, collective)
+    if comm is not None and comm.size > 1 and collective:
         # Rank 0's structure is the one saved: tell it what it cannot see (one small gather).
         summaries = comm.gather(flat.rank_summary(), 0)
         if comm.rank == 0:
@@ -126,7 +129,12 @@ def save(state_dict, path, *, comm=None, **options):
     progress=None (a callable progress(done, total): this rank's bytes written so far and in
     all, called from the calling thread every 100 ms and at the end; e.g. a tqdm bar's
     update, see docs/PYTHON.md; what it raises is raised once the save returns),
-    format="tessera".
+    format="tessera", collective=True.
+
+    collective=False (with save_tag="step-1000", say: the same on every rank, new for every
+    save into the directory) is a rank-local save: no message at all between the ranks; each
+    commits a manifest of its own part, and load, load_all, read_metadata and verify read the
+    parts as one checkpoint once every rank's is there; tessera.finalize(path) merges them.
 
     format="torch_dist" writes a PyTorch DCP checkpoint (Megatron-Core's torch_dist) that
     torch's own torch.distributed.checkpoint.load_state_dict reads, with torch_dist_flavor="2.x"
@@ -250,6 +258,14 @@ def read_metadata(path):
     """The Metadata of the checkpoint at `path` (keys, dtypes, shapes, chunks, files, user
     metadata), from its manifest."""
     return _tessera.read_metadata(os.fspath(path))
+
+
+def finalize(path):
+    """Merges the rank manifests of the rank-local save at `path` (save(..., collective=False))
+    into one committed manifest, atomically, and removes the files of earlier saves. Run it
+    from one process. Returns the merged Metadata. Raises a tessera.Error naming the missing
+    ranks when the save is incomplete."""
+    return _tessera._finalize(os.fspath(path))
 
 
 def verify(path, num_threads=2, progress=None):

@@ -158,3 +158,30 @@ def test_malformed_structure_record_is_a_corrupt_checkpoint_error(ckpt, text):
     _with_structure(ckpt, text)
     with pytest.raises(tessera.CorruptCheckpointError, match="saved structure .* is malformed"):
         tessera.load_all(ckpt)
+
+
+def test_resharded_load_catches_a_corrupt_byte_in_a_block_it_touches(tmp_path):
+    """Issue 11.4: a load of part of a chunk checks the checksum blocks it reads, so a corrupt
+    byte it does not itself need, in such a block, fails the load (and with checks off, loads)."""
+    path = str(tmp_path / "ck")
+    full = np.arange(8 * 16, dtype=np.int32).reshape(8, 16)
+    tessera.save({"m": full}, path, sync=False)
+
+    def load_columns(**options):
+        target = {"m": tessera.ShardedTensor(np.zeros((8, 4), np.int32), (8, 16), (0, 2))}
+        tessera.load(target, path, **options)
+        return target["m"].data
+
+    np.testing.assert_array_equal(load_columns(), full[:, 2:6])
+    [data_file] = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    with open(os.path.join(path, data_file), "r+b") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_len))
+        [entry] = [v for k, v in header.items() if k != "__metadata__"]
+        f.seek(8 + header_len + entry["data_offsets"][0] + (3 * 16 + 10) * 4)  # row 3, col 10
+        f.write(b"\x7f")
+    with pytest.raises(tessera.CorruptCheckpointError, match="checksum mismatch in key 'm'"):
+        load_columns()
+    with pytest.raises(tessera.CorruptCheckpointError):
+        load_columns(verify_partial_chunks=True)
+    np.testing.assert_array_equal(load_columns(verify_checksums=False), full[:, 2:6])

@@ -12,6 +12,7 @@
 #include <new>
 #include <thread>
 
+#include "checkpoint/rank_local_save.h"
 #include "format/checksum.h"
 
 namespace tessera {
@@ -345,7 +346,14 @@ class StagingGuard {
 // background thread, the staging sets and the copy threads.
 class AsyncSaver {
  public:
-  explicit AsyncSaver(Comm& comm) {
+  // With `collective` false the saver serves rank-local saves (SaveOptions::collective false)
+  // and never communicates: no private communicator, no agreement.
+  AsyncSaver(Comm& comm, bool collective)
+      : collective_(collective), rank_(comm.rank()), num_ranks_(comm.size()) {
+    if (!collective_) {
+      worker_ = std::thread([this] { Run(); });
+      return;
+    }
     // COLLECTIVE: every rank reaches here on its first AsyncSave, and agrees on the outcome,
     // so later calls fail alike with no communication.
     Result<std::unique_ptr<Comm>> split = comm.Split(0, comm.rank());
@@ -388,7 +396,7 @@ class AsyncSaver {
     auto handle_state = std::make_shared<HandleState>();
     Status prepared = Prepare(state, options, *set, job.state, *handle_state);
     const bool blocking = options.staging == StagingMode::kBlocking;
-    if (blocking) prepared = AgreeOnStatus(comm, prepared);
+    if (blocking && collective_) prepared = AgreeOnStatus(comm, prepared);
     if (!prepared.ok()) {
       ReturnStagingSet(std::move(set));
       if (!blocking) {
@@ -465,6 +473,18 @@ class AsyncSaver {
     return {unfinished_.begin(), unfinished_.end()};
   }
 
+  // COLLECTIVE over comm_ unless rank-local: a bad state or a staging failure on one rank
+  // fails the save on all of them.
+  Result<SaveReport> SaveJob(const Job& job) {
+    if (!collective_) {
+      TESSERA_RETURN_IF_ERROR(job.handle->WaitStagedByOthers());
+      return SaveRankLocal(job.state, job.path, rank_, num_ranks_, job.options);
+    }
+    Status staged = AgreeOnStatus(*comm_, job.handle->WaitStagedByOthers());
+    if (!staged.ok()) return staged;
+    return Save(job.state, job.path, *comm_, job.options);
+  }
+
   // The background thread: one save at a time, in submission order (the same on every rank,
   // which keeps the private communicator's collectives in step).
   void Run() {
@@ -477,11 +497,7 @@ class AsyncSaver {
         job = std::move(queue_.front());
         queue_.pop_front();
       }
-      // COLLECTIVE over comm_: a bad state or a staging failure on one rank fails the save on
-      // all of them.
-      Status staged = AgreeOnStatus(*comm_, job.handle->WaitStagedByOthers());
-      Result<SaveReport> result =
-          staged.ok() ? Save(job.state, job.path, *comm_, job.options) : Result<SaveReport>(staged);
+      Result<SaveReport> result = SaveJob(job);
       job.state = StateDict();  // views into the staging set, which goes back to the pool
       if (job.staging) ReturnStagingSet(std::move(job.staging));
       job.handle->Finish(std::move(result));
@@ -490,6 +506,9 @@ class AsyncSaver {
     }
   }
 
+  const bool collective_;
+  const int rank_;
+  const int num_ranks_;
   Status setup_error_;
   std::unique_ptr<Comm> comm_;
   std::mutex mu_;
@@ -507,8 +526,11 @@ class AsyncSaver {
 
 Result<AsyncSaveHandle> AsyncSave(const StateDict& state, const std::string& path, Comm& comm,
                                   const AsyncSaveOptions& options) {
+  // Rank-local saves have their own saver, which never communicates (not even to set up).
+  const bool collective = options.save.collective;
   std::shared_ptr<AsyncSaver> saver = comm.GetOrCreateAttachment<AsyncSaver>(
-      "tessera.async_saver", [&] { return new AsyncSaver(comm); });
+      collective ? "tessera.async_saver" : "tessera.async_saver.rank_local",
+      [&] { return new AsyncSaver(comm, collective); });
   return saver->Submit(state, path, comm, options);
 }
 

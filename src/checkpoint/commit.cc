@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 
+#include "core/utf8.h"
 #include "format/manifest.h"
 
 namespace tessera {
@@ -70,15 +71,23 @@ ProcessIdentity ThisProcess() {
 std::string MarkerName(const std::string& save_id) { return kMarkerPrefix + save_id; }
 
 // The save id a marker name is for, or "" when `name` is not a marker.
+// A rank of a rank-local save marks "<save_id>.r<rank>" (the ranks share the save id).
 std::string MarkerSaveId(const std::string& name) {
   if (!name.starts_with(kMarkerPrefix) || name.ends_with(kMarkerTempSuffix)) return "";
-  return name.substr(sizeof(kMarkerPrefix) - 1);
+  std::string id = name.substr(sizeof(kMarkerPrefix) - 1);
+  if (id.size() > 16 && id[16] == '.') id.resize(16);
+  return id;
 }
 
 // The save id in a data file or temporary manifest name, or "".
 std::string SaveIdOf(const std::string& name) {
   if (IsTesseraDataFileName(name)) return name.substr(4, 16);  // "tsr-" + 16 hex digits
   if (IsTempManifestName(name)) return name.substr(TempManifestName("").size());
+  std::string id;
+  int rank = 0;
+  const std::string_view committed_name =
+      std::string_view(name).substr(0, name.ends_with(".tmp") ? name.size() - 4 : name.size());
+  if (ParseRankManifestName(committed_name, &id, &rank)) return id;
   return "";
 }
 
@@ -119,8 +128,33 @@ std::string ParentDir(const std::string& path) {
   return parent_end == std::string::npos ? "/" : path.substr(0, parent_end + 1);
 }
 
+bool IsRankManifestName(const std::string& name) {
+  std::string id;
+  int rank = 0;
+  return ParseRankManifestName(name, &id, &rank);
+}
+
 }  // namespace
 
+Status CheckUserMetadata(const std::map<std::string, std::string>& metadata) {
+  for (const auto& [key, value] : metadata) {
+    if (!IsValidUtf8(key)) {
+      return InvalidArgument("SaveOptions::user_metadata key " + QuoteBytes(key) +
+                             " is not valid UTF-8");
+    }
+    if (!IsValidUtf8(value)) {
+      return InvalidArgument("SaveOptions::user_metadata[" + QuoteBytes(key) +
+                             "] = " + QuoteBytes(value) + " is not valid UTF-8");
+    }
+  }
+  return Status::Ok();
+}
+
+std::vector<std::string> SortedUnique(std::vector<std::string> v) {
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+  return v;
+}
 Status WriteWholeFile(Storage& storage, const std::string& path, const Bytes& bytes, bool sync) {
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
                            storage.NewWritableFile(path, CreateMode::kExclusive));
@@ -271,9 +305,12 @@ void RemoveStaleFiles(Storage& storage, const std::string& dir, const Metadata& 
     for (const FileInfo& f : current->files) live.insert(f.name);
   }
   // 4. Remove the rest.
+  // The rank manifests of the checkpoint in place (a rank-local save newer than the commit).
+  const std::string current_id = current.ok() ? current->save_id : committed.save_id;
   for (const std::string& name : *names) {
     const std::string id = SaveIdOf(name);
     if (id.empty() || markers.running.count(id) || live.count(name)) continue;
+    if (id == current_id && IsRankManifestName(name)) continue;
     storage.Remove(JoinPath(dir, name)).IgnoreError();
   }
   for (const std::string& name : markers.dead_markers) {

@@ -4,6 +4,7 @@
 #ifndef TESSERA_CHECKPOINT_COMMIT_H_
 #define TESSERA_CHECKPOINT_COMMIT_H_
 
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -13,6 +14,13 @@
 #include "tessera/storage.h"
 
 namespace tessera {
+
+// User metadata is UTF-8 text, keys and values (docs/FORMAT.md): readers hand it to JSON and
+// to Python as strings. kInvalidArgument naming the key otherwise.
+Status CheckUserMetadata(const std::map<std::string, std::string>& metadata);
+
+// `v` sorted, without duplicates (Metadata::separate_prefixes).
+std::vector<std::string> SortedUnique(std::vector<std::string> v);
 
 // Creates `path` and the missing directories above it. With kFull, syncs the parent of each
 // one created, so the checkpoint directory itself survives a crash, not only its contents.
@@ -26,7 +34,8 @@ std::string NewSaveId(const std::vector<std::string>& existing_names);
 // before any data file of the save and removed after its cleanup. It records who runs the save
 // (host, process id and start time) so that another save's cleanup can tell a running save
 // (whose files it must keep) from one that died (whose files are garbage). Fails when the
-// marker exists.
+// marker exists. Each rank of a rank-local save passes "<save_id>.r<rank>": the marker protects
+// the files of save_id all the same.
 Status CreateSaveMarker(Storage& storage, const std::string& dir, const std::string& save_id,
                         SyncPolicy sync);
 void RemoveSaveMarker(Storage& storage, const std::string& dir, const std::string& save_id);
@@ -53,10 +62,10 @@ Status WriteWholeFile(Storage& storage, const std::string& path, const Bytes& by
 Status CommitManifest(Storage& storage, const std::string& dir, const Metadata& metadata,
                       SyncPolicy sync, bool& renamed);
 
-// After a commit: removes tessera data files and temporary manifests that neither `committed`
-// nor the manifest now in place lists, unless they belong to a save that may still be running
-// (its marker is there and its owner alive), and markers of saves whose owner died. Best effort:
-// what cannot be removed now is removed by a later save.
+// After a commit: removes tessera data files, temporary manifests and the rank manifests of
+// rank-local saves that neither `committed` nor the checkpoint now in place lists, unless they
+// belong to a save that may still be running (its marker is there and its owner alive), and markers
+// of saves whose owner died. Best effort: what cannot be removed now is removed by a later save.
 void RemoveStaleFiles(Storage& storage, const std::string& dir, const Metadata& committed);
 
 }  // namespace tessera

@@ -17,6 +17,7 @@
 #include "checkpoint/dcp_commit.h"
 #include "checkpoint/dcp_data_files.h"
 #include "checkpoint/envelope.h"
+#include "checkpoint/rank_local_save.h"
 #include "core/byte_io.h"
 #include "core/utf8.h"
 #include "format/checksum.h"
@@ -37,27 +38,6 @@ std::string SenderName(const Comm& comm, int r) {
   return comm.size() > 1 ? "rank " + std::to_string(r) : std::string();
 }
 
-// User metadata is UTF-8 text, keys and values (docs/FORMAT.md): readers hand it to JSON and
-// to Python as strings.
-Status CheckUserMetadata(const std::map<std::string, std::string>& metadata) {
-  for (const auto& [key, value] : metadata) {
-    if (!IsValidUtf8(key)) {
-      return InvalidArgument("SaveOptions::user_metadata key " + QuoteBytes(key) +
-                             " is not valid UTF-8");
-    }
-    if (!IsValidUtf8(value)) {
-      return InvalidArgument("SaveOptions::user_metadata[" + QuoteBytes(key) +
-                             "] = " + QuoteBytes(value) + " is not valid UTF-8");
-    }
-  }
-  return Status::Ok();
-}
-
-std::vector<std::string> SortedUnique(std::vector<std::string> v) {
-  std::sort(v.begin(), v.end());
-  v.erase(std::unique(v.begin(), v.end()), v.end());
-  return v;
-}
 // The last successful save's plan, kept with the Comm (Comm::GetOrCreateAttachment). Save on
 // one Comm runs on one thread at a time (the Comm contract), so no lock is needed.
 struct SavePlanCache {
@@ -271,6 +251,8 @@ Outcome CommitOnCoordinator(const Comm& comm, Storage& storage, const std::strin
 
 Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& comm,
                         const SaveOptions& options) {
+  // No collective at all: the comm only says who this rank is.
+  if (!options.collective) return SaveRankLocal(state, path, comm.rank(), comm.size(), options);
   std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
   const int rank = comm.rank();
   const bool coordinator = rank == kCoordinator;
@@ -298,9 +280,8 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   std::shared_ptr<SavePlanCache> cache = comm.GetOrCreateAttachment<SavePlanCache>(
       "tessera.save_plan_cache", [] { return new SavePlanCache(); });
   const bool my_hit = options.plan_cache && local.ok() && cache->valid && cache->key == plan_key;
-  Result<std::string> prepared = coordinator && my_hit
-                                     ? PrepareDirectory(*storage, path, options)
-                                     : Result<std::string>(std::string());
+  Result<std::string> prepared = coordinator && my_hit ? PrepareDirectory(*storage, path, options)
+                                                       : Result<std::string>(std::string());
   Result<Preamble> preamble = AgreeOnPreamble(comm, my_hit, prepared);
   // The coordinator removes its marker when the save ends, whatever happens.
   std::string save_id = preamble.ok() && preamble->cache_hit ? preamble->save_id : "";

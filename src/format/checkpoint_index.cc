@@ -1,10 +1,12 @@
 #include "format/checkpoint_index.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "format/checksum.h"
 #include "format/huggingface/hf_index.h"
 #include "format/manifest.h"
+#include "format/rank_manifests.h"
 
 namespace tessera {
 namespace {
@@ -64,6 +66,40 @@ Result<CheckpointIndex> Checked(std::string root, const Metadata& m, const std::
   return CheckpointIndex{std::move(root), std::move(checked)};
 }
 
+// A directory holding rank-local saves, and maybe a committed manifest: the newest complete
+// checkpoint among them.
+Result<CheckpointIndex> ReadTesseraOrRankLocal(Storage& storage, const std::string& path,
+                                               bool has_manifest,
+                                               const std::vector<RankManifestSet>& sets) {
+  std::optional<Metadata> whole;
+  if (has_manifest) {
+    TESSERA_ASSIGN_OR_RETURN(whole, ReadTesseraManifest(storage, path));
+  }
+  const RankManifestSet* newest_complete = nullptr;
+  const RankManifestSet* newest = nullptr;
+  for (const RankManifestSet& set : sets) {
+    if (!newest || set.save_time_unix_ms > newest->save_time_unix_ms) newest = &set;
+    if (set.complete() &&
+        (!newest_complete || set.save_time_unix_ms > newest_complete->save_time_unix_ms)) {
+      newest_complete = &set;
+    }
+  }
+  if (newest_complete &&
+      (!whole || newest_complete->save_time_unix_ms > whole->save_time_unix_ms)) {
+    TESSERA_ASSIGN_OR_RETURN(Metadata merged, MergeRankManifests(storage, path, *newest_complete));
+    Result<CheckpointIndex> checked =
+        Checked(path, merged, path + " (rank-local save " + newest_complete->save_id + ")");
+    if (!checked.ok()) return checked.status();
+    checked->metadata.format_version = kFormatVersion;
+    checked->rank_local = true;
+    return checked;
+  }
+  if (whole) return CheckpointIndex{path, std::move(*whole)};
+  return FailedPrecondition(path + " holds no complete checkpoint: the rank-local save " +
+                            newest->save_id + " lacks the manifests of " + newest->MissingRanks() +
+                            " (a rank that has not finished or died; the others committed)");
+}
+
 }  // namespace
 
 Result<CheckpointIndex> ReadCheckpointIndex(Storage& storage, const std::string& path) {
@@ -83,6 +119,10 @@ Result<CheckpointIndex> ReadCheckpointIndex(Storage& storage, const std::string&
   }
   TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(path));
   std::sort(names.begin(), names.end());
+  TESSERA_ASSIGN_OR_RETURN(std::vector<RankManifestSet> sets,
+                           FindRankManifestSets(storage, path, names));
+  if (!sets.empty())
+    return ReadTesseraOrRankLocal(storage, path, Has(names, kManifestFileName), sets);
   if (Has(names, kManifestFileName)) {
     TESSERA_ASSIGN_OR_RETURN(Metadata m, ReadTesseraManifest(storage, path));
     return CheckpointIndex{path, std::move(m)};

@@ -15,10 +15,15 @@ namespace tessera {
 struct CheckpointIndex {
   std::string root;  // the directory Metadata::files are relative to
   Metadata metadata;
+  // The checkpoint is a rank-local save: the merge of its rank manifests (Finalize writes it
+  // as one manifest).
+  bool rank_local = false;
 };
 
 // Detects the format of `path` and reads its index:
-//   - a directory holding tessera.manifest: a tessera checkpoint;
+//   - a directory holding tessera.manifest and/or the rank manifests of rank-local saves: the
+//     newest (by save time) of the committed manifest and the complete rank-local saves; with
+//     neither, an error naming the ranks whose manifests a rank-local save lacks;
 //   - a directory holding .metadata: PyTorch DCP / Megatron-Core torch_dist;
 //   - a directory holding model.safetensors.index.json or *.safetensors files (none of them a
 //     tessera data file): Hugging Face safetensors;

@@ -31,6 +31,7 @@ constexpr size_t kLocationBytes = 28;  // version 1: u32 file_index, u64 offset,
 constexpr char kDataFilePrefix[] = "tsr-";
 constexpr char kDataFileSuffix[] = ".safetensors";
 constexpr char kTempManifestPrefix[] = "tessera.manifest.tmp-";
+constexpr char kRankManifestPrefix[] = "tessera.manifest.rank-";
 constexpr size_t kSaveIdHexDigits = 16;
 
 // ---- encoding ------------------------------------------------------------------------------
@@ -416,6 +417,10 @@ Status ValidateDecoded(const Metadata& m, std::string_view source) {
   auto corrupt = [&](const std::string& what) {
     return DataLoss(std::string(source) + ": corrupt manifest: " + what);
   };
+  if (m.part_rank >= 0 && m.part_rank >= m.num_ranks) {
+    return corrupt("part rank " + std::to_string(m.part_rank) + " is not below num_ranks " +
+                   std::to_string(m.num_ranks));
+  }
   if (m.save_id.empty() || m.save_id.size() > kMaxSaveIdBytes) {
     return corrupt("save_id " + Quote(m.save_id) + " must have 1.." +
                    std::to_string(kMaxSaveIdBytes) + " bytes");
@@ -439,7 +444,9 @@ Status ValidateDecoded(const Metadata& m, std::string_view source) {
   // counts adding up (checked while decoding) is not enough, overlapping chunks would leave
   // elements that no chunk holds.
   for (const TensorInfo& tensor : m.tensors) {
-    if (auto failure = CheckTiling(tensor.chunks, tensor.global_shape, !tensor.partial)) {
+    // A rank's part of a rank-local save holds only the chunks that rank wrote.
+    const bool require_coverage = !tensor.partial && m.part_rank < 0;
+    if (auto failure = CheckTiling(tensor.chunks, tensor.global_shape, require_coverage)) {
       return corrupt("tensor " + Quote(tensor.key) + ": " + failure->message);
     }
   }
@@ -642,6 +649,24 @@ bool IsTesseraDataFileName(std::string_view name) {
   const std::string_view rank = name.substr(0, f);
   const std::string_view file = name.substr(f + 2);
   return rank.size() >= 5 && AllDigits(rank) && file.size() >= 3 && AllDigits(file);
+}
+
+std::string RankManifestName(std::string_view save_id, int rank) {
+  char digits[16];
+  std::snprintf(digits, sizeof(digits), "-r%05d", rank);
+  return std::string(kRankManifestPrefix) + std::string(save_id) + digits;
+}
+
+bool ParseRankManifestName(std::string_view name, std::string* save_id, int* rank) {
+  if (!name.starts_with(kRankManifestPrefix)) return false;
+  name.remove_prefix(sizeof(kRankManifestPrefix) - 1);
+  const size_t r = name.rfind("-r");
+  if (r == std::string_view::npos || r == 0) return false;
+  const std::string_view digits = name.substr(r + 2);
+  if (digits.size() < 5 || digits.size() > 9 || !AllDigits(digits)) return false;
+  *save_id = std::string(name.substr(0, r));
+  *rank = std::stoi(std::string(digits));
+  return true;
 }
 
 std::string TempManifestName(std::string_view save_id) {

@@ -61,6 +61,13 @@ std::string DataFileName(std::string_view save_id, int rank, int file_index);
 // True when `name` has the shape DataFileName produces (any save id): files tessera may remove
 // after a later save commits.
 bool IsTesseraDataFileName(std::string_view name);
+// The manifest of rank `rank` of a rank-local save (SaveOptions::collective false):
+// "tessera.manifest.rank-<save_id>-r<rank, 5+ digits>"; written under the same name plus
+// ".tmp", then renamed.
+std::string RankManifestName(std::string_view save_id, int rank);
+// True when `name` is a rank manifest name (not its temporary name); sets the save id and rank.
+bool ParseRankManifestName(std::string_view name, std::string* save_id, int* rank);
+
 // Temporary name the manifest is written under before the atomic rename.
 std::string TempManifestName(std::string_view save_id);
 bool IsTempManifestName(std::string_view name);

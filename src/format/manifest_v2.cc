@@ -26,6 +26,7 @@ constexpr uint8_t kKnownChunkFlags =
     kSameSizes | kNextInFile | kSameFile | kHasOrder | kEncodingMask;
 // Manifest kinds (u8). Permanent.
 constexpr uint8_t kWholeCheckpoint = 0;
+constexpr uint8_t kRankPart = 1;  // followed by varint part_rank
 // Smallest block size a writer may declare: smaller blocks would make the manifest larger
 // than the data they protect is worth.
 constexpr uint64_t kMinChecksumBlockBytes = 4096;
@@ -281,7 +282,14 @@ Status DecoderV2::Preamble(Metadata& m) {
                    " bytes is below the minimum of " + std::to_string(kMinChecksumBlockBytes));
   }
   TESSERA_RETURN_IF_ERROR(U8(&kind, "manifest kind"));
-  if (kind != kWholeCheckpoint) {
+  if (kind == kRankPart) {
+    uint64_t rank = 0;
+    TESSERA_RETURN_IF_ERROR(Varint(&rank, "part rank"));
+    if (rank > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
+      return Corrupt("part rank " + std::to_string(rank) + " is too large");
+    }
+    m.part_rank = static_cast<int32_t>(rank);
+  } else if (kind != kWholeCheckpoint) {
     return Corrupt("unknown manifest kind " + std::to_string(kind));
   }
   TESSERA_RETURN_IF_ERROR(Str(&m.save_id, "save_id"));
@@ -550,7 +558,7 @@ Status DecoderV2::Tensor(Metadata& m, TensorInfo& t, const std::string& previous
     covered += chunk_elements;  // each <= elements < 2^63: no overflow before the check
     if (covered > elements) break;
   }
-  if (covered > elements || (covered < elements && !t.partial)) {
+  if (covered > elements || (covered < elements && !t.partial && m.part_rank < 0)) {
     return Corrupt(
         where + ": its " + std::to_string(count) + " chunks hold " +
         (covered > elements ? "more than " + std::to_string(elements) : std::to_string(covered)) +
@@ -623,7 +631,12 @@ Bytes EncodeBodyVersion2(const Metadata& m) {
   e.U8(static_cast<uint8_t>(m.format));
   e.U8(static_cast<uint8_t>(m.checksum));
   e.Varint(m.checksum_block_bytes);
-  e.U8(kWholeCheckpoint);
+  if (m.part_rank >= 0) {
+    e.U8(kRankPart);
+    e.Varint(static_cast<uint64_t>(m.part_rank));
+  } else {
+    e.U8(kWholeCheckpoint);
+  }
   e.Str(m.save_id);
   e.Varint(static_cast<uint32_t>(m.num_ranks));
   e.Varint(static_cast<uint64_t>(std::max<int64_t>(m.save_time_unix_ms, 0)));

@@ -289,8 +289,8 @@ TEST(ManifestV2Test, RejectsCraftedFlagsAndCounts) {
   b[24] = 9;
   EXPECT_V2_ERROR(Reseal(b), StatusCode::kDataLoss, "unknown source format 9");
   b = good;
-  b[27] = 1;
-  EXPECT_V2_ERROR(Reseal(b), StatusCode::kDataLoss, "unknown manifest kind 1");
+  b[27] = 2;
+  EXPECT_V2_ERROR(Reseal(b), StatusCode::kDataLoss, "unknown manifest kind 2");
   // A count that cannot fit in what is left is refused before anything is allocated.
   b = Bytes(good.begin(), good.begin() + first_chunk - 1);
   for (uint8_t byte : {0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0x7F}) b.push_back(byte);

@@ -333,7 +333,8 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
       holders.push_back(ref);
       shards.back().holder_count += 1;
     }
-    if (auto failure = CheckTiling(info.chunks, info.global_shape, !partial)) {
+    if (auto failure =
+            CheckTiling(info.chunks, info.global_shape, !partial && options.require_coverage)) {
       std::string message = "key '" + key + "': " + failure->message;
       if (failure->first >= 0) {
         message += " (held by " +

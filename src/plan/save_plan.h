@@ -68,6 +68,9 @@ struct SavePlanOptions {
   // ranks of the job (Metadata::num_ranks). Default: plan i is rank i.
   std::function<std::vector<int32_t>(int32_t)> ranks_of;
   int32_t num_ranks = -1;
+  // false for one rank's part of a rank-local save: its boxes need not cover a tensor (the
+  // union of every rank's part is checked when the parts are read together).
+  bool require_coverage = true;
 };
 
 // Identifies one item on one rank.

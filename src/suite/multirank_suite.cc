@@ -451,6 +451,123 @@ Status AsyncSaveDuringTraining(Comm& comm, const std::string& dir, StagingMode s
   return Status::Ok();
 }
 
+// ---- rank-local saves (SaveOptions::collective false) ------------------------------------------
+
+SaveOptions RankLocal(const std::string& tag) {
+  SaveOptions options;
+  options.collective = false;
+  options.save_tag = tag;
+  return options;
+}
+
+// A transformer-like state saved with no collective, loaded under another layout (before and
+// after Finalize), and saved again asynchronously.
+Status RankLocalSaveReshards(Comm& comm, const std::string& dir) {
+  const workload::ModelConfig config = workload::ModelConfig::ForBytes(4 << 20, 2);
+  const workload::Layout save = SaveLayout(comm.size());
+  workload::RankState saved = workload::BuildRankState(config, save, comm.rank(), true);
+  TESSERA_ASSIGN_OR_RETURN(SaveReport report,
+                           Save(saved.dict, dir + "/ck", comm, RankLocal("step-1")));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<int64_t> written, [&]() -> Result<std::vector<int64_t>> {
+    std::vector<int64_t> v = {static_cast<int64_t>(report.bytes_written)};
+    TESSERA_RETURN_IF_ERROR(comm.AllReduce(v, ReduceOp::kSum));
+    return v;
+  }());
+  TESSERA_RETURN_IF_ERROR(
+      Expect(written[0] == static_cast<int64_t>(config.StateBytes()),
+             "the ranks together wrote each unique byte once (replicas not main write nothing)"));
+  const workload::Layout load{.tp = comm.size(), .pp = 1, .dp = 1};
+  auto load_and_check = [&]() -> Status {
+    workload::RankState loaded = workload::BuildRankState(config, load, comm.rank(), false);
+    TESSERA_RETURN_IF_ERROR(Load(loaded.dict, dir + "/ck", comm).status());
+    return AgreeOnStatus(comm, workload::CheckRankState(loaded));
+  };
+  TESSERA_RETURN_IF_ERROR(load_and_check());
+  TESSERA_ASSIGN_OR_RETURN(Metadata parts, ReadMetadata(dir + "/ck"));
+  TESSERA_RETURN_IF_ERROR(Expect(parts.num_ranks == comm.size(), "num_ranks of the parts"));
+  TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, Verify(dir + "/ck").status()));
+  TESSERA_RETURN_IF_ERROR(comm.Barrier());
+  if (comm.rank() == 0) TESSERA_RETURN_IF_ERROR(Finalize(dir + "/ck").status());
+  TESSERA_RETURN_IF_ERROR(comm.Barrier());
+  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, NewPosixStorage()->ListDir(dir + "/ck"));
+  for (const std::string& name : names) {
+    TESSERA_RETURN_IF_ERROR(Expect(name.find(".rank-") == std::string::npos,
+                                   "Finalize removed the rank manifests, found " + name));
+  }
+  TESSERA_RETURN_IF_ERROR(load_and_check());
+  TESSERA_RETURN_IF_ERROR(comm.Barrier());
+  // Asynchronous, still without a collective; the newer save wins over the finalized one.
+  AsyncSaveOptions async_options;
+  async_options.save = RankLocal("step-2");
+  async_options.staging = StagingMode::kDeferred;
+  TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle handle,
+                           AsyncSave(saved.dict, dir + "/ck", comm, async_options));
+  TESSERA_RETURN_IF_ERROR(handle.Wait());
+  TESSERA_RETURN_IF_ERROR(comm.Barrier());
+  TESSERA_ASSIGN_OR_RETURN(Metadata newest, ReadMetadata(dir + "/ck"));
+  TESSERA_RETURN_IF_ERROR(Expect(newest.save_id != parts.save_id, "the newer save is read"));
+  TESSERA_RETURN_IF_ERROR(load_and_check());
+  // A tag is a save: saving it again is refused, naming it.
+  Status again = Save(saved.dict, dir + "/ck", comm, RankLocal("step-2")).status();
+  return ExpectError(again, {"already saved tag 'step-2'"});
+}
+
+// One rank that dies mid-save (its storage fails part-way): the save is reported incomplete,
+// naming the rank, and the previous checkpoint in the directory stays what loads.
+Status RankLocalSaveMissingARankKeepsThePrevious(Comm& comm, const std::string& dir) {
+  std::vector<float> data(1000);
+  StateDict state;
+  TESSERA_RETURN_IF_ERROR(
+      state.Add(ShardedTensor::Shard("w", TensorView(data.data(), DType::kF32, {1000}),
+                                     {1000 * comm.size()}, {1000 * comm.rank()})));
+  std::fill(data.begin(), data.end(), 1.0f);
+  TESSERA_RETURN_IF_ERROR(Save(state, dir + "/ck", comm).status());  // collective, step 1
+  std::fill(data.begin(), data.end(), 2.0f);
+  const int victim = comm.size() - 1;
+  SaveOptions options = RankLocal("step-2");
+  if (comm.rank() == victim) {
+    options.storage = std::make_shared<FaultInjectingStorage>(
+        NewPosixStorage(), FaultPlan{.fail_at = 1, .crash = true, .path_filter = "tsr-"});
+  }
+  Status saved = Save(state, dir + "/ck", comm, options).status();
+  TESSERA_RETURN_IF_ERROR(
+      Expect(saved.ok() == (comm.rank() != victim), "only the victim's save fails"));
+  TESSERA_RETURN_IF_ERROR(comm.Barrier());
+  std::fill(data.begin(), data.end(), 0.0f);
+  TESSERA_RETURN_IF_ERROR(Load(state, dir + "/ck", comm).status());
+  TESSERA_RETURN_IF_ERROR(AgreeOnStatus(
+      comm, Expect(std::all_of(data.begin(), data.end(), [](float v) { return v == 1.0f; }),
+                   "the previous checkpoint loads")));
+  // Without a previous checkpoint: an error naming the missing rank.
+  if (comm.rank() != victim) {
+    TESSERA_RETURN_IF_ERROR(Save(state, dir + "/alone", comm, RankLocal("step-2")).status());
+  }
+  TESSERA_RETURN_IF_ERROR(comm.Barrier());
+  Status incomplete = Load(state, dir + "/alone", comm).status();
+  TESSERA_RETURN_IF_ERROR(
+      ExpectError(incomplete, {"lacks the manifests of rank " + std::to_string(victim) + " (of " +
+                               std::to_string(comm.size()) + ")"}));
+  if (comm.rank() == 0) {
+    TESSERA_RETURN_IF_ERROR(
+        ExpectError(Finalize(dir + "/alone").status(), {"rank " + std::to_string(victim)}));
+  }
+  return Status::Ok();
+}
+
+// A box no rank holds as the main replica is a gap the readers name.
+Status RankLocalSaveGapIsNamed(Comm& comm, const std::string& dir) {
+  std::vector<float> data(8, 1.0f);
+  ShardedTensor tensor =
+      ShardedTensor::Shard("layers.0.w", TensorView(data.data(), DType::kF32, {8}),
+                           {8 * comm.size()}, {8 * comm.rank()});
+  if (comm.rank() == comm.size() - 1) tensor.replica_id = {1};  // claims a replica of nobody
+  StateDict state;
+  TESSERA_RETURN_IF_ERROR(state.Add(std::move(tensor)));
+  TESSERA_RETURN_IF_ERROR(Save(state, dir + "/ck", comm, RankLocal("gap")).status());
+  TESSERA_RETURN_IF_ERROR(comm.Barrier());
+  return ExpectError(Load(state, dir + "/ck", comm).status(), {"key 'layers.0.w'"});
+}
+
 }  // namespace
 
 const std::vector<MultiRankCase>& MultiRankCases() {
@@ -487,6 +604,9 @@ const std::vector<MultiRankCase>& MultiRankCases() {
        [](Comm& c, const std::string& d) {
          return ReadSharingReadsEachByteOnce(c, d, ReadSharing::kBroadcast);
        }},
+      {"RankLocalSaveReshards", 1, RankLocalSaveReshards},
+      {"RankLocalSaveMissingARankKeepsThePrevious", 2, RankLocalSaveMissingARankKeepsThePrevious},
+      {"RankLocalSaveGapIsNamed", 2, RankLocalSaveGapIsNamed},
   };
   return cases;
 }

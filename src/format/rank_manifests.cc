@@ -1,0 +1,146 @@
+#include "format/rank_manifests.h"
+
+#include <algorithm>
+#include <set>
+
+#include "core/tiling.h"
+#include "format/manifest.h"
+
+namespace tessera {
+namespace {
+
+// A rank manifest is small (one rank's chunks): read whole.
+Result<Metadata> ReadRankManifest(Storage& storage, const std::string& dir, const std::string& name,
+                                  int expected_rank, const std::string& save_id) {
+  const std::string path = JoinPath(dir, name);
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, storage.NewReadableFile(path));
+  if (file->size() > kMaxManifestBytes) {
+    return DataLoss(path + ": corrupt manifest: " + std::to_string(file->size()) + " bytes");
+  }
+  Bytes bytes(file->size());
+  TESSERA_RETURN_IF_ERROR(file->ReadAt(0, bytes.data(), bytes.size()));
+  TESSERA_ASSIGN_OR_RETURN(Metadata m, DecodeManifest(bytes, path));
+  if (m.part_rank != expected_rank || m.save_id != save_id) {
+    return DataLoss(path + ": corrupt manifest: it is the part of rank " +
+                    std::to_string(m.part_rank) + " of save " + m.save_id +
+                    ", its name says rank " + std::to_string(expected_rank) + " of save " +
+                    save_id);
+  }
+  return m;
+}
+
+}  // namespace
+
+std::string RankManifestSet::MissingRanks() const {
+  std::vector<int> missing;
+  for (int r = 0; r < num_ranks; ++r) {
+    if (!names.count(r)) missing.push_back(r);
+  }
+  std::string out = missing.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < missing.size() && i < 16; ++i) {
+    out += (i ? ", " : "") + std::to_string(missing[i]);
+  }
+  if (missing.size() > 16) out += ", ...";
+  return out + " (of " + std::to_string(num_ranks) + ")";
+}
+
+Result<std::vector<RankManifestSet>> FindRankManifestSets(Storage& storage, const std::string& dir,
+                                                          const std::vector<std::string>& names) {
+  std::map<std::string, RankManifestSet> by_id;
+  for (const std::string& name : names) {
+    std::string id;
+    int rank = 0;
+    if (!ParseRankManifestName(name, &id, &rank)) continue;
+    RankManifestSet& set = by_id[id];
+    set.save_id = id;
+    set.names[rank] = name;
+  }
+  std::vector<RankManifestSet> sets;
+  for (auto& [id, set] : by_id) {
+    const auto& [rank, name] = *set.names.begin();
+    TESSERA_ASSIGN_OR_RETURN(Metadata first, ReadRankManifest(storage, dir, name, rank, id));
+    set.num_ranks = first.num_ranks;
+    set.save_time_unix_ms = first.save_time_unix_ms;
+    for (const auto& [r, n] : set.names) {
+      if (r >= set.num_ranks) {
+        return DataLoss(JoinPath(dir, n) + ": rank " + std::to_string(r) + " of a save by " +
+                        std::to_string(set.num_ranks) + " ranks");
+      }
+    }
+    sets.push_back(std::move(set));
+  }
+  return sets;
+}
+
+Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
+                                    const RankManifestSet& set) {
+  Metadata merged;
+  merged.save_id = set.save_id;
+  merged.num_ranks = set.num_ranks;
+  std::map<std::string, TensorInfo> tensors;
+  std::map<std::string, int> tensor_rank;  // the rank that first named each key
+  std::map<std::string, ObjectInfo> objects;
+  std::map<std::string, std::set<Box>> boxes;  // per key: boxes taken (held by several ranks)
+  for (const auto& [rank, name] : set.names) {
+    TESSERA_ASSIGN_OR_RETURN(Metadata part,
+                             ReadRankManifest(storage, dir, name, rank, set.save_id));
+    if (rank == set.names.begin()->first) {
+      merged.format = part.format;
+      merged.checksum = part.checksum;
+      merged.checksum_block_bytes = part.checksum_block_bytes;
+      merged.user_metadata = part.user_metadata;
+      merged.separate_prefixes = part.separate_prefixes;
+    } else if (part.num_ranks != set.num_ranks ||
+               part.checksum_block_bytes != merged.checksum_block_bytes) {
+      return DataLoss(JoinPath(dir, name) + ": rank " + std::to_string(rank) + " says " +
+                      std::to_string(part.num_ranks) +
+                      " ranks or another checksum block size than rank " +
+                      std::to_string(set.names.begin()->first));
+    }
+    merged.save_time_unix_ms = std::max(merged.save_time_unix_ms, part.save_time_unix_ms);
+    const uint32_t file_base = static_cast<uint32_t>(merged.files.size());
+    merged.files.insert(merged.files.end(), part.files.begin(), part.files.end());
+    for (TensorInfo& t : part.tensors) {
+      auto [it, inserted] = tensors.try_emplace(t.key);
+      TensorInfo& into = it->second;
+      if (inserted) {
+        into = TensorInfo{t.key, t.dtype, t.global_shape, {}, t.partial};
+        tensor_rank[t.key] = rank;
+      } else if (into.dtype != t.dtype || into.global_shape != t.global_shape ||
+                 into.partial != t.partial) {
+        return InvalidArgument(
+            "rank-local save " + set.save_id + " in " + dir + ": key '" + t.key + "' is " +
+            std::string(DTypeName(into.dtype)) + " " + ShapeToString(into.global_shape) +
+            (into.partial ? " (partial)" : "") + " on rank " + std::to_string(tensor_rank[t.key]) +
+            " but " + std::string(DTypeName(t.dtype)) + " " + ShapeToString(t.global_shape) +
+            (t.partial ? " (partial)" : "") + " on rank " + std::to_string(rank));
+      }
+      for (ChunkInfo& c : t.chunks) {
+        // Replicas that both claimed the main replica wrote the same box: keep one.
+        if (!boxes[t.key].insert(c.box).second) continue;
+        c.location.file_index += file_base;
+        into.chunks.push_back(std::move(c));
+      }
+    }
+    for (ObjectInfo& o : part.objects) {
+      o.location.file_index += file_base;
+      objects.try_emplace(o.key, std::move(o));  // the lowest rank's copy
+    }
+  }
+  for (auto& [key, t] : tensors) {
+    // Each part was checked alone; only now can a gap (a box no rank wrote as the main replica)
+    // or an overlap between ranks show: name the key here rather than as a corrupt manifest.
+    if (auto failure = CheckTiling(t.chunks, t.global_shape, !t.partial)) {
+      return FailedPrecondition("rank-local save " + set.save_id + " in " + dir +
+                                " is not a whole checkpoint: key '" + key +
+                                "': " + failure->message +
+                                " (every box must be written by one rank holding it as the main "
+                                "replica, replica id 0)");
+    }
+    merged.tensors.push_back(std::move(t));
+  }
+  for (auto& [key, o] : objects) merged.objects.push_back(std::move(o));
+  return merged;
+}
+
+}  // namespace tessera

@@ -1,0 +1,43 @@
+// Rank-local saves (SaveOptions::collective false): every rank commits a manifest of its own
+// part, "tessera.manifest.rank-<save_id>-r<rank>" (docs/FORMAT.md, section 4.2). Readers treat
+// the parts of one save id as one checkpoint once all num_ranks of them are there and their
+// union passes every rule of a manifest.
+#ifndef TESSERA_FORMAT_RANK_MANIFESTS_H_
+#define TESSERA_FORMAT_RANK_MANIFESTS_H_
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tessera/metadata.h"
+#include "tessera/status.h"
+#include "tessera/storage.h"
+
+namespace tessera {
+
+// The rank manifests of one save id found in a directory.
+struct RankManifestSet {
+  std::string save_id;
+  std::map<int, std::string> names;  // rank -> file name
+  int32_t num_ranks = 0;             // from the lowest rank's manifest
+  int64_t save_time_unix_ms = 0;     // of the lowest rank's manifest
+  bool complete() const { return static_cast<int32_t>(names.size()) == num_ranks; }
+  // "ranks 3, 5 (of 8)": the ranks whose manifest is missing.
+  std::string MissingRanks() const;
+};
+
+// The sets in `names` (a directory listing of `dir`), each with the header facts of its lowest
+// rank's manifest, which is read. Errors: a manifest that cannot be read or decoded.
+Result<std::vector<RankManifestSet>> FindRankManifestSets(Storage& storage, const std::string& dir,
+                                                          const std::vector<std::string>& names);
+
+// Reads every manifest of the complete set and merges them into one whole-checkpoint Metadata:
+// the same dtype, shape and partial flag for a key on every rank (else an error naming the key
+// and both ranks), chunks held by several ranks kept once, user metadata of rank 0, the latest
+// save time. The result is not yet validated (ReadCheckpointIndex holds it to every rule).
+Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
+                                    const RankManifestSet& set);
+
+}  // namespace tessera
+
+#endif  // TESSERA_FORMAT_RANK_MANIFESTS_H_
