@@ -158,6 +158,7 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("verify_checksums", &LoadOptions::verify_checksums)
       .def_readwrite("verify_partial_chunks", &LoadOptions::verify_partial_chunks)
       .def_readwrite("num_io_threads", &LoadOptions::num_io_threads)
+      .def_readwrite("cast_dtypes", &LoadOptions::cast_dtypes)
       .def_readwrite("read_sharing", &LoadOptions::read_sharing)
       .def_readwrite("exchange_bytes", &LoadOptions::exchange_bytes)
       .def_property(

@@ -188,6 +188,9 @@ def load(state_dict, path, *, comm=None, strict=True, objects="unpickle", **opti
 
     Options (fields of LoadOptions): verify_checksums=True, verify_partial_chunks=False,
     num_io_threads=2, read_sharing="none" ("broadcast", "all_gather"), exchange_bytes=256 MiB,
+    cast_dtypes=False (True: a tensor saved in one float dtype, float64/32/16, bfloat16 or a
+    float8, loads into a tensor of another, rounded to nearest even as it is read; otherwise a
+    dtype mismatch is an InvalidArgumentError naming the key and both dtypes),
     progress=None (a callable progress(done, total): the bytes of this rank's requests loaded
     so far and in all, from the calling thread, as for save).
 
