@@ -186,6 +186,7 @@ void RegisterConvert(py::module_& m) {
       .def_readwrite("num_threads", &ConvertOptions::num_threads)
       .def_readwrite("buffer_bytes", &ConvertOptions::buffer_bytes)
       .def_readwrite("sync", &ConvertOptions::sync)
+      .def_readwrite("torch_dist_flavor", &ConvertOptions::torch_dist_flavor)
       .def_readwrite("verify_checksums", &ConvertOptions::verify_checksums);
   py::class_<ConvertReport>(m, "ConvertReport")
       .def_property_readonly(
