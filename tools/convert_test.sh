@@ -178,6 +178,16 @@ print(f"peak resident memory of the conversion: {peak_mib:.1f} MiB")
 assert peak_mib < 48, peak_mib
 PY
   check "a 96 MiB conversion with --buffer 8MiB stays under 48 MiB resident" $?
+  $python - "$tessera" "$work/big" "$work/big_dcp" <<'PY'
+import resource, subprocess, sys
+subprocess.check_call([sys.argv[1], "convert", sys.argv[2], sys.argv[3], "--to", "torch_dist",
+                       "--buffer", "8MiB", "--threads", "2", "--quiet", "--no-sync"],
+                      stdout=subprocess.DEVNULL)
+peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+print(f"peak resident memory of the torch_dist conversion: {peak_mib:.1f} MiB")
+assert peak_mib < 48, peak_mib
+PY
+  check "a 96 MiB conversion to torch_dist with --buffer 8MiB stays under 48 MiB resident" $?
 fi
 
 if [ "$failures" -ne 0 ]; then echo "$failures check(s) failed"; exit 1; fi

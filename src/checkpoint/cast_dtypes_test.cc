@@ -10,6 +10,7 @@
 #include <random>
 
 #include "core/dtype_convert.h"
+#include "format/manifest.h"
 #include "tessera/checkpoint.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
@@ -254,6 +255,57 @@ TEST(CastDTypesErrorsTest, MismatchWithoutTheOptionNamesKeyAndBothDtypes) {
     EXPECT_THAT(status.message(), AllOf(HasSubstr("'layer.w'"), HasSubstr("saved dtype F32"),
                                         HasSubstr("requested I32")));
     EXPECT_EQ(f, std::vector<float>(12, 0));
+  }
+}
+
+// A chunk stored in another dimension order (ChunkInfo::storage_order, as a transposed view
+// saved by torch is): the reader copies element by element, converting each one.
+TEST(CastDTypesPermutedTest, ChunkInAnotherDimensionOrderLoadsConverted) {
+  auto storage = std::make_shared<MemoryStorage>();
+  // M is 4 x 6, M[i][j] = 10 i + j + 0.3; stored transposed: the row-major bytes of M^T.
+  std::vector<float> transposed(24);
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 6; ++j) transposed[j * 4 + i] = 10.0f * i + j + 0.3f;
+  }
+  StateDict saved;
+  ASSERT_OK(
+      saved.Add(ShardedTensor::Whole("m", TensorView(transposed.data(), DType::kF32, {6, 4}))));
+  SaveOptions save;
+  save.storage = storage;
+  ASSERT_OK(Save(saved, "/mem/p", save));
+  // The same bytes described as M, dimension 1 outermost.
+  ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata("/mem/p", storage));
+  m.tensors[0].global_shape = {4, 6};
+  m.tensors[0].chunks[0].box = Box({0, 0}, {4, 6});
+  m.tensors[0].chunks[0].storage_order = {1, 0};
+  const Bytes manifest = EncodeManifest(m);
+  ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<WritableFile> out,
+      storage->NewWritableFile("/mem/p/" + std::string(kManifestFileName), CreateMode::kTruncate));
+  ASSERT_OK(out->WriteAt(0, manifest.data(), manifest.size()));
+  ASSERT_OK(out->Close());
+
+  LoadOptions load;
+  load.storage = storage;
+  load.cast_dtypes = true;
+  for (DType to : {DType::kF32, DType::kBF16, DType::kF64}) {  // F32: the test's own check
+    for (const Box& box : {Box({0, 0}, {4, 6}), Box({1, 2}, {2, 3})}) {
+      std::vector<uint8_t> got(box.NumElements() * DTypeSize(to), 0xAB);
+      StateDict state;
+      ASSERT_OK(state.Add(
+          ShardedTensor::Shard("m", TensorView(got.data(), to, box.sizes), {4, 6}, box.offsets)));
+      ASSERT_OK_AND_ASSIGN(LoadReport report, Load(state, "/mem/p", load));
+      EXPECT_EQ(report.bytes_needed, got.size());
+      std::vector<float> want;
+      for (int64_t i = 0; i < box.sizes[0]; ++i) {
+        for (int64_t j = 0; j < box.sizes[1]; ++j) {
+          want.push_back(10.0f * (box.offsets[0] + i) + (box.offsets[1] + j) + 0.3f);
+        }
+      }
+      std::vector<uint8_t> converted(want.size() * DTypeSize(to));
+      ConvertFloats(DType::kF32, want.data(), to, converted.data(), want.size());
+      EXPECT_EQ(got, converted) << DTypeName(to) << " " << box.ToString();
+    }
   }
 }
 
