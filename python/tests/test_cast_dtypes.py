@@ -75,3 +75,18 @@ def test_numpy_float16_and_torch_state_dict(saved):
     w = np.zeros((64, 48), np.float16)
     tessera.load({"w": w, "count": np.zeros(6, np.int32)}, path, cast_dtypes=True)
     assert _same(torch.from_numpy(w), full.to(torch.float16))
+
+
+def test_megatron_load_takes_cast_dtypes(ckpt):
+    """tessera.megatron.load passes cast_dtypes on: a float32 save into a bfloat16 model."""
+    from megatron_standins import ShardedTensor as MegatronShardedTensor
+    from tessera import megatron as dist_checkpointing
+
+    weight = torch.randn(8, 6)
+    dist_checkpointing.save({"w": MegatronShardedTensor.from_rank_offsets("w", weight)}, ckpt)
+    target = torch.zeros(8, 6, dtype=torch.bfloat16)
+    request = {"w": MegatronShardedTensor.from_rank_offsets("w", target)}
+    with pytest.raises(tessera.InvalidArgumentError, match="pass cast_dtypes=True"):
+        dist_checkpointing.load(request, ckpt)
+    dist_checkpointing.load(request, ckpt, cast_dtypes=True)
+    assert torch.equal(target, weight.to(torch.bfloat16))
