@@ -62,7 +62,8 @@ struct ConvertCliOptions {
   std::string max_shard_size = "5GB";
   std::vector<std::string> keys;
   std::string strip_prefix;
-  std::string dtype;  // empty: keep
+  std::string dtype;                      // empty: keep
+  std::string torch_dist_flavor = "2.x";  // with --to torch_dist: 2.x | 1.13
   int threads = 4;
   std::string buffer = "256MiB";
   std::string comm = "local";

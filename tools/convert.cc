@@ -79,6 +79,8 @@ int RunConvert(const ConvertCliOptions& cli) {
     if (!dtype.ok()) return Fail(dtype.status());
     options.dtype = *dtype;
   }
+  options.torch_dist_flavor =
+      cli.torch_dist_flavor == "1.13" ? TorchDistFlavor::kTorch113 : TorchDistFlavor::kTorch2;
   options.keys = cli.keys;
   options.strip_prefix = cli.strip_prefix;
   options.num_threads = cli.threads;
@@ -88,9 +90,9 @@ int RunConvert(const ConvertCliOptions& cli) {
   if (!runner.ok()) return Fail(runner.status());
   const bool printer = (*runner)->printer();
   const ProgressMode mode = !printer || cli.json ? ProgressMode::kQuiet
-                            : cli.quiet            ? ProgressMode::kQuiet
-                            : cli.progress         ? ProgressMode::kForce
-                                                   : ProgressMode::kAuto;
+                            : cli.quiet          ? ProgressMode::kQuiet
+                            : cli.progress       ? ProgressMode::kForce
+                                                 : ProgressMode::kAuto;
   ProgressBar bar("convert", mode);
   const bool draw = bar.active();
   ConvertReport report;
@@ -133,6 +135,12 @@ void AddConvertCommand(CLI::App& app, int* exit_code) {
   convert->add_option("--dtype", cli->dtype,
                       "write float tensors (f64, f32, f16, bf16) in this dtype: bf16, f16, f32, "
                       "f64 (round to nearest even)");
+  convert
+      ->add_option("--torch-dist-flavor", cli->torch_dist_flavor,
+                   "with --to torch_dist: the torch whose class paths .metadata names (2.x reads "
+                   "only 2.x, 1.13 only 1.13)")
+      ->check(CLI::IsMember({"2.x", "1.13"}))
+      ->capture_default_str();
   convert->add_option("--threads", cli->threads, "threads per rank")->capture_default_str();
   convert->add_option("--buffer", cli->buffer, "memory for the units in flight, per rank")
       ->capture_default_str();

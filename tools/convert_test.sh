@@ -105,15 +105,47 @@ assert d['objects'] == 1 and d['skipped_objects'] == [] and d['source_format'] =
 assert 'tessera.manifest' in d['files'], d['files']" "$work/tsr.json"
 check "tessera to tessera keeps the objects (--json report)" $?
 
+# PyTorch DCP: torch 1.13's own reader loads the conversion (flavor 1.13, several files and
+# threads), and every tensor equals the safetensors export of the same checkpoint above.
+out="$("$tessera" convert "$work/ck" "$work/dcp" --to torch_dist --torch-dist-flavor 1.13 \
+  --max-shard-size 3MB --threads 3 --buffer 4MiB --quiet)"; rc=$?
+echo "$out"
+check "convert --to torch_dist exits 0" $rc
+echo "$out" | grep -q "^converted $work/ck (tessera) to $work/dcp (torch_dist): .*1 objects"
+check "convert says it wrote a torch_dist checkpoint with the object" $?
+$python - "$work/dcp" "$work/hf.json" "$here/src/format/torch_dist/testdata" <<'PY'
+import json, os, sys
+sys.path.insert(0, sys.argv[3])
+import torch113_compat  # noqa: F401 (torch 1.13's DCP under Python 3.11)
+import torch
+from torch.distributed._shard import checkpoint as dcp
+
+names = os.listdir(sys.argv[1])
+assert ".metadata" in names and len([n for n in names if n.endswith(".distcp")]) >= 3, names
+reader = dcp.FileSystemReader(sys.argv[1])
+hf = json.load(open(sys.argv[2]))["tensors"]
+dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+          "I64": torch.int64, "I32": torch.int32, "F64": torch.float64}
+state = {k: torch.zeros(t["shape"], dtype=dtypes[t["dtype"]]) for k, t in hf.items()}
+state["optimizer.step"] = None
+dcp.load_state_dict(state, reader, no_dist=True)
+for key, t in hf.items():
+    got = state[key].contiguous().view(torch.uint8).numpy().tobytes().hex()
+    assert got == t["hex"], key
+assert state["optimizer.step"] is not None
+print(f"torch 1.13 loaded {len(hf)} tensors equal to the safetensors export")
+PY
+check "torch 1.13's load_state_dict reads the torch_dist conversion, values equal" $?
+
 # Errors: one line, exit 1, nothing left behind.
 msg="$("$tessera" convert "$work/ck" "$work/hf" --to safetensors 2>&1)"; rc=$?
 [ $rc -eq 1 ] && echo "$msg" | grep -q "tessera: error: AlreadyExists: the destination $work/hf exists and is not empty"
 check "an existing destination is refused" $?
-msg="$("$tessera" convert "$work/ck" "$work/dcp" --to torch_dist 2>&1)"; rc=$?
-echo "$msg"
-[ $rc -eq 1 ] && echo "$msg" | grep -q "Unimplemented: converting to torch_dist (PyTorch DCP) is not supported yet"
-check "--to torch_dist says it is not supported yet" $?
-[ ! -e "$work/dcp" ]; check "... and creates nothing" $?
+msg="$("$tessera" convert "$work/ck" "$work/dcp_bad" --to torch_dist --torch-dist-flavor 1.12 2>&1)"
+rc=$?
+[ $rc -ne 0 ] && echo "$msg" | grep -q "torch-dist-flavor"
+check "--torch-dist-flavor takes only 2.x or 1.13" $?
+[ ! -e "$work/dcp_bad" ]; check "... and creates nothing" $?
 msg="$("$tessera" convert "$work/ck" "$work/x" --to safetensors --dtype i8 2>&1)"; rc=$?
 [ $rc -eq 1 ] && echo "$msg" | grep -q "\-\-dtype must be bf16, f16, f32 or f64, not 'I8'"
 check "--dtype takes only float targets" $?
@@ -146,6 +178,16 @@ print(f"peak resident memory of the conversion: {peak_mib:.1f} MiB")
 assert peak_mib < 48, peak_mib
 PY
   check "a 96 MiB conversion with --buffer 8MiB stays under 48 MiB resident" $?
+  $python - "$tessera" "$work/big" "$work/big_dcp" <<'PY'
+import resource, subprocess, sys
+subprocess.check_call([sys.argv[1], "convert", sys.argv[2], sys.argv[3], "--to", "torch_dist",
+                       "--buffer", "8MiB", "--threads", "2", "--quiet", "--no-sync"],
+                      stdout=subprocess.DEVNULL)
+peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+print(f"peak resident memory of the torch_dist conversion: {peak_mib:.1f} MiB")
+assert peak_mib < 48, peak_mib
+PY
+  check "a 96 MiB conversion to torch_dist with --buffer 8MiB stays under 48 MiB resident" $?
 fi
 
 if [ "$failures" -ne 0 ]; then echo "$failures check(s) failed"; exit 1; fi

@@ -144,6 +144,14 @@ struct LoadOptions {
   bool verify_partial_chunks = false;
   // Parallel readers per rank. Default 2.
   int num_io_threads = 2;
+  // Load a tensor saved in one float dtype into memory of another (F64, F32, F16, BF16,
+  // F8_E4M3, F8_E5M2, in any direction), rounding to nearest, ties to even (as `tessera convert
+  // --dtype`; into F8_E4M3 what overflows becomes NaN, as in torch). Default false: a dtype
+  // mismatch is an error naming the key and both dtypes. Other mismatches (an integer or bool
+  // on either side) are errors either way. The conversion runs on each piece as it is read,
+  // while it is in cache (a converted run is read through a 256 KiB buffer per I/O thread, not
+  // straight into place); LoadReport::bytes_needed and progress count bytes in memory.
+  bool cast_dtypes = false;
   // Default kNone. With kBroadcast or kAllGather (the same on every rank), ranks that need
   // exactly the same bytes (data-parallel replicas of the load layout) read them from storage
   // once between them and exchange them through a communicator of their own: the group's
@@ -168,7 +176,8 @@ struct LoadReport {
   std::vector<std::string> unexpected_keys;        // in the checkpoint, asked for by no rank
   std::vector<std::string> shape_mismatched_keys;  // loaded in part (allow_shape_mismatch)
   uint64_t bytes_read = 0;                         // from storage by this rank
-  uint64_t bytes_needed = 0;                       // bytes this rank's requests cover
+  uint64_t bytes_needed = 0;                       // bytes this rank's requests cover (in
+                                                   // memory, in the requested dtypes)
   uint64_t read_calls = 0;                         // storage reads issued by this rank
   uint64_t bytes_received = 0;                     // from other ranks (read sharing)
 };

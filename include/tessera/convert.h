@@ -16,7 +16,13 @@
 //     Objects are never exported (they are listed in ConvertReport::skipped_objects).
 //   kTessera: a tessera checkpoint (docs/FORMAT.md), every tensor one chunk with checksums,
 //     objects copied with their encoding, the source's user metadata kept.
-//   kTorchDist: not available yet (kUnimplemented): it needs tessera's PyTorch DCP writer.
+//   kTorchDist: a PyTorch DCP directory (Megatron-Core's torch_dist) that torch's own
+//     `load_state_dict` reads, as Save with SaveFormat::kTorchDist writes it
+//     (docs/FORMAT_TORCH_DIST.md): every tensor whole, one torch.save item streamed unit by
+//     unit (its zip CRC-32 computed per block by the threads that write them, then combined),
+//     objects as byte items, `.metadata` (torch_dist_flavor's class paths) committed last and
+//     atomically inside the temporary directory before it is renamed. The source's user
+//     metadata is not carried over (DCP has no place for it).
 //
 // DST is complete or absent: everything is written under a temporary directory next to it
 // (".<name>.tessera-convert-<random>"), synced, and renamed to DST at the end. DST must not
@@ -75,6 +81,10 @@ struct ConvertOptions {
   // Default kFull: every output file is fdatasync'ed, the directories are synced around the
   // final rename. kNone skips every sync.
   SyncPolicy sync = SyncPolicy::kFull;
+  // With kTorchDist: which torch's class paths the `.metadata` uses (as
+  // SaveOptions::torch_dist_flavor). Default kTorch2. kTorch113 refuses, before writing
+  // anything, a tensor of a dtype torch 1.13 lacks (float8, uint16/32/64).
+  TorchDistFlavor torch_dist_flavor = TorchDistFlavor::kTorch2;
   // Check the source's checksums where it has them (tessera), as LoadOptions::verify_checksums.
   // Default true.
   bool verify_checksums = true;

@@ -160,6 +160,7 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("verify_checksums", &LoadOptions::verify_checksums)
       .def_readwrite("verify_partial_chunks", &LoadOptions::verify_partial_chunks)
       .def_readwrite("num_io_threads", &LoadOptions::num_io_threads)
+      .def_readwrite("cast_dtypes", &LoadOptions::cast_dtypes)
       .def_readwrite("read_sharing", &LoadOptions::read_sharing)
       .def_readwrite("exchange_bytes", &LoadOptions::exchange_bytes)
       .def_property(
@@ -187,6 +188,7 @@ void RegisterConvert(py::module_& m) {
       .def_readwrite("num_threads", &ConvertOptions::num_threads)
       .def_readwrite("buffer_bytes", &ConvertOptions::buffer_bytes)
       .def_readwrite("sync", &ConvertOptions::sync)
+      .def_readwrite("torch_dist_flavor", &ConvertOptions::torch_dist_flavor)
       .def_readwrite("verify_checksums", &ConvertOptions::verify_checksums);
   py::class_<ConvertReport>(m, "ConvertReport")
       .def_property_readonly(

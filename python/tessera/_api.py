@@ -196,6 +196,9 @@ def load(state_dict, path, *, comm=None, strict=True, objects="unpickle", **opti
 
     Options (fields of LoadOptions): verify_checksums=True, verify_partial_chunks=False,
     num_io_threads=2, read_sharing="none" ("broadcast", "all_gather"), exchange_bytes=256 MiB,
+    cast_dtypes=False (True: a tensor saved in one float dtype, float64/32/16, bfloat16 or a
+    float8, loads into a tensor of another, rounded to nearest even as it is read; otherwise a
+    dtype mismatch is an InvalidArgumentError naming the key and both dtypes),
     progress=None (a callable progress(done, total): the bytes of this rank's requests loaded
     so far and in all, from the calling thread, as for save).
 
@@ -372,12 +375,16 @@ def _progress_bar():
 
 def convert(src, dst, *, to, comm=None, max_shard_size="5GB", keys=None, strip_prefix=None,
             dtype=None, num_threads=4, buffer_bytes="256MiB", sync=True, verify_checksums=True,
-            progress=None):
+            progress=None, torch_dist_flavor="2.x"):
     """Rewrites the checkpoint at `src` (tessera, PyTorch DCP / Megatron torch_dist, Hugging
     Face safetensors files or one .safetensors file: detected) as a new directory `dst` in the
     format `to`: "safetensors" (Hugging Face: model.safetensors, or model-0000i-of-0000N
-    shards and model.safetensors.index.json; whole tensors; objects are not exported) or
-    "tessera" (objects kept). "torch_dist" is not available yet (UnimplementedError).
+    shards and model.safetensors.index.json; whole tensors; objects are not exported),
+    "tessera" (objects kept) or "torch_dist" (a PyTorch DCP directory torch's own
+    load_state_dict reads, as save(..., format="torch_dist") writes it: whole tensors, objects
+    kept, `.metadata` naming torch_dist_flavor's classes, "2.x" (default) or "1.13"; the
+    source's user metadata, and with it the nesting of a state dict saved from Python, is not
+    kept: DCP has no place for it).
 
     Streams: memory is bounded by `buffer_bytes` (per rank), not by the checkpoint; each
     tensor is loaded in units of at most buffer_bytes / num_threads (and 32 MiB) and written
@@ -412,6 +419,11 @@ def convert(src, dst, *, to, comm=None, max_shard_size="5GB", keys=None, strip_p
     opts.num_threads = num_threads
     opts.sync = _tessera.SyncPolicy.FULL if sync else _tessera.SyncPolicy.NONE
     opts.verify_checksums = bool(verify_checksums)
+    if torch_dist_flavor not in _TORCH_DIST_FLAVORS:
+        raise ValueError(f"convert(): torch_dist_flavor must be one of "
+                         f"{list(_TORCH_DIST_FLAVORS)}, not {torch_dist_flavor!r}")
+    opts.torch_dist_flavor = getattr(_tessera.TorchDistFlavor,
+                                     _TORCH_DIST_FLAVORS[torch_dist_flavor])
     if progress is True:
         progress = _progress_bar() if comm is None or comm.rank == 0 else None
     elif progress is False:

@@ -132,6 +132,8 @@ _PYTHON_HINTS = (
      " (pass strict=False to load only the keys asked for)"),
     (" (set allow_shape_mismatch to load the common part)",
      " (pass allow_shape_mismatch=True to its ShardedTensor to load the common part)"),
+    (" (set LoadOptions::cast_dtypes to convert between float dtypes)",
+     " (pass cast_dtypes=True to convert between float dtypes)"),
     (" (mark the tensor partial if that is intended)",
      " (pass partial=True to its ShardedTensor if that is intended)"),
 )

@@ -200,10 +200,43 @@ def test_progress(tmp_path):
     assert (tmp_path / "hf2" / "model.safetensors").exists()  # the conversion itself finished
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_torch_dist_loads_in_torchs_own_dcp(tmp_path, ranks):
+    """to="torch_dist" with torch 1.13's class paths: torch's load_state_dict reads every
+    tensor and the object; the nesting is not kept (DCP has no place for it): keys are flat."""
+    import torch_compat  # noqa: F401,PLC0415 (torch 1.13 on Python 3.11)
+    from torch.distributed._shard import checkpoint as dcp  # noqa: PLC0415
+
+    save_sharded(str(tmp_path / "ckpt"))
+    seen = []
+
+    def convert(comm):
+        return tessera.convert(tmp_path / "ckpt", tmp_path / "dcp", to="torch_dist",
+                               torch_dist_flavor="1.13", num_threads=2, max_shard_size="1KB",
+                               comm=comm, progress=lambda d, t: seen.append((d, t)))
+
+    reports = tessera.run_local(ranks, convert)
+    report = reports[0]
+    assert report.tensors == 6 and report.objects == 1, report
+    assert report.files[-1] == ".metadata" and len(report.files) >= 4, report.files
+    assert sorted(os.listdir(tmp_path / "dcp")) == sorted(report.files)
+    assert seen and all(d <= t for d, t in seen)
+    full = full_state()
+    flat = {f"model.{k}": v for k, v in full["model"].items()}
+    flat["optimizer.exp_avg"] = full["optimizer"]["exp_avg"]
+    loaded = {k: torch.zeros_like(v) for k, v in flat.items()}
+    loaded["step"] = None
+    dcp.load_state_dict(loaded, dcp.FileSystemReader(str(tmp_path / "dcp")), no_dist=True)
+    for key, value in flat.items():
+        assert raw_bytes(loaded[key]) == raw_bytes(value), key
+    assert loaded["step"] == 12
+
+
 def test_errors(tmp_path):
     save_sharded(str(tmp_path / "ckpt"))
-    with pytest.raises(tessera.UnimplementedError, match="torch_dist"):
-        tessera.convert(tmp_path / "ckpt", tmp_path / "dcp", to="torch_dist")
+    with pytest.raises(ValueError, match="torch_dist_flavor must be one of"):
+        tessera.convert(tmp_path / "ckpt", tmp_path / "dcp", to="torch_dist",
+                        torch_dist_flavor="1.12")
     assert not (tmp_path / "dcp").exists()
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "file").write_text("mine")

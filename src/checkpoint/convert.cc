@@ -13,6 +13,7 @@
 
 #include "checkpoint/commit.h"
 #include "checkpoint/convert_writer.h"
+#include "checkpoint/dcp_commit.h"
 #include "checkpoint/envelope.h"
 #include "checkpoint/load_internal.h"
 #include "core/byte_io.h"
@@ -20,6 +21,9 @@
 #include "format/huggingface/hf_index.h"
 #include "format/manifest.h"
 #include "format/safetensors.h"
+#include "format/torch_dist/dcp_writer.h"
+#include "format/torch_dist/torch_dtype.h"
+#include "format/torch_dist/torch_zip.h"
 #include "plan/convert_plan.h"
 
 namespace tessera {
@@ -42,11 +46,6 @@ std::string SenderName(const Comm& comm, int r) {
 }
 
 Status CheckOptions(const ConvertOptions& options) {
-  if (options.to == CheckpointFormat::kTorchDist) {
-    return Unimplemented(
-        "converting to torch_dist (PyTorch DCP) is not supported yet: it needs tessera's DCP "
-        "writer; convert to tessera or safetensors");
-  }
   if (options.num_threads < 1) {
     return InvalidArgument("ConvertOptions::num_threads must be at least 1, got " +
                            std::to_string(options.num_threads));
@@ -79,8 +78,46 @@ Result<Destination> SplitDestination(const std::string& dst) {
 
 // Names and headers of the output files. Hugging Face: "model.safetensors" alone, else the
 // shard names; tessera: each writing rank's data file names.
+// torch_dist: DCP data file names, no headers, each tensor one torch.save item back to back,
+// then the file's objects.
+Result<OutputLayout> LayOutDcp(const ConvertPlan& plan, const std::string& save_id) {
+  OutputLayout layout;
+  layout.dcp_tensors.resize(plan.tensors.size());
+  std::map<int, int> per_rank;  // the next file number of each rank
+  for (const OutputFile& file : plan.files) {
+    layout.names.push_back(torch_dist::DcpDataFileName(save_id, file.rank, per_rank[file.rank]++));
+    layout.headers.emplace_back();
+    uint64_t at = 0;
+    for (uint32_t t : file.tensors) {
+      const OutputTensor& tensor = plan.tensors[t];
+      Result<torch_dist::TorchItemLayout> item =
+          torch_dist::LayOutTorchTensorItem(torch_dist::TorchTensorSpec{
+              std::string(torch_dist::TorchDTypeOf(tensor.dtype).name), tensor.shape});
+      if (!item.ok()) return item.status().WithContext("tensor '" + tensor.name + "'");
+      layout.dcp_tensors[t] = DcpTensorPlace{at, at + item->data_offset, item->total_size};
+      at += item->total_size;
+    }
+    layout.dcp_objects_begin.push_back(at);
+  }
+  return layout;
+}
+
+// torch 1.13 lacks some dtypes (float8, uint16/32/64): refused before anything is written.
+Status CheckTorchDistDTypes(const ConvertPlan& plan, const ConvertOptions& options) {
+  if (options.torch_dist_flavor != TorchDistFlavor::kTorch113) return Status::Ok();
+  for (const OutputTensor& t : plan.tensors) {
+    if (!torch_dist::Torch113HasDType(t.dtype)) {
+      return InvalidArgument("tensor '" + t.name + "': torch 1.13 has no dtype " +
+                             std::string(torch_dist::TorchDTypeOf(t.dtype).name) +
+                             "; convert with the torch 2.x flavour (TorchDistFlavor::kTorch2)");
+    }
+  }
+  return Status::Ok();
+}
+
 Result<OutputLayout> LayOut(const ConvertPlan& plan, CheckpointFormat to,
                             const std::string& save_id) {
+  if (to == CheckpointFormat::kTorchDist) return LayOutDcp(plan, save_id);
   OutputLayout layout;
   const int count = static_cast<int>(plan.files.size());
   std::map<int, int> per_rank;  // tessera: the next file number of each rank
@@ -203,15 +240,70 @@ Result<Metadata> TesseraMetadata(const Metadata& source, const ConvertPlan& plan
   return m;
 }
 
+// The Metadata of a torch_dist output as MarkDcpItems leaves it, from every rank's object item
+// lengths (RankWriteResult::object_lengths, indexed by rank).
+Result<Metadata> DcpOutputMetadata(const Metadata& source, const ConvertPlan& plan,
+                                   const OutputLayout& layout,
+                                   const std::vector<std::vector<uint64_t>>& object_lengths,
+                                   const std::string& save_id) {
+  Metadata m;
+  m.save_id = save_id;
+  m.tensors.resize(plan.tensors.size());
+  m.objects.resize(plan.objects.size());
+  std::vector<size_t> cursor(object_lengths.size(), 0);
+  for (uint32_t f = 0; f < plan.files.size(); ++f) {
+    const OutputFile& file = plan.files[f];
+    for (uint32_t t : file.tensors) {
+      const OutputTensor& out = plan.tensors[t];
+      const DcpTensorPlace& place = layout.dcp_tensors[t];
+      TensorInfo& info = m.tensors[t];
+      info.key = out.name;
+      info.dtype = out.dtype;
+      info.global_shape = out.shape;
+      ChunkInfo chunk;
+      chunk.box = Box::Whole(out.shape);
+      chunk.location = ByteLocation{f, place.item_offset, place.item_length, 0};
+      info.chunks.push_back(std::move(chunk));
+    }
+    uint64_t at = layout.dcp_objects_begin[f];
+    for (uint32_t o : file.objects) {
+      const OutputObject& out = plan.objects[o];
+      const std::vector<uint64_t>& lengths = object_lengths[file.rank];
+      if (cursor[file.rank] >= lengths.size()) {
+        return Internal("rank " + std::to_string(file.rank) + " sent too few object lengths (at '" +
+                        out.name + "')");
+      }
+      const uint64_t length = lengths[cursor[file.rank]++];
+      m.objects[o] =
+          ObjectInfo{out.name, ByteLocation{f, at, length, 0}, source.objects[out.source].encoding};
+      at += length;
+    }
+    m.files.push_back(FileInfo{layout.names[f], at});
+  }
+  torch_dist::MarkDcpItems(m);
+  return m;
+}
+
 // The coordinator's last step once every rank has written: the index (Hugging Face, when
-// there are several files) or the manifest (tessera) inside the temporary directory, then the
-// directory renamed to DST.
+// there are several files; torch_dist's `.metadata`, committed as a save commits it) or the
+// manifest (tessera) inside the temporary directory, then the directory renamed to DST.
+// `gathered[r]` is rank r's RankWriteResult::checksums (tessera) or object_lengths (DCP).
 Status Finish(Storage& storage, const std::string& temp, const Destination& dst,
               const ConvertOptions& options, const ConvertPlan& plan, const OutputLayout& layout,
               const Metadata& source, const std::vector<std::vector<uint64_t>>& checksums,
               const std::string& save_id, int num_ranks) {
   const bool durable = options.sync == SyncPolicy::kFull;
-  if (options.to == CheckpointFormat::kTessera) {
+  if (options.to == CheckpointFormat::kTorchDist) {
+    TESSERA_ASSIGN_OR_RETURN(const Metadata m,
+                             DcpOutputMetadata(source, plan, layout, checksums, save_id));
+    // checkpoint_id (torch 2.x's StorageMeta) names where the checkpoint ends up, not the
+    // temporary directory it is committed in.
+    Result<torch_dist::DcpMetadata> dcp = torch_dist::ToDcpMetadata(
+        m, {.flavor = DcpFlavorOf(options.torch_dist_flavor), .checkpoint_id = dst.path});
+    if (!dcp.ok()) return dcp.status().WithContext("describing the converted checkpoint");
+    bool renamed = false;
+    TESSERA_RETURN_IF_ERROR(CommitDcpMetadata(storage, temp, *dcp, save_id, options.sync, renamed));
+  } else if (options.to == CheckpointFormat::kTessera) {
     const bool keys_changed = !options.keys.empty() || !options.strip_prefix.empty();
     TESSERA_ASSIGN_OR_RETURN(Metadata m, TesseraMetadata(source, plan, layout, checksums, save_id,
                                                          num_ranks, keys_changed));
@@ -260,13 +352,17 @@ Result<ConvertReport> Convert(const std::string& src, const std::string& dst,
   TESSERA_ASSIGN_OR_RETURN(const CheckpointIndex index, ReadAndShareIndex(comm, *storage, src));
   ConvertPlanOptions plan_options;
   plan_options.format = options.to;
-  plan_options.keep_objects = options.to == CheckpointFormat::kTessera;
+  plan_options.keep_objects =
+      options.to == CheckpointFormat::kTessera || options.to == CheckpointFormat::kTorchDist;
   plan_options.max_file_bytes = options.max_file_bytes;
   plan_options.key_prefixes = options.keys;
   plan_options.strip_prefix = options.strip_prefix;
   plan_options.dtype = options.dtype;
   plan_options.num_ranks = comm.size();
   TESSERA_ASSIGN_OR_RETURN(const ConvertPlan plan, PlanConversion(index.metadata, plan_options));
+  if (options.to == CheckpointFormat::kTorchDist) {
+    TESSERA_RETURN_IF_ERROR(CheckTorchDistDTypes(plan, options));
+  }
 
   // 3. The temporary directory and the save id, from the coordinator.
   Bytes prepared;
@@ -307,7 +403,10 @@ Result<ConvertReport> Convert(const std::string& src, const std::string& dst,
           ? WriteRankFiles(*storage, temp, index, src, plan, *layout, comm.rank(), write_options)
           : Result<RankWriteResult>(layout.status());
   Bytes mine;
-  if (written.ok()) ByteWriter(&mine).PutVector(written->checksums);
+  if (written.ok()) {
+    ByteWriter(&mine).PutVector(options.to == CheckpointFormat::kTorchDist ? written->object_lengths
+                                                                           : written->checksums);
+  }
   std::vector<Bytes> gathered;
   TESSERA_RETURN_IF_ERROR(
       comm.Gather(Seal(written.status(), std::move(mine)), &gathered, kCoordinator));
@@ -341,6 +440,8 @@ Result<ConvertReport> Convert(const std::string& src, const std::string& dst,
   report.files = layout->names;
   if (options.to == CheckpointFormat::kTessera) {
     report.files.push_back(kManifestFileName);
+  } else if (options.to == CheckpointFormat::kTorchDist) {
+    report.files.push_back(torch_dist::kDcpMetadataFileName);
   } else if (plan.files.size() > 1) {
     report.files.push_back(kHuggingFaceIndexName);
   }

@@ -15,6 +15,7 @@
 #include "checkpoint/hf_test_util.h"
 #include "core/dtype_convert.h"
 #include "format/manifest.h"
+#include "format/torch_dist/dcp_metadata.h"
 #include "tessera/checkpoint.h"
 #include "tessera/convert.h"
 #include "tessera/fault_injecting_storage.h"
@@ -495,7 +496,8 @@ TEST(ConvertTest, ACorruptSourceLeavesNoDestination) {
 // complete and right (a failure after the rename, e.g. the final directory sync), and no
 // temporary directory is left.
 TEST(ConvertTest, EveryStorageFaultLeavesDestinationCompleteOrAbsent) {
-  for (CheckpointFormat to : {CheckpointFormat::kSafetensors, CheckpointFormat::kTessera}) {
+  for (CheckpointFormat to :
+       {CheckpointFormat::kSafetensors, CheckpointFormat::kTessera, CheckpointFormat::kTorchDist}) {
     auto memory = std::make_shared<MemoryStorage>();
     SaveSource("/ckpt/src", memory);
     auto faulty = std::make_shared<FaultInjectingStorage>(memory);
@@ -530,6 +532,12 @@ TEST(ConvertTest, EveryStorageFaultLeavesDestinationCompleteOrAbsent) {
       if (to == CheckpointFormat::kTessera) {
         const Result<VerifyReport> verified = Verify(out, memory);
         EXPECT_TRUE(verified.ok()) << "fault " << k << ": " << verified.status().ToString();
+      } else if (to == CheckpointFormat::kTorchDist) {
+        // Its .metadata is there and names every tensor (dcp_save_test.cc reads the values).
+        const std::string path = out + "/.metadata";
+        ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> bytes, memory->GetFileContents(path));
+        ASSERT_OK_AND_ASSIGN(torch_dist::DcpMetadata m, torch_dist::ReadDcpMetadata(bytes, path));
+        EXPECT_EQ(m.tensors.size(), SourceTensors().size()) << "fault " << k;
       } else {
         ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(out, memory));
         EXPECT_EQ(m.tensors.size(), SourceTensors().size()) << "fault " << k;
@@ -537,17 +545,6 @@ TEST(ConvertTest, EveryStorageFaultLeavesDestinationCompleteOrAbsent) {
     }
     EXPECT_GT(failed, operations / 2);
   }
-}
-
-TEST(ConvertTest, TorchDistIsNotAvailableYet) {
-  TempDir tmp;
-  SaveSource(tmp.Sub("src"));
-  ConvertOptions options;
-  options.to = CheckpointFormat::kTorchDist;
-  const Result<ConvertReport> result = Convert(tmp.Sub("src"), tmp.Sub("out"), options);
-  EXPECT_EQ(result.status().code(), StatusCode::kUnimplemented);
-  EXPECT_THAT(result.status().message(), HasSubstr("torch_dist"));
-  EXPECT_THAT(Entries(tmp.path()), ElementsAre("src"));
 }
 
 TEST(ConvertTest, BadOptionsAndEmptySelectionsAreClearErrors) {

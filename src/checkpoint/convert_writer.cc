@@ -12,6 +12,10 @@
 #include "core/dtype_convert.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
+#include "format/torch_dist/crc32.h"
+#include "format/torch_dist/dcp_writer.h"
+#include "format/torch_dist/torch_dtype.h"
+#include "format/torch_dist/torch_zip.h"
 
 namespace tessera {
 namespace {
@@ -29,9 +33,11 @@ struct Shared {
   const OutputLayout& layout;
   const RankWriteOptions& options;
   LoadOptions load_options;
-  std::vector<std::unique_ptr<WritableFile>> files;     // by plan file; null when not ours
-  std::vector<std::vector<uint64_t>> tensor_checksums;  // by plan tensor
-  std::vector<uint64_t> object_checksums;               // by plan object
+  std::vector<std::unique_ptr<WritableFile>> files;  // by plan file; null when not ours
+  // By plan tensor: per block, the checksum (tessera) or the zip CRC-32 (DCP).
+  std::vector<std::vector<uint64_t>> tensor_checksums;
+  std::vector<uint64_t> object_checksums;  // by plan object (tessera)
+  std::vector<uint64_t> object_lengths;    // by plan object: the item's length (DCP)
   std::atomic<uint64_t> written{0};
   std::atomic<uint64_t> read{0};
 };
@@ -105,28 +111,32 @@ Status RunUnit(Shared& s, Worker& w, const ConvertUnit& unit) {
                   static_cast<size_t>(p.end - p.begin));
   }
   const uint64_t data_start = s.layout.headers[unit.file].size();
-  const uint64_t block = s.options.checksum_block_bytes;
+  const bool dcp = s.layout.dcp();
+  const uint64_t block = dcp ? kChecksumBlockBytes : s.options.checksum_block_bytes;
   if (block == 0) {
     return WriteOut(s, unit.file, data_start + unit.offset, out, unit.out_bytes);
   }
-  // Block by block: each checksummed right after it is written, while it is in cache.
+  // Block by block: each checksummed right after it is written, while it is in cache. A DCP
+  // tensor's data lies inside its item, and a unit's tensors are not back to back there.
   for (const UnitPiece& p : unit.pieces) {
     const OutputTensor& t = s.plan.tensors[p.tensor];
     const uint64_t size = DTypeSize(t.dtype);
     const uint64_t first = static_cast<uint64_t>(p.begin) * size;  // tensor byte, on a block
     const uint64_t bytes = static_cast<uint64_t>(p.end - p.begin) * size;
+    const uint64_t at = dcp ? s.layout.dcp_tensors[p.tensor].data_offset : data_start + t.offset;
     for (uint64_t done = 0; done < bytes; done += block) {
       const uint64_t n = std::min(block, bytes - done);
       const std::byte* data = out + p.out_offset + done;
-      TESSERA_RETURN_IF_ERROR(
-          WriteOut(s, unit.file, data_start + t.offset + first + done, data, n));
-      s.tensor_checksums[p.tensor][(first + done) / block] = Checksum(data, n);
+      TESSERA_RETURN_IF_ERROR(WriteOut(s, unit.file, at + first + done, data, n));
+      s.tensor_checksums[p.tensor][(first + done) / block] =
+          dcp ? torch_dist::Crc32(data, n) : Checksum(data, n);
     }
   }
   return Status::Ok();
 }
 
-Status RunObject(Shared& s, Worker& w, uint32_t index) {
+// Loads object `index` of the plan whole.
+Result<std::vector<uint8_t>> LoadObject(Shared& s, Worker& w, uint32_t index) {
   const OutputObject& o = s.plan.objects[index];
   const ObjectInfo& info = s.index.metadata.objects[o.source];
   StateDict state;
@@ -135,16 +145,91 @@ Status RunObject(Shared& s, Worker& w, uint32_t index) {
                            LoadFromIndex(state, s.index, s.source, w.comm(), s.storage,
                                          s.load_options, /*list_unexpected=*/false));
   s.read.fetch_add(report.bytes_read, std::memory_order_relaxed);
-  const std::vector<uint8_t>& data = std::get<ShardedObject>(state.entries()[0]).data;
+  std::vector<uint8_t> data = std::move(std::get<ShardedObject>(state.entries()[0]).data);
   if (data.size() != o.bytes) {
     return Internal("object '" + info.key + "' loaded " + std::to_string(data.size()) +
                     " bytes, its index says " + std::to_string(o.bytes));
   }
-  if (s.options.checksum_block_bytes > 0) {
-    s.object_checksums[index] = Checksum(data.data(), data.size());
+  return data;
+}
+
+// Writes the objects `group` (tessera: one; DCP: all objects of one file, in order, as byte
+// items back to back from the file's dcp_objects_begin).
+Status RunObjects(Shared& s, Worker& w, const std::vector<uint32_t>& group) {
+  uint64_t at = 0;
+  for (size_t i = 0; i < group.size(); ++i) {
+    const uint32_t index = group[i];
+    const OutputObject& o = s.plan.objects[index];
+    TESSERA_ASSIGN_OR_RETURN(const std::vector<uint8_t> data, LoadObject(s, w, index));
+    if (!s.layout.dcp()) {
+      if (s.options.checksum_block_bytes > 0) {
+        s.object_checksums[index] = Checksum(data.data(), data.size());
+      }
+      TESSERA_RETURN_IF_ERROR(WriteOut(s, o.file, s.layout.headers[o.file].size() + o.offset,
+                                       reinterpret_cast<const std::byte*>(data.data()),
+                                       data.size()));
+      continue;
+    }
+    if (i == 0) at = s.layout.dcp_objects_begin[o.file];
+    const ObjectEncoding encoding = s.index.metadata.objects[o.source].encoding;
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t length,
+                             torch_dist::WriteDcpObjectItem(*s.files[o.file], at, data, encoding));
+    if (s.options.sync == SyncPolicy::kFull) {
+      TESSERA_RETURN_IF_ERROR(s.files[o.file]->StartWriteback(at, length));
+    }
+    s.object_lengths[index] = length;
+    s.written.fetch_add(data.size(), std::memory_order_relaxed);  // the plan counts raw bytes
+    at += length;
   }
-  return WriteOut(s, o.file, s.layout.headers[o.file].size() + o.offset,
-                  reinterpret_cast<const std::byte*>(data.data()), data.size());
+  return Status::Ok();
+}
+
+// The torch.save item layout of a DCP output tensor (as ConvertDcpLayout computed it).
+Result<torch_dist::TorchItemLayout> ItemLayout(const OutputTensor& t) {
+  return torch_dist::LayOutTorchTensorItem(
+      torch_dist::TorchTensorSpec{std::string(torch_dist::TorchDTypeOf(t.dtype).name), t.shape});
+}
+
+// DCP: every item's prefix, before its data.
+Status WriteItemPrefixes(Shared& s, const std::vector<uint32_t>& mine) {
+  for (uint32_t f : mine) {
+    for (uint32_t ti : s.plan.files[f].tensors) {
+      const OutputTensor& t = s.plan.tensors[ti];
+      const DcpTensorPlace& place = s.layout.dcp_tensors[ti];
+      TESSERA_ASSIGN_OR_RETURN(const torch_dist::TorchItemLayout item, ItemLayout(t));
+      if (place.item_offset + item.data_offset != place.data_offset ||
+          item.total_size != place.item_length) {
+        return Internal("tensor '" + t.name + "': its item's layout changed after planning");
+      }
+      TESSERA_RETURN_IF_ERROR_CTX(
+          s.files[f]->WriteAt(place.item_offset, item.prefix.data(), item.prefix.size()),
+          "writing " + OutputPath(s, f));
+    }
+  }
+  return Status::Ok();
+}
+
+// DCP, once every unit is written: each item's suffix, with the CRC-32 of its data combined
+// from the CRC-32s of its blocks (computed by whichever threads wrote them).
+Status WriteItemSuffixes(Shared& s, const std::vector<uint32_t>& mine) {
+  for (uint32_t f : mine) {
+    for (uint32_t ti : s.plan.files[f].tensors) {
+      const OutputTensor& t = s.plan.tensors[ti];
+      torch_dist::Crc32Stream crc;
+      const std::vector<uint64_t>& blocks = s.tensor_checksums[ti];
+      for (size_t b = 0; b < blocks.size(); ++b) {
+        const uint64_t n =
+            std::min<uint64_t>(kChecksumBlockBytes, t.bytes - b * kChecksumBlockBytes);
+        crc.Append(static_cast<uint32_t>(blocks[b]), n);
+      }
+      TESSERA_ASSIGN_OR_RETURN(const torch_dist::TorchItemLayout item, ItemLayout(t));
+      const std::vector<uint8_t> suffix = torch_dist::TorchItemSuffix(item, crc.value());
+      const uint64_t at = s.layout.dcp_tensors[ti].data_offset + t.bytes;
+      TESSERA_RETURN_IF_ERROR_CTX(s.files[f]->WriteAt(at, suffix.data(), suffix.size()),
+                                  "writing " + OutputPath(s, f));
+    }
+  }
+  return Status::Ok();
 }
 
 // Creates this rank's files and writes their headers.
@@ -175,7 +260,7 @@ Status CloseFiles(Shared& s, bool sync) {
 // Runs the work items (units, then objects) on up to num_threads threads while the calling
 // thread reports progress. Returns the first error (of the lowest item that failed).
 Status RunItems(Shared& s, const std::vector<ConvertUnit>& units,
-                const std::vector<uint32_t>& objects, uint64_t total) {
+                const std::vector<std::vector<uint32_t>>& objects, uint64_t total) {
   const size_t count = units.size() + objects.size();
   std::vector<Status> statuses(count);
   std::atomic<size_t> next{0};
@@ -187,10 +272,11 @@ Status RunItems(Shared& s, const std::vector<ConvertUnit>& units,
     Worker worker;
     for (size_t i; !failed.load() && (i = next.fetch_add(1)) < count;) {
       statuses[i] = i < units.size() ? RunUnit(s, worker, units[i])
-                                     : RunObject(s, worker, objects[i - units.size()]);
+                                     : RunObjects(s, worker, objects[i - units.size()]);
       if (!statuses[i].ok()) {
-        const uint32_t file =
-            i < units.size() ? units[i].file : s.plan.objects[objects[i - units.size()]].file;
+        const uint32_t file = i < units.size()
+                                  ? units[i].file
+                                  : s.plan.objects[objects[i - units.size()].front()].file;
         statuses[i] = statuses[i].WithContext("converting into " + OutputPath(s, file));
         failed = true;
       }
@@ -226,23 +312,32 @@ Result<RankWriteResult> WriteRankFiles(Storage& storage, const std::string& dir,
   s.load_options.verify_checksums = options.verify_checksums;
   s.load_options.num_io_threads = 1;  // the threads here are the parallelism
   s.files.resize(plan.files.size());
-  const uint64_t block = options.checksum_block_bytes;
-  std::vector<uint32_t> mine, objects;
+  const bool dcp = layout.dcp();
+  const uint64_t block = dcp ? 0 : options.checksum_block_bytes;
+  std::vector<uint32_t> mine;
+  std::vector<std::vector<uint32_t>> objects;  // work items: one object, or a DCP file's
   uint64_t total = 0;
   for (uint32_t f = 0; f < plan.files.size(); ++f) {
     if (plan.files[f].rank != rank) continue;
     mine.push_back(f);
     total += plan.files[f].data_bytes;
-    objects.insert(objects.end(), plan.files[f].objects.begin(), plan.files[f].objects.end());
+    const std::vector<uint32_t>& of_file = plan.files[f].objects;
+    if (dcp && !of_file.empty()) objects.push_back(of_file);
+    for (uint32_t o : of_file) {
+      if (!dcp) objects.push_back({o});
+    }
   }
-  if (block > 0) {
+  if (block > 0 || dcp) {
+    // Per block of every tensor of ours: tessera's checksums (a tensor without bytes has the
+    // one checksum of nothing, as Save writes it) or, for DCP, CRC-32s (of nothing: 0).
+    const uint64_t unit = dcp ? kChecksumBlockBytes : block;
     s.tensor_checksums.resize(plan.tensors.size());
     s.object_checksums.resize(plan.objects.size());
+    s.object_lengths.resize(plan.objects.size());
     for (uint32_t f : mine) {
       for (uint32_t t : plan.files[f].tensors) {
-        // A tensor without bytes has the one checksum of nothing (as Save writes it).
-        s.tensor_checksums[t].assign(NumChecksumBlocks(plan.tensors[t].bytes, block),
-                                     Checksum(nullptr, 0));
+        s.tensor_checksums[t].assign(NumChecksumBlocks(plan.tensors[t].bytes, unit),
+                                     dcp ? 0 : Checksum(nullptr, 0));
       }
     }
   }
@@ -254,7 +349,9 @@ Result<RankWriteResult> WriteRankFiles(Storage& storage, const std::string& dir,
   const std::vector<ConvertUnit> units = PlanUnits(
       plan, rank, std::max(options.unit_bytes, 4 * kChecksumBlockBytes), kChecksumBlockBytes);
   Status status = OpenFiles(s, mine);
+  if (status.ok() && dcp) status = WriteItemPrefixes(s, mine);
   if (status.ok()) status = RunItems(s, units, objects, total);
+  if (status.ok() && dcp) status = WriteItemSuffixes(s, mine);
   Status closed = CloseFiles(s, status.ok() && options.sync == SyncPolicy::kFull);
   if (status.ok()) status = closed;
   TESSERA_RETURN_IF_ERROR(status);
@@ -266,6 +363,10 @@ Result<RankWriteResult> WriteRankFiles(Storage& storage, const std::string& dir,
                               s.tensor_checksums[t].end());
     }
     for (uint32_t o : plan.files[f].objects) result.checksums.push_back(s.object_checksums[o]);
+  }
+  for (uint32_t f = 0; dcp && f < plan.files.size(); ++f) {
+    if (plan.files[f].rank != rank) continue;
+    for (uint32_t o : plan.files[f].objects) result.object_lengths.push_back(s.object_lengths[o]);
   }
   result.bytes_written = s.written.load();
   result.bytes_read = s.read.load();

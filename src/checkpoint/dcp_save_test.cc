@@ -15,6 +15,7 @@
 #include <set>
 
 #include "checkpoint/commit.h"
+#include "core/dtype_convert.h"
 #include "format/manifest.h"
 #include "format/torch_dist/dcp_metadata.h"
 #include "format/torch_dist/dcp_writer.h"
@@ -22,6 +23,7 @@
 #include "format/torch_dist/torch_dtype.h"
 #include "format/torch_dist/torch_zip.h"
 #include "tessera/checkpoint.h"
+#include "tessera/convert.h"
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
@@ -130,7 +132,7 @@ struct TensorSpec {
 };
 
 // Global tensors of several dtypes and shapes, with values that survive any copy (no NaNs,
-// bools 0 or 1), and objects of every encoding.
+// bools 0 or 1), and objects of every encoding (see also AddLargeTensor).
 struct TestState {
   std::vector<TensorSpec> specs = {
       {"layer.weight", DType::kF32, {6, 5}}, {"layer.bias", DType::kBF16, {7}},
@@ -643,6 +645,138 @@ TEST(DcpCrashConsistencyTest, CrashDuringAFirstSaveLeavesNoCheckpoint) {
     Status error;
     EXPECT_EQ(DcpGeneration(*memory, "/ck", &error), -1);
   }
+}
+
+// ---- Convert to torch_dist --------------------------------------------------------------------
+
+// Adds "large": 700 x 500 F32 (1.4 MB: six 256 KiB CRC blocks, two 1 MiB conversion units).
+void AddLargeTensor(TestState& state) {
+  state.specs.push_back({"large", DType::kF32, {700, 500}});
+  std::vector<uint8_t>& v = state.values["large"];
+  v.resize(700 * 500 * 4);
+  for (size_t i = 0; i < 700 * 500; ++i) {
+    const float f = static_cast<float>(i) * 0.25f - 1000.0f;
+    std::memcpy(v.data() + i * 4, &f, 4);
+  }
+}
+
+class DcpConvertTest : public ::testing::TestWithParam<TorchDistFlavor> {};
+
+INSTANTIATE_TEST_SUITE_P(Flavors, DcpConvertTest,
+                         ::testing::Values(TorchDistFlavor::kTorch2, TorchDistFlavor::kTorch113),
+                         [](const auto& info) {
+                           return info.param == TorchDistFlavor::kTorch2 ? "Torch2" : "Torch113";
+                         });
+
+// A tessera checkpoint saved by 2 ranks (rows split), converted to torch_dist by 2 ranks with 3
+// threads each, small files and the smallest units (the large tensor's blocks and units are
+// written by different threads): tessera's codecs read back every value and CRC-32; torch
+// 1.13's DCP loads it on one rank and sharded over 2 gloo ranks.
+TEST_P(DcpConvertTest, TesseraCheckpointConvertsToWhatTorchLoads) {
+  TempDir dir;
+  const std::string src = dir.Sub("src"), dst = dir.Sub("out/dcp");
+  TestState state;
+  AddLargeTensor(state);
+  ASSERT_OK(FirstError(RunLocalRanks(2, [&](Comm& comm) -> Status {
+    StateDict dict = state.Dict(comm.rank(), 2);
+    return Save(dict, src, comm).status();
+  })));
+  ConvertOptions options;
+  options.to = CheckpointFormat::kTorchDist;
+  options.torch_dist_flavor = GetParam();
+  options.num_threads = 3;
+  options.buffer_bytes = 1 << 20;    // units of 1 MiB, the least
+  options.max_file_bytes = 1 << 20;  // several files: "large" alone in one
+  std::vector<ConvertReport> reports(2);
+  std::vector<std::pair<uint64_t, uint64_t>> last_progress(2);
+  ASSERT_OK(FirstError(RunLocalRanks(2, [&](Comm& comm) -> Status {
+    ConvertOptions mine = options;
+    mine.progress = [&, r = comm.rank()](uint64_t done, uint64_t total) {
+      last_progress[r] = {done, total};
+    };
+    TESSERA_ASSIGN_OR_RETURN(reports[comm.rank()], Convert(src, dst, mine, comm));
+    return Status::Ok();
+  })));
+  const ConvertReport& report = reports[0];
+  EXPECT_EQ(report.tensors, state.specs.size());
+  EXPECT_EQ(report.objects, state.objects.size());
+  ASSERT_GE(report.files.size(), 3u);
+  EXPECT_EQ(report.files.back(), ".metadata");
+  EXPECT_GT(reports[0].files_written, 0);
+  EXPECT_GT(reports[1].files_written, 0);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(last_progress[r].first, last_progress[r].second) << "rank " << r;
+    EXPECT_EQ(last_progress[r].first, reports[r].bytes_written) << "rank " << r;
+  }
+  const std::string save_id = torch_dist::DcpDataFileSaveId(report.files[0]);
+  ASSERT_FALSE(save_id.empty()) << report.files[0];
+  std::vector<std::string> listed;
+  for (const auto& entry : std::filesystem::directory_iterator(dst)) {
+    listed.push_back(entry.path().filename().string());
+  }
+  std::sort(listed.begin(), listed.end());
+  std::vector<std::string> expected_files = report.files;
+  std::sort(expected_files.begin(), expected_files.end());
+  EXPECT_EQ(listed, expected_files) << "nothing but the data files and .metadata";
+  std::vector<std::string> beside;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.Sub("out"))) {
+    beside.push_back(entry.path().filename().string());
+  }
+  EXPECT_EQ(beside, std::vector<std::string>{"dcp"}) << "the temporary directory was renamed";
+
+  ASSERT_OK_AND_ASSIGN(DcpContent got, ReadDcp(*NewPosixStorage(), dst));
+  ExpectContent(state, got);
+  EXPECT_EQ(got.metadata.flavor, FlavorOf(GetParam()));
+  for (const torch_dist::DcpTensor& t : got.metadata.tensors) {
+    EXPECT_EQ(t.chunks.size(), 1u) << t.fqn << " is written whole";
+  }
+  if (GetParam() == TorchDistFlavor::kTorch2) {
+    ASSERT_TRUE(got.metadata.storage_meta.has_value());
+    EXPECT_EQ(got.metadata.storage_meta->checkpoint_id, dst) << "not the temporary name";
+  }
+
+  const json expected = state.Expected(FlavorOf(GetParam()), save_id);
+  for (int ranks : {1, 2}) {
+    std::string output;
+    EXPECT_EQ(LoadWithTorch(dst, expected, ranks, dir, &output), 0) << output;
+    EXPECT_THAT(output, HasSubstr("OK " + std::to_string(ranks) + " rank(s): 8 tensors, 4 objects"))
+        << output;
+  }
+}
+
+TEST(DcpConvertOptionsTest, Torch113RefusesItsMissingDtypesBeforeWritingAndConvertsDtypes) {
+  auto memory = std::make_shared<MemoryStorage>();
+  std::vector<uint8_t> f8(12, 0x38);
+  std::vector<float> f32 = {1.0f, -2.5f, 3.0e-3f, 65536.0f};
+  StateDict state;
+  ASSERT_OK(state.Add(ShardedTensor::Whole("f8", TensorView(f8.data(), DType::kF8E4M3, {3, 4}))));
+  ASSERT_OK(state.Add(ShardedTensor::Whole("w", TensorView(f32.data(), DType::kF32, {4}))));
+  SaveOptions save;
+  save.storage = memory;
+  ASSERT_OK(Save(state, "/src", save));
+  ConvertOptions options;
+  options.to = CheckpointFormat::kTorchDist;
+  options.torch_dist_flavor = TorchDistFlavor::kTorch113;
+  options.storage = memory;
+  Status status = Convert("/src", "/dst", options).status();
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), ::testing::AllOf(HasSubstr("'f8'"), HasSubstr("torch 1.13"),
+                                                 HasSubstr("float8_e4m3fn")));
+  ASSERT_OK_AND_ASSIGN(FileType type, memory->Stat("/dst"));
+  EXPECT_EQ(type, FileType::kNotFound);
+  ASSERT_OK_AND_ASSIGN(std::vector<std::string> root, memory->ListDir("/"));
+  EXPECT_EQ(root, std::vector<std::string>{"src"}) << "no temporary directory either";
+
+  // torch 2.x has float8; --dtype bf16 converts the float32 tensor (float8 keeps its dtype).
+  options.torch_dist_flavor = TorchDistFlavor::kTorch2;
+  options.dtype = DType::kBF16;
+  ASSERT_OK(Convert("/src", "/dst", options).status());
+  ASSERT_OK_AND_ASSIGN(DcpContent got, ReadDcp(*memory, "/dst"));
+  EXPECT_EQ(got.tensors["f8"], f8);
+  std::vector<uint8_t> bf16(8);
+  ConvertFloats(DType::kF32, f32.data(), DType::kBF16, bf16.data(), 4);
+  EXPECT_EQ(got.tensors["w"], bf16);
+  EXPECT_EQ(got.metadata.tensors[1].torch_dtype, "bfloat16");
 }
 
 }  // namespace

@@ -161,9 +161,8 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
     return a.file_index != b.file_index ? a.file_index < b.file_index
                                         : a.file_offset < b.file_offset;
   });
-  TESSERA_RETURN_IF_ERROR(
-      AgreeOnStatus(group, ExecuteReads(storage, path, metadata, to_read, options, report,
-                                        &progress)));
+  TESSERA_RETURN_IF_ERROR(AgreeOnStatus(
+      group, ExecuteReads(storage, path, metadata, to_read, options, report, &progress)));
   return ExchangeWithinGroup(group, assignment, destination, options, report, progress);
 }
 
@@ -187,7 +186,8 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
   // A bad option is reported through the collectives below, like a bad request.
   Result<RankReadPlan> planned =
       options.num_io_threads >= 1
-          ? PlanRankReads(metadata, state, path, options.missing_keys == KeyPolicy::kSkip)
+          ? PlanRankReads(metadata, state, path, options.missing_keys == KeyPolicy::kSkip,
+                          options.cast_dtypes)
           : Result<RankReadPlan>(InvalidArgument("LoadOptions::num_io_threads must be at least "
                                                  "1, got " +
                                                  std::to_string(options.num_io_threads)));
@@ -230,7 +230,8 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
   if (read_status.ok()) {
     read_status = ExecutePermutedCopies(storage, root, metadata, plan.permuted, options, report);
     for (const PermutedCopy& copy : plan.permuted) {
-      progress.Add(copy.part.NumElements() * DTypeSize(metadata.tensors[copy.tensor].dtype));
+      const DType dtype = copy.cast ? copy.cast->to : metadata.tensors[copy.tensor].dtype;
+      progress.Add(copy.part.NumElements() * DTypeSize(dtype));
     }
     progress.Report();
   }

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <thread>
 
+#include "core/dtype_convert.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
 
@@ -56,11 +57,27 @@ Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage& storage, const std::
 
 namespace {
 
-// A piece of a run that lies inside one checksum unit.
+// A piece of a run that lies inside one checksum unit. `length` bytes of the file; with a
+// cast, `destination` receives them converted (DestinationBytes of them).
 struct Segment {
   uint64_t file_offset = 0;
   uint64_t length = 0;
   std::byte* destination = nullptr;
+  std::optional<DTypeCast> cast;
+
+  uint64_t DestinationBytes(uint64_t file_bytes) const {
+    return cast ? file_bytes / DTypeSize(cast->from) * DTypeSize(cast->to) : file_bytes;
+  }
+  // Puts `n` file bytes of the segment, starting `at` bytes into it, in place: copied, or
+  // converted while they are still in cache. With a cast, `at` and `n` are whole elements.
+  void Deliver(uint64_t at, const std::byte* bytes, uint64_t n) const {
+    if (!cast) {
+      std::memcpy(destination + at, bytes, n);
+      return;
+    }
+    ConvertFloats(cast->from, bytes, cast->to, destination + DestinationBytes(at),
+                  static_cast<size_t>(n / DTypeSize(cast->from)));
+  }
 };
 
 // One read task: a checksum unit (a block of a chunk, or a whole chunk) and the segments of it
@@ -131,7 +148,9 @@ void PlanUnitReads(const Metadata& metadata, const std::vector<ReadRun>& runs,
         units.push_back(read);
         last = &units.back();
       }
-      segments.push_back(Segment{at, n, run.destination + done});
+      const uint64_t into =
+          run.cast ? done / DTypeSize(run.cast->from) * DTypeSize(run.cast->to) : done;
+      segments.push_back(Segment{at, n, run.destination + into, run.cast});
       last->segments_end = static_cast<uint32_t>(segments.size());
       done += n;
       if (run.length == 0) break;
@@ -177,15 +196,18 @@ Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata
     // pread, not a mapping (ReadableFile::Map): copying out of a mapping and hashing the copy
     // measured no faster (build/tessera_bench_io_patterns, page_cache_read_seconds) and
     // slower in `tessera bench io`.
-    const uint64_t piece = unit.check ? kCheckedReadPiece : kReadPiece;
+    // A segment that converts goes through the buffer, piece by piece: each piece is
+    // converted into place right after it is read (and checksummed).
     for (uint32_t s = unit.segments_begin; s < unit.segments_end; ++s) {
       const Segment& seg = segments[s];
+      const uint64_t piece = unit.check || seg.cast ? kCheckedReadPiece : kReadPiece;
       for (uint64_t done = 0; done < seg.length; ++calls) {
         const size_t n = static_cast<size_t>(std::min<uint64_t>(piece, seg.length - done));
-        TESSERA_RETURN_IF_ERROR_CTX(file.ReadAt(seg.file_offset + done, seg.destination + done, n),
-                                    context());
-        if (unit.check) checksum.Update(seg.destination + done, n);
-        if (progress) progress->Add(n);
+        std::byte* into = seg.cast ? buffer.data() : seg.destination + done;
+        TESSERA_RETURN_IF_ERROR_CTX(file.ReadAt(seg.file_offset + done, into, n), context());
+        if (unit.check) checksum.Update(into, n);
+        if (seg.cast) seg.Deliver(done, into, n);
+        if (progress) progress->Add(seg.DestinationBytes(n));
         done += n;
       }
       bytes_read += seg.length;
@@ -203,9 +225,8 @@ Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata
         const uint64_t from = std::max(seg.file_offset, piece_begin);
         const uint64_t to = std::min(seg.file_offset + seg.length, piece_end);
         if (from < to) {
-          std::memcpy(seg.destination + (from - seg.file_offset),
-                      buffer.data() + (from - piece_begin), to - from);
-          if (progress) progress->Add(to - from);
+          seg.Deliver(from - seg.file_offset, buffer.data() + (from - piece_begin), to - from);
+          if (progress) progress->Add(seg.DestinationBytes(to - from));
         }
         if (seg.file_offset + seg.length <= piece_end) next = s + 1;
       }
@@ -219,12 +240,34 @@ Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata
   return Status::Ok();
 }
 
+// A run that converts is cut into pieces of whole elements: at checksum block boundaries
+// (PlanUnitReads) and every kCheckedReadPiece bytes from a block's start (ReadUnit). Blocks
+// of a size that splits an element (no writer makes them) cannot be converted piecewise.
+Status CheckCastAlignment(const Metadata& metadata, const std::vector<ReadRun>& runs,
+                          const LoadOptions& options) {
+  const uint64_t block = metadata.checksum_block_bytes;
+  if (!options.verify_checksums || metadata.checksum == ChecksumKind::kNone || block == 0) {
+    return Status::Ok();
+  }
+  for (const ReadRun& run : runs) {
+    if (run.cast && block % DTypeSize(run.cast->from) != 0) {
+      return InvalidArgument("key '" + metadata.tensors[run.tensor].key +
+                             "': its checksum blocks of " + std::to_string(block) +
+                             " bytes split elements of " + std::string(DTypeName(run.cast->from)) +
+                             ", which cast_dtypes cannot convert piecewise (load it without "
+                             "checksums or in its saved dtype)");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& metadata,
                     const std::vector<ReadRun>& runs, const LoadOptions& options,
                     LoadReport& report, ProgressMeter* progress) {
   if (runs.empty()) return Status::Ok();
+  TESSERA_RETURN_IF_ERROR(CheckCastAlignment(metadata, runs, options));
   std::vector<UnitRead> units;
   std::vector<Segment> segments;
   PlanUnitReads(metadata, runs, options, units, segments);
@@ -299,6 +342,7 @@ Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Met
       step *= chunk.box.sizes[chunk.storage_order[i]];
     }
     const size_t element = DTypeSize(tensor.dtype);
+    const size_t dst_element = copy.cast ? DTypeSize(copy.cast->to) : element;
     const std::vector<int64_t> dst_strides = RowMajorStrides(copy.layout.sizes);
     std::vector<int64_t> index(rank, 0);  // within copy.part, last fastest
     const int64_t count = copy.part.NumElements();
@@ -309,7 +353,12 @@ Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Met
         src += (at - chunk.box.offsets[d]) * stride[d];
         dst += (at - copy.layout.offsets[d]) * dst_strides[d];
       }
-      std::memcpy(copy.destination + dst * element, chunk_bytes.data() + src * element, element);
+      if (copy.cast) {
+        ConvertFloats(copy.cast->from, chunk_bytes.data() + src * element, copy.cast->to,
+                      copy.destination + dst * dst_element, 1);
+      } else {
+        std::memcpy(copy.destination + dst * element, chunk_bytes.data() + src * element, element);
+      }
       for (size_t d = rank; d-- > 0;) {
         if (++index[d] < copy.part.sizes[d]) break;
         index[d] = 0;

@@ -1,5 +1,6 @@
 #include "core/dtype_convert.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -33,9 +34,60 @@ float RoundToOddFloat(double value) {
   return std::bit_cast<float>(bits | 1u);
 }
 
-// Reads element i of a convertible float type as a double (exact for all of them).
+// A float8 format: sign, exponent, `mantissa_bits` of mantissa, exponent `bias`.
+struct F8Format {
+  int mantissa_bits;
+  int bias;
+  double max_finite;
+  uint8_t overflow;  // the bits (without sign) of what overflows: NaN or infinity
+};
+constexpr F8Format kE4M3{3, 7, 448.0, 0x7f};     // no infinity: 0x7f is NaN
+constexpr F8Format kE5M2{2, 15, 57344.0, 0x7c};  // IEEE-like: 0x7c is infinity, 0x7f NaN
+
+// Rounds |value| to the format's grid (nearest, ties to even): the value is split into an
+// integer r of at most mantissa_bits + 1 bits times a power of two, exactly, in a double.
+uint8_t DoubleToF8(double value, const F8Format& f) {
+  const uint8_t sign = std::signbit(value) ? 0x80 : 0;
+  if (std::isnan(value)) return sign | 0x7f;
+  const double a = std::fabs(value);
+  if (std::isinf(a)) return sign | f.overflow;
+  if (a == 0) return sign;
+  int e = 0;
+  std::frexp(a, &e);                                         // a in [2^(e-1), 2^e)
+  const int exponent = std::max(e - 1, 1 - f.bias);          // subnormals share the smallest one
+  const int quantum = exponent - f.mantissa_bits;            // the weight of the last mantissa bit
+  const double r = std::nearbyint(std::ldexp(a, -quantum));  // ties to even (default mode)
+  if (std::ldexp(r, quantum) > f.max_finite) return sign | f.overflow;
+  const double implicit = std::ldexp(1.0, f.mantissa_bits);
+  if (r < implicit) return sign | static_cast<uint8_t>(r);  // subnormal (or rounded to zero)
+  // r == 2 * implicit (a carry) is the next binade's first value: its bits are the same sum.
+  const uint32_t bits = (static_cast<uint32_t>(exponent + f.bias) << f.mantissa_bits) +
+                        static_cast<uint32_t>(r - implicit);
+  return sign | static_cast<uint8_t>(bits);
+}
+
+double F8ToDouble(uint8_t bits, const F8Format& f) {
+  const int exponent_bits = 7 - f.mantissa_bits;
+  const uint32_t mantissa = bits & ((1u << f.mantissa_bits) - 1);
+  const uint32_t exponent = (bits >> f.mantissa_bits) & ((1u << exponent_bits) - 1);
+  const double sign = (bits & 0x80) ? -1.0 : 1.0;
+  const uint32_t all_ones = (1u << exponent_bits) - 1;
+  if (f.overflow == 0x7f && (bits & 0x7f) == 0x7f) return std::copysign(NAN, sign);
+  if (f.overflow != 0x7f && exponent == all_ones) {
+    return mantissa == 0 ? sign * INFINITY : std::copysign(NAN, sign);
+  }
+  if (exponent == 0) return sign * std::ldexp(mantissa, 1 - f.bias - f.mantissa_bits);
+  return sign * std::ldexp((1u << f.mantissa_bits) + mantissa,
+                           static_cast<int>(exponent) - f.bias - f.mantissa_bits);
+}
+
+// Reads element i of a float type as a double (exact for all of them).
 double LoadAsDouble(DType dtype, const void* src, size_t i) {
   switch (dtype) {
+    case DType::kF8E4M3:
+      return F8ToDouble(Load<uint8_t>(src, i), kE4M3);
+    case DType::kF8E5M2:
+      return F8ToDouble(Load<uint8_t>(src, i), kE5M2);
     case DType::kF64:
       return Load<double>(src, i);
     case DType::kF32:
@@ -49,6 +101,10 @@ double LoadAsDouble(DType dtype, const void* src, size_t i) {
 
 void StoreDouble(DType dtype, void* dst, size_t i, double value) {
   switch (dtype) {
+    case DType::kF8E4M3:
+      return Store<uint8_t>(dst, i, DoubleToF8(value, kE4M3));
+    case DType::kF8E5M2:
+      return Store<uint8_t>(dst, i, DoubleToF8(value, kE5M2));
     case DType::kF64:
       return Store<double>(dst, i, value);
     case DType::kF32:
@@ -66,6 +122,15 @@ bool IsConvertibleFloat(DType dtype) {
   return dtype == DType::kF64 || dtype == DType::kF32 || dtype == DType::kF16 ||
          dtype == DType::kBF16;
 }
+
+bool IsFloatDType(DType dtype) {
+  return IsConvertibleFloat(dtype) || dtype == DType::kF8E4M3 || dtype == DType::kF8E5M2;
+}
+
+uint8_t DoubleToF8E4M3Bits(double value) { return DoubleToF8(value, kE4M3); }
+uint8_t DoubleToF8E5M2Bits(double value) { return DoubleToF8(value, kE5M2); }
+double F8E4M3BitsToDouble(uint8_t bits) { return F8ToDouble(bits, kE4M3); }
+double F8E5M2BitsToDouble(uint8_t bits) { return F8ToDouble(bits, kE5M2); }
 
 uint16_t FloatToBf16Bits(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);

@@ -208,5 +208,136 @@ TEST(DtypeConvertTest, ConvertFloatsMatchesTheScalarsForEveryPair) {
   }
 }
 
+// ---- float8 -------------------------------------------------------------------------------
+
+// A float8 format's table: every finite non-negative value decoded by the format's definition
+// written out here (not by the code under test), sorted, and what overflows.
+struct F8Table {
+  std::vector<std::pair<double, uint8_t>> values;
+  double bound = 0;      // halfway between the largest value and the next step above it
+  bool bound_overflows;  // a value exactly at `bound` overflows (the largest has odd bits)
+  uint8_t overflow;      // NaN (E4M3: no infinity) or infinity (E5M2), without sign
+};
+
+F8Table MakeF8Table(int mantissa_bits, int bias, uint8_t overflow) {
+  F8Table t;
+  t.overflow = overflow;
+  const int exponent_bits = 7 - mantissa_bits;
+  for (uint32_t bits = 0; bits < 0x80; ++bits) {
+    const uint32_t e = bits >> mantissa_bits, m = bits & ((1u << mantissa_bits) - 1);
+    if (overflow == 0x7f && bits == 0x7f) continue;                    // E4M3's NaN
+    if (overflow != 0x7f && e == (1u << exponent_bits) - 1) continue;  // E5M2's inf, NaN
+    const double v = e == 0 ? m * std::pow(2.0, 1 - bias - mantissa_bits)
+                            : (1.0 + m / std::pow(2.0, mantissa_bits)) *
+                                  std::pow(2.0, static_cast<int>(e) - bias);
+    t.values.emplace_back(v, static_cast<uint8_t>(bits));
+  }
+  std::sort(t.values.begin(), t.values.end());
+  const double max = t.values.back().first, below = t.values[t.values.size() - 2].first;
+  t.bound = max + (max - below) / 2;
+  t.bound_overflows = (t.values.back().second & 1) != 0;
+  return t;
+}
+
+const F8Table& E4M3() {
+  static const F8Table t = MakeF8Table(3, 7, 0x7f);
+  return t;
+}
+const F8Table& E5M2() {
+  static const F8Table t = MakeF8Table(2, 15, 0x7c);
+  return t;
+}
+
+uint8_t F8Reference(const F8Table& t, double v) {
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  const double a = std::fabs(v);
+  if (a > t.bound || (a == t.bound && t.bound_overflows)) return sign | t.overflow;
+  auto hi = std::lower_bound(t.values.begin(), t.values.end(), std::make_pair(a, uint8_t{0}));
+  if (hi == t.values.end()) return sign | t.values.back().second;
+  if (hi->first == a) return sign | hi->second;
+  auto lo = hi - 1;
+  const double dl = a - lo->first, dh = hi->first - a;
+  if (dl < dh) return sign | lo->second;
+  if (dh < dl) return sign | hi->second;
+  return sign | ((lo->second & 1) == 0 ? lo->second : hi->second);
+}
+
+TEST(DtypeConvertTest, Float8RoundsToNearestEvenAndOverflowsAsTorch) {
+  struct Case {
+    const F8Table* table;
+    uint8_t (*encode)(double);
+    double (*decode)(uint8_t);
+  };
+  for (const Case& c : {Case{&E4M3(), DoubleToF8E4M3Bits, F8E4M3BitsToDouble},
+                        Case{&E5M2(), DoubleToF8E5M2Bits, F8E5M2BitsToDouble}}) {
+    // Every value decodes as the table says and encodes back to itself.
+    for (const auto& [value, bits] : c.table->values) {
+      EXPECT_EQ(c.decode(bits), value);
+      EXPECT_EQ(c.encode(value), bits);
+      EXPECT_EQ(c.encode(-value), bits | 0x80);
+    }
+    // Midpoints and their neighbours, then random doubles over the whole range and beyond.
+    std::vector<double> probes;
+    for (size_t i = 1; i < c.table->values.size(); ++i) {
+      const double mid = (c.table->values[i - 1].first + c.table->values[i].first) / 2;
+      probes.insert(probes.end(), {mid, std::nextafter(mid, 0.0), std::nextafter(mid, 1e9)});
+    }
+    probes.insert(probes.end(), {c.table->bound, std::nextafter(c.table->bound, 0.0),
+                                 std::nextafter(c.table->bound, 1e9), 1e9, 1e-12, 0.0});
+    std::mt19937_64 rng(5);
+    for (int i = 0; i < 100000; ++i) {
+      probes.push_back(std::ldexp(static_cast<double>(rng() >> 11) * 0x1p-53,
+                                  static_cast<int>(rng() % 50) - 30));
+    }
+    for (double v : probes) {
+      EXPECT_EQ(c.encode(v), F8Reference(*c.table, v)) << std::hexfloat << v;
+      EXPECT_EQ(c.encode(-v), F8Reference(*c.table, -v)) << std::hexfloat << -v;
+    }
+    EXPECT_EQ(c.encode(std::numeric_limits<double>::infinity()), c.table->overflow);
+    EXPECT_EQ(c.encode(-std::numeric_limits<double>::infinity()), 0x80 | c.table->overflow);
+    EXPECT_TRUE(std::isnan(c.decode(c.encode(std::nan("")))));
+  }
+  // torch's choices: 448 is E4M3's largest, 464 (a tie) stays there, 470 is NaN; E5M2's
+  // largest is 57344 and 61440 (a tie, odd below) is infinity.
+  EXPECT_EQ(DoubleToF8E4M3Bits(448), 0x7e);
+  EXPECT_EQ(DoubleToF8E4M3Bits(464), 0x7e);
+  EXPECT_EQ(DoubleToF8E4M3Bits(470), 0x7f);
+  EXPECT_EQ(DoubleToF8E5M2Bits(57344), 0x7b);
+  EXPECT_EQ(DoubleToF8E5M2Bits(61440), 0x7c);
+  EXPECT_EQ(DoubleToF8E4M3Bits(0x1p-9), 0x01);   // the smallest subnormal
+  EXPECT_EQ(DoubleToF8E4M3Bits(0x1p-10), 0x00);  // its half: a tie, to even (zero)
+}
+
+TEST(DtypeConvertTest, ConvertFloatsReachesFloat8FromEveryFloatAndBack) {
+  const std::vector<double> values = {0.1, -3.5, 448, 1000, 1e-3, 0x1p-9, 57344, -0.0};
+  const size_t n = values.size();
+  for (DType f8 : {DType::kF8E4M3, DType::kF8E5M2}) {
+    const auto encode = f8 == DType::kF8E4M3 ? DoubleToF8E4M3Bits : DoubleToF8E5M2Bits;
+    for (DType from : {DType::kF64, DType::kF32, DType::kF16, DType::kBF16}) {
+      std::vector<uint8_t> src(n * DTypeSize(from));
+      ConvertFloats(DType::kF64, values.data(), from, src.data(), n);
+      std::vector<double> exact(n);
+      ConvertFloats(from, src.data(), DType::kF64, exact.data(), n);
+      std::vector<uint8_t> got(n);
+      ConvertFloats(from, src.data(), f8, got.data(), n);
+      for (size_t i = 0; i < n; ++i) EXPECT_EQ(got[i], encode(exact[i])) << DTypeName(from) << i;
+      // And back: F8 values are exact in every wider float.
+      std::vector<uint8_t> back(n * DTypeSize(from));
+      ConvertFloats(f8, got.data(), from, back.data(), n);
+      std::vector<double> widened(n);
+      ConvertFloats(from, back.data(), DType::kF64, widened.data(), n);
+      for (size_t i = 0; i < n; ++i) {
+        const double want =
+            f8 == DType::kF8E4M3 ? F8E4M3BitsToDouble(got[i]) : F8E5M2BitsToDouble(got[i]);
+        if (std::isnan(want)) {
+          EXPECT_TRUE(std::isnan(widened[i]));
+        } else if (!(from == DType::kF16 && std::fabs(want) > 65504)) {
+          EXPECT_EQ(widened[i], want) << DTypeName(from) << i;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tessera

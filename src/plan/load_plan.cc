@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "core/dtype_convert.h"
 #include "plan/flat_range.h"
 
 namespace tessera {
@@ -51,10 +52,12 @@ void ChunkIndex::ForEachIntersecting(const Box& box,
 
 int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor_index, const ChunkIndex& index,
                         const Box& box, const Box& layout, std::byte* destination,
-                        std::vector<ReadRun>& runs, std::vector<PermutedCopy>& permuted) {
+                        std::vector<ReadRun>& runs, std::vector<PermutedCopy>& permuted,
+                        std::optional<DTypeCast> cast) {
   const TensorInfo& tensor = metadata.tensors[tensor_index];
   const size_t rank = box.rank();
   const int64_t element_size = static_cast<int64_t>(DTypeSize(tensor.dtype));
+  const int64_t dst_element_size = cast ? static_cast<int64_t>(DTypeSize(cast->to)) : element_size;
   int64_t covered = 0;
   index.ForEachIntersecting(box, [&](uint32_t c) {
     const ChunkInfo& chunk = tensor.chunks[c];
@@ -63,7 +66,7 @@ int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor_index, const C
     const Box& part = *common;
     covered += part.NumElements();
     if (!chunk.storage_order.empty()) {
-      permuted.push_back(PermutedCopy{tensor_index, c, part, layout, destination});
+      permuted.push_back(PermutedCopy{tensor_index, c, part, layout, destination, cast});
       return;
     }
     // The run: the innermost dimensions along which `part` spans both the chunk and the
@@ -87,10 +90,14 @@ int64_t PlanTensorReads(const Metadata& metadata, uint32_t tensor_index, const C
         src += (at - chunk.box.offsets[d]) * src_strides[d];
         dst += (at - layout.offsets[d]) * dst_strides[d];
       }
-      runs.push_back(ReadRun{chunk.location.file_index,
-                             chunk.location.offset + static_cast<uint64_t>(src * element_size),
-                             static_cast<uint64_t>(run_elements * element_size),
-                             destination + dst * element_size, tensor_index, c});
+      ReadRun run{chunk.location.file_index,
+                  chunk.location.offset + static_cast<uint64_t>(src * element_size),
+                  static_cast<uint64_t>(run_elements * element_size),
+                  destination + dst * dst_element_size,
+                  tensor_index,
+                  c};
+      run.cast = cast;
+      runs.push_back(run);
       // Next index of the outer dimensions, last fastest; done after the last one.
       bool done = true;
       for (size_t d = outer; d-- > 0;) {
@@ -119,7 +126,8 @@ void CoalesceRuns(std::vector<ReadRun>& runs) {
       // Runs of different chunks stay apart, so every run belongs to one chunk.
       if (last.file_index == next.file_index && last.tensor == next.tensor &&
           last.chunk == next.chunk && last.file_offset + last.length == next.file_offset &&
-          last.destination + last.length == next.destination && last.flat == next.flat) {
+          last.destination + last.DestinationLength() == next.destination &&
+          last.flat == next.flat && last.cast == next.cast) {
         last.length += next.length;
         continue;
       }
@@ -131,17 +139,37 @@ void CoalesceRuns(std::vector<ReadRun>& runs) {
 
 namespace {
 
+// The conversion a load of `tensor` needs, none when the dtypes agree; InvalidArgument naming
+// the key and both dtypes when they differ and cannot (or may not) be converted.
+Result<std::optional<DTypeCast>> CastFor(const TensorInfo& info, const ShardedTensor& tensor,
+                                         bool cast_dtypes) {
+  const DType saved = info.dtype, wanted = tensor.data.dtype;
+  if (saved == wanted) return std::optional<DTypeCast>();
+  const bool floats = IsFloatDType(saved) && IsFloatDType(wanted);
+  if (cast_dtypes && floats) return std::optional<DTypeCast>(DTypeCast{saved, wanted});
+  std::string message = "key '" + tensor.key + "': saved dtype " + std::string(DTypeName(saved)) +
+                        ", requested " + std::string(DTypeName(wanted));
+  if (!floats) {
+    if (cast_dtypes) {
+      message +=
+          " (LoadOptions::cast_dtypes converts only between F64, F32, F16, BF16, F8_E4M3 and "
+          "F8_E5M2)";
+    }
+  } else {
+    message += " (set LoadOptions::cast_dtypes to convert between float dtypes)";
+  }
+  return InvalidArgument(message);
+}
+
 Status PlanTensor(const Metadata& metadata, std::vector<std::unique_ptr<ChunkIndex>>& indexes,
-                  ShardedTensor& tensor, const std::string& path, RankReadPlan& plan) {
+                  ShardedTensor& tensor, const std::string& path, bool cast_dtypes,
+                  RankReadPlan& plan) {
   const TensorInfo* info = metadata.FindTensor(tensor.key);
   const uint32_t t = static_cast<uint32_t>(info - metadata.tensors.data());
   plan.asked[t] = 1;
   TESSERA_RETURN_IF_ERROR(tensor.Validate());
-  if (tensor.data.dtype != info->dtype) {
-    return InvalidArgument("key '" + tensor.key + "': saved dtype " +
-                           std::string(DTypeName(info->dtype)) + ", requested " +
-                           std::string(DTypeName(tensor.data.dtype)));
-  }
+  TESSERA_ASSIGN_OR_RETURN(const std::optional<DTypeCast> cast,
+                           CastFor(*info, tensor, cast_dtypes));
   Box local = tensor.LocalBox();
   const bool shape_differs = tensor.global_shape != info->global_shape;
   if (shape_differs) {
@@ -156,7 +184,7 @@ Status PlanTensor(const Metadata& metadata, std::vector<std::unique_ptr<ChunkInd
     plan.shape_mismatched_keys.push_back(tensor.key);
   }
   if (!indexes[t]) indexes[t] = std::make_unique<ChunkIndex>(*info);
-  const size_t element_size = DTypeSize(info->dtype);
+  const size_t element_size = DTypeSize(tensor.data.dtype);  // of the destination
   // Destinations: the local box, or the boxes of its flat range; each contiguous in `data`.
   std::vector<FlatPiece> pieces;
   if (tensor.flat_range) {
@@ -182,7 +210,7 @@ Status PlanTensor(const Metadata& metadata, std::vector<std::unique_ptr<ChunkInd
     const int64_t needed = wanted.NumElements();
     const size_t first_run = plan.runs.size();
     const int64_t covered = PlanTensorReads(metadata, t, *indexes[t], wanted, piece.box,
-                                            destination, plan.runs, plan.permuted);
+                                            destination, plan.runs, plan.permuted, cast);
     if (tensor.flat_range) {
       for (size_t i = first_run; i < plan.runs.size(); ++i) plan.runs[i].flat = true;
     }
@@ -199,7 +227,7 @@ Status PlanTensor(const Metadata& metadata, std::vector<std::unique_ptr<ChunkInd
 }  // namespace
 
 Result<RankReadPlan> PlanRankReads(const Metadata& metadata, StateDict& state,
-                                   const std::string& path, bool skip_missing) {
+                                   const std::string& path, bool skip_missing, bool cast_dtypes) {
   RankReadPlan plan;
   const size_t num_keys = metadata.tensors.size() + metadata.objects.size();
   plan.asked.assign(num_keys, 0);
@@ -211,7 +239,7 @@ Result<RankReadPlan> PlanRankReads(const Metadata& metadata, StateDict& state,
         missing.push_back(tensor->key);
         continue;
       }
-      TESSERA_RETURN_IF_ERROR(PlanTensor(metadata, indexes, *tensor, path, plan));
+      TESSERA_RETURN_IF_ERROR(PlanTensor(metadata, indexes, *tensor, path, cast_dtypes, plan));
     } else {
       auto& object = std::get<ShardedObject>(entry);
       const ObjectInfo* info = metadata.FindObject(object.key);

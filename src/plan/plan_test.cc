@@ -347,7 +347,7 @@ TEST(LoadPlanTest, RandomReshardingIsExact) {
 
 TEST(ReadSharingTest, EachRunReadOnceByAHolderAndExchangeRoundsAreCapped) {
   // Ranks 0-3 all need runs A (100 B) and B (50 B); rank 2 alone needs C (10 B).
-  const RunKey a{0, 0, 100}, b{0, 100, 50}, c{1, 0, 10};
+  const RunKey a{0, 0, 100, 100}, b{0, 100, 50, 50}, c{1, 0, 10, 10};
   std::vector<std::vector<RunKey>> runs = {{a, b}, {a, b}, {a, b, c}, {a, b}};
   ReadAssignment assignment = AssignReads(runs);
   ASSERT_EQ(assignment.unique.size(), 3u);

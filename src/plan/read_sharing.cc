@@ -8,16 +8,23 @@
 #include "core/byte_io.h"
 
 namespace tessera {
+namespace {
+
+constexpr size_t kEncodedRunKeyBytes = 4 + 8 + 8 + 8 + 1;
+
+}  // namespace
 
 Bytes EncodeRunKeys(std::span<const ReadRun> runs) {
   Bytes out;
-  out.reserve(4 + runs.size() * 20);
+  out.reserve(4 + runs.size() * kEncodedRunKeyBytes);
   ByteWriter w(&out);
   w.Put<uint32_t>(static_cast<uint32_t>(runs.size()));
   for (const ReadRun& run : runs) {
     w.Put<uint32_t>(run.file_index);
     w.Put<uint64_t>(run.file_offset);
     w.Put<uint64_t>(run.length);
+    w.Put<uint64_t>(run.DestinationLength());
+    w.Put<uint8_t>(run.cast ? static_cast<uint8_t>(run.cast->to) : 0);
   }
   return out;
 }
@@ -26,12 +33,16 @@ Result<std::vector<RunKey>> DecodeRunKeys(std::span<const uint8_t> bytes) {
   ByteReader r(bytes);
   uint32_t n = 0;
   TESSERA_RETURN_IF_ERROR(r.Get(&n));
-  if (n > bytes.size() / 20) return DataLoss("run list: count " + std::to_string(n) + " too large");
+  if (n > bytes.size() / kEncodedRunKeyBytes) {
+    return DataLoss("run list: count " + std::to_string(n) + " too large");
+  }
   std::vector<RunKey> keys(n);
   for (RunKey& k : keys) {
     TESSERA_RETURN_IF_ERROR(r.Get(&k.file_index));
     TESSERA_RETURN_IF_ERROR(r.Get(&k.file_offset));
     TESSERA_RETURN_IF_ERROR(r.Get(&k.length));
+    TESSERA_RETURN_IF_ERROR(r.Get(&k.destination_length));
+    TESSERA_RETURN_IF_ERROR(r.Get(&k.cast_to));
   }
   return keys;
 }
@@ -114,12 +125,13 @@ std::vector<std::vector<ExchangePiece>> ScheduleExchange(const ReadAssignment& a
   for (uint32_t u = 0; u < assignment.unique.size(); ++u) {
     if (assignment.num_holders[u] < 2) continue;
     const int32_t sender = assignment.reader[u];
-    for (uint64_t begin = 0; begin < assignment.unique[u].length;) {
+    const uint64_t length = assignment.unique[u].destination_length;
+    for (uint64_t begin = 0; begin < length;) {
       if (used_in_next[sender] == cap) {
         ++next_round[sender];
         used_in_next[sender] = 0;
       }
-      const uint64_t n = std::min(cap - used_in_next[sender], assignment.unique[u].length - begin);
+      const uint64_t n = std::min(cap - used_in_next[sender], length - begin);
       if (rounds.size() <= next_round[sender]) rounds.resize(next_round[sender] + 1);
       rounds[next_round[sender]].push_back({u, begin, n});
       used_in_next[sender] += n;

@@ -14,11 +14,14 @@
 
 namespace tessera {
 
-// The bytes a run reads: what makes two ranks' runs the same.
+// The bytes a run reads and what it makes of them: what makes two ranks' runs the same.
+// What ranks exchange is the run's bytes in memory (converted, with LoadOptions::cast_dtypes).
 struct RunKey {
   uint32_t file_index = 0;
   uint64_t file_offset = 0;
-  uint64_t length = 0;
+  uint64_t length = 0;              // read from the file
+  uint64_t destination_length = 0;  // in memory: `length` unless converted
+  uint8_t cast_to = 0;              // the DType (its value) they are converted to; 0: none
   friend auto operator<=>(const RunKey&, const RunKey&) = default;
 };
 
@@ -49,7 +52,7 @@ ReadAssignment AssignIdenticalReads(std::span<const RunKey> runs, int num_ranks)
 // One piece of a shared run sent by its reader to the other ranks that need it.
 struct ExchangePiece {
   uint32_t unique_run = 0;
-  uint64_t begin = 0;  // byte offset within the run
+  uint64_t begin = 0;  // byte offset within the run's bytes in memory (destination_length)
   uint64_t length = 0;
 };
 
