@@ -21,10 +21,11 @@ int Fail(const Status& status);
 void AddInspectCommands(CLI::App& app, int* exit_code);  // inspect, verify
 void AddDemoCommand(CLI::App& app, int* exit_code);
 void AddConvertCommand(CLI::App& app, int* exit_code);
-void AddBenchConvertCommand(CLI::App& bench, int* exit_code);  // tessera bench convert
-void AddBenchPlanCommand(CLI::App& bench, int* exit_code);     // tessera bench plan
-void AddBenchIoCommand(CLI::App& bench, int* exit_code);       // tessera bench io
-void AddBenchAsyncCommand(CLI::App& bench, int* exit_code);    // tessera bench async
+void AddBenchConvertCommand(CLI::App& bench, int* exit_code);    // tessera bench convert
+void AddBenchPlanCommand(CLI::App& bench, int* exit_code);       // tessera bench plan
+void AddBenchIoCommand(CLI::App& bench, int* exit_code);         // tessera bench io
+void AddBenchAsyncCommand(CLI::App& bench, int* exit_code);      // tessera bench async
+void AddBenchRankLocalCommand(CLI::App& bench, int* exit_code);  // tessera bench rank-local
 
 struct InspectOptions {
   std::string path;

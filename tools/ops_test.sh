@@ -271,5 +271,10 @@ msg="$("$tessera" verify "$work/rl2" 2>&1)"; rc=$?
 [ $rc -ne 0 ] && echo "$msg" | grep -q "lacks the manifests of rank 1 (of 4)"
 check "a rank-local save missing a rank manifest: an error naming the rank" $?
 
+"$tessera" bench rank-local --size 4MiB --repeat 1 --layout tp2,dp2 > "$work/bench_rl.json"
+check "bench rank-local exits 0" $?
+$python -c 'import json,sys; j=json.load(open(sys.argv[1])); assert j["ranks"] == 4 and j["rank_local_save_seconds"] > 0 and j["collective_save_seconds"] > 0, j' "$work/bench_rl.json"
+check "bench rank-local prints both save times as JSON" $?
+
 if [ $failures -ne 0 ]; then echo "$failures check(s) failed"; exit 1; fi
 echo "all operations checks passed"

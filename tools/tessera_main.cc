@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   AddBenchPlanCommand(*bench, &exit_code);
   AddBenchIoCommand(*bench, &exit_code);
   AddBenchAsyncCommand(*bench, &exit_code);
+  AddBenchRankLocalCommand(*bench, &exit_code);
   AddBenchConvertCommand(*bench, &exit_code);
   try {
     CLI11_PARSE(app, argc, argv);
