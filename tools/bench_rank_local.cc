@@ -88,29 +88,49 @@ Status Round(Comm& comm, const workload::RankState& state, const std::string& di
   return comm.Barrier();
 }
 
+// Rank 0 makes the directory (MakeBenchDir) and every rank learns its name. COLLECTIVE.
+Status ShareBenchDir(Comm& comm, const std::string& requested, std::string& dir) {
+  Bytes name;
+  Status made = Status::Ok();
+  if (comm.rank() == 0) {
+    Result<std::string> created = MakeBenchDir(requested);
+    if (created.ok()) {
+      name.assign(created->begin(), created->end());
+    } else {
+      made = created.status();
+    }
+  }
+  TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, made));
+  TESSERA_RETURN_IF_ERROR(comm.Broadcast(&name, 0));
+  dir.assign(name.begin(), name.end());
+  return Status::Ok();
+}
+
 int RunBenchRankLocal(const BenchRankLocalOptions& o) {
   Result<workload::Layout> layout = workload::ParseLayout(o.layout);
   if (!layout.ok()) return Fail(layout.status());
   Result<std::unique_ptr<RankRunner>> runner = RankRunner::Create(o.comm);
   if (!runner.ok()) return Fail(runner.status());
-  Result<std::string> dir = MakeBenchDir(o.dir);
-  if (!dir.ok()) return Fail(dir.status());
   const workload::ModelConfig config = workload::ModelConfig::ForBytes(o.size_bytes);
   SaveOptions base;
   base.sync = o.sync ? SyncPolicy::kFull : SyncPolicy::kNone;
   Timings t;
+  std::string dir;  // rank 0's, removed at the end
   Status status = (*runner)->Run(layout->ranks(), [&](Comm& comm, bool active) -> Status {
+    std::string my_dir;  // each rank's own copy: with threads, `dir` is shared
+    TESSERA_RETURN_IF_ERROR(ShareBenchDir(comm, o.dir, my_dir));
+    if (comm.rank() == 0) dir = my_dir;
     workload::RankState state;
     if (active) state = workload::BuildRankState(config, *layout, comm.rank(), /*fill=*/true);
     // One untimed round first: page faults of fresh files, the plan cache's first plan.
-    TESSERA_RETURN_IF_ERROR(Round(comm, state, *dir, 0, base, t));
+    TESSERA_RETURN_IF_ERROR(Round(comm, state, my_dir, 0, base, t));
     if (comm.rank() == 0) t = Timings();
     for (int i = 1; i <= o.repeat; ++i) {
-      TESSERA_RETURN_IF_ERROR(Round(comm, state, *dir, i, base, t));
+      TESSERA_RETURN_IF_ERROR(Round(comm, state, my_dir, i, base, t));
     }
     return Status::Ok();
   });
-  RemoveBenchDir(*dir, o.dir);
+  if (!dir.empty() && (*runner)->printer()) RemoveBenchDir(dir, o.dir);
   if (!status.ok()) return Fail(status);
   if (!(*runner)->printer()) return 0;
   nlohmann::json j;

@@ -76,19 +76,14 @@ void AddReplicaOnlyTensors(const std::vector<const LocalItem*>& replicas, Metada
             [](const TensorInfo& a, const TensorInfo& b) { return a.key < b.key; });
 }
 
-// Files a crashed earlier attempt of this rank at the same save left behind: they would block
-// the exclusive creation of this attempt's files.
-void RemoveOwnLeftovers(Storage& storage, const std::string& path, const std::string& save_id,
-                        int rank, const std::vector<std::string>& names) {
-  // DataFileName(save_id, rank, i) for any i: the same text up to the file index.
-  const std::string first = DataFileName(save_id, rank, 0);
-  const std::string stem = first.substr(0, first.rfind("-f") + 2);
-  for (const std::string& name : names) {
-    if (IsTesseraDataFileName(name) && name.starts_with(stem)) {
-      storage.Remove(JoinPath(path, name)).IgnoreError();
-    }
-  }
-  storage.Remove(JoinPath(path, RankManifestName(save_id, rank) + ".tmp")).IgnoreError();
+// Files a crashed earlier attempt of this rank at the same save left behind would block the
+// exclusive creation of this attempt's: the names it is about to write are removed. No
+// directory listing: at tens of thousands of ranks, every rank listing a directory of their
+// files would cost O(ranks x files) metadata operations.
+void RemoveOwnLeftovers(Storage& storage, const std::string& path,
+                        const std::vector<DataFilePlan>& files, const std::string& manifest_name) {
+  for (const DataFilePlan& f : files) storage.Remove(JoinPath(path, f.name)).IgnoreError();
+  storage.Remove(JoinPath(path, manifest_name + ".tmp")).IgnoreError();
 }
 
 // Writes the part's manifest under a temporary name and renames it into place: the part is
@@ -133,17 +128,19 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
 
   const std::string save_id = RankLocalSaveId(options.save_tag);
   TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
-  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->ListDir(path));
   const std::string manifest_name = RankManifestName(save_id, rank);
-  if (std::find(names.begin(), names.end(), manifest_name) != names.end()) {
+  TESSERA_ASSIGN_OR_RETURN(FileType existing, storage->Stat(JoinPath(path, manifest_name)));
+  if (existing != FileType::kNotFound) {
     return Status(StatusCode::kAlreadyExists,
                   "rank " + std::to_string(rank) + " already saved tag '" + options.save_tag +
                       "' into " + path + " (" + manifest_name +
                       "): each rank-local save needs a new SaveOptions::save_tag");
   }
+  const std::vector<DataFilePlan> files = PlanDataFiles(
+      split.main, plan.writes[0], options.num_io_threads, options.separate_prefixes, save_id, rank);
   const std::string marker_id = save_id + ".r" + std::to_string(rank);
   RemoveSaveMarker(*storage, path, marker_id);  // a crashed earlier attempt's
-  RemoveOwnLeftovers(*storage, path, save_id, rank, names);
+  RemoveOwnLeftovers(*storage, path, files, manifest_name);
   TESSERA_RETURN_IF_ERROR(CreateSaveMarker(*storage, path, marker_id, options.sync));
   struct MarkerGuard {
     Storage& storage;
@@ -162,8 +159,6 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
     write_options.on_progress = [&](uint64_t done) { options.progress(done, my_bytes); };
     options.progress(0, my_bytes);
   }
-  const std::vector<DataFilePlan> files = PlanDataFiles(
-      split.main, plan.writes[0], options.num_io_threads, options.separate_prefixes, save_id, rank);
   TESSERA_ASSIGN_OR_RETURN(WriteResult written, WriteDataFiles(*storage, path, state, split.main,
                                                                files, save_id, write_options));
   Result<Metadata> part = FinishMetadata(plan, std::span(&written, 1));
