@@ -1,0 +1,64 @@
+#include "checkpoint/wrapped_chunks.h"
+
+#include <algorithm>
+
+#include "format/torch_dist/dcp_codec.h"
+
+namespace tessera {
+
+using torch_dist::ChunkRef;
+
+Result<RankReadPlan> PlanRankReadsResolving(Storage& storage, const std::string& root,
+                                            const Metadata& metadata, StateDict& state,
+                                            const std::string& path, bool skip_missing,
+                                            int num_threads, ResolvedIndex& resolved) {
+  TESSERA_ASSIGN_OR_RETURN(RankReadPlan plan, PlanRankReads(metadata, state, path, skip_missing));
+  if (!torch_dist::HasTorchSaveChunks(metadata)) return plan;
+  // The chunks the plan touches: its runs' and permuted copies' (a wrapped chunk plans as if
+  // its elements started at the item's first byte, row-major; only which chunks matter here).
+  std::vector<ChunkRef> touched;
+  touched.reserve(plan.runs.size() + plan.permuted.size());
+  for (const ReadRun& run : plan.runs) touched.emplace_back(run.tensor, run.chunk);
+  for (const PermutedCopy& copy : plan.permuted) touched.emplace_back(copy.tensor, copy.chunk);
+  std::sort(touched.begin(), touched.end());
+  touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+  resolved.metadata = metadata;
+  torch_dist::ItemReadStats stats;
+  Status status = torch_dist::ResolveTorchSaveChunks(storage, root, *resolved.metadata, touched,
+                                                     num_threads, &stats);
+  resolved.bytes_read += stats.bytes;
+  resolved.read_calls += static_cast<uint64_t>(stats.reads);
+  TESSERA_RETURN_IF_ERROR(status);
+  return PlanRankReads(*resolved.metadata, state, path, skip_missing);
+}
+
+Status CheckWrappedItems(Storage& storage, const std::string& root, const Metadata& metadata,
+                         int num_threads, uint64_t* bytes_read) {
+  torch_dist::ItemReadStats stats;
+  if (torch_dist::HasTorchSaveChunks(metadata)) {
+    std::vector<ChunkRef> all;
+    for (uint32_t t = 0; t < metadata.tensors.size(); ++t) {
+      for (uint32_t c = 0; c < metadata.tensors[t].chunks.size(); ++c) all.emplace_back(t, c);
+    }
+    Metadata copy = metadata;
+    TESSERA_RETURN_IF_ERROR(
+        torch_dist::ResolveTorchSaveChunks(storage, root, copy, all, num_threads, &stats));
+  }
+  if (metadata.format == CheckpointFormat::kTorchDist) {
+    for (const ObjectInfo& object : metadata.objects) {
+      if (object.encoding != ObjectEncoding::kTorchSave) continue;
+      const std::string path = JoinPath(root, metadata.files[object.location.file_index].name);
+      TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, storage.NewReadableFile(path));
+      Result<torch_dist::TorchObjectItem> item = torch_dist::ReadTorchObjectItem(
+          *file, object.location.offset, object.location.length, &stats);
+      if (!item.ok()) {
+        return Status(item.status().code(),
+                      "object '" + object.key + "': " + item.status().message());
+      }
+    }
+  }
+  if (bytes_read) *bytes_read += stats.bytes;
+  return Status::Ok();
+}
+
+}  // namespace tessera
