@@ -61,7 +61,7 @@ class DcpFixtures {
       error_ = "make_dcp_read_fixtures.py failed: " + output;
       return;
     }
-    for (const char* name : {"single", "sharded2"}) {
+    for (const char* name : {"single", "sharded2", "megatron"}) {
       std::ifstream in(dir_.Sub(std::string(name) + ".expected.json"));
       const json doc = json::parse(in);
       Fixture& f = fixtures_[name];
@@ -121,7 +121,8 @@ enum class Split { kRows, kCols };
 // Loads every key of `fixture` (only `only` when not empty) from `path` over `ranks` LocalComm
 // ranks, each its part split by rows or columns, and compares; returns each rank's report.
 std::vector<LoadReport> LoadAndCompare(const std::string& path, const Fixture& fixture, int ranks,
-                                       Split split, const std::string& only = "") {
+                                       Split split, const std::string& only = "",
+                                       bool skip_unexpected = false) {
   std::vector<LoadReport> reports(ranks);
   std::mutex mu;
   const std::vector<Status> statuses = RunLocalRanks(ranks, [&](Comm& comm) -> Status {
@@ -142,7 +143,7 @@ std::vector<LoadReport> LoadAndCompare(const std::string& path, const Fixture& f
       if (only.empty()) TESSERA_RETURN_IF_ERROR(state.Add(ShardedObject{key}));
     }
     LoadOptions options;
-    if (!only.empty()) options.unexpected_keys = KeyPolicy::kSkip;
+    if (!only.empty() || skip_unexpected) options.unexpected_keys = KeyPolicy::kSkip;
     TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(state, path, comm, options));
     for (const auto& [key, box] : boxes) {
       const Expected& t = fixture.tensors.at(key);
@@ -237,6 +238,55 @@ TEST_F(DcpLoadTest, VerifyChecksStructureAndSaysThereAreNoChecksums) {
   EXPECT_FALSE(report.checksums);
   EXPECT_EQ(report.chunks_checked, 10u);
   EXPECT_EQ(report.bytes_checked, 0u);
+}
+
+// ---- Megatron-Core torch_dist --------------------------------------------------------------
+
+TEST_F(DcpLoadTest, MegatronFilesAndNdReformulatedTensor) {
+  const std::string path = Path("megatron");
+  ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path));
+  EXPECT_EQ(m.user_metadata.at("torch_dist.megatron"), "true");
+  const TensorInfo* w = m.FindTensor("optimizer.state.exp_avg.decoder.weight");
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->global_shape, (Shape{4, 6}));  // the original shape, not (2, 2, 6)
+  // 4 fragments of (2, 3), each split at flat 4: [row 0] + [row 1, col 0] and [row 1, cols 1-2].
+  EXPECT_EQ(w->chunks.size(), 12u);
+  for (const char* key : {"metadata.json", "common.pt", "optimizer.param_groups/shard_0_1"}) {
+    EXPECT_NE(m.FindObject(key), nullptr) << key;
+  }
+  EXPECT_EQ(m.FindObject("metadata.json")->encoding, ObjectEncoding::kJson);
+  EXPECT_EQ(m.FindObject("common.pt")->encoding, ObjectEncoding::kTorchSave);
+  for (int ranks : {1, 2, 3}) {
+    for (Split split : {Split::kRows, Split::kCols}) {
+      SCOPED_TRACE(std::to_string(ranks) + " ranks");
+      LoadAndCompare(path, Of("megatron"), ranks, split, "", /*skip_unexpected=*/true);
+    }
+  }
+  // The whole files, as objects.
+  StateDict state;
+  ASSERT_OK(state.Add(ShardedObject{"metadata.json"}));
+  ASSERT_OK(state.Add(ShardedObject{"common.pt"}));
+  LoadOptions options;
+  options.unexpected_keys = KeyPolicy::kSkip;
+  ASSERT_OK(Load(state, path, options).status());
+  EXPECT_EQ(std::get<ShardedObject>(state.entries()[0]).data,
+            torch_dist::testing::ReadFileBytes(path + "/metadata.json"));
+  EXPECT_EQ(std::get<ShardedObject>(state.entries()[1]).data,
+            torch_dist::testing::ReadFileBytes(path + "/common.pt"));
+}
+
+TEST_F(DcpLoadTest, FlatShardOfNdReformulatedTensor) {
+  // A distributed optimizer's flat range of the original tensor, read from the fragments.
+  const Expected& e = Of("megatron").tensors.at("optimizer.state.exp_avg.decoder.weight");
+  std::vector<float> got(13, -1.0f);
+  StateDict state;
+  ASSERT_OK(state.Add(ShardedTensor::FlatShard("optimizer.state.exp_avg.decoder.weight",
+                                               TensorView(got.data(), DType::kF32, {13}), {4, 6},
+                                               {0, 0}, {4, 6}, 5)));
+  LoadOptions options;
+  options.unexpected_keys = KeyPolicy::kSkip;
+  ASSERT_OK(Load(state, Path("megatron"), options).status());
+  EXPECT_EQ(0, std::memcmp(got.data(), e.bytes.data() + 5 * 4, 13 * 4));
 }
 
 // ---- damaged checkpoints ---------------------------------------------------------------------

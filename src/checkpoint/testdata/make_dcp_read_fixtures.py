@@ -10,6 +10,7 @@ OUT_DIR/single/   save_state_dict(no_dist=True), FileSystemWriter's default (one
                   (bytes and a dict), saved by torch as torch.save'd byte items.
 OUT_DIR/sharded2/ save_state_dict by 2 gloo processes, single_file_per_rank=True: ShardedTensors
                   split by rows and by columns, a replicated tensor, an object.
+OUT_DIR/megatron/ Megatron-Core's torch_dist as core <= 0.14 writes it (see megatron()).
 OUT_DIR/<name>.expected.json:
   {"tensors": {fqn: {"dtype": "float32", "shape": [...], "hex": row-major bytes}},
    "objects": {fqn: {"item_hex": the item's bytes in its data file, "repr": repr(value)}}}
@@ -138,11 +139,64 @@ def sharded2(out):
     write_expected(out, "sharded2", tensors, {"obj": {"epoch": 3}})
 
 
+# Megatron-Core torch_dist (as core <= 0.14 writes it): an N-D reformulated flattened tensor
+# of original shape (4, 6) in fragments of (2, 3), each fragment's 6 elements split into flat
+# ranges [0, 4) and [4, 6) (a distributed optimizer over 2 data-parallel ranks); mcore_data as
+# an attribute of torch's Metadata; a ShardedObject; metadata.json and common.pt.
+ND_ORIGINAL = (4, 6)
+ND_FRAGMENTS = (2, 2)
+ND_RANGES = ((0, 4), (4, 6))
+
+
+def megatron_worker(ckpt, store):
+    dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+    w = values(ND_ORIGINAL, torch.float32, 40)
+    local = (ND_ORIGINAL[0] // ND_FRAGMENTS[0], ND_ORIGINAL[1] // ND_FRAGMENTS[1])
+    shards = []
+    for i in range(ND_FRAGMENTS[0]):
+        for j in range(ND_FRAGMENTS[1]):
+            flat = w[i * local[0]:(i + 1) * local[0], j * local[1]:(j + 1) * local[1]].reshape(-1)
+            for begin, end in ND_RANGES:
+                shards.append(Shard.from_tensor_and_offsets(
+                    flat[begin:end].clone().reshape(1, 1, end - begin), [i, j, begin], 0))
+    numel = local[0] * local[1]
+    state = {
+        "optimizer.state.exp_avg.decoder.weight":
+            init_from_local_shards(shards, ND_FRAGMENTS[0], ND_FRAGMENTS[1], numel),
+        "decoder.bias": values((5,), torch.bfloat16, 41),
+        "optimizer.param_groups/shard_0_1": [{"lr": 0.1}],
+    }
+    dcp.save_state_dict(state, dcp.FileSystemWriter(ckpt, single_file_per_rank=True))
+    dist.destroy_process_group()
+    return w
+
+
+def megatron(out):
+    ckpt = os.path.join(out, "megatron")
+    with tempfile.TemporaryDirectory(prefix="dcp-fixture-") as run_dir:
+        w = megatron_worker(ckpt, os.path.join(run_dir, "store"))
+    path = os.path.join(ckpt, ".metadata")
+    with open(path, "rb") as f:
+        meta = pickle.load(f)
+    meta.mcore_data = {"optimizer.state.exp_avg.decoder.weight":
+                       {"nd_reformulated_orig_global_shape": ND_ORIGINAL}}
+    with open(path, "wb") as f:
+        pickle.dump(meta, f, protocol=4)
+    with open(os.path.join(ckpt, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                   "common_backend": "torch"}, f)
+    torch.save({"iteration": 100, "args": {"tp": 2}}, os.path.join(ckpt, "common.pt"))
+    tensors = {"optimizer.state.exp_avg.decoder.weight": w,
+               "decoder.bias": values((5,), torch.bfloat16, 41)}
+    write_expected(out, "megatron", tensors, {"optimizer.param_groups/shard_0_1": [{"lr": 0.1}]})
+
+
 def main():
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
     single(out)
     sharded2(out)
+    megatron(out)
     print("OK")
 
 

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <set>
 #include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_dtype.h"
@@ -56,8 +59,102 @@ Result<ByteLocation> ItemLocation(const DcpStorage& s, FileTable& files, const M
   return ByteLocation{file, s.offset_in_file, s.length, 0};
 }
 
-Status AddTensor(const DcpMetadata& dcp, const DcpTensor& t, FileTable& files, Metadata& m,
-                 const std::string& source) {
+// ---- Megatron-Core's N-D reformulated flattened tensors ---------------------------------------
+//
+// A distributed optimizer's state of a tensor of global shape G, split into a grid of
+// fragments (axis_fragmentations F, each fragment of shape L = G / F), is saved as the DCP
+// tensor F + (prod(L),): fragment f's elements, flattened row-major, along the last axis; each
+// chunk (1, ..., 1, len) at (f, start) is a flat range [start, start + len) of fragment f.
+// tessera exposes the original tensor: each such chunk becomes the boxes of G that flat range
+// covers (at most 2N-1, each contiguous in the item), payload_offset bytes into the item.
+
+// Calls emit(local offsets, sizes, flat begin) for the boxes that cover the flat range [b, e)
+// of a row-major block of shape `sizes` (local coordinates), in flat order.
+template <typename Emit>
+void FlatRangeBoxes(const std::vector<int64_t>& sizes, size_t dim, std::vector<int64_t>& prefix,
+                    int64_t base, int64_t b, int64_t e, const Emit& emit) {
+  if (b >= e) return;
+  const size_t rank = sizes.size();
+  int64_t stride = 1;  // elements per index of `dim`
+  for (size_t d = dim + 1; d < rank; ++d) stride *= sizes[d];
+  auto box = [&](int64_t at, int64_t count) {
+    std::vector<int64_t> offsets = prefix, extent(prefix.size(), 1);
+    offsets.push_back(at);
+    extent.push_back(count);
+    for (size_t d = dim + 1; d < rank; ++d) offsets.push_back(0), extent.push_back(sizes[d]);
+    emit(offsets, extent, base + at * stride);
+  };
+  if (dim + 1 == rank) return box(b, e - b);
+  auto inner = [&](int64_t at, int64_t from, int64_t to) {
+    prefix.push_back(at);
+    FlatRangeBoxes(sizes, dim + 1, prefix, base + at * stride, from, to, emit);
+    prefix.pop_back();
+  };
+  int64_t first = b / stride;
+  const int64_t full_end = e / stride;  // indices [first, full_end) are whole, after the head
+  if (first == (e - 1) / stride && (b % stride != 0 || e % stride != 0)) {
+    return inner(first, b - first * stride, e - first * stride);
+  }
+  if (b % stride != 0) inner(first, b % stride, stride), ++first;
+  if (full_end > first) box(first, full_end - first);
+  if (e % stride != 0) inner(full_end, 0, e % stride);
+}
+
+// The original tensor of a DCP tensor `t` Megatron reformulated from global shape `original`.
+Status AddNdReformulated(const DcpMetadata& dcp, const DcpTensor& t,
+                         const std::vector<int64_t>& original, TensorInfo& info, FileTable& files,
+                         Metadata& m, const std::string& source) {
+  const size_t rank = original.size();
+  const std::string where =
+      source + ": key '" + t.fqn + "' (N-D reformulated from " + ShapeText(original) + ")";
+  if (t.size.size() != rank + 1) {
+    return DataLoss(where + ": its DCP shape " + ShapeText(t.size) + " is not " +
+                    "axis_fragmentations + (fragment elements,)");
+  }
+  std::vector<int64_t> local(rank);
+  int64_t local_elements = 1;
+  for (size_t d = 0; d < rank; ++d) {
+    if (t.size[d] <= 0 || original[d] % t.size[d] != 0) {
+      return DataLoss(where + ": dimension " + std::to_string(d) + " of " +
+                      std::to_string(original[d]) + " is not split into " +
+                      std::to_string(t.size[d]) + " equal fragments");
+    }
+    local[d] = original[d] / t.size[d];
+    local_elements *= local[d];
+  }
+  if (local_elements != t.size[rank]) {
+    return DataLoss(where + ": fragments of shape " + ShapeText(local) + " have " +
+                    std::to_string(local_elements) + " elements, the DCP shape says " +
+                    std::to_string(t.size[rank]));
+  }
+  info.global_shape = original;
+  const uint64_t element_size = DTypeSize(info.dtype);
+  for (const DcpChunk& c : t.chunks) {
+    const std::string what = "key '" + t.fqn + "' chunk at " + ShapeText(c.offsets);
+    for (size_t d = 0; d < rank; ++d) {
+      if (c.sizes[d] != 1) return DataLoss(where + ": " + what + " spans several fragments");
+    }
+    TESSERA_ASSIGN_OR_RETURN(const ByteLocation location,
+                             ItemLocation(dcp.storage[c.storage], files, m, what, source));
+    const int64_t start = c.offsets[rank];
+    std::vector<int64_t> prefix;
+    FlatRangeBoxes(local, 0, prefix, 0, start, start + c.sizes[rank],
+                   [&](std::vector<int64_t> offsets, std::vector<int64_t> sizes, int64_t flat) {
+                     for (size_t d = 0; d < rank; ++d) offsets[d] += c.offsets[d] * local[d];
+                     ChunkInfo chunk;
+                     chunk.box = Box(std::move(offsets), std::move(sizes));
+                     chunk.location = location;
+                     chunk.encoding = ChunkEncoding::kTorchSaveItem;
+                     chunk.payload_offset = static_cast<uint64_t>(flat - start) * element_size;
+                     info.chunks.push_back(std::move(chunk));
+                   });
+  }
+  return Status::Ok();
+}
+
+// `original`: the global shape Megatron reformulated the tensor from (mcore_data), or null.
+Status AddTensor(const DcpMetadata& dcp, const DcpTensor& t, const std::vector<int64_t>* original,
+                 FileTable& files, Metadata& m, const std::string& source) {
   TensorInfo info;
   info.key = t.fqn;
   Result<DType> dtype = DTypeFromTorchName(t.torch_dtype);
@@ -65,6 +162,11 @@ Status AddTensor(const DcpMetadata& dcp, const DcpTensor& t, FileTable& files, M
     return DataLoss(source + ": key '" + t.fqn + "': " + dtype.status().message());
   }
   info.dtype = *dtype;
+  if (original) {
+    TESSERA_RETURN_IF_ERROR(AddNdReformulated(dcp, t, *original, info, files, m, source));
+    m.tensors.push_back(std::move(info));
+    return Status::Ok();
+  }
   info.global_shape = t.size;
   const uint64_t element_size = DTypeSize(info.dtype);
   info.chunks.reserve(t.chunks.size());
@@ -144,9 +246,17 @@ Result<Metadata> DcpToMetadata(const DcpMetadata& dcp,
     m.user_metadata["torch_dist.megatron"] = "true";
   }
   FileTable files(m, file_sizes, source);
+  std::map<std::string, const std::vector<int64_t>*> reformulated;
+  for (const DcpMcoreEntry& e : dcp.mcore_data) {
+    if (e.nd_reformulated_orig_global_shape) {
+      reformulated[e.key] = &*e.nd_reformulated_orig_global_shape;
+    }
+  }
   m.tensors.reserve(dcp.tensors.size());
   for (const DcpTensor& t : dcp.tensors) {
-    TESSERA_RETURN_IF_ERROR(AddTensor(dcp, t, files, m, source));
+    auto original = reformulated.find(t.fqn);
+    TESSERA_RETURN_IF_ERROR(AddTensor(
+        dcp, t, original == reformulated.end() ? nullptr : original->second, files, m, source));
   }
   for (const DcpBytes& b : dcp.bytes) {
     const std::string what = "object '" + b.fqn + "'";
@@ -157,6 +267,11 @@ Result<Metadata> DcpToMetadata(const DcpMetadata& dcp,
                              ItemLocation(dcp.storage[b.storage], files, m, what, source));
     m.objects.push_back(ObjectInfo{b.fqn, location, ObjectEncoding::kTorchSave});
   }
+  nlohmann::json nd = nlohmann::json::array();
+  for (const DcpTensor& t : dcp.tensors) {
+    if (reformulated.count(t.fqn)) nd.push_back(t.fqn);
+  }
+  if (!nd.empty()) m.user_metadata[kNdReformulatedKeys] = nd.dump();
   TESSERA_RETURN_IF_ERROR(SortByKey(m.tensors, source));
   TESSERA_RETURN_IF_ERROR(SortByKey(m.objects, source));
   return m;
@@ -195,8 +310,31 @@ Result<Metadata> ReadDcpDirectory(Storage& storage, const std::string& dir,
   return m;
 }
 
+namespace {
+
+// A chunk that is part of a flat item (an N-D reformulated tensor's): the item's elements are
+// row-major contiguous and the chunk's box is the run payload_offset bytes into them.
+Status ResolveFlattened(const TorchTensorItem& item, const std::string& what, ChunkInfo& chunk) {
+  Result<std::pair<uint64_t, uint64_t>> range = item.ContiguousRange();
+  if (!range.ok()) return DataLoss(what + ": " + range.status().message());
+  const uint64_t bytes = static_cast<uint64_t>(chunk.box.NumElements()) * item.element_size;
+  if (chunk.payload_offset > range->second || bytes > range->second - chunk.payload_offset) {
+    return DataLoss(what + " holds " + Num(range->second) + " bytes of elements; the .metadata " +
+                    "puts " + Num(bytes) + " of them at byte " + Num(chunk.payload_offset));
+  }
+  chunk.location =
+      ByteLocation{chunk.location.file_index,
+                   chunk.location.offset + range->first + chunk.payload_offset, bytes, 0};
+  chunk.encoding = ChunkEncoding::kRaw;
+  chunk.payload_offset = 0;
+  chunk.storage_order.clear();
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status ResolveTorchSaveChunk(const ReadableFile& file, const TensorInfo& tensor, ChunkInfo& chunk,
-                             ItemReadStats* stats) {
+                             bool flattened, ItemReadStats* stats) {
   if (chunk.encoding != ChunkEncoding::kTorchSaveItem) return Status::Ok();
   const ByteLocation item_at = chunk.location;
   const std::string what = "key '" + tensor.key + "' chunk " + chunk.box.ToString() +
@@ -212,6 +350,7 @@ Status ResolveTorchSaveChunk(const ReadableFile& file, const TensorInfo& tensor,
     return DataLoss(what + " holds a " + item.torch_dtype + " tensor; the .metadata says " +
                     std::string(TorchDTypeOf(tensor.dtype).name));
   }
+  if (flattened) return ResolveFlattened(item, what, chunk);
   if (item.size != chunk.box.sizes) {
     return DataLoss(what + " holds a tensor of shape " + ShapeText(item.size) +
                     "; the .metadata says " + ShapeText(chunk.box.sizes));
@@ -251,6 +390,7 @@ Status ResolveTorchSaveChunks(Storage& storage, const std::string& root, Metadat
     if (c.encoding == ChunkEncoding::kTorchSaveItem) by_file[c.location.file_index].push_back(ref);
   }
   if (by_file.empty()) return Status::Ok();
+  const std::set<std::string> flattened = NdReformulatedKeys(metadata);
   std::vector<std::pair<uint32_t, const std::vector<ChunkRef>*>> work;
   for (const auto& [file, refs] : by_file) work.emplace_back(file, &refs);
   std::vector<Status> statuses(work.size());
@@ -272,7 +412,8 @@ Status ResolveTorchSaveChunks(Storage& storage, const std::string& root, Metadat
       }
       for (const ChunkRef& ref : *work[w].second) {
         TensorInfo& tensor = metadata.tensors[ref.first];
-        statuses[w] = ResolveTorchSaveChunk(**file, tensor, tensor.chunks[ref.second], &costs[w]);
+        statuses[w] = ResolveTorchSaveChunk(**file, tensor, tensor.chunks[ref.second],
+                                            flattened.count(tensor.key) != 0, &costs[w]);
         if (!statuses[w].ok()) break;
       }
     }
@@ -288,6 +429,18 @@ Status ResolveTorchSaveChunks(Storage& storage, const std::string& root, Metadat
   }
   for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
   return Status::Ok();
+}
+
+std::set<std::string> NdReformulatedKeys(const Metadata& metadata) {
+  std::set<std::string> keys;
+  auto it = metadata.user_metadata.find(kNdReformulatedKeys);
+  if (it == metadata.user_metadata.end()) return keys;
+  const nlohmann::json list = nlohmann::json::parse(it->second, nullptr, false);
+  if (!list.is_array()) return keys;
+  for (const nlohmann::json& key : list) {
+    if (key.is_string()) keys.insert(key.get<std::string>());
+  }
+  return keys;
 }
 
 bool HasTorchSaveChunks(const Metadata& metadata) {

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +37,15 @@ namespace tessera::torch_dist {
 // Megatron-Core's files beside a DCP checkpoint, exposed as objects of these keys.
 inline constexpr char kMegatronMetadataJson[] = "metadata.json";
 inline constexpr char kMegatronCommon[] = "common.pt";
+
+// Megatron-Core's N-D reformulated flattened tensors (mcore_data[key]
+// ["nd_reformulated_orig_global_shape"]) are exposed as the original tensors: each DCP chunk,
+// a flat range of one fragment, becomes the boxes of the original tensor it covers (chunks
+// with a payload_offset into the same item). Their keys are listed in this user_metadata entry
+// (a JSON array), so the resolution (on any rank) knows their items are flat runs.
+inline constexpr char kNdReformulatedKeys[] = "torch_dist.nd_reformulated";
+// The keys that entry lists.
+std::set<std::string> NdReformulatedKeys(const Metadata& metadata);
 
 // A `.metadata` larger than this is refused before it is read (a 1M-chunk one is ~100 MB).
 inline constexpr uint64_t kMaxDcpMetadataBytes = uint64_t{4} << 30;
@@ -62,8 +72,10 @@ Result<Metadata> ReadDcpDirectory(Storage& storage, const std::string& dir,
 // view (a saved transposed tensor). Errors name the key, the file and the item's offset: a
 // damaged item (kDataLoss), an item of another dtype or shape than the .metadata says
 // (kDataLoss), strides that are no permutation of a row-major block (kUnimplemented).
+// `flattened`: the tensor is one of NdReformulatedKeys; its items are flat runs of elements
+// and the chunk's box is the run of them payload_offset bytes in (no shape check).
 Status ResolveTorchSaveChunk(const ReadableFile& file, const TensorInfo& tensor, ChunkInfo& chunk,
-                             ItemReadStats* stats = nullptr);
+                             bool flattened = false, ItemReadStats* stats = nullptr);
 
 // (tensor index, chunk index) into Metadata::tensors.
 using ChunkRef = std::pair<uint32_t, uint32_t>;
