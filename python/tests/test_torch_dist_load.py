@@ -94,3 +94,15 @@ def test_damaged_item_names_its_file(fixtures, tmp_path):
         f.write(b"\x00" * 22)
     with pytest.raises(tessera.CorruptCheckpointError, match="__0_2.distcp"):
         tessera.load_all(path)
+
+
+def test_megatron_checkpoint(fixtures):
+    path = os.path.join(fixtures, "megatron")
+    loaded = tessera.load_all(path, tensor_type="torch")
+    want = expected(fixtures, "megatron")
+    key = "optimizer.state.exp_avg.decoder.weight"
+    assert loaded[key].shape == (4, 6)  # the original tensor, not (2, 2, 6)
+    assert torch.equal(loaded[key], want[key])
+    assert loaded["metadata.json"]["sharded_backend"] == "torch_dist"
+    assert loaded["common.pt"] == {"iteration": 100, "args": {"tp": 2}}
+    assert loaded["optimizer.param_groups/shard_0_1"] == [{"lr": 0.1}]
