@@ -459,7 +459,9 @@ def decode_objects(flat, builder, skipped, unpickle=True):
     """After a load: the new value of each object leaf, by leaf index (ShardedObject leaves
     are updated in place instead). Keys in `skipped` (not loaded) are left alone. With
     unpickle=False nothing is unpickled: a leaf whose placeholder is not bytes or bytearray
-    receives the stored bytes as they are."""
+    receives the stored bytes as they are. Otherwise such a leaf gets the value its stored
+    encoding gives: torch.load of a torch.save archive (PyTorch DCP byte items), json.loads of
+    JSON, pickle.loads of anything else."""
     new_values = {}
     for leaf, entry in zip(flat.leaves, flat.entries):
         index = leaf.index
@@ -473,9 +475,10 @@ def decode_objects(flat, builder, skipped, unpickle=True):
             value = bytearray(data)
         elif not unpickle:
             value = data
-        elif isinstance(current, _Json):
+        elif isinstance(current, _Json) or builder.object_encoding(entry) == "json":
             value = _json_value(leaf.key, data)
-        elif isinstance(current, _TorchSaved):
+        elif isinstance(current, _TorchSaved) or builder.object_encoding(entry) == "torch_save":
+            # A torch.save archive (a PyTorch DCP byte item): what torch's own loader returns.
             value = _torch_load(leaf.key, data)
         else:
             try:

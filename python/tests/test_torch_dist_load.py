@@ -106,3 +106,15 @@ def test_megatron_checkpoint(fixtures):
     assert loaded["metadata.json"]["sharded_backend"] == "torch_dist"
     assert loaded["common.pt"] == {"iteration": 100, "args": {"tp": 2}}
     assert loaded["optimizer.param_groups/shard_0_1"] == [{"lr": 0.1}]
+
+
+def test_load_gives_objects_back_as_torch_load_does(fixtures):
+    # As torch's load_state_dict: an object entry (any placeholder but bytes) becomes the value
+    # torch.load gives for its item; a bytes placeholder receives the stored bytes.
+    path = os.path.join(fixtures, "single")
+    state = {"obj_dict": None, "obj_bytes": b"", "scalar": torch.zeros(())}
+    with pytest.warns(tessera.PartialLoadWarning):
+        tessera.load(state, path, strict=False)
+    assert state["obj_dict"] == {"step": 7, "lr": [0.5, 1]}
+    assert state["obj_bytes"].startswith(b"PK\x03\x04")  # the torch.save archive
+    assert state["scalar"].item() == 2.5

@@ -28,31 +28,40 @@ class FileTable {
       : m_(m), sizes_(sizes), source_(source) {}
 
   Result<uint32_t> Index(const std::string& name) {
-    auto [it, added] = index_.try_emplace(name, static_cast<uint32_t>(m_.files.size()));
-    if (added) {
+    // Consecutive items are usually in one file: the last answer first.
+    if (last_ != nullptr && *last_ == name) return last_index_;
+    auto it = index_.find(name);
+    if (it == index_.end()) {
       auto size = sizes_.find(name);
       if (size == sizes_.end()) {
         return DataLoss(source_ + " names data file '" + name + "', which is missing");
       }
+      it = index_.emplace(name, static_cast<uint32_t>(m_.files.size())).first;
       m_.files.push_back(FileInfo{name, size->second});
     }
+    last_ = &it->first;
+    last_index_ = it->second;
     return it->second;
   }
 
  private:
+  const std::string* last_ = nullptr;  // a key of index_ (stable: std::map)
+  uint32_t last_index_ = 0;
   Metadata& m_;
   const std::map<std::string, uint64_t>& sizes_;
   const std::string& source_;
   std::map<std::string, uint32_t> index_;
 };
 
-// The location of storage entry `s` (a whole item), checked against its file.
+// The location of storage entry `s` (a whole item), checked against its file. `what()` names
+// the item's owner in errors (built only then: a .metadata may hold millions of items).
+template <typename What>
 Result<ByteLocation> ItemLocation(const DcpStorage& s, FileTable& files, const Metadata& m,
-                                  const std::string& what, const std::string& source) {
+                                  const What& what, const std::string& source) {
   TESSERA_ASSIGN_OR_RETURN(const uint32_t file, files.Index(s.relative_path));
   const uint64_t size = m.files[file].size;
-  if (s.length > size || s.offset_in_file > size - s.length) {
-    return DataLoss(source + ": the item of " + what + " at offset " + Num(s.offset_in_file) +
+  if (s.length > size || s.offset_in_file > size - s.length) [[unlikely]] {
+    return DataLoss(source + ": the item of " + what() + " at offset " + Num(s.offset_in_file) +
                     " (" + Num(s.length) + " bytes) lies outside data file '" + s.relative_path +
                     "' (" + Num(size) + " bytes; truncated?)");
   }
@@ -130,9 +139,9 @@ Status AddNdReformulated(const DcpMetadata& dcp, const DcpTensor& t,
   info.global_shape = original;
   const uint64_t element_size = DTypeSize(info.dtype);
   for (const DcpChunk& c : t.chunks) {
-    const std::string what = "key '" + t.fqn + "' chunk at " + ShapeText(c.offsets);
+    auto what = [&] { return "key '" + t.fqn + "' chunk at " + ShapeText(c.offsets); };
     for (size_t d = 0; d < rank; ++d) {
-      if (c.sizes[d] != 1) return DataLoss(where + ": " + what + " spans several fragments");
+      if (c.sizes[d] != 1) return DataLoss(where + ": " + what() + " spans several fragments");
     }
     TESSERA_ASSIGN_OR_RETURN(const ByteLocation location,
                              ItemLocation(dcp.storage[c.storage], files, m, what, source));
@@ -171,9 +180,9 @@ Status AddTensor(const DcpMetadata& dcp, const DcpTensor& t, const std::vector<i
   const uint64_t element_size = DTypeSize(info.dtype);
   info.chunks.reserve(t.chunks.size());
   for (const DcpChunk& c : t.chunks) {
-    const std::string what = "key '" + t.fqn + "' chunk at " + ShapeText(c.offsets);
-    if (c.storage >= dcp.storage.size()) {
-      return DataLoss(source + ": " + what + " has no storage_data entry");
+    auto what = [&] { return "key '" + t.fqn + "' chunk at " + ShapeText(c.offsets); };
+    if (c.storage >= dcp.storage.size()) [[unlikely]] {
+      return DataLoss(source + ": " + what() + " has no storage_data entry");
     }
     ChunkInfo chunk;
     chunk.box = Box(c.offsets, c.sizes);
@@ -182,8 +191,8 @@ Status AddTensor(const DcpMetadata& dcp, const DcpTensor& t, const std::vector<i
     chunk.encoding = ChunkEncoding::kTorchSaveItem;
     // The item must at least hold the elements (its zip records come on top).
     const uint64_t raw = static_cast<uint64_t>(chunk.box.NumElements()) * element_size;
-    if (raw > chunk.location.length) {
-      return DataLoss(source + ": the item of " + what + " in '" +
+    if (raw > chunk.location.length) [[unlikely]] {
+      return DataLoss(source + ": the item of " + what() + " in '" +
                       dcp.storage[c.storage].relative_path + "' at offset " +
                       Num(chunk.location.offset) + " has " + Num(chunk.location.length) +
                       " bytes, fewer than its " + Num(raw) + " bytes of elements");
@@ -259,9 +268,9 @@ Result<Metadata> DcpToMetadata(const DcpMetadata& dcp,
         dcp, t, original == reformulated.end() ? nullptr : original->second, files, m, source));
   }
   for (const DcpBytes& b : dcp.bytes) {
-    const std::string what = "object '" + b.fqn + "'";
+    auto what = [&] { return "object '" + b.fqn + "'"; };
     if (b.storage >= dcp.storage.size()) {
-      return DataLoss(source + ": " + what + " has no storage_data entry");
+      return DataLoss(source + ": " + what() + " has no storage_data entry");
     }
     TESSERA_ASSIGN_OR_RETURN(ByteLocation location,
                              ItemLocation(dcp.storage[b.storage], files, m, what, source));
