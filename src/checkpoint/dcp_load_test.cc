@@ -15,6 +15,7 @@
 #include "format/torch_dist/test_util.h"
 #include "format/torch_dist/torch_dtype.h"
 #include "tessera/checkpoint.h"
+#include "tessera/convert.h"
 #include "tessera/local_comm.h"
 #include "testing/test_util.h"
 
@@ -238,6 +239,33 @@ TEST_F(DcpLoadTest, VerifyChecksStructureAndSaysThereAreNoChecksums) {
   EXPECT_FALSE(report.checksums);
   EXPECT_EQ(report.chunks_checked, 10u);
   EXPECT_EQ(report.bytes_checked, 0u);
+}
+
+TEST_F(DcpLoadTest, ConvertsToTesseraAndSafetensors) {
+  TempDir dir;
+  for (CheckpointFormat to : {CheckpointFormat::kTessera, CheckpointFormat::kSafetensors}) {
+    SCOPED_TRACE(CheckpointFormatName(to));
+    const std::string out = dir.Sub(CheckpointFormatName(to));
+    ConvertOptions options;
+    options.to = to;
+    options.max_file_bytes = 200000;  // several files, several units
+    ASSERT_OK(Convert(Path("single"), out, options).status());
+    Fixture tensors_only = Of("single");
+    if (to == CheckpointFormat::kSafetensors) tensors_only.objects.clear();  // no objects there
+    ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(out));
+    EXPECT_EQ(m.format, to);
+    for (const auto& [key, t] : tensors_only.tensors) {
+      ASSERT_NE(m.FindTensor(key), nullptr) << key;
+      for (const ChunkInfo& c : m.FindTensor(key)->chunks) {
+        EXPECT_EQ(c.encoding, ChunkEncoding::kRaw) << key;
+      }
+    }
+    if (to == CheckpointFormat::kTessera) {
+      // Objects keep their bytes and encoding (a DCP byte item stays a torch.save archive).
+      for (const ObjectInfo& o : m.objects) EXPECT_EQ(o.encoding, ObjectEncoding::kTorchSave);
+    }
+    LoadAndCompare(out, tensors_only, 3, Split::kCols);
+  }
 }
 
 // ---- Megatron-Core torch_dist --------------------------------------------------------------

@@ -8,6 +8,45 @@ namespace tessera {
 
 using torch_dist::ChunkRef;
 
+namespace {
+
+// `m` with the chunks of only the tensors `touched` names (sorted): the others keep key,
+// dtype and shape but no chunks. Planning and reading look at the chunks of the tensors a
+// request asks for only, and those are the touched ones (a tensor asked for with an empty box
+// touches none and needs none), so a load of a few tensors of a checkpoint of millions of
+// chunks (Convert loads one unit at a time) copies only theirs.
+Metadata CopyWithChunksOf(const Metadata& m, const std::vector<ChunkRef>& touched) {
+  Metadata out;
+  out.format_version = m.format_version;
+  out.format = m.format;
+  out.checksum = m.checksum;
+  out.checksum_block_bytes = m.checksum_block_bytes;
+  out.save_id = m.save_id;
+  out.num_ranks = m.num_ranks;
+  out.save_time_unix_ms = m.save_time_unix_ms;
+  out.objects = m.objects;
+  out.files = m.files;
+  out.user_metadata = m.user_metadata;
+  out.separate_prefixes = m.separate_prefixes;
+  out.tensors.resize(m.tensors.size());
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    const TensorInfo& from = m.tensors[t];
+    TensorInfo& to = out.tensors[t];
+    to.key = from.key;
+    to.dtype = from.dtype;
+    to.global_shape = from.global_shape;
+    to.partial = from.partial;
+  }
+  for (size_t i = 0; i < touched.size(); ++i) {
+    if (i == 0 || touched[i].first != touched[i - 1].first) {
+      out.tensors[touched[i].first].chunks = m.tensors[touched[i].first].chunks;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 Result<RankReadPlan> PlanRankReadsResolving(Storage& storage, const std::string& root,
                                             const Metadata& metadata, StateDict& state,
                                             const std::string& path, bool skip_missing,
@@ -22,7 +61,7 @@ Result<RankReadPlan> PlanRankReadsResolving(Storage& storage, const std::string&
   for (const PermutedCopy& copy : plan.permuted) touched.emplace_back(copy.tensor, copy.chunk);
   std::sort(touched.begin(), touched.end());
   touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
-  resolved.metadata = metadata;
+  resolved.metadata = CopyWithChunksOf(metadata, touched);
   torch_dist::ItemReadStats stats;
   Status status = torch_dist::ResolveTorchSaveChunks(storage, root, *resolved.metadata, touched,
                                                      num_threads, &stats);

@@ -17,8 +17,9 @@ namespace tessera {
 
 // What resolving cost and gave.
 struct ResolvedIndex {
-  // `metadata` with the wrapped chunks this rank's plan touches made raw; nullopt when
-  // `metadata` had no wrapped chunk (use it as it is).
+  // `metadata` with the wrapped chunks this rank's plan touches made raw, holding the chunks
+  // of the tensors the plan touches only; nullopt when `metadata` had no wrapped chunk (use it
+  // as it is). Good for this plan's reads, not for planning another request.
   std::optional<Metadata> metadata;
   uint64_t bytes_read = 0;  // of the items' zip directories and data.pkl records
   uint64_t read_calls = 0;

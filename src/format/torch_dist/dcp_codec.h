@@ -82,7 +82,7 @@ using ChunkRef = std::pair<uint32_t, uint32_t>;
 
 // Resolves the listed chunks of `metadata` (those not kTorchSaveItem are left alone), files
 // under `root`, with up to `num_threads` threads; each data file is opened once. Adds what it
-// read to `stats`. The first error (by chunk order) is returned.
+// read to `stats`. On errors, the first one (by file index) is returned.
 Status ResolveTorchSaveChunks(Storage& storage, const std::string& root, Metadata& metadata,
                               const std::vector<ChunkRef>& chunks, int num_threads,
                               ItemReadStats* stats = nullptr);
