@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -342,18 +343,26 @@ Status ResolveFlattened(const TorchTensorItem& item, const std::string& what, Ch
 
 }  // namespace
 
-Status ResolveTorchSaveChunk(const ReadableFile& file, const TensorInfo& tensor, ChunkInfo& chunk,
-                             bool flattened, ItemReadStats* stats) {
-  if (chunk.encoding != ChunkEncoding::kTorchSaveItem) return Status::Ok();
-  const ByteLocation item_at = chunk.location;
-  const std::string what = "key '" + tensor.key + "' chunk " + chunk.box.ToString() +
-                           ": the item at offset " + Num(item_at.offset) + " of " + file.path();
-  Result<TorchTensorItem> read = ReadTorchTensorItem(file, item_at.offset, item_at.length, stats);
+namespace {
+
+// Reads the item of wrapped chunk `chunk`; errors prefixed with the key and box.
+Result<TorchTensorItem> ReadChunkItem(const ReadableFile& file, const TensorInfo& tensor,
+                                      const ChunkInfo& chunk, ItemReadStats* stats) {
+  Result<TorchTensorItem> read =
+      ReadTorchTensorItem(file, chunk.location.offset, chunk.location.length, stats);
   if (!read.ok()) {
     return Status(read.status().code(), "key '" + tensor.key + "' chunk " + chunk.box.ToString() +
                                             ": " + read.status().message());
   }
-  const TorchTensorItem& item = *read;
+  return read;
+}
+
+// Resolves wrapped `chunk` of `tensor`, whose item (in `file`) is `item`.
+Status ResolveWithItem(const TorchTensorItem& item, const ReadableFile& file,
+                       const TensorInfo& tensor, ChunkInfo& chunk, bool flattened) {
+  const ByteLocation item_at = chunk.location;
+  const std::string what = "key '" + tensor.key + "' chunk " + chunk.box.ToString() +
+                           ": the item at offset " + Num(item_at.offset) + " of " + file.path();
   Result<DType> dtype = DTypeFromTorchName(item.torch_dtype);
   if (!dtype.ok() || *dtype != tensor.dtype) {
     return DataLoss(what + " holds a " + item.torch_dtype + " tensor; the .metadata says " +
@@ -389,6 +398,15 @@ Status ResolveTorchSaveChunk(const ReadableFile& file, const TensorInfo& tensor,
   return Status::Ok();
 }
 
+}  // namespace
+
+Status ResolveTorchSaveChunk(const ReadableFile& file, const TensorInfo& tensor, ChunkInfo& chunk,
+                             bool flattened, ItemReadStats* stats) {
+  if (chunk.encoding != ChunkEncoding::kTorchSaveItem) return Status::Ok();
+  TESSERA_ASSIGN_OR_RETURN(const TorchTensorItem item, ReadChunkItem(file, tensor, chunk, stats));
+  return ResolveWithItem(item, file, tensor, chunk, flattened);
+}
+
 Status ResolveTorchSaveChunks(Storage& storage, const std::string& root, Metadata& metadata,
                               const std::vector<ChunkRef>& chunks, int num_threads,
                               ItemReadStats* stats) {
@@ -419,10 +437,23 @@ Status ResolveTorchSaveChunks(Storage& storage, const std::string& root, Metadat
                                " bytes; the checkpoint's index says " + Num(info.size));
         continue;
       }
+      // The boxes of an N-D reformulated chunk share one item, and come one after another.
+      std::optional<ByteLocation> last_at;
+      TorchTensorItem last;
       for (const ChunkRef& ref : *work[w].second) {
         TensorInfo& tensor = metadata.tensors[ref.first];
-        statuses[w] = ResolveTorchSaveChunk(**file, tensor, tensor.chunks[ref.second],
-                                            flattened.count(tensor.key) != 0, &costs[w]);
+        ChunkInfo& chunk = tensor.chunks[ref.second];
+        if (!last_at || *last_at != chunk.location) {
+          Result<TorchTensorItem> item = ReadChunkItem(**file, tensor, chunk, &costs[w]);
+          if (!item.ok()) {
+            statuses[w] = item.status();
+            break;
+          }
+          last = std::move(*item);
+          last_at = chunk.location;
+        }
+        statuses[w] =
+            ResolveWithItem(last, **file, tensor, chunk, flattened.count(tensor.key) != 0);
         if (!statuses[w].ok()) break;
       }
     }
