@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -38,7 +40,10 @@ struct Fixture {
   std::map<std::string, std::vector<uint8_t>> objects;  // key -> the item's bytes
 };
 
-// The fixtures, written once by torch 1.13 for the whole binary.
+// The fixtures, written by torch 1.13. ctest runs every test in a process of its own, so they
+// are written once per version of the script, into
+// $TMPDIR/tessera-dcp-read-fixtures-<hash of the script> (generated in a fresh directory, then
+// renamed into place: concurrent test processes agree on one), and only read afterwards.
 class DcpFixtures {
  public:
   static DcpFixtures& Get() {
@@ -46,24 +51,21 @@ class DcpFixtures {
     return *fixtures;
   }
   const std::string& error() const { return error_; }
-  std::string Path(const std::string& name) const { return dir_.Sub(name); }
+  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
   const Fixture& Of(const std::string& name) { return fixtures_.at(name); }
 
  private:
   DcpFixtures() {
-    std::string output;
-    const int status = torch_dist::testing::RunCommand(
-        std::string(TESSERA_PYTHON) + " " +
-            torch_dist::testing::ShellQuote(std::string(TESSERA_SOURCE_DIR) +
-                                            "/src/checkpoint/testdata/make_dcp_read_fixtures.py") +
-            " " + torch_dist::testing::ShellQuote(dir_.path()),
-        &output);
-    if (status != 0) {
-      error_ = "make_dcp_read_fixtures.py failed: " + output;
-      return;
-    }
+    const std::string script =
+        std::string(TESSERA_SOURCE_DIR) + "/src/checkpoint/testdata/make_dcp_read_fixtures.py";
+    const std::vector<uint8_t> text = torch_dist::testing::ReadFileBytes(script);
+    const size_t hash = std::hash<std::string>()(std::string(text.begin(), text.end()));
+    dir_ = (fs::temp_directory_path() / ("tessera-dcp-read-fixtures-" + std::to_string(hash)))
+               .string();
+    if (!fs::exists(dir_ + "/done")) Generate(script);
+    if (!error_.empty()) return;
     for (const char* name : {"single", "sharded2", "megatron"}) {
-      std::ifstream in(dir_.Sub(std::string(name) + ".expected.json"));
+      std::ifstream in(Path(std::string(name) + ".expected.json"));
       const json doc = json::parse(in);
       Fixture& f = fixtures_[name];
       for (const auto& [key, t] : doc["tensors"].items()) {
@@ -76,7 +78,27 @@ class DcpFixtures {
       }
     }
   }
-  TempDir dir_;
+
+  void Generate(const std::string& script) {
+    const std::string fresh = dir_ + ".tmp-" + std::to_string(::getpid());
+    fs::remove_all(fresh);
+    std::string output;
+    const int status = torch_dist::testing::RunCommand(
+        std::string(TESSERA_PYTHON) + " " + torch_dist::testing::ShellQuote(script) + " " +
+            torch_dist::testing::ShellQuote(fresh),
+        &output);
+    if (status != 0) {
+      error_ = "make_dcp_read_fixtures.py failed: " + output;
+      fs::remove_all(fresh);
+      return;
+    }
+    std::ofstream(fresh + "/done") << "ok\n";
+    std::error_code ec;
+    fs::rename(fresh, dir_, ec);  // fails when another process got there first: use its
+    if (ec) fs::remove_all(fresh);
+  }
+
+  std::string dir_;
   std::string error_;
   std::map<std::string, Fixture> fixtures_;
 };
