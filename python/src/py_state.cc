@@ -97,6 +97,22 @@ py::bytes StateBuilder::ObjectData(size_t index) const {
   return py::bytes(reinterpret_cast<const char*>(object->data.data()), object->data.size());
 }
 
+std::string StateBuilder::ObjectEncodingName(size_t index) const {
+  if (index >= dict_.size()) throw py::index_error("no entry " + std::to_string(index));
+  const auto* object = std::get_if<ShardedObject>(&dict_.entries()[index]);
+  if (!object) throw py::type_error("entry " + std::to_string(index) + " is a tensor");
+  switch (object->encoding) {
+    case ObjectEncoding::kPickle:
+      return "pickle";
+    case ObjectEncoding::kTorchSave:
+      return "torch_save";
+    case ObjectEncoding::kJson:
+      return "json";
+    default:
+      return "bytes";
+  }
+}
+
 namespace {
 
 // The keyword arguments shared by add_buffer and add_pointer, as a TensorSpec.
@@ -165,7 +181,8 @@ void RegisterState(py::module_& m) {
           },
           py::arg("key"), py::arg("data"), py::arg("replica_id") = ReplicaId{},
           py::arg("pickled") = false)
-      .def("object_data", &StateBuilder::ObjectData, py::arg("index"));
+      .def("object_data", &StateBuilder::ObjectData, py::arg("index"))
+      .def("object_encoding", &StateBuilder::ObjectEncodingName, py::arg("index"));
 }
 
 }  // namespace tessera::python

@@ -55,6 +55,9 @@ class StateBuilder {
 
   // The bytes of the object at `index` (after a load: what was loaded).
   pybind11::bytes ObjectData(size_t index) const;
+  // What those bytes are (after a load: the stored encoding): "bytes", "pickle", "torch_save"
+  // or "json" (ObjectInfo.encoding's names).
+  std::string ObjectEncodingName(size_t index) const;
 
   StateDict& dict() { return dict_; }
 

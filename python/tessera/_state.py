@@ -459,7 +459,9 @@ def decode_objects(flat, builder, skipped, unpickle=True):
     """After a load: the new value of each object leaf, by leaf index (ShardedObject leaves
     are updated in place instead). Keys in `skipped` (not loaded) are left alone. With
     unpickle=False nothing is unpickled: a leaf whose placeholder is not bytes or bytearray
-    receives the stored bytes as they are."""
+    receives the stored bytes as they are. Otherwise such a leaf gets the value its stored
+    encoding gives: torch.load of a torch.save archive (PyTorch DCP byte items), json.loads of
+    JSON, pickle.loads of anything else."""
     new_values = {}
     for leaf, entry in zip(flat.leaves, flat.entries):
         index = leaf.index
@@ -473,6 +475,11 @@ def decode_objects(flat, builder, skipped, unpickle=True):
             value = bytearray(data)
         elif not unpickle:
             value = data
+        elif isinstance(current, _Json) or builder.object_encoding(entry) == "json":
+            value = _json_value(leaf.key, data)
+        elif isinstance(current, _TorchSaved) or builder.object_encoding(entry) == "torch_save":
+            # A torch.save archive (a PyTorch DCP byte item): what torch's own loader returns.
+            value = _torch_load(leaf.key, data)
         else:
             try:
                 value = pickle.loads(data)
@@ -491,6 +498,52 @@ def decode_objects(flat, builder, skipped, unpickle=True):
 
 class _Pickled:
     """Placeholder of an object leaf stored pickled (load_all)."""
+
+
+class _TorchSaved:
+    """Placeholder of an object leaf stored as a torch.save archive (load_all of a PyTorch DCP
+    checkpoint: its byte items, Megatron's common.pt); torch.load gives the value back."""
+
+
+class _Json:
+    """Placeholder of an object leaf stored as JSON text (Megatron's metadata.json)."""
+
+
+def _placeholder(encoding):
+    """The placeholder load_all puts where an object of `encoding` goes: the saved Python
+    encoding ("bytes", "bytearray", "pickle") or the stored one (ObjectInfo.encoding)."""
+    if encoding == "bytes":
+        return b""
+    if encoding == "bytearray":
+        return bytearray()
+    if encoding == "torch_save":
+        return _TorchSaved()
+    if encoding == "json":
+        return _Json()
+    return _Pickled()
+
+
+def _torch_load(key, data):
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError as e:
+        raise invalid_argument(
+            f"object '{key}' is a torch.save archive and torch is not importable; pass "
+            "objects='bytes' to get its bytes") from e
+    import io  # noqa: PLC0415
+    try:
+        return torch.load(io.BytesIO(data))
+    except Exception as e:
+        raise invalid_argument(
+            f"object '{key}': torch.load of its stored bytes failed ({type(e).__name__}: {e})"
+        ) from e
+
+
+def _json_value(key, data):
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise invalid_argument(f"object '{key}': the stored bytes are not JSON ({e})") from e
 
 
 def _allocate(info, lib, key=None):
@@ -616,7 +669,7 @@ def template_from_metadata(metadata, tensor_type, source="the checkpoint", impor
     (saved from Python), else a flat dict by key. A structure record that does not parse is a
     CorruptCheckpointError naming `source`."""
     tensors = {t.key: t for t in metadata.tensors}
-    objects = {o.key for o in metadata.objects}
+    objects = {o.key: o.encoding for o in metadata.objects}
     used = set()
     allocated = {}
     structure = _structure(metadata, source)
@@ -628,7 +681,7 @@ def template_from_metadata(metadata, tensor_type, source="the checkpoint", impor
         extra = structure.get("extra", {})
     # Keys the structure does not name (saved from C++, or only by ranks other than rank 0):
     # placed by their dotted path under the containers they share with the structure.
-    rest = sorted((set(tensors) | objects) - used)
+    rest = sorted((set(tensors) | set(objects)) - used)
     if rest and not isinstance(root, dict):
         raise invalid_argument(
             f"the checkpoint has keys outside its saved structure ({rest[0]!r}, ...) and the "
@@ -639,9 +692,8 @@ def template_from_metadata(metadata, tensor_type, source="the checkpoint", impor
         if key in tensors:
             value = _allocate(tensors[key], lib, key)
         else:
-            encoding = encodings.get(key, "bytes")
-            value = ShardedObject(b"" if encoding == "bytes" else bytearray()
-                                  if encoding == "bytearray" else _Pickled(), key=key)
+            # The encoding Python saved, else the stored one (other formats, C++ saves).
+            value = ShardedObject(_placeholder(encodings.get(key, objects[key])), key=key)
         _place(root, key, value)
     return root
 

@@ -14,6 +14,7 @@
 #include "checkpoint/load_internal.h"
 #include "checkpoint/progress.h"
 #include "checkpoint/reader.h"
+#include "checkpoint/wrapped_chunks.h"
 #include "core/byte_io.h"
 #include "format/checkpoint_index.h"
 #include "format/checksum.h"
@@ -179,22 +180,27 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
 Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
                                  const std::string& path, Comm& comm, Storage& storage,
                                  const LoadOptions& options, bool list_unexpected) {
-  const Metadata& metadata = index.metadata;
   const std::string& root = index.root;
 
-  // 2. Plan this rank's reads; learn which keys any rank asked for.
+  // 2. Plan this rank's reads; learn which keys any rank asked for. Chunks wrapped in another
+  // format's items (PyTorch DCP) are resolved first, only those this rank touches.
   // A bad option is reported through the collectives below, like a bad request.
+  ResolvedIndex resolved;
   Result<RankReadPlan> planned =
       options.num_io_threads >= 1
-          ? PlanRankReads(metadata, state, path, options.missing_keys == KeyPolicy::kSkip,
-                          options.cast_dtypes)
+          ? PlanRankReadsResolving(storage, root, index.metadata, state, path,
+                                   options.missing_keys == KeyPolicy::kSkip, options.cast_dtypes,
+                                   options.num_io_threads, resolved)
           : Result<RankReadPlan>(InvalidArgument("LoadOptions::num_io_threads must be at least "
                                                  "1, got " +
                                                  std::to_string(options.num_io_threads)));
+  const Metadata& metadata = resolved.metadata ? *resolved.metadata : index.metadata;
   const size_t num_keys = metadata.tensors.size() + metadata.objects.size();
   std::vector<int64_t> asked = planned.ok() ? planned->asked : std::vector<int64_t>(num_keys, 0);
   TESSERA_RETURN_IF_ERROR(comm.AllReduce(asked, ReduceOp::kMax));
   LoadReport report;
+  report.bytes_read = resolved.bytes_read;
+  report.read_calls = resolved.read_calls;
   Status plan_status = planned.status();
   if (plan_status.ok()) {
     report.missing_keys = planned->missing_keys;

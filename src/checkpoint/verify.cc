@@ -8,6 +8,7 @@
 
 #include "checkpoint/progress.h"
 #include "checkpoint/reader.h"
+#include "checkpoint/wrapped_chunks.h"
 #include "format/checkpoint_index.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
@@ -144,6 +145,10 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
   VerifyReport report;
   report.format = metadata.format;
   report.checksums = metadata.checksum != ChecksumKind::kNone;
+  // Wrapped chunks (PyTorch DCP items, which have no checksums): every item's zip structure
+  // must be sound and hold the dtype and shape the index says.
+  TESSERA_RETURN_IF_ERROR(
+      CheckWrappedItems(*storage, root, metadata, options.num_threads, /*bytes_read=*/nullptr));
   // tessera's and Hugging Face's data files are safetensors files whose headers must agree.
   const bool safetensors_files = metadata.format != CheckpointFormat::kTorchDist;
   // What each file holds, in file order, so every file is opened once and read sequentially.

@@ -7,6 +7,8 @@
 #include "format/huggingface/hf_index.h"
 #include "format/manifest.h"
 #include "format/rank_manifests.h"
+#include "format/torch_dist/dcp_codec.h"
+#include "format/torch_dist/dcp_writer.h"
 
 namespace tessera {
 namespace {
@@ -126,6 +128,10 @@ Result<CheckpointIndex> ReadCheckpointIndex(Storage& storage, const std::string&
   if (Has(names, kManifestFileName)) {
     TESSERA_ASSIGN_OR_RETURN(Metadata m, ReadTesseraManifest(storage, path));
     return CheckpointIndex{path, std::move(m)};
+  }
+  if (Has(names, torch_dist::kDcpMetadataFileName)) {
+    TESSERA_ASSIGN_OR_RETURN(Metadata m, torch_dist::ReadDcpDirectory(storage, path, names));
+    return Checked(path, m, path);
   }
   const bool uncommitted_tessera = std::any_of(names.begin(), names.end(), [](const auto& n) {
     return IsTesseraDataFileName(n) || IsTempManifestName(n);

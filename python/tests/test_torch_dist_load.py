@@ -1,0 +1,120 @@
+"""Reading PyTorch DCP checkpoints written by torch 1.13 itself
+(src/checkpoint/testdata/make_dcp_read_fixtures.py): tessera.load_all returns the tensors torch
+saved (strided views included) and the objects as the values saved; tessera.load reshards;
+read_metadata and verify name the format and say there are no checksums; a damaged item is an
+error naming its file."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import tessera
+
+SOURCE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MAKE = os.path.join(SOURCE, "src", "checkpoint", "testdata", "make_dcp_read_fixtures.py")
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dcp"))
+    done = subprocess.run([sys.executable, MAKE, out], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def expected(fixtures, name):
+    with open(os.path.join(fixtures, name + ".expected.json")) as f:
+        doc = json.load(f)
+    tensors = {}
+    for key, e in doc["tensors"].items():
+        dtype = getattr(torch, e["dtype"])
+        raw = bytearray(bytes.fromhex(e["hex"]))
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+        tensors[key] = flat.view(dtype).reshape(e["shape"])
+    return tensors
+
+
+def test_load_all_returns_tensors_and_objects(fixtures):
+    path = os.path.join(fixtures, "single")
+    loaded = tessera.load_all(path, tensor_type="torch")
+    want = expected(fixtures, "single")
+    assert set(loaded) == set(want) | {"obj_bytes", "obj_dict"}
+    for key, t in want.items():
+        assert loaded[key].dtype == t.dtype, key
+        assert torch.equal(loaded[key], t), key
+    assert loaded["obj_bytes"] == b"hello\x00world"
+    assert loaded["obj_dict"] == {"step": 7, "lr": [0.5, 1]}
+
+
+def test_load_all_numpy_and_objects_as_bytes(fixtures):
+    path = os.path.join(fixtures, "single")
+    loaded = tessera.load_all(path, objects="bytes")
+    want = expected(fixtures, "single")
+    assert isinstance(loaded["transposed"], np.ndarray)
+    assert np.array_equal(loaded["transposed"], want["transposed"].numpy())
+    # The torch.save archive, not unpickled.
+    assert isinstance(loaded["obj_dict"], bytes) and loaded["obj_dict"].startswith(b"PK\x03\x04")
+
+
+def test_resharded_load_of_a_two_process_save(fixtures):
+    path = os.path.join(fixtures, "sharded2")
+    want = expected(fixtures, "sharded2")
+    emb = torch.zeros(4, 6)
+    proj = torch.zeros(4, 3, dtype=torch.float16)
+    state = {"emb": tessera.ShardedTensor(emb, global_shape=(10, 6), global_offset=(3, 0)),
+             "proj": tessera.ShardedTensor(proj, global_shape=(4, 9), global_offset=(0, 3))}
+    with pytest.warns(tessera.PartialLoadWarning, match="rep"):
+        tessera.load(state, path, strict=False)
+    assert torch.equal(emb, want["emb"][3:7])
+    assert torch.equal(proj, want["proj"][:, 3:6])
+
+
+def test_metadata_and_verify(fixtures):
+    path = os.path.join(fixtures, "single")
+    meta = tessera.read_metadata(path)
+    assert meta.format == "torch_dist" and not meta.checksums
+    assert meta.find_object("obj_dict").encoding == "torch_save"
+    assert meta.user_metadata["torch_dist.flavor"] == "1.13"
+    report = tessera.verify(path)
+    assert not report.checksums
+
+
+def test_damaged_item_names_its_file(fixtures, tmp_path):
+    import shutil
+    path = str(tmp_path / "damaged")
+    shutil.copytree(os.path.join(fixtures, "single"), path)
+    item = os.path.join(path, "__0_2.distcp")  # the transposed tensor's item
+    with open(item, "r+b") as f:
+        f.seek(-22, os.SEEK_END)
+        f.write(b"\x00" * 22)
+    with pytest.raises(tessera.CorruptCheckpointError, match="__0_2.distcp"):
+        tessera.load_all(path)
+
+
+def test_megatron_checkpoint(fixtures):
+    path = os.path.join(fixtures, "megatron")
+    loaded = tessera.load_all(path, tensor_type="torch")
+    want = expected(fixtures, "megatron")
+    key = "optimizer.state.exp_avg.decoder.weight"
+    assert loaded[key].shape == (4, 6)  # the original tensor, not (2, 2, 6)
+    assert torch.equal(loaded[key], want[key])
+    assert loaded["metadata.json"]["sharded_backend"] == "torch_dist"
+    assert loaded["common.pt"] == {"iteration": 100, "args": {"tp": 2}}
+    assert loaded["optimizer.param_groups/shard_0_1"] == [{"lr": 0.1}]
+
+
+def test_load_gives_objects_back_as_torch_load_does(fixtures):
+    # As torch's load_state_dict: an object entry (any placeholder but bytes) becomes the value
+    # torch.load gives for its item; a bytes placeholder receives the stored bytes.
+    path = os.path.join(fixtures, "single")
+    state = {"obj_dict": None, "obj_bytes": b"", "scalar": torch.zeros(())}
+    with pytest.warns(tessera.PartialLoadWarning):
+        tessera.load(state, path, strict=False)
+    assert state["obj_dict"] == {"step": 7, "lr": [0.5, 1]}
+    assert state["obj_bytes"].startswith(b"PK\x03\x04")  # the torch.save archive
+    assert state["scalar"].item() == 2.5
