@@ -67,7 +67,10 @@ Result<CheckpointIndex> Checked(std::string root, const Metadata& m, const std::
 }
 
 // A directory holding rank-local saves, and maybe a committed manifest: the newest complete
-// checkpoint among them.
+// checkpoint among them. A set with every part present but one damaged takes part in the choice
+// when its header facts could be read from another part: if it is the newest, the error names the
+// damaged file (a damaged newest save is not replaced silently by an older one). A set none of
+// whose parts can be read has no save time: it counts as incomplete.
 Result<CheckpointIndex> ReadTesseraOrRankLocal(Storage& storage, const std::string& path,
                                                bool has_manifest,
                                                const std::vector<RankManifestSet>& sets) {
@@ -78,6 +81,7 @@ Result<CheckpointIndex> ReadTesseraOrRankLocal(Storage& storage, const std::stri
   const RankManifestSet* newest_complete = nullptr;
   const RankManifestSet* newest = nullptr;
   for (const RankManifestSet& set : sets) {
+    if (!set.header_read) continue;
     if (!newest || set.save_time_unix_ms > newest->save_time_unix_ms) newest = &set;
     if (set.complete() &&
         (!newest_complete || set.save_time_unix_ms > newest_complete->save_time_unix_ms)) {
@@ -86,6 +90,10 @@ Result<CheckpointIndex> ReadTesseraOrRankLocal(Storage& storage, const std::stri
   }
   if (newest_complete &&
       (!whole || newest_complete->save_time_unix_ms > whole->save_time_unix_ms)) {
+    if (!newest_complete->problem.ok()) {
+      return newest_complete->problem.WithContext("the rank-local save " +
+                                                  newest_complete->save_id + " in " + path);
+    }
     TESSERA_ASSIGN_OR_RETURN(Metadata merged, MergeRankManifests(storage, path, *newest_complete));
     Result<CheckpointIndex> checked =
         Checked(path, merged, path + " (rank-local save " + newest_complete->save_id + ")");
@@ -95,9 +103,16 @@ Result<CheckpointIndex> ReadTesseraOrRankLocal(Storage& storage, const std::stri
     return checked;
   }
   if (whole) return CheckpointIndex{path, std::move(*whole)};
+  if (!newest) {
+    return sets.front().problem.WithContext(path +
+                                            " holds no complete checkpoint: no part of "
+                                            "the rank-local save " +
+                                            sets.front().save_id + " can be read");
+  }
   return FailedPrecondition(path + " holds no complete checkpoint: the rank-local save " +
                             newest->save_id + " lacks the manifests of " + newest->MissingRanks() +
-                            " (a rank that has not finished or died; the others committed)");
+                            " (a rank that has not finished or died; the others committed)" +
+                            (newest->problem.ok() ? "" : "; " + newest->problem.message()));
 }
 
 }  // namespace

@@ -57,14 +57,24 @@ Result<std::vector<RankManifestSet>> FindRankManifestSets(Storage& storage, cons
   }
   std::vector<RankManifestSet> sets;
   for (auto& [id, set] : by_id) {
-    const auto& [rank, name] = *set.names.begin();
-    TESSERA_ASSIGN_OR_RETURN(Metadata first, ReadRankManifest(storage, dir, name, rank, id));
-    set.num_ranks = first.num_ranks;
-    set.save_time_unix_ms = first.save_time_unix_ms;
+    for (const auto& [rank, name] : set.names) {
+      Result<Metadata> part = ReadRankManifest(storage, dir, name, rank, id);
+      if (part.ok()) {
+        set.num_ranks = part->num_ranks;
+        set.save_time_unix_ms = part->save_time_unix_ms;
+        set.header_read = true;
+        break;
+      }
+      if (part.status().code() != StatusCode::kDataLoss &&
+          part.status().code() != StatusCode::kUnimplemented) {
+        return part.status();  // the storage failed, not the part
+      }
+      if (set.problem.ok()) set.problem = part.status();
+    }
     for (const auto& [r, n] : set.names) {
-      if (r >= set.num_ranks) {
-        return DataLoss(JoinPath(dir, n) + ": rank " + std::to_string(r) + " of a save by " +
-                        std::to_string(set.num_ranks) + " ranks");
+      if (set.header_read && r >= set.num_ranks && set.problem.ok()) {
+        set.problem = DataLoss(JoinPath(dir, n) + ": rank " + std::to_string(r) + " of a save by " +
+                               std::to_string(set.num_ranks) + " ranks");
       }
     }
     sets.push_back(std::move(set));
