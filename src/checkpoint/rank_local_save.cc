@@ -76,17 +76,24 @@ void AddReplicaOnlyTensors(const std::vector<const LocalItem*>& replicas, Metada
             [](const TensorInfo& a, const TensorInfo& b) { return a.key < b.key; });
 }
 
+// The data files of this rank at `save_id` in `names` (DataFileName(save_id, rank, i), any i).
+std::vector<std::string> OwnDataFiles(const std::string& save_id, int rank,
+                                      const std::vector<std::string>& names) {
+  const std::string first = DataFileName(save_id, rank, 0);
+  const std::string stem = first.substr(0, first.rfind("-f") + 2);
+  std::vector<std::string> own;
+  for (const std::string& name : names) {
+    if (IsTesseraDataFileName(name) && name.starts_with(stem)) own.push_back(name);
+  }
+  return own;
+}
+
 // Files a crashed earlier attempt of this rank at the same save left behind: they would block
 // the exclusive creation of this attempt's files.
 void RemoveOwnLeftovers(Storage& storage, const std::string& path, const std::string& save_id,
                         int rank, const std::vector<std::string>& names) {
-  // DataFileName(save_id, rank, i) for any i: the same text up to the file index.
-  const std::string first = DataFileName(save_id, rank, 0);
-  const std::string stem = first.substr(0, first.rfind("-f") + 2);
-  for (const std::string& name : names) {
-    if (IsTesseraDataFileName(name) && name.starts_with(stem)) {
-      storage.Remove(JoinPath(path, name)).IgnoreError();
-    }
+  for (const std::string& name : OwnDataFiles(save_id, rank, names)) {
+    storage.Remove(JoinPath(path, name)).IgnoreError();
   }
   storage.Remove(JoinPath(path, RankManifestName(save_id, rank) + ".tmp")).IgnoreError();
 }
@@ -142,6 +149,20 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
                       "): each rank-local save needs a new SaveOptions::save_tag");
   }
   const std::string marker_id = save_id + ".r" + std::to_string(rank);
+  // This rank's data files of the tag with no marker of this rank beside them are not what an
+  // attempt that died left (it dies with its marker in place; a cleanup that removes a dead
+  // marker removes its files too, unless a checkpoint lists them): they are a committed
+  // checkpoint's, e.g. the tag saved and finalized before a job restarted from an older step.
+  const std::vector<std::string> own_files = OwnDataFiles(save_id, rank, names);
+  if (!own_files.empty() &&
+      std::find(names.begin(), names.end(), "tessera.saving." + marker_id) == names.end()) {
+    return Status(StatusCode::kAlreadyExists,
+                  "rank " + std::to_string(rank) + " already saved tag '" + options.save_tag +
+                      "' into " + path + " (" + own_files.front() +
+                      " is there and no interrupted attempt of this rank left it; the tag was "
+                      "finalized or another job saved it): each rank-local save needs a new "
+                      "SaveOptions::save_tag");
+  }
   RemoveSaveMarker(*storage, path, marker_id);  // a crashed earlier attempt's
   RemoveOwnLeftovers(*storage, path, save_id, rank, names);
   TESSERA_RETURN_IF_ERROR(CreateSaveMarker(*storage, path, marker_id, options.sync));

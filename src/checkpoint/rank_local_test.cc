@@ -142,6 +142,21 @@ TEST(RankLocalTest, RanksSavingDifferentDtypesAreNamedWithTheKeyAndBothRanks) {
   EXPECT_THAT(error.message(), HasSubstr("on rank 1"));
 }
 
+// A key that is a tensor on one rank and an object on another.
+TEST(RankLocalTest, KeyThatIsATensorOnOneRankAndAnObjectOnAnotherIsNamedWithBothRanks) {
+  auto memory = std::make_shared<MemoryStorage>();
+  RankState r0(1, 0);
+  ASSERT_OK(SaveRankLocal(r0.Dict(), "/ck", 0, kRanks, RankLocal("t", memory)));
+  RankState r1(1, 1);
+  StateDict other;
+  ASSERT_OK(other.Add(ShardedObject{"w", {1, 2}, {}}));
+  ASSERT_OK(SaveRankLocal(other, "/ck", 1, kRanks, RankLocal("t", memory)));
+  Status error = ReadMetadata("/ck", memory).status();
+  EXPECT_THAT(error.message(), HasSubstr("key 'w'"));
+  EXPECT_THAT(error.message(), HasSubstr("tensor on rank 0"));
+  EXPECT_THAT(error.message(), HasSubstr("object on rank 1"));
+}
+
 // A rank of a save by another number of ranks (a misconfigured job): an error naming the file.
 TEST(RankLocalTest, RankManifestClaimingAnotherNumberOfRanksIsNamed) {
   auto memory = std::make_shared<MemoryStorage>();
@@ -153,12 +168,12 @@ TEST(RankLocalTest, RankManifestClaimingAnotherNumberOfRanksIsNamed) {
   EXPECT_THAT(error.message(), HasSubstr("3 ranks"));
 }
 
-// A part renamed to another rank's name: its own part_rank gives it away.
+// A part copied under another rank's name: its own part_rank gives it away.
 TEST(RankLocalTest, PartRankDisagreeingWithTheFileNameIsNamed) {
   auto memory = std::make_shared<MemoryStorage>();
   SaveRanks("/ck", 1, "t", memory, {0});
-  ASSERT_OK(memory->Rename(PartPath("/ck", "t", 0), PartPath("/ck", "t", 1)));
-  SaveRanks("/ck", 1, "t", memory, {0});
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> part, memory->GetFileContents(PartPath("/ck", "t", 0)));
+  memory->SetFileContents(PartPath("/ck", "t", 1), part);
   Status error = ReadMetadata("/ck", memory).status();
   EXPECT_THAT(error.message(), HasSubstr(PartPath("/ck", "t", 1)));
   EXPECT_THAT(error.message(), HasSubstr("part of rank 0"));
@@ -459,6 +474,43 @@ TEST(RankLocalTest, AsyncSaveWithBothStagingModes) {
     EXPECT_EQ(LoadedGeneration("/ck", memory), 2);
     EXPECT_EQ(CountRankManifests(*memory, "/ck"), kRanks);
   }
+}
+
+// ---- tags saved again
+// ----------------------------------------------------------------------------
+
+// A job that restarts from an older step reaches the same step again and saves the same tag.
+// After Finalize the tag's data files are the committed checkpoint's: the save is refused and
+// they are left alone (they were removed as "an earlier attempt's leftovers", so that the
+// committed checkpoint no longer loaded).
+TEST(RankLocalTest, SavingAFinalizedTagAgainIsRefusedAndKeepsTheCheckpoint) {
+  auto memory = std::make_shared<MemoryStorage>();
+  SaveRanks("/ck", 1, "t", memory);
+  ASSERT_OK(Finalize("/ck", memory));
+  for (int r = 0; r < kRanks; ++r) {
+    RankState s(2, r);
+    Status again = SaveRankLocal(s.Dict(), "/ck", r, kRanks, RankLocal("t", memory)).status();
+    EXPECT_EQ(again.code(), StatusCode::kAlreadyExists) << again.ToString();
+    EXPECT_THAT(again.message(), HasSubstr("tag 't'"));
+  }
+  EXPECT_EQ(LoadedGeneration("/ck", memory), 1);
+  ASSERT_OK(Verify("/ck", memory));
+}
+
+// A rank that died mid-save retries the same tag: what its attempt left is removed and the set
+// completes.
+TEST(RankLocalTest, RankThatDiedMidSaveRetriesTheSameTag) {
+  auto memory = std::make_shared<MemoryStorage>();
+  SaveCollective("/ck", 1, memory);
+  SaveRanks("/ck", 2, "t", memory, {0});
+  RankState s(2, 1);
+  auto dying = std::make_shared<FaultInjectingStorage>(
+      memory, FaultPlan{.fail_at = 2, .crash = true, .path_filter = "tsr-"});
+  EXPECT_FALSE(SaveRankLocal(s.Dict(), "/ck", 1, kRanks, RankLocal("t", dying)).ok());
+  EXPECT_EQ(LoadedGeneration("/ck", memory), 1);
+  ASSERT_OK(SaveRankLocal(s.Dict(), "/ck", 1, kRanks, RankLocal("t", memory)));
+  EXPECT_EQ(LoadedGeneration("/ck", memory), 2);
+  ASSERT_OK(Verify("/ck", memory));
 }
 
 }  // namespace

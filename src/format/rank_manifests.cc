@@ -90,6 +90,7 @@ Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
   std::map<std::string, TensorInfo> tensors;
   std::map<std::string, int> tensor_rank;  // the rank that first named each key
   std::map<std::string, ObjectInfo> objects;
+  std::map<std::string, int> object_rank;      // the rank that first named each object key
   std::map<std::string, std::set<Box>> boxes;  // per key: boxes taken (held by several ranks)
   for (const auto& [rank, name] : set.names) {
     TESSERA_ASSIGN_OR_RETURN(Metadata part,
@@ -134,7 +135,15 @@ Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
     }
     for (ObjectInfo& o : part.objects) {
       o.location.file_index += file_base;
+      object_rank.try_emplace(o.key, rank);
       objects.try_emplace(o.key, std::move(o));  // the lowest rank's copy
+    }
+  }
+  for (const auto& [key, rank] : object_rank) {
+    if (auto t = tensor_rank.find(key); t != tensor_rank.end()) {
+      return InvalidArgument("rank-local save " + set.save_id + " in " + dir + ": key '" + key +
+                             "' is a tensor on rank " + std::to_string(t->second) +
+                             " but an object on rank " + std::to_string(rank));
     }
   }
   for (auto& [key, t] : tensors) {
