@@ -54,8 +54,9 @@ Result<Metadata> Finalize(const std::string& path, std::shared_ptr<Storage> stor
   }
   Metadata merged = std::move(index.metadata);
   merged.part_rank = -1;
-  // The merged manifest keeps the save id and save time of the parts: a reader that finds both
-  // (a crash before the parts are removed) prefers the merged manifest at equal times.
+  // The merged manifest keeps the save id and the save time of the set (rank 0's part): a reader
+  // that finds both (a crash before the parts are removed) prefers the merged manifest at equal
+  // times.
   // The save id is the parts', not a new one: the temporary manifest of an earlier Finalize of
   // this save that crashed before its rename would block the exclusive creation of ours.
   storage->Remove(JoinPath(path, TempManifestName(merged.save_id))).IgnoreError();

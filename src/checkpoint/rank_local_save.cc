@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <set>
+#include <thread>
 
 #include "checkpoint/commit.h"
 #include "checkpoint/data_files.h"
@@ -116,6 +117,26 @@ Status CommitRankManifest(Storage& storage, const std::string& path, const Metad
   return Status::Ok();
 }
 
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Readers order saves by save time in milliseconds, and a committed manifest wins a tie. A save
+// that committed before this rank listed the directory took its time no later than `listed_ms`:
+// this part's time is strictly later, so a rank-local save right after a collective one (or
+// after this rank's previous part) is the newer one. Waits at most a millisecond, and only when
+// the save took less.
+int64_t SaveTimeAfter(int64_t listed_ms) {
+  int64_t now = NowUnixMs();
+  while (now <= listed_ms) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    now = NowUnixMs();
+  }
+  return now;
+}
+
 }  // namespace
 
 std::string RankLocalSaveId(const std::string& tag) {
@@ -141,6 +162,7 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
   const std::string save_id = RankLocalSaveId(options.save_tag);
   TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
   TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->ListDir(path));
+  const int64_t listed_ms = NowUnixMs();
   const std::string manifest_name = RankManifestName(save_id, rank);
   if (std::find(names.begin(), names.end(), manifest_name) != names.end()) {
     return Status(StatusCode::kAlreadyExists,
@@ -197,9 +219,7 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
     part->user_metadata = options.user_metadata;
     part->checksum_block_bytes = kChecksumBlockBytes;
     part->separate_prefixes = SortedUnique(options.separate_prefixes);
-    part->save_time_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                                  std::chrono::system_clock::now().time_since_epoch())
-                                  .count();
+    part->save_time_unix_ms = SaveTimeAfter(listed_ms);
     committed = CommitRankManifest(*storage, path, *part, options.sync);
   }
   if (!committed.ok()) {

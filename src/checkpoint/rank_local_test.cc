@@ -60,17 +60,19 @@ SaveOptions RankLocal(const std::string& tag, std::shared_ptr<Storage> storage) 
 
 // Saves generation `gen` rank-locally on the given ranks (all by default).
 void SaveRanks(const std::string& path, int gen, const std::string& tag,
-               std::shared_ptr<Storage> storage, std::vector<int> ranks = {0, 1}) {
+               std::shared_ptr<Storage> storage, std::vector<int> ranks = {0, 1},
+               bool pause = true) {
   for (int r : ranks) {
     RankState s(gen, r);
     ASSERT_OK(SaveRankLocal(s.Dict(), path, r, kRanks, RankLocal(tag, storage)));
   }
   // Distinct save times (milliseconds) for the saves that follow.
-  std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  if (pause) std::this_thread::sleep_for(std::chrono::milliseconds(3));
 }
 
 // A collective save of generation `gen` by kRanks ranks.
-void SaveCollective(const std::string& path, int gen, std::shared_ptr<Storage> storage) {
+void SaveCollective(const std::string& path, int gen, std::shared_ptr<Storage> storage,
+                    bool pause = true) {
   std::vector<Status> statuses = RunLocalRanks(kRanks, [&](Comm& comm) -> Status {
     RankState s(gen, comm.rank());
     SaveOptions o;
@@ -78,7 +80,7 @@ void SaveCollective(const std::string& path, int gen, std::shared_ptr<Storage> s
     return Save(s.Dict(), path, comm, o).status();
   });
   for (const Status& s : statuses) ASSERT_OK(s);
-  std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  if (pause) std::this_thread::sleep_for(std::chrono::milliseconds(3));
 }
 
 // Loads the whole "w", "b" and "step" in one process; returns the generation they hold, -1
@@ -312,6 +314,38 @@ TEST(RankLocalTest, NewestCompleteSaveWinsAndAnIncompleteOneFallsBack) {
   EXPECT_EQ(LoadedGeneration("/ck", memory), 3);
   EXPECT_EQ(CountRankManifests(*memory, "/ck"), 0) << "t2's parts are removed too";
   ASSERT_OK(Verify("/ck", memory));
+}
+
+// Saves are ordered by save time in milliseconds: a rank-local save that follows a collective
+// one within the same millisecond must still be the newer.
+TEST(RankLocalTest, RankLocalSaveRightAfterACollectiveOneIsTheNewer) {
+  for (int i = 0; i < 50; ++i) {
+    SCOPED_TRACE("round " + std::to_string(i));
+    auto memory = std::make_shared<MemoryStorage>();
+    SaveCollective("/ck", 1, memory, /*pause=*/false);
+    SaveRanks("/ck", 2, "t", memory, {0, 1}, /*pause=*/false);
+    ASSERT_EQ(LoadedGeneration("/ck", memory), 2);
+  }
+}
+
+// Ranks run at their own pace: rank 0 commits its part of the next save before rank 1 commits
+// its part of this one, and Finalize of this save runs before rank 1 starts the next. Finalize
+// must neither make the merged manifest newer than the next save (it took the latest part's
+// time while saves are ordered by the lowest rank's) nor let its cleanup delete the next save's
+// part of rank 0 (no live marker protected it).
+TEST(RankLocalTest, FinalizedSaveStaysOlderThanTheNextOneOfAFastRank) {
+  auto memory = std::make_shared<MemoryStorage>();
+  SaveRanks("/ck", 1, "t1", memory, {0});
+  SaveRanks("/ck", 2, "t2", memory, {0});
+  SaveRanks("/ck", 1, "t1", memory, {1});
+  EXPECT_EQ(LoadedGeneration("/ck", memory), 1);
+  ASSERT_OK_AND_ASSIGN(Metadata finalized, Finalize("/ck", memory));
+  EXPECT_EQ(finalized.save_id, RankLocalSaveId("t1"));
+  SaveRanks("/ck", 2, "t2", memory, {1});
+  EXPECT_EQ(LoadedGeneration("/ck", memory), 2);
+  ASSERT_OK_AND_ASSIGN(finalized, Finalize("/ck", memory));
+  EXPECT_EQ(finalized.save_id, RankLocalSaveId("t2"));
+  EXPECT_EQ(LoadedGeneration("/ck", memory), 2);
 }
 
 // ---- Finalize interrupted ----------------------------------------------------------------------

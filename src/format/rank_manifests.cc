@@ -87,6 +87,10 @@ Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
   Metadata merged;
   merged.save_id = set.save_id;
   merged.num_ranks = set.num_ranks;
+  // The time saves are ordered by (the lowest rank's), not the latest part's: a rank may commit
+  // its part of the next save before a slower rank commits its part of this one, and the merged
+  // manifest Finalize writes must not then look newer than that next save.
+  merged.save_time_unix_ms = set.save_time_unix_ms;
   std::map<std::string, TensorInfo> tensors;
   std::map<std::string, int> tensor_rank;  // the rank that first named each key
   std::map<std::string, ObjectInfo> objects;
@@ -108,7 +112,6 @@ Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
                       " ranks or another checksum block size than rank " +
                       std::to_string(set.names.begin()->first));
     }
-    merged.save_time_unix_ms = std::max(merged.save_time_unix_ms, part.save_time_unix_ms);
     const uint32_t file_base = static_cast<uint32_t>(merged.files.size());
     merged.files.insert(merged.files.end(), part.files.begin(), part.files.end());
     for (TensorInfo& t : part.tensors) {

@@ -41,8 +41,9 @@ Result<std::vector<RankManifestSet>> FindRankManifestSets(Storage& storage, cons
 
 // Reads every manifest of the complete set and merges them into one whole-checkpoint Metadata:
 // the same dtype, shape and partial flag for a key on every rank (else an error naming the key
-// and both ranks), chunks held by several ranks kept once, user metadata of rank 0, the latest
-// save time. The result is not yet validated (ReadCheckpointIndex holds it to every rule).
+// and both ranks), chunks held by several ranks kept once, user metadata of rank 0, the save
+// time of the set (rank 0's). The result is not yet validated (ReadCheckpointIndex holds it to
+// every rule).
 Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
                                     const RankManifestSet& set);
 
