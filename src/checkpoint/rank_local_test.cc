@@ -159,6 +159,16 @@ TEST(RankLocalTest, KeyThatIsATensorOnOneRankAndAnObjectOnAnotherIsNamedWithBoth
   EXPECT_THAT(error.message(), HasSubstr("object on rank 1"));
 }
 
+// Ranks given different tags (e.g. the rank in the tag) make one incomplete save each.
+TEST(RankLocalTest, RanksGivenDifferentTagsAreToldSo) {
+  auto memory = std::make_shared<MemoryStorage>();
+  SaveRanks("/ck", 1, "step-1.rank0", memory, {0});
+  SaveRanks("/ck", 1, "step-1.rank1", memory, {1});
+  Status error = ReadMetadata("/ck", memory).status();
+  EXPECT_EQ(error.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(error.message(), HasSubstr("different SaveOptions::save_tag"));
+}
+
 // A rank of a save by another number of ranks (a misconfigured job): an error naming the file.
 TEST(RankLocalTest, RankManifestClaimingAnotherNumberOfRanksIsNamed) {
   auto memory = std::make_shared<MemoryStorage>();

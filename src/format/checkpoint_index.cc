@@ -109,10 +109,19 @@ Result<CheckpointIndex> ReadTesseraOrRankLocal(Storage& storage, const std::stri
                                             "the rank-local save " +
                                             sets.front().save_id + " can be read");
   }
-  return FailedPrecondition(path + " holds no complete checkpoint: the rank-local save " +
-                            newest->save_id + " lacks the manifests of " + newest->MissingRanks() +
-                            " (a rank that has not finished or died; the others committed)" +
-                            (newest->problem.ok() ? "" : "; " + newest->problem.message()));
+  // Several incomplete saves and none complete: most likely the ranks were given different tags.
+  const bool several = std::count_if(sets.begin(), sets.end(), [](const RankManifestSet& set) {
+                         return set.header_read;
+                       }) > 1;
+  return FailedPrecondition(
+      path + " holds no complete checkpoint: the rank-local save " + newest->save_id +
+      " lacks the manifests of " + newest->MissingRanks() +
+      " (a rank that has not finished or died; the others committed)" +
+      (several ? "; it holds " + std::to_string(sets.size()) +
+                     " incomplete rank-local saves: did the ranks give different "
+                     "SaveOptions::save_tag values? Every rank must give the same tag"
+               : "") +
+      (newest->problem.ok() ? "" : "; " + newest->problem.message()));
 }
 
 }  // namespace
