@@ -358,6 +358,47 @@ TEST(RankLocalTest, FinalizedSaveStaysOlderThanTheNextOneOfAFastRank) {
   EXPECT_EQ(LoadedGeneration("/ck", memory), 2);
 }
 
+// ---- a rank that dies mid-save
+// -------------------------------------------------------------------
+
+// Rank 1's part of a rank-local save over a collective checkpoint, through a FaultInjecting
+// storage that crashes at operation n, then a simulated machine crash: the directory loads the
+// previous checkpoint or the new one, never a mix, and rank 1 saving the same tag again completes
+// the new one.
+TEST(RankLocalTest, CrashAtEveryStepOfARanksSaveThenItsRetryCompletesTheSave) {
+  auto run = [](int64_t n, int64_t* ops) {
+    auto memory = std::make_shared<MemoryStorage>();
+    SaveCollective("/ck", 1, memory);
+    SaveRanks("/ck", 2, "t", memory, {0});
+    EXPECT_OK(memory->SyncDir("/ck"));
+    auto faulty = std::make_shared<FaultInjectingStorage>(
+        memory, FaultPlan{.fail_at = n, .crash = true, .path_filter = ""});
+    RankState s(2, 1);
+    const Status saved = SaveRankLocal(s.Dict(), "/ck", 1, kRanks, RankLocal("t", faulty)).status();
+    if (ops) *ops = faulty->operation_count();
+    memory->SimulateCrash();
+    const int gen = LoadedGeneration("/ck", memory);
+    EXPECT_TRUE(gen == 1 || gen == 2) << gen;
+    if (saved.ok()) EXPECT_EQ(gen, 2) << "a save that reported success must be durable";
+    if (gen == 1) {
+      EXPECT_OK(SaveRankLocal(s.Dict(), "/ck", 1, kRanks, RankLocal("t", memory)));
+      EXPECT_EQ(LoadedGeneration("/ck", memory), 2);
+    }
+    EXPECT_OK(Verify("/ck", memory));
+    return gen;
+  };
+  int64_t total_ops = 0;
+  ASSERT_EQ(run(-1, &total_ops), 2);
+  ASSERT_GT(total_ops, 5);
+  int old_seen = 0, new_seen = 0;
+  for (int64_t n = 0; n <= total_ops; ++n) {
+    SCOPED_TRACE("crash at operation " + std::to_string(n));
+    (run(n, nullptr) == 1 ? old_seen : new_seen)++;
+  }
+  EXPECT_GT(old_seen, 0);
+  EXPECT_GT(new_seen, 0);
+}
+
 // ---- Finalize interrupted ----------------------------------------------------------------------
 
 // A collective save of generation 1, then a complete rank-local save of generation 2, then
