@@ -169,6 +169,22 @@ TEST(RankLocalTest, RanksGivenDifferentTagsAreToldSo) {
   EXPECT_THAT(error.message(), HasSubstr("different SaveOptions::save_tag"));
 }
 
+// Two ranks that both hold an overlapping (not equal) box as the main replica.
+TEST(RankLocalTest, OverlapBetweenRanksIsNamedWithBothRanks) {
+  auto memory = std::make_shared<MemoryStorage>();
+  std::vector<float> data(6, 1.0f);
+  for (int r = 0; r < kRanks; ++r) {
+    StateDict s;
+    ASSERT_OK(
+        s.Add(ShardedTensor::Shard("w", TensorView(data.data(), DType::kF32, {6}), {10}, {4 * r})));
+    ASSERT_OK(SaveRankLocal(s, "/ck", r, kRanks, RankLocal("t", memory)));
+  }
+  Status error = ReadMetadata("/ck", memory).status();
+  EXPECT_THAT(error.message(), HasSubstr("key 'w'"));
+  EXPECT_THAT(error.message(), HasSubstr("overlap"));
+  EXPECT_THAT(error.message(), HasSubstr("written by rank 0 and rank 1"));
+}
+
 // A rank of a save by another number of ranks (a misconfigured job): an error naming the file.
 TEST(RankLocalTest, RankManifestClaimingAnotherNumberOfRanksIsNamed) {
   auto memory = std::make_shared<MemoryStorage>();

@@ -94,8 +94,9 @@ Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
   std::map<std::string, TensorInfo> tensors;
   std::map<std::string, int> tensor_rank;  // the rank that first named each key
   std::map<std::string, ObjectInfo> objects;
-  std::map<std::string, int> object_rank;      // the rank that first named each object key
-  std::map<std::string, std::set<Box>> boxes;  // per key: boxes taken (held by several ranks)
+  std::map<std::string, int> object_rank;           // the rank that first named each object key
+  std::map<std::string, std::set<Box>> boxes;       // per key: boxes taken (held by several ranks)
+  std::map<std::string, std::vector<int>> writers;  // per key: the rank of each kept chunk
   for (const auto& [rank, name] : set.names) {
     TESSERA_ASSIGN_OR_RETURN(Metadata part,
                              ReadRankManifest(storage, dir, name, rank, set.save_id));
@@ -134,6 +135,7 @@ Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
         if (!boxes[t.key].insert(c.box).second) continue;
         c.location.file_index += file_base;
         into.chunks.push_back(std::move(c));
+        writers[t.key].push_back(rank);
       }
     }
     for (ObjectInfo& o : part.objects) {
@@ -153,9 +155,15 @@ Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
     // Each part was checked alone; only now can a gap (a box no rank wrote as the main replica)
     // or an overlap between ranks show: name the key here rather than as a corrupt manifest.
     if (auto failure = CheckTiling(t.chunks, t.global_shape, !t.partial)) {
+      std::string who;
+      if (failure->first >= 0 && failure->second >= 0) {
+        const std::vector<int>& ranks = writers[key];
+        who = " (written by rank " + std::to_string(ranks[failure->first]) + " and rank " +
+              std::to_string(ranks[failure->second]) + ")";
+      }
       return FailedPrecondition("rank-local save " + set.save_id + " in " + dir +
                                 " is not a whole checkpoint: key '" + key +
-                                "': " + failure->message +
+                                "': " + failure->message + who +
                                 " (every box must be written by one rank holding it as the main "
                                 "replica, replica id 0)");
     }
