@@ -196,6 +196,20 @@ TEST(RankLocalTest, RankManifestClaimingAnotherNumberOfRanksIsNamed) {
   EXPECT_THAT(error.message(), HasSubstr("3 ranks"));
 }
 
+// A part of a rank beyond the save's number of ranks beside a complete save (a job of 3 ranks
+// that saved the same tag): the newest save is damaged, so the error names the file rather than
+// an older checkpoint loading in silence.
+TEST(RankLocalTest, ExtraPartOfARankBeyondNumRanksIsNamed) {
+  auto memory = std::make_shared<MemoryStorage>();
+  SaveCollective("/ck", 1, memory);
+  SaveRanks("/ck", 2, "t", memory);
+  ASSERT_OK(SaveRankLocal(StateDict(), "/ck", 2, 3, RankLocal("t", memory)));
+  Status error;
+  EXPECT_EQ(LoadedGeneration("/ck", memory, &error), -1);
+  EXPECT_THAT(error.message(), HasSubstr(PartPath("/ck", "t", 2)));
+  EXPECT_THAT(error.message(), HasSubstr("of a save by 2 ranks"));
+}
+
 // A part copied under another rank's name: its own part_rank gives it away.
 TEST(RankLocalTest, PartRankDisagreeingWithTheFileNameIsNamed) {
   auto memory = std::make_shared<MemoryStorage>();

@@ -5,6 +5,7 @@
 #ifndef TESSERA_FORMAT_RANK_MANIFESTS_H_
 #define TESSERA_FORMAT_RANK_MANIFESTS_H_
 
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -27,7 +28,11 @@ struct RankManifestSet {
   // The first part that cannot be read or does not fit the others (a rank at or beyond
   // num_ranks), naming its file; OK otherwise. Such a set never loads.
   Status problem;
-  bool complete() const { return header_read && static_cast<int32_t>(names.size()) == num_ranks; }
+  // Every rank 0..num_ranks-1 has its part here. A part of a rank beyond them does not make
+  // the set incomplete (it is a `problem`, reported when the set is the newest).
+  bool complete() const {
+    return header_read && std::distance(names.begin(), names.lower_bound(num_ranks)) == num_ranks;
+  }
   // "ranks 3, 5 (of 8)": the ranks whose manifest is missing.
   std::string MissingRanks() const;
 };
