@@ -126,11 +126,15 @@ int64_t NowUnixMs() {
 // Readers order saves by save time in milliseconds, and a committed manifest wins a tie. A save
 // that committed before this rank listed the directory took its time no later than `listed_ms`:
 // this part's time is strictly later, so a rank-local save right after a collective one (or
-// after this rank's previous part) is the newer one. Waits at most a millisecond, and only when
-// the save took less.
+// after this rank's previous part) is the newer one. It waits for the clock rather than adding
+// to it, so that a save committed after this part gets a time no earlier than the part's (and
+// wins the tie). Waits at most a millisecond, and only when the save took less; if the clock
+// was set back meanwhile, it gives up after 5 ms and takes listed_ms + 1.
 int64_t SaveTimeAfter(int64_t listed_ms) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(5);
   int64_t now = NowUnixMs();
   while (now <= listed_ms) {
+    if (std::chrono::steady_clock::now() > give_up) return listed_ms + 1;
     std::this_thread::sleep_for(std::chrono::microseconds(100));
     now = NowUnixMs();
   }

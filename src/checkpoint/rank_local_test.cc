@@ -409,7 +409,9 @@ TEST(RankLocalTest, CrashAtEveryStepOfARanksSaveThenItsRetryCompletesTheSave) {
     memory->SimulateCrash();
     const int gen = LoadedGeneration("/ck", memory);
     EXPECT_TRUE(gen == 1 || gen == 2) << gen;
-    if (saved.ok()) EXPECT_EQ(gen, 2) << "a save that reported success must be durable";
+    if (saved.ok()) {
+      EXPECT_EQ(gen, 2) << "a save that reported success must be durable";
+    }
     if (gen == 1) {
       EXPECT_OK(SaveRankLocal(s.Dict(), "/ck", 1, kRanks, RankLocal("t", memory)));
       EXPECT_EQ(LoadedGeneration("/ck", memory), 2);
@@ -472,6 +474,28 @@ TEST(RankLocalTest, CrashAtEveryStepOfFinalizeKeepsTheCheckpointAndFinalizeAgain
       EXPECT_FALSE(name.starts_with("tessera.saving.")) << name;
     }
   }
+}
+
+TEST(RankLocalTest, FailureAtEveryStepOfFinalizeKeepsTheCheckpointAndFinalizeAgainFinishes) {
+  int64_t n = 0;
+  for (;; ++n) {
+    SCOPED_TRACE("failure at operation " + std::to_string(n));
+    FinalizeOverExisting run{FaultPlan{.fail_at = n, .crash = false, .path_filter = ""}};
+    EXPECT_EQ(LoadedGeneration("/ck", run.memory), 2);
+    if (run.finalized.ok() && !run.faulty->fault_fired()) break;  // past the last operation
+    if (!run.finalized.ok()) {
+      EXPECT_THAT(run.finalized.message(), HasSubstr("injected fault"));
+      // Finalize again finishes the job; or, when the failure came after the last part was
+      // removed (the directory's sync), says there is nothing left to do.
+      Status again = Finalize("/ck", run.memory).status();
+      if (!again.ok()) {
+        EXPECT_THAT(again.message(), HasSubstr("nothing to finalize"));
+      }
+    }
+    EXPECT_EQ(CountRankManifests(*run.memory, "/ck"), 0);
+    EXPECT_EQ(LoadedGeneration("/ck", run.memory), 2);
+  }
+  EXPECT_GT(n, 5);
 }
 
 // A crash between the commit of the merged manifest and the removal of the parts: both read as
