@@ -243,6 +243,7 @@ TEST(RankLocalTest, CorruptPartOfTheNewestSaveIsNamed) {
     EXPECT_EQ(LoadedGeneration("/ck", memory, &error), -1);
     EXPECT_THAT(error.message(), HasSubstr(PartPath("/ck", "t", victim)));
     EXPECT_THAT(error.message(), HasSubstr("checksum mismatch"));
+    EXPECT_THAT(error.message(), HasSubstr("the next save into the directory supersedes it"));
   }
 }
 

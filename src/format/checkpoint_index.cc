@@ -90,13 +90,21 @@ Result<CheckpointIndex> ReadTesseraOrRankLocal(Storage& storage, const std::stri
   }
   if (newest_complete &&
       (!whole || newest_complete->save_time_unix_ms > whole->save_time_unix_ms)) {
-    if (!newest_complete->problem.ok()) {
-      return newest_complete->problem.WithContext("the rank-local save " +
-                                                  newest_complete->save_id + " in " + path);
-    }
-    TESSERA_ASSIGN_OR_RETURN(Metadata merged, MergeRankManifests(storage, path, *newest_complete));
+    // A part damaged after it was committed: name it, and say what the way out is.
+    auto damaged = [&](const Status& problem) {
+      return Status(problem.code(),
+                    "the rank-local save " + newest_complete->save_id + " in " + path + ": " +
+                        problem.message() + " (the newest checkpoint in " + path +
+                        " is damaged; the next save into the directory supersedes it, or "
+                        "removing the rank manifests of save " +
+                        newest_complete->save_id + " makes the checkpoint before it load)");
+    };
+    if (!newest_complete->problem.ok()) return damaged(newest_complete->problem);
+    Result<Metadata> merged = MergeRankManifests(storage, path, *newest_complete);
+    if (merged.status().code() == StatusCode::kDataLoss) return damaged(merged.status());
+    if (!merged.ok()) return merged.status();
     Result<CheckpointIndex> checked =
-        Checked(path, merged, path + " (rank-local save " + newest_complete->save_id + ")");
+        Checked(path, *merged, path + " (rank-local save " + newest_complete->save_id + ")");
     if (!checked.ok()) return checked.status();
     checked->metadata.format_version = kFormatVersion;
     checked->rank_local = true;
