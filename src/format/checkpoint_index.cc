@@ -118,14 +118,14 @@ Result<CheckpointIndex> ReadTesseraOrRankLocal(Storage& storage, const std::stri
                                             sets.front().save_id + " can be read");
   }
   // Several incomplete saves and none complete: most likely the ranks were given different tags.
-  const bool several = std::count_if(sets.begin(), sets.end(), [](const RankManifestSet& set) {
-                         return set.header_read;
-                       }) > 1;
+  const auto readable = std::count_if(sets.begin(), sets.end(),
+                                      [](const RankManifestSet& set) { return set.header_read; });
+  const bool several = readable > 1;
   return FailedPrecondition(
       path + " holds no complete checkpoint: the rank-local save " + newest->save_id +
       " lacks the manifests of " + newest->MissingRanks() +
       " (a rank that has not finished or died; the others committed)" +
-      (several ? "; it holds " + std::to_string(sets.size()) +
+      (several ? "; it holds " + std::to_string(readable) +
                      " incomplete rank-local saves: did the ranks give different "
                      "SaveOptions::save_tag values? Every rank must give the same tag"
                : "") +
