@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "core/utf8.h"
+#include "format/checkpoint_index.h"
 #include "format/torch_dist/pickle.h"
 #include "tessera/checkpoint.h"
 #include "tools/commands.h"
@@ -292,7 +293,9 @@ struct Printer {
   }
 };
 
-void PrintSummary(const std::string& path, const Metadata& m, const Printer& print) {
+// `rank_local`: the checkpoint is the merge of a rank-local save's rank manifests.
+void PrintSummary(const std::string& path, const Metadata& m, bool rank_local,
+                  const Printer& print) {
   print("checkpoint " + Printable(path));
   std::string format = CheckpointFormatName(m.format);
   if (m.format == CheckpointFormat::kTessera) {
@@ -301,6 +304,10 @@ void PrintSummary(const std::string& path, const Metadata& m, const Printer& pri
   if (m.checksum == ChecksumKind::kNone) format += " (no checksums)";
   if (!m.save_id.empty()) format += ", save id " + Printable(m.save_id);
   print("  format     " + format);
+  if (rank_local) {
+    print("  state      rank-local save, not finalized: " + std::to_string(m.num_ranks) +
+          " rank manifests (tessera finalize merges them)");
+  }
   std::string saved = FormatTime(m.save_time_unix_ms);
   saved = (saved == "-" ? "time unknown" : saved) + ", by " +
           (m.num_ranks > 0 ? std::to_string(m.num_ranks) : std::string("?")) +
@@ -536,9 +543,10 @@ int PrintJson(const std::string& path, const Metadata& m, const std::vector<bool
 }  // namespace
 
 int RunInspect(const InspectOptions& options) {
-  Result<Metadata> metadata = ReadMetadata(options.path);
-  if (!metadata.ok()) return Fail(metadata.status());
-  const Metadata& m = *metadata;
+  std::shared_ptr<Storage> storage = NewPosixStorage();
+  Result<CheckpointIndex> index = ReadCheckpointIndex(*storage, options.path);
+  if (!index.ok()) return Fail(index.status());
+  const Metadata& m = index->metadata;
   // Which keys are shown: tensors, then objects.
   std::vector<bool> shown;
   size_t num_shown = 0;
@@ -551,7 +559,7 @@ int RunInspect(const InspectOptions& options) {
   if (options.json) return PrintJson(options.path, m, shown, values, encodings);
 
   const Printer print{static_cast<size_t>(std::max(OutputWidth(), 20))};
-  PrintSummary(options.path, m, print);
+  PrintSummary(options.path, m, index->rank_local, print);
   std::vector<Row> rows;
   std::vector<uint64_t> bytes;
   for (size_t i = 0; i < m.tensors.size(); ++i) {

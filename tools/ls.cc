@@ -10,7 +10,9 @@
 #include <set>
 
 #include "core/utf8.h"
+#include "format/checkpoint_index.h"
 #include "format/manifest.h"
+#include "format/rank_manifests.h"
 #include "tessera/checkpoint.h"
 #include "tools/commands.h"
 #include "tools/text.h"
@@ -31,6 +33,9 @@ struct Found {
   int64_t save_time_ms = 0;  // the manifest's, else the newest file's modification time
   bool committed = true;     // false: the files of a save that did not finish
   std::string problem;       // why it could not be read, or ""
+  // Rank-local saves (docs/FORMAT.md 4.2): what ls says about their parts, e.g. "rank-local,
+  // 4 of 4 parts, not finalized"; "" when the directory holds no rank manifest.
+  std::string rank_local;
 };
 
 struct Entry {
@@ -86,6 +91,11 @@ bool IsSafetensors(const std::string& n) {
   return n.ends_with(".safetensors") || n == "model.safetensors.index.json";
 }
 bool AnyFile(const std::string&) { return true; }
+bool IsRankManifest(const std::string& n) {
+  std::string id;
+  int rank = 0;
+  return ParseRankManifestName(n, &id, &rank);
+}
 
 // Fills `found` from the checkpoint's index; on failure keeps what the listing said and
 // records the problem.
@@ -105,13 +115,62 @@ void FromMetadata(const fs::path& dir, Found& found) {
     found.step = it->second;
 }
 
+// A directory with rank manifests: a complete rank-local save is a committed checkpoint (not yet
+// finalized); an incomplete one is uncommitted, and says how many of its parts are there.
+void FromRankManifests(const fs::path& dir, const std::vector<Entry>& files, Found& found) {
+  std::shared_ptr<Storage> storage = NewPosixStorage();
+  std::vector<std::string> names;
+  for (const Entry& e : files) names.push_back(e.name);
+  Result<std::vector<RankManifestSet>> sets = FindRankManifestSets(*storage, dir.string(), names);
+  Result<CheckpointIndex> index = ReadCheckpointIndex(*storage, dir.string());
+  found.format = "tessera";
+  auto parts = [](const RankManifestSet& set) {
+    return std::to_string(set.names.size()) + " of " +
+           (set.header_read ? std::to_string(set.num_ranks) : std::string("?")) + " parts";
+  };
+  const RankManifestSet* newest = nullptr;  // the newest set, or the one that is the checkpoint
+  for (const RankManifestSet& set : sets.ok() ? *sets : std::vector<RankManifestSet>{}) {
+    if (index.ok() && index->metadata.save_id == set.save_id) {
+      newest = &set;
+      break;
+    }
+    if (!newest || set.save_time_unix_ms > newest->save_time_unix_ms) newest = &set;
+  }
+  if (index.ok()) {
+    FromMetadata(dir, found);
+    if (index->rank_local) {
+      found.rank_local = "rank-local, " + parts(*newest) + ", not finalized";
+    } else if (newest && newest->save_id != index->metadata.save_id) {
+      found.rank_local = "an older or unfinished rank-local save has " + parts(*newest);
+    } else if (newest) {
+      found.rank_local = "finalized; its rank manifests are left (finalize again removes them)";
+    }
+    return;
+  }
+  found.committed = false;
+  Tally(files, IsTesseraSaveFile, found);
+  Tally(files, IsRankManifest, found);
+  if (newest) {
+    found.rank_local = "rank-local, " + parts(*newest);
+    if (newest->header_read) found.ranks = newest->num_ranks;
+  }
+  if (index.status().code() != StatusCode::kFailedPrecondition) {
+    found.problem = index.status().ToString();  // damaged, not merely unfinished
+  }
+}
+
 // The checkpoint `dir` holds, if any (its format decided by its names, as ReadMetadata does).
 std::optional<Found> Examine(const fs::path& dir, const std::vector<Entry>& files) {
   Found found;
   auto any = [&](bool (*pick)(const std::string&)) {
     return std::any_of(files.begin(), files.end(), [&](const Entry& e) { return pick(e.name); });
   };
-  if (const Entry* manifest = Find(files, kManifestFileName)) {
+  if (any(IsRankManifest)) {
+    if (const Entry* manifest = Find(files, kManifestFileName)) {
+      found.save_time_ms = manifest->mtime_ms;
+    }
+    FromRankManifests(dir, files, found);
+  } else if (const Entry* manifest = Find(files, kManifestFileName)) {
     found.format = "tessera";
     found.save_time_ms = manifest->mtime_ms;
     FromMetadata(dir, found);
@@ -164,6 +223,10 @@ std::vector<Found> Search(const fs::path& root) {
 
 std::string State(const Found& f) {
   if (!f.problem.empty()) return "unreadable: " + f.problem;
+  if (!f.rank_local.empty()) {
+    return (f.committed ? "committed (" : "uncommitted (") + f.rank_local +
+           (f.committed ? ")" : "; ranks still saving, or died)");
+  }
   return f.committed ? "committed" : "uncommitted (a save that did not finish, or still runs)";
 }
 
@@ -184,6 +247,7 @@ int PrintJson(const std::string& dir, const std::vector<Found>& all) {
                            {"save_time_unix_ms", f.save_time_ms},
                            {"committed", f.committed}};
     if (!f.problem.empty()) item["error"] = f.problem;
+    if (!f.rank_local.empty()) item["rank_local"] = f.rank_local;
     list.push_back(std::move(item));
   }
   std::cout << nlohmann::json{{"dir", dir}, {"checkpoints", list}}.dump(2) << "\n";

@@ -255,8 +255,18 @@ check "demo --rank-local saves without a collective and loads resharded" $?
 check "a rank-local save leaves one rank manifest per rank and no tessera.manifest" $?
 "$tessera" verify "$work/rl" --quiet > /dev/null
 check "verify reads the rank manifests as one checkpoint" $?
+COLUMNS=200 "$tessera" ls "$work/rl" > "$work/rl_ls.txt"
+grep -q "committed (rank-local, 4 of 4 parts, not finalized)" "$work/rl_ls.txt" && grep -Eq "  4  .* committed" "$work/rl_ls.txt"
+check "ls: a complete rank-local save is committed, 4 ranks, not finalized" $?
+"$tessera" inspect "$work/rl" > "$work/rl_inspect.txt" && grep -q "^  state      rank-local save, not finalized: 4 rank manifests" "$work/rl_inspect.txt"
+check "inspect reads an unfinalized rank-local save and says it is one" $?
+cp -r "$work/rl" "$work/rl_rm"
+"$tessera" rm-keys "$work/rl_rm" --prefix optimizer. > /dev/null && "$tessera" verify "$work/rl_rm" --quiet > /dev/null && [ -e "$work/rl_rm/tessera.manifest" ] && [ "$(ls "$work/rl_rm" | grep -c '^tessera.manifest.rank-')" -eq 0 ]
+check "rm-keys of an unfinalized rank-local save commits a whole manifest without the keys" $?
 "$tessera" finalize "$work/rl" > "$work/finalize.out"
 check "finalize exits 0" $?
+"$tessera" diff "$work/rl" "$work/rl_rm" > /dev/null; [ $? -eq 1 ]
+check "diff of a finalized and a rank-local-then-rm-keys checkpoint: they differ (exit 1)" $?
 [ -e "$work/rl/tessera.manifest" ] && [ "$(ls "$work/rl" | grep -c '^tessera.manifest.rank-')" -eq 0 ]
 check "finalize merges the rank manifests into tessera.manifest" $?
 "$tessera" verify "$work/rl" --quiet > /dev/null
@@ -270,6 +280,8 @@ rm "$work/rl2/"tessera.manifest.rank-*-r00001
 msg="$("$tessera" verify "$work/rl2" 2>&1)"; rc=$?
 [ $rc -ne 0 ] && echo "$msg" | grep -q "lacks the manifests of rank 1 (of 4)"
 check "a rank-local save missing a rank manifest: an error naming the rank" $?
+COLUMNS=200 "$tessera" ls "$work/rl2" | grep -q "uncommitted (rank-local, 3 of 4 parts"
+check "ls: an incomplete rank-local save is uncommitted, 3 of 4 parts" $?
 
 "$tessera" bench rank-local --size 4MiB --repeat 1 --layout tp2,dp2 > "$work/bench_rl.json"
 check "bench rank-local exits 0" $?

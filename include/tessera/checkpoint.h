@@ -214,6 +214,8 @@ struct VerifyReport {
 // manifests and the files of earlier saves. Not collective: run it from one process. Returns
 // the merged metadata. Errors as ReadMetadata's (naming the ranks whose manifest is missing, or
 // the keys with gaps); kFailedPrecondition when `path` holds no rank-local save to finalize.
+// Safe to run beside training: rank-local saves newer than the one it merges stay. Run again
+// after a crash, it finishes the job (removes the parts its commit left).
 Result<Metadata> Finalize(const std::string& path, std::shared_ptr<Storage> storage = nullptr);
 
 struct VerifyOptions {

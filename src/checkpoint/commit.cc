@@ -12,6 +12,7 @@
 
 #include "core/utf8.h"
 #include "format/manifest.h"
+#include "format/rank_manifests.h"
 
 namespace tessera {
 namespace {
@@ -307,9 +308,24 @@ void RemoveStaleFiles(Storage& storage, const std::string& dir, const Metadata& 
   // 4. Remove the rest.
   // The rank manifests of the checkpoint in place (a rank-local save newer than the commit).
   const std::string current_id = current.ok() ? current->save_id : committed.save_id;
+  const int64_t current_time =
+      current.ok() ? current->save_time_unix_ms : committed.save_time_unix_ms;
+  // Rank-local saves newer than the checkpoint in place and not complete yet: their ranks run at
+  // their own pace, and those that finished have removed their markers while others have not
+  // started. They are kept until a newer checkpoint supersedes them (a Finalize of the previous
+  // save, run beside training, must not delete the next save's parts).
+  std::set<std::string> pending;
+  if (Result<std::vector<RankManifestSet>> sets = FindRankManifestSets(storage, dir, *names);
+      sets.ok()) {
+    for (const RankManifestSet& set : *sets) {
+      if (set.header_read && set.problem.ok() && set.save_time_unix_ms > current_time) {
+        pending.insert(set.save_id);
+      }
+    }
+  }
   for (const std::string& name : *names) {
     const std::string id = SaveIdOf(name);
-    if (id.empty() || markers.running.count(id) || live.count(name)) continue;
+    if (id.empty() || markers.running.count(id) || live.count(name) || pending.count(id)) continue;
     if (id == current_id && IsRankManifestName(name)) continue;
     storage.Remove(JoinPath(dir, name)).IgnoreError();
   }

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <set>
+#include <thread>
 
 #include "checkpoint/commit.h"
 #include "checkpoint/data_files.h"
@@ -86,6 +87,16 @@ void RemoveOwnLeftovers(Storage& storage, const std::string& path,
   storage.Remove(JoinPath(path, manifest_name + ".tmp")).IgnoreError();
 }
 
+// The first of `files` that exists in `path`, or "".
+Result<std::string> FirstExisting(Storage& storage, const std::string& path,
+                                  const std::vector<DataFilePlan>& files) {
+  for (const DataFilePlan& f : files) {
+    TESSERA_ASSIGN_OR_RETURN(FileType type, storage.Stat(JoinPath(path, f.name)));
+    if (type != FileType::kNotFound) return f.name;
+  }
+  return std::string();
+}
+
 // Writes the part's manifest under a temporary name and renames it into place: the part is
 // there whole or not at all. What is written must read back as a part.
 Status CommitRankManifest(Storage& storage, const std::string& path, const Metadata& part,
@@ -102,6 +113,30 @@ Status CommitRankManifest(Storage& storage, const std::string& path, const Metad
   TESSERA_RETURN_IF_ERROR(storage.Rename(temp, JoinPath(path, name)));
   if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(path));
   return Status::Ok();
+}
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Readers order saves by save time in milliseconds, and a committed manifest wins a tie. A save
+// that committed before this rank listed the directory took its time no later than `listed_ms`:
+// this part's time is strictly later, so a rank-local save right after a collective one (or
+// after this rank's previous part) is the newer one. It waits for the clock rather than adding
+// to it, so that a save committed after this part gets a time no earlier than the part's (and
+// wins the tie). Waits at most a millisecond, and only when the save took less; if the clock
+// was set back meanwhile, it gives up after 5 ms and takes listed_ms + 1.
+int64_t SaveTimeAfter(int64_t listed_ms) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(5);
+  int64_t now = NowUnixMs();
+  while (now <= listed_ms) {
+    if (std::chrono::steady_clock::now() > give_up) return listed_ms + 1;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    now = NowUnixMs();
+  }
+  return now;
 }
 
 }  // namespace
@@ -128,6 +163,7 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
 
   const std::string save_id = RankLocalSaveId(options.save_tag);
   TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
+  const int64_t listed_ms = NowUnixMs();  // before anything of the directory is looked at
   const std::string manifest_name = RankManifestName(save_id, rank);
   TESSERA_ASSIGN_OR_RETURN(FileType existing, storage->Stat(JoinPath(path, manifest_name)));
   if (existing != FileType::kNotFound) {
@@ -139,6 +175,24 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
   const std::vector<DataFilePlan> files = PlanDataFiles(
       split.main, plan.writes[0], options.num_io_threads, options.separate_prefixes, save_id, rank);
   const std::string marker_id = save_id + ".r" + std::to_string(rank);
+  // This rank's data files of the tag with no marker of this rank beside them are not what an
+  // attempt that died left (it dies with its marker in place; a cleanup that removes a dead
+  // marker removes its files too, unless a checkpoint lists them): they are a committed
+  // checkpoint's, e.g. the tag saved and finalized before a job restarted from an older step.
+  // (Stat of the names this attempt will write, rather than a listing: see RemoveOwnLeftovers.)
+  TESSERA_ASSIGN_OR_RETURN(std::string own_file, FirstExisting(*storage, path, files));
+  if (!own_file.empty()) {
+    TESSERA_ASSIGN_OR_RETURN(FileType own_marker,
+                             storage->Stat(JoinPath(path, "tessera.saving." + marker_id)));
+    if (own_marker == FileType::kNotFound) {
+      return Status(StatusCode::kAlreadyExists,
+                    "rank " + std::to_string(rank) + " already saved tag '" + options.save_tag +
+                        "' into " + path + " (" + own_file +
+                        " is there and no interrupted attempt of this rank left it; the tag was "
+                        "finalized or another job saved it): each rank-local save needs a new "
+                        "SaveOptions::save_tag");
+    }
+  }
   RemoveSaveMarker(*storage, path, marker_id);  // a crashed earlier attempt's
   RemoveOwnLeftovers(*storage, path, files, manifest_name);
   TESSERA_RETURN_IF_ERROR(CreateSaveMarker(*storage, path, marker_id, options.sync));
@@ -171,9 +225,7 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
     part->user_metadata = options.user_metadata;
     part->checksum_block_bytes = kChecksumBlockBytes;
     part->separate_prefixes = SortedUnique(options.separate_prefixes);
-    part->save_time_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                                  std::chrono::system_clock::now().time_since_epoch())
-                                  .count();
+    part->save_time_unix_ms = SaveTimeAfter(listed_ms);
     committed = CommitRankManifest(*storage, path, *part, options.sync);
   }
   if (!committed.ok()) {

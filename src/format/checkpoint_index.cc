@@ -69,7 +69,10 @@ Result<CheckpointIndex> Checked(std::string root, const Metadata& m, const std::
 }
 
 // A directory holding rank-local saves, and maybe a committed manifest: the newest complete
-// checkpoint among them.
+// checkpoint among them. A set with every part present but one damaged takes part in the choice
+// when its header facts could be read from another part: if it is the newest, the error names the
+// damaged file (a damaged newest save is not replaced silently by an older one). A set none of
+// whose parts can be read has no save time: it counts as incomplete.
 Result<CheckpointIndex> ReadTesseraOrRankLocal(Storage& storage, const std::string& path,
                                                bool has_manifest,
                                                const std::vector<RankManifestSet>& sets) {
@@ -80,6 +83,7 @@ Result<CheckpointIndex> ReadTesseraOrRankLocal(Storage& storage, const std::stri
   const RankManifestSet* newest_complete = nullptr;
   const RankManifestSet* newest = nullptr;
   for (const RankManifestSet& set : sets) {
+    if (!set.header_read) continue;
     if (!newest || set.save_time_unix_ms > newest->save_time_unix_ms) newest = &set;
     if (set.complete() &&
         (!newest_complete || set.save_time_unix_ms > newest_complete->save_time_unix_ms)) {
@@ -88,18 +92,46 @@ Result<CheckpointIndex> ReadTesseraOrRankLocal(Storage& storage, const std::stri
   }
   if (newest_complete &&
       (!whole || newest_complete->save_time_unix_ms > whole->save_time_unix_ms)) {
-    TESSERA_ASSIGN_OR_RETURN(Metadata merged, MergeRankManifests(storage, path, *newest_complete));
+    // A part damaged after it was committed: name it, and say what the way out is.
+    auto damaged = [&](const Status& problem) {
+      return Status(problem.code(),
+                    "the rank-local save " + newest_complete->save_id + " in " + path + ": " +
+                        problem.message() + " (the newest checkpoint in " + path +
+                        " is damaged; the next save into the directory supersedes it, or "
+                        "removing the rank manifests of save " +
+                        newest_complete->save_id + " makes the checkpoint before it load)");
+    };
+    if (!newest_complete->problem.ok()) return damaged(newest_complete->problem);
+    Result<Metadata> merged = MergeRankManifests(storage, path, *newest_complete);
+    if (merged.status().code() == StatusCode::kDataLoss) return damaged(merged.status());
+    if (!merged.ok()) return merged.status();
     Result<CheckpointIndex> checked =
-        Checked(path, merged, path + " (rank-local save " + newest_complete->save_id + ")");
+        Checked(path, *merged, path + " (rank-local save " + newest_complete->save_id + ")");
     if (!checked.ok()) return checked.status();
     checked->metadata.format_version = kFormatVersion;
     checked->rank_local = true;
     return checked;
   }
   if (whole) return CheckpointIndex{path, std::move(*whole)};
-  return FailedPrecondition(path + " holds no complete checkpoint: the rank-local save " +
-                            newest->save_id + " lacks the manifests of " + newest->MissingRanks() +
-                            " (a rank that has not finished or died; the others committed)");
+  if (!newest) {
+    return sets.front().problem.WithContext(path +
+                                            " holds no complete checkpoint: no part of "
+                                            "the rank-local save " +
+                                            sets.front().save_id + " can be read");
+  }
+  // Several incomplete saves and none complete: most likely the ranks were given different tags.
+  const auto readable = std::count_if(sets.begin(), sets.end(),
+                                      [](const RankManifestSet& set) { return set.header_read; });
+  const bool several = readable > 1;
+  return FailedPrecondition(
+      path + " holds no complete checkpoint: the rank-local save " + newest->save_id +
+      " lacks the manifests of " + newest->MissingRanks() +
+      " (a rank that has not finished or died; the others committed)" +
+      (several ? "; it holds " + std::to_string(readable) +
+                     " incomplete rank-local saves: did the ranks give different "
+                     "SaveOptions::save_tag values? Every rank must give the same tag"
+               : "") +
+      (newest->problem.ok() ? "" : "; " + newest->problem.message()));
 }
 
 }  // namespace

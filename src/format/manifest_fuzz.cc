@@ -4,9 +4,11 @@
 //
 // Input: one mode byte, then the manifest. Most mutations of a manifest break its checksum,
 // and the decoder rejects those before it looks at the body; with bit 0 of the mode byte set
-// the target first repairs the header (magic, version 1, flags 0, body length = what follows)
-// and the trailing checksum, so that mutations reach the body decoder. Bit 0 clear: the bytes
-// are decoded as they are (the header checks themselves).
+// the target first repairs the header (magic, flags 0, body length = what follows; the version
+// kept when it is one this build reads, else 1) and the trailing checksum, so that mutations
+// reach the body decoder of either version. Bit 0 clear: the bytes are decoded as they are (the
+// header checks themselves). Seeds cover both versions and both manifest kinds (a whole
+// checkpoint, and a rank's part of a rank-local save: v2_rank_part*).
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -22,7 +24,11 @@ namespace {
 void RepairHeaderAndChecksum(std::vector<uint8_t>& m) {
   const uint64_t fixed = tessera::kManifestHeaderBytes + tessera::kManifestTrailerBytes;
   if (m.size() < fixed) m.resize(fixed, 0);
-  const uint32_t version = 1, flags = 0;
+  // A version 2 body must reach its own decoder, not be read as version 1.
+  uint32_t version = 0;
+  std::memcpy(&version, m.data() + 8, 4);
+  if (version < 1 || version > tessera::kFormatVersion) version = 1;
+  const uint32_t flags = 0;
   const uint64_t body = m.size() - fixed;
   std::memcpy(m.data(), "TSRMANIF", 8);
   std::memcpy(m.data() + 8, &version, 4);

@@ -3,8 +3,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <random>
 
@@ -355,6 +358,26 @@ TEST(ManifestV2Test, OneMillionChunksAreCompactAndDecodeFast) {
   EXPECT_TRUE(*decoded == m);
   EXPECT_LE(per_chunk, 24.0);
   EXPECT_LT(decode_s, 2.0);
+}
+
+// The manifest fuzz target's seeds (fuzz/corpus/manifest/, one mode byte then a manifest) cover
+// both manifest kinds: a rank's part of a rank-local save (kind 1) decodes as that part.
+TEST(ManifestV2Test, FuzzCorpusHasARankPartSeed) {
+  const std::string dir = std::string(TESSERA_SOURCE_DIR) + "/fuzz/corpus/manifest/";
+  for (const char* name : {"v2_rank_part", "v2_rank_part_repair"}) {
+    SCOPED_TRACE(name);
+    std::ifstream in(dir + name, std::ios::binary);
+    ASSERT_TRUE(in) << "missing seed " << dir << name;
+    Bytes seed((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ASSERT_GT(seed.size(), 1u);
+    ASSERT_OK_AND_ASSIGN(Metadata m, DecodeManifest(Bytes(seed.begin() + 1, seed.end()), name));
+    EXPECT_EQ(m.format_version, 2u);
+    EXPECT_EQ(m.part_rank, 2);
+    EXPECT_GT(m.num_ranks, m.part_rank);
+    // A part lists tensors it holds only as a replica, with no chunks (FORMAT.md 4.2).
+    EXPECT_TRUE(std::any_of(m.tensors.begin(), m.tensors.end(),
+                            [](const TensorInfo& t) { return t.chunks.empty(); }));
+  }
 }
 
 }  // namespace

@@ -57,14 +57,24 @@ Result<std::vector<RankManifestSet>> FindRankManifestSets(Storage& storage, cons
   }
   std::vector<RankManifestSet> sets;
   for (auto& [id, set] : by_id) {
-    const auto& [rank, name] = *set.names.begin();
-    TESSERA_ASSIGN_OR_RETURN(Metadata first, ReadRankManifest(storage, dir, name, rank, id));
-    set.num_ranks = first.num_ranks;
-    set.save_time_unix_ms = first.save_time_unix_ms;
+    for (const auto& [rank, name] : set.names) {
+      Result<Metadata> part = ReadRankManifest(storage, dir, name, rank, id);
+      if (part.ok()) {
+        set.num_ranks = part->num_ranks;
+        set.save_time_unix_ms = part->save_time_unix_ms;
+        set.header_read = true;
+        break;
+      }
+      if (part.status().code() != StatusCode::kDataLoss &&
+          part.status().code() != StatusCode::kUnimplemented) {
+        return part.status();  // the storage failed, not the part
+      }
+      if (set.problem.ok()) set.problem = part.status();
+    }
     for (const auto& [r, n] : set.names) {
-      if (r >= set.num_ranks) {
-        return DataLoss(JoinPath(dir, n) + ": rank " + std::to_string(r) + " of a save by " +
-                        std::to_string(set.num_ranks) + " ranks");
+      if (set.header_read && r >= set.num_ranks && set.problem.ok()) {
+        set.problem = DataLoss(JoinPath(dir, n) + ": rank " + std::to_string(r) + " of a save by " +
+                               std::to_string(set.num_ranks) + " ranks");
       }
     }
     sets.push_back(std::move(set));
@@ -77,10 +87,16 @@ Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
   Metadata merged;
   merged.save_id = set.save_id;
   merged.num_ranks = set.num_ranks;
+  // The time saves are ordered by (the lowest rank's), not the latest part's: a rank may commit
+  // its part of the next save before a slower rank commits its part of this one, and the merged
+  // manifest Finalize writes must not then look newer than that next save.
+  merged.save_time_unix_ms = set.save_time_unix_ms;
   std::map<std::string, TensorInfo> tensors;
   std::map<std::string, int> tensor_rank;  // the rank that first named each key
   std::map<std::string, ObjectInfo> objects;
-  std::map<std::string, std::set<Box>> boxes;  // per key: boxes taken (held by several ranks)
+  std::map<std::string, int> object_rank;           // the rank that first named each object key
+  std::map<std::string, std::set<Box>> boxes;       // per key: boxes taken (held by several ranks)
+  std::map<std::string, std::vector<int>> writers;  // per key: the rank of each kept chunk
   for (const auto& [rank, name] : set.names) {
     TESSERA_ASSIGN_OR_RETURN(Metadata part,
                              ReadRankManifest(storage, dir, name, rank, set.save_id));
@@ -97,7 +113,6 @@ Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
                       " ranks or another checksum block size than rank " +
                       std::to_string(set.names.begin()->first));
     }
-    merged.save_time_unix_ms = std::max(merged.save_time_unix_ms, part.save_time_unix_ms);
     const uint32_t file_base = static_cast<uint32_t>(merged.files.size());
     merged.files.insert(merged.files.end(), part.files.begin(), part.files.end());
     for (TensorInfo& t : part.tensors) {
@@ -120,20 +135,35 @@ Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
         if (!boxes[t.key].insert(c.box).second) continue;
         c.location.file_index += file_base;
         into.chunks.push_back(std::move(c));
+        writers[t.key].push_back(rank);
       }
     }
     for (ObjectInfo& o : part.objects) {
       o.location.file_index += file_base;
+      object_rank.try_emplace(o.key, rank);
       objects.try_emplace(o.key, std::move(o));  // the lowest rank's copy
+    }
+  }
+  for (const auto& [key, rank] : object_rank) {
+    if (auto t = tensor_rank.find(key); t != tensor_rank.end()) {
+      return InvalidArgument("rank-local save " + set.save_id + " in " + dir + ": key '" + key +
+                             "' is a tensor on rank " + std::to_string(t->second) +
+                             " but an object on rank " + std::to_string(rank));
     }
   }
   for (auto& [key, t] : tensors) {
     // Each part was checked alone; only now can a gap (a box no rank wrote as the main replica)
     // or an overlap between ranks show: name the key here rather than as a corrupt manifest.
     if (auto failure = CheckTiling(t.chunks, t.global_shape, !t.partial)) {
+      std::string who;
+      if (failure->first >= 0 && failure->second >= 0) {
+        const std::vector<int>& ranks = writers[key];
+        who = " (written by rank " + std::to_string(ranks[failure->first]) + " and rank " +
+              std::to_string(ranks[failure->second]) + ")";
+      }
       return FailedPrecondition("rank-local save " + set.save_id + " in " + dir +
                                 " is not a whole checkpoint: key '" + key +
-                                "': " + failure->message +
+                                "': " + failure->message + who +
                                 " (every box must be written by one rank holding it as the main "
                                 "replica, replica id 0)");
     }

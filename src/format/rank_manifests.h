@@ -5,6 +5,7 @@
 #ifndef TESSERA_FORMAT_RANK_MANIFESTS_H_
 #define TESSERA_FORMAT_RANK_MANIFESTS_H_
 
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -19,22 +20,35 @@ namespace tessera {
 struct RankManifestSet {
   std::string save_id;
   std::map<int, std::string> names;  // rank -> file name
-  int32_t num_ranks = 0;             // from the lowest rank's manifest
-  int64_t save_time_unix_ms = 0;     // of the lowest rank's manifest
-  bool complete() const { return static_cast<int32_t>(names.size()) == num_ranks; }
+  // From the lowest rank's manifest that can be read (a damaged part counts as missing for
+  // these facts, so a damaged save does not hide the saves around it).
+  int32_t num_ranks = 0;
+  int64_t save_time_unix_ms = 0;
+  bool header_read = false;  // false: no part could be read (num_ranks, save time unknown)
+  // The first part that cannot be read or does not fit the others (a rank at or beyond
+  // num_ranks), naming its file; OK otherwise. Such a set never loads.
+  Status problem;
+  // Every rank 0..num_ranks-1 has its part here. A part of a rank beyond them does not make
+  // the set incomplete (it is a `problem`, reported when the set is the newest).
+  bool complete() const {
+    return header_read && std::distance(names.begin(), names.lower_bound(num_ranks)) == num_ranks;
+  }
   // "ranks 3, 5 (of 8)": the ranks whose manifest is missing.
   std::string MissingRanks() const;
 };
 
 // The sets in `names` (a directory listing of `dir`), each with the header facts of its lowest
-// rank's manifest, which is read. Errors: a manifest that cannot be read or decoded.
+// rank's readable manifest. A part that cannot be read or decoded is recorded in the set's
+// `problem`, not returned: other checkpoints in the directory stay readable. Errors: none but
+// those of the storage.
 Result<std::vector<RankManifestSet>> FindRankManifestSets(Storage& storage, const std::string& dir,
                                                           const std::vector<std::string>& names);
 
 // Reads every manifest of the complete set and merges them into one whole-checkpoint Metadata:
 // the same dtype, shape and partial flag for a key on every rank (else an error naming the key
-// and both ranks), chunks held by several ranks kept once, user metadata of rank 0, the latest
-// save time. The result is not yet validated (ReadCheckpointIndex holds it to every rule).
+// and both ranks), chunks held by several ranks kept once, user metadata of rank 0, the save
+// time of the set (rank 0's). The result is not yet validated (ReadCheckpointIndex holds it to
+// every rule).
 Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
                                     const RankManifestSet& set);
 

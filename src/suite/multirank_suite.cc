@@ -568,6 +568,39 @@ Status RankLocalSaveGapIsNamed(Comm& comm, const std::string& dir) {
   return ExpectError(Load(state, dir + "/ck", comm).status(), {"key 'layers.0.w'"});
 }
 
+// Rank-local and collective saves alternating in one directory with no pause between them: each
+// is the newer checkpoint as soon as it is complete, the collective one's cleanup removes the
+// rank-local one before it, and Finalize beside them keeps what loads.
+Status RankLocalAndCollectiveSavesAlternate(Comm& comm, const std::string& dir) {
+  std::vector<float> data(64);
+  StateDict state;
+  TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+      "w", TensorView(data.data(), DType::kF32, {64}), {64 * comm.size()}, {64 * comm.rank()})));
+  auto save_and_check = [&](float value, const SaveOptions& options) -> Status {
+    std::fill(data.begin(), data.end(), value);
+    TESSERA_RETURN_IF_ERROR(Save(state, dir + "/ck", comm, options).status());
+    TESSERA_RETURN_IF_ERROR(comm.Barrier());
+    std::fill(data.begin(), data.end(), 0.0f);
+    TESSERA_RETURN_IF_ERROR(Load(state, dir + "/ck", comm).status());
+    return AgreeOnStatus(
+        comm, Expect(std::all_of(data.begin(), data.end(), [&](float v) { return v == value; }),
+                     "the save of " + std::to_string(value) + " is what loads"));
+  };
+  TESSERA_RETURN_IF_ERROR(save_and_check(1.0f, RankLocal("a")));
+  TESSERA_RETURN_IF_ERROR(save_and_check(2.0f, SaveOptions{}));
+  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, NewPosixStorage()->ListDir(dir + "/ck"));
+  for (const std::string& name : names) {
+    TESSERA_RETURN_IF_ERROR(Expect(name.find(".rank-") == std::string::npos,
+                                   "the collective save removed the rank-local one: " + name));
+  }
+  TESSERA_RETURN_IF_ERROR(comm.Barrier());
+  TESSERA_RETURN_IF_ERROR(save_and_check(3.0f, RankLocal("b")));
+  if (comm.rank() == 0) TESSERA_RETURN_IF_ERROR(Finalize(dir + "/ck").status());
+  TESSERA_RETURN_IF_ERROR(comm.Barrier());
+  TESSERA_RETURN_IF_ERROR(save_and_check(4.0f, RankLocal("c")));
+  return save_and_check(5.0f, SaveOptions{});
+}
+
 }  // namespace
 
 const std::vector<MultiRankCase>& MultiRankCases() {
@@ -607,6 +640,7 @@ const std::vector<MultiRankCase>& MultiRankCases() {
       {"RankLocalSaveReshards", 1, RankLocalSaveReshards},
       {"RankLocalSaveMissingARankKeepsThePrevious", 2, RankLocalSaveMissingARankKeepsThePrevious},
       {"RankLocalSaveGapIsNamed", 2, RankLocalSaveGapIsNamed},
+      {"RankLocalAndCollectiveSavesAlternate", 1, RankLocalAndCollectiveSavesAlternate},
   };
   return cases;
 }
