@@ -1,20 +1,24 @@
-// The copy path of a conversion (convert_writer.cc): a piece of a unit whose output bytes are
-// the source's bytes as they lie, one contiguous byte range of each source chunk it crosses
-// (a row-split or whole-tensor chunk, the full rows of a flat range), same dtype, no cast,
-// goes from source file to output file with WritableFile::CopyFrom (POSIX: copy_file_range,
-// one in-kernel copy, as `cp` does) instead of through a buffer (pread, then pwrite: two).
-// The source's checksum blocks it covers are hashed where they lie (ReadableFile::Map), or
-// read through a small buffer where the storage does not map, each group of blocks checked
-// before its bytes are copied: a corrupt source fails the conversion as the load path does,
-// naming the key, the chunk and the file.
+// The copy path of a conversion (convert_writer.cc). A piece of a unit whose output bytes are
+// the source's bytes as they lie (one contiguous byte range of each source chunk it crosses: a
+// row-split or whole-tensor chunk, the full rows of a flat range; same dtype, no cast) goes
+// from source file to output file without the load path, which plans every unit and takes it
+// whole through a buffer as large as the unit, out of the CPU's cache between read and write:
+//   - with source checksums to check: whole checksum blocks are read 1 MiB at a time into the
+//     thread's buffer, checked, and written from it while still in cache; a block longer than
+//     that (a chunk with one checksum) is hashed where it lies (ReadableFile::Map) or read
+//     through the buffer, then copied with WritableFile::CopyFrom;
+//   - without (Hugging Face or DCP sources, checks off): WritableFile::CopyFrom (POSIX:
+//     copy_file_range, one copy inside the kernel).
+// No byte is written before the block holding it is checked: a corrupt source fails the
+// conversion as the load path does, naming the key, the chunk and the file.
 #ifndef TESSERA_CHECKPOINT_CONVERT_COPY_H_
 #define TESSERA_CHECKPOINT_CONVERT_COPY_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -41,28 +45,29 @@ std::optional<std::vector<ChunkSpan>> CopySpans(const Metadata& metadata, uint32
                                                 int64_t begin, int64_t end, bool verify);
 
 // One thread's data files of the source: each opened once (OpenDataFile: existence and size
-// checked, errors naming the file and what needs it), kept open while the thread runs.
+// checked, errors naming the file and what needs it), kept open while the thread runs; and
+// the thread's copy buffer (at most 1 MiB).
 class SourceFiles {
  public:
   SourceFiles(Storage& storage, const CheckpointIndex& index) : storage_(storage), index_(index) {}
   Result<const ReadableFile*> Get(uint32_t file_index, const std::string& needed_by);
+  std::vector<std::byte>& buffer() { return buffer_; }
 
  private:
   Storage& storage_;
   const CheckpointIndex& index_;
   std::map<uint32_t, std::unique_ptr<ReadableFile>> open_;
+  std::vector<std::byte> buffer_;
 };
 
 struct CopyTarget {
   WritableFile* file = nullptr;
   uint64_t offset = 0;     // where the piece's first byte goes
   bool writeback = false;  // StartWriteback after every copy (SyncPolicy::kFull)
-  // Held during each CopyFrom when set (one per output file): see kMappedStep in the .cc.
-  std::mutex* lock = nullptr;
 };
 
 // Copies `spans` (of tensor `tensor`) back to back to `target`, checking first, when
-// `verify`, every source checksum block they touch (a block at an edge is hashed whole).
+// `verify`, every source checksum block they touch (a block at an edge is read whole).
 // `copied(n)` runs after every n bytes copied; `read(n)` after every n source bytes hashed or
 // copied. Errors: kDataLoss "checksum mismatch in key 'K' chunk C [box] ... of file F at
 // offset O", or the storage's, with the key and chunk as context.

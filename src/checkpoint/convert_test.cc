@@ -578,9 +578,14 @@ TEST(ConvertTest, CopiedRowSplitAndWholeChunksKeepEveryCheck) {
 // Every single storage operation of a conversion, failed in turn: DST is then absent, or
 // complete and right (a failure after the rename, e.g. the final directory sync), and no
 // temporary directory is left.
+// Safetensors twice: with source checks (row-split pieces read, checked and written through a
+// buffer) and without (those pieces copied with CopyFrom, one operation each).
 TEST(ConvertTest, EveryStorageFaultLeavesDestinationCompleteOrAbsent) {
-  for (CheckpointFormat to :
-       {CheckpointFormat::kSafetensors, CheckpointFormat::kTessera, CheckpointFormat::kTorchDist}) {
+  for (const auto& [to, verify] : {std::pair{CheckpointFormat::kSafetensors, true},
+                                   std::pair{CheckpointFormat::kSafetensors, false},
+                                   std::pair{CheckpointFormat::kTessera, true},
+                                   std::pair{CheckpointFormat::kTorchDist, true}}) {
+    SCOPED_TRACE(std::string(CheckpointFormatName(to)) + (verify ? "" : ", unchecked"));
     auto memory = std::make_shared<MemoryStorage>();
     SaveSource("/ckpt/src", memory);
     auto faulty = std::make_shared<FaultInjectingStorage>(memory);
@@ -588,6 +593,7 @@ TEST(ConvertTest, EveryStorageFaultLeavesDestinationCompleteOrAbsent) {
     options.to = to;
     options.max_file_bytes = 16 << 10;
     options.num_threads = 2;
+    options.verify_checksums = verify;
     options.storage = faulty;
     faulty->SetPlan({});
     ASSERT_OK(Convert("/ckpt/src", "/ckpt/clean", options));

@@ -35,8 +35,7 @@ struct Shared {
   const OutputLayout& layout;
   const RankWriteOptions& options;
   LoadOptions load_options;
-  std::vector<std::unique_ptr<WritableFile>> files;     // by plan file; null when not ours
-  std::vector<std::unique_ptr<std::mutex>> copy_locks;  // by plan file (CopyTarget::lock)
+  std::vector<std::unique_ptr<WritableFile>> files;  // by plan file; null when not ours
   // By plan tensor: per block, the checksum (tessera) or the zip CRC-32 (DCP).
   std::vector<std::vector<uint64_t>> tensor_checksums;
   std::vector<uint64_t> object_checksums;  // by plan object (tessera)
@@ -161,7 +160,7 @@ Status RunCopiedUnit(Shared& s, Worker& w, const ConvertUnit& unit,
     }
     run_begin = run_end = 0;
     const CopyTarget target{s.files[unit.file].get(), at + p.out_offset,
-                            s.options.sync == SyncPolicy::kFull, s.copy_locks[unit.file].get()};
+                            s.options.sync == SyncPolicy::kFull};
     TESSERA_RETURN_IF_ERROR(CopyPiece(
         w.sources(), s.index, t.source, *spans[i], VerifySource(s), target,
         [&](uint64_t n) { s.written.fetch_add(n, std::memory_order_relaxed); },
@@ -386,9 +385,6 @@ Result<RankWriteResult> WriteRankFiles(Storage& storage, const std::string& dir,
   s.load_options.verify_checksums = options.verify_checksums;
   s.load_options.num_io_threads = 1;  // the threads here are the parallelism
   s.files.resize(plan.files.size());
-  for (size_t f = 0; f < plan.files.size(); ++f) {
-    s.copy_locks.push_back(std::make_unique<std::mutex>());
-  }
   const bool dcp = layout.dcp();
   const uint64_t block = dcp ? 0 : options.checksum_block_bytes;
   std::vector<uint32_t> mine;
