@@ -206,7 +206,7 @@ class PosixReadableFile : public ReadableFile {
   const bool map_reads_;
 };
 
-// In the kernel, page cache to page cache (one copy; what `cp` does), in calls of at most
+// In the kernel, page cache to page cache (one copy, no user buffer), in calls of at most
 // max_io_bytes. Where the kernel cannot copy between these two files (EXDEV: different file
 // systems on older kernels; EINVAL, ENOSYS, EOPNOTSUPP: not supported), the rest goes
 // through the default's buffer. A call that copies nothing means the source ended early (it
