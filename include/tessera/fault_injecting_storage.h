@@ -2,7 +2,7 @@
 // that every failure leaves the committed checkpoint intact.
 //
 // Every call counts as one operation, storage calls and file calls alike (NewWritableFile,
-// WriteAt, Sync, Close, Rename, SyncDir, ...), numbered from 0 in the order they start.
+// WriteAt, CopyFrom, Sync, Close, Rename, SyncDir, ...), numbered from 0 in the order they start.
 // With fail_at = N, operation N fails with kIOError "injected fault at operation N (<op>
 // <path>)". With crash = true every operation after N fails too, as if the process had died;
 // pair it with MemoryStorage::SimulateCrash() to drop what was not yet durable.

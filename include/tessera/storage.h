@@ -23,6 +23,8 @@
 
 namespace tessera {
 
+class ReadableFile;
+
 class WritableFile {
  public:
   virtual ~WritableFile() = default;
@@ -37,6 +39,16 @@ class WritableFile {
     (void)n;
     return Status::Ok();
   }
+  // Writes the `n` bytes of `src` at `src_offset` here at `dst_offset`, all of them or an
+  // error naming both files. The bytes need not pass through the caller's memory: the POSIX
+  // implementation copies inside the kernel (copy_file_range(2)), from page cache to page cache,
+  // where the file systems allow it. The default reads and writes through a bounded buffer
+  // (ReadAt + WriteAt, so reading past the end of `src` is ReadAt's kDataLoss error). It
+  // writes like WriteAt (disjoint ranges from several threads) and is no more durable.
+  // Contract: `src` is not modified during the copy (what a caller verified of its bytes
+  // beforehand is what gets copied).
+  virtual Status CopyFrom(const ReadableFile& src, uint64_t src_offset, uint64_t dst_offset,
+                          uint64_t n);
   // Makes the written bytes durable (fdatasync). Until then a crash may lose them.
   virtual Status Sync() = 0;
   // Releases the file. Does not sync. Idempotent; the destructor closes too, ignoring errors.

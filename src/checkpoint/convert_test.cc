@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -492,12 +493,99 @@ TEST(ConvertTest, ACorruptSourceLeavesNoDestination) {
   }
 }
 
+// Pieces whose bytes are runs of the source's chunks (row splits, whole tensors) are copied
+// file to file, their blocks hashed where they lie (mapped: pieces of 1 MiB and more); units
+// that cut chunks in the middle, and column-split neighbours in the same unit, give the same
+// files; a corrupt block is still a checksum mismatch naming the key, the chunk and the file,
+// and loads unchecked when checks are off.
+TEST(ConvertTest, CopiedRowSplitAndWholeChunksKeepEveryCheck) {
+  TempDir tmp;
+  const Shape rows_shape = {1024, 512}, whole_shape = {2048, 256}, cols_shape = {96, 64};
+  const std::vector<uint8_t> rows = testing::RandomBytes(1024 * 512 * 4, 21);
+  const std::vector<uint8_t> whole = testing::RandomBytes(2048 * 256 * 2, 22);
+  const std::vector<uint8_t> cols = testing::RandomBytes(96 * 64 * 4, 23);
+  ASSERT_OK(FirstError(RunLocalRanks(2, [&](Comm& comm) -> Status {
+    const int r = comm.rank();
+    StateDict state;
+    const std::vector<uint8_t> part =
+        hf_testing::BoxBytes(rows, rows_shape, 4, Box({512 * r, 0}, {512, 512}));
+    const std::vector<uint8_t> half =
+        hf_testing::BoxBytes(cols, cols_shape, 4, Box({0, 32 * r}, {96, 32}));
+    TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+        "a.rows", TensorView(part.data(), DType::kF32, {512, 512}), rows_shape, {512 * r, 0})));
+    TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+        "b.cols", TensorView(half.data(), DType::kF32, {96, 32}), cols_shape, {0, 32 * r})));
+    TESSERA_RETURN_IF_ERROR(state.Add(
+        ShardedTensor::Shard("c.whole", TensorView(whole.data(), DType::kBF16, whole_shape),
+                             whole_shape, {0, 0}, ReplicaId{r})));
+    SaveOptions options;
+    options.sync = SyncPolicy::kNone;
+    return Save(state, tmp.Sub("src"), comm, options).status();
+  })));
+  auto expect_holds = [&](const std::string& dir) {
+    for (const auto& [key, dtype, shape, bytes] :
+         {std::tuple{"a.rows", DType::kF32, rows_shape, &rows},
+          std::tuple{"b.cols", DType::kF32, cols_shape, &cols},
+          std::tuple{"c.whole", DType::kBF16, whole_shape, &whole}}) {
+      std::vector<uint8_t> got(bytes->size());
+      StateDict state;
+      ASSERT_OK(state.Add(ShardedTensor::Whole(key, TensorView(got.data(), dtype, shape))));
+      LoadOptions lo;
+      lo.unexpected_keys = KeyPolicy::kSkip;
+      ASSERT_OK(Load(state, dir, lo));
+      EXPECT_TRUE(got == *bytes) << dir << ": " << key;
+    }
+  };
+  // Default units (a.rows whole: both chunks mapped), then units of 1.5 MiB: a.rows's chunk 1
+  // is cut in two, its second half (512 KiB) checked through a buffer, and b.cols (loaded)
+  // shares that unit.
+  ConvertOptions options;
+  ASSERT_OK_AND_ASSIGN(ConvertReport report, Convert(tmp.Sub("src"), tmp.Sub("out"), options));
+  EXPECT_EQ(report.bytes_written, rows.size() + whole.size() + cols.size());
+  expect_holds(tmp.Sub("out"));
+  options.buffer_bytes = 6 << 20;
+  options.max_file_bytes = 3 << 20;
+  ASSERT_OK(Convert(tmp.Sub("src"), tmp.Sub("small_units"), options));
+  expect_holds(tmp.Sub("small_units"));
+
+  ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(tmp.Sub("src")));
+  const TensorInfo& t = *m.FindTensor("a.rows");
+  ASSERT_EQ(t.chunks.size(), 2u);
+  const ChunkInfo& chunk = t.chunks[1];
+  const std::string file = tmp.Sub("src/" + m.files[chunk.location.file_index].name);
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(chunk.location.offset + 600000));
+    const char c = static_cast<char>(f.get());
+    f.seekp(static_cast<std::streamoff>(chunk.location.offset + 600000));
+    f.put(static_cast<char>(c ^ 0x20));
+  }
+  for (uint64_t buffer : {256ull << 20, 6ull << 20}) {  // the bad block mapped, then read
+    options.buffer_bytes = buffer;
+    const Result<ConvertReport> corrupt = Convert(tmp.Sub("src"), tmp.Sub("corrupt"), options);
+    ASSERT_FALSE(corrupt.ok());
+    EXPECT_EQ(corrupt.status().code(), StatusCode::kDataLoss) << corrupt.status().ToString();
+    EXPECT_THAT(corrupt.status().message(),
+                HasSubstr("checksum mismatch in key 'a.rows' chunk 1 [512:1024, 0:512] (block of "
+                          "262144 bytes at chunk byte 524288) of file " +
+                          file));
+    EXPECT_FALSE(std::filesystem::exists(tmp.Sub("corrupt")));
+  }
+  options.verify_checksums = false;
+  ASSERT_OK(Convert(tmp.Sub("src"), tmp.Sub("unchecked"), options));
+}
+
 // Every single storage operation of a conversion, failed in turn: DST is then absent, or
 // complete and right (a failure after the rename, e.g. the final directory sync), and no
 // temporary directory is left.
+// Safetensors twice: with source checks (row-split pieces read, checked and written through a
+// buffer) and without (those pieces copied with CopyFrom, one operation each).
 TEST(ConvertTest, EveryStorageFaultLeavesDestinationCompleteOrAbsent) {
-  for (CheckpointFormat to :
-       {CheckpointFormat::kSafetensors, CheckpointFormat::kTessera, CheckpointFormat::kTorchDist}) {
+  for (const auto& [to, verify] : {std::pair{CheckpointFormat::kSafetensors, true},
+                                   std::pair{CheckpointFormat::kSafetensors, false},
+                                   std::pair{CheckpointFormat::kTessera, true},
+                                   std::pair{CheckpointFormat::kTorchDist, true}}) {
+    SCOPED_TRACE(std::string(CheckpointFormatName(to)) + (verify ? "" : ", unchecked"));
     auto memory = std::make_shared<MemoryStorage>();
     SaveSource("/ckpt/src", memory);
     auto faulty = std::make_shared<FaultInjectingStorage>(memory);
@@ -505,6 +593,7 @@ TEST(ConvertTest, EveryStorageFaultLeavesDestinationCompleteOrAbsent) {
     options.to = to;
     options.max_file_bytes = 16 << 10;
     options.num_threads = 2;
+    options.verify_checksums = verify;
     options.storage = faulty;
     faulty->SetPlan({});
     ASSERT_OK(Convert("/ckpt/src", "/ckpt/clean", options));

@@ -6,8 +6,10 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 
+#include "checkpoint/convert_copy.h"
 #include "checkpoint/load_internal.h"
 #include "core/dtype_convert.h"
 #include "format/checksum.h"
@@ -42,12 +44,14 @@ struct Shared {
   std::atomic<uint64_t> read{0};
 };
 
-// One thread's tools: a Comm of its own for the loads, and its buffers, which grow to the
-// largest unit it takes and are reused.
+// One thread's tools: a Comm of its own for the loads, the source files it copies from, and
+// its buffers, which grow to the largest unit it takes and are reused.
 class Worker {
  public:
-  Worker() : comm_(NewSingleRankComm()) {}
+  Worker(Storage& storage, const CheckpointIndex& index)
+      : comm_(NewSingleRankComm()), sources_(storage, index) {}
   Comm& comm() { return *comm_; }
+  SourceFiles& sources() { return sources_; }
   std::byte* Out(size_t n) { return Grow(out_, out_size_, n); }
   std::byte* Src(size_t n) { return Grow(src_, src_size_, n); }
 
@@ -62,6 +66,7 @@ class Worker {
   }
 
   std::unique_ptr<Comm> comm_;
+  SourceFiles sources_;
   std::unique_ptr<std::byte[]> out_, src_;
   size_t out_size_ = 0, src_size_ = 0;
 };
@@ -70,11 +75,12 @@ std::string OutputPath(const Shared& s, uint32_t file) {
   return JoinPath(s.dir, s.layout.names[file]);
 }
 
-// Loads every piece of `unit` from the source: pieces that keep their dtype straight into the
+// Loads `pieces` (of one unit) from the source: pieces that keep their dtype straight into the
 // output buffer, the others into the source buffer.
-Status LoadUnit(Shared& s, Worker& w, const ConvertUnit& unit, std::byte* out, std::byte* src) {
+Status LoadPieces(Shared& s, Worker& w, const std::vector<UnitPiece>& pieces, std::byte* out,
+                  std::byte* src) {
   StateDict state;
-  for (const UnitPiece& p : unit.pieces) {
+  for (const UnitPiece& p : pieces) {
     const TensorInfo& info = s.index.metadata.tensors[s.plan.tensors[p.tensor].source];
     std::byte* dst = p.converted ? src + p.src_offset : out + p.out_offset;
     const bool whole = p.begin == 0 && p.end == Box::Whole(info.global_shape).NumElements();
@@ -100,10 +106,77 @@ Status WriteOut(Shared& s, uint32_t file, uint64_t at, const std::byte* data, ui
   return Status::Ok();
 }
 
+bool VerifySource(const Shared& s) {
+  return s.options.verify_checksums && s.index.metadata.checksum != ChecksumKind::kNone;
+}
+
+// For each piece of `unit`, its source spans when it is copied file to file (convert_copy.h),
+// or nullopt when it is loaded. Only outputs without checksums of their own copy (Hugging
+// Face): the checksums of a tessera or DCP output are computed from the bytes it writes.
+std::vector<std::optional<std::vector<ChunkSpan>>> CopiedPieces(const Shared& s,
+                                                                const ConvertUnit& unit) {
+  std::vector<std::optional<std::vector<ChunkSpan>>> spans(unit.pieces.size());
+  if (s.layout.dcp() || s.options.checksum_block_bytes != 0) return spans;
+  for (size_t i = 0; i < unit.pieces.size(); ++i) {
+    const UnitPiece& p = unit.pieces[i];
+    if (p.converted) continue;
+    spans[i] = CopySpans(s.index.metadata, s.plan.tensors[p.tensor].source, p.begin, p.end,
+                         VerifySource(s));
+  }
+  return spans;
+}
+
+// A unit of an output without checksums, some of its pieces copied file to file: the others
+// are loaded (all at once) and written run by run of consecutive loaded pieces.
+Status RunCopiedUnit(Shared& s, Worker& w, const ConvertUnit& unit,
+                     const std::vector<std::optional<std::vector<ChunkSpan>>>& spans) {
+  std::vector<UnitPiece> loaded;
+  for (size_t i = 0; i < unit.pieces.size(); ++i) {
+    if (!spans[i]) loaded.push_back(unit.pieces[i]);
+  }
+  std::byte* out = loaded.empty() ? nullptr : w.Out(unit.out_bytes);
+  std::byte* src = !loaded.empty() && unit.src_bytes > 0 ? w.Src(unit.src_bytes) : nullptr;
+  if (!loaded.empty()) TESSERA_RETURN_IF_ERROR(LoadPieces(s, w, loaded, out, src));
+  const uint64_t at = s.layout.headers[unit.file].size() + unit.offset;
+  uint64_t run_begin = 0, run_end = 0;  // the loaded bytes not yet written
+  for (size_t i = 0; i <= unit.pieces.size(); ++i) {
+    const bool copied = i < unit.pieces.size() && spans[i];
+    if ((i == unit.pieces.size() || copied) && run_end > run_begin) {
+      TESSERA_RETURN_IF_ERROR(
+          WriteOut(s, unit.file, at + run_begin, out + run_begin, run_end - run_begin));
+    }
+    if (i == unit.pieces.size()) break;
+    const UnitPiece& p = unit.pieces[i];
+    const OutputTensor& t = s.plan.tensors[p.tensor];
+    const uint64_t bytes = static_cast<uint64_t>(p.end - p.begin) * DTypeSize(t.dtype);
+    if (!copied) {
+      if (p.converted) {
+        ConvertFloats(t.source_dtype, src + p.src_offset, t.dtype, out + p.out_offset,
+                      static_cast<size_t>(p.end - p.begin));
+      }
+      if (run_end <= run_begin) run_begin = p.out_offset;
+      run_end = p.out_offset + bytes;
+      continue;
+    }
+    run_begin = run_end = 0;
+    const CopyTarget target{s.files[unit.file].get(), at + p.out_offset,
+                            s.options.sync == SyncPolicy::kFull};
+    TESSERA_RETURN_IF_ERROR(CopyPiece(
+        w.sources(), s.index, t.source, *spans[i], VerifySource(s), target,
+        [&](uint64_t n) { s.written.fetch_add(n, std::memory_order_relaxed); },
+        [&](uint64_t n) { s.read.fetch_add(n, std::memory_order_relaxed); }));
+  }
+  return Status::Ok();
+}
+
 Status RunUnit(Shared& s, Worker& w, const ConvertUnit& unit) {
+  const std::vector<std::optional<std::vector<ChunkSpan>>> spans = CopiedPieces(s, unit);
+  if (std::any_of(spans.begin(), spans.end(), [](const auto& p) { return p.has_value(); })) {
+    return RunCopiedUnit(s, w, unit, spans);
+  }
   std::byte* out = w.Out(unit.out_bytes);
   std::byte* src = unit.src_bytes > 0 ? w.Src(unit.src_bytes) : nullptr;
-  TESSERA_RETURN_IF_ERROR(LoadUnit(s, w, unit, out, src));
+  TESSERA_RETURN_IF_ERROR(LoadPieces(s, w, unit.pieces, out, src));
   for (const UnitPiece& p : unit.pieces) {
     if (!p.converted) continue;
     const OutputTensor& t = s.plan.tensors[p.tensor];
@@ -269,7 +342,7 @@ Status RunItems(Shared& s, const std::vector<ConvertUnit>& units,
   std::mutex mutex;
   std::condition_variable finished;
   auto work = [&] {
-    Worker worker;
+    Worker worker(s.storage, s.index);
     for (size_t i; !failed.load() && (i = next.fetch_add(1)) < count;) {
       statuses[i] = i < units.size() ? RunUnit(s, worker, units[i])
                                      : RunObjects(s, worker, objects[i - units.size()]);

@@ -66,8 +66,11 @@ struct RankWriteResult {
 // its data unit by unit (the zip CRC-32 of each 256 KiB block computed as it is written, on
 // whichever thread writes it, then combined), its suffix last; and each file's objects as byte
 // items (WriteDcpObjectItem) back to back; options.checksum_block_bytes is then ignored.
-// Syncs (kFull) and closes the files. On failure returns the first error, naming the output
-// file or the source key; the files stay for the caller to remove.
+// Pieces of a Hugging Face output whose bytes are runs of source chunks (row splits, whole
+// tensors) go straight from source file to output file, checked on the way (convert_copy.h);
+// the others are loaded unit by unit through the buffer. Syncs (kFull) and closes the files. On
+// failure returns the first error, naming the output file or the source key; the files stay for the
+// caller to remove.
 Result<RankWriteResult> WriteRankFiles(Storage& storage, const std::string& dir,
                                        const CheckpointIndex& index, const std::string& source,
                                        const ConvertPlan& plan, const OutputLayout& layout,

@@ -45,6 +45,11 @@ namespace {
 
 using fault_injection_internal::SharedState;
 
+class FaultInjectingReadableFile;
+
+// The file a FaultInjectingReadableFile wraps, or `file` itself.
+const ReadableFile& Unwrapped(const ReadableFile& file);
+
 class FaultInjectingWritableFile : public WritableFile {
  public:
   FaultInjectingWritableFile(std::unique_ptr<WritableFile> base, std::shared_ptr<SharedState> state)
@@ -53,6 +58,13 @@ class FaultInjectingWritableFile : public WritableFile {
   Status WriteAt(uint64_t offset, const void* data, size_t n) override {
     TESSERA_RETURN_IF_ERROR(state_->Check("WriteAt", base_->path()));
     return base_->WriteAt(offset, data, n);
+  }
+  // One operation, whatever the length; the base copies from the unwrapped source, so a
+  // POSIX base still copies in the kernel.
+  Status CopyFrom(const ReadableFile& src, uint64_t src_offset, uint64_t dst_offset,
+                  uint64_t n) override {
+    TESSERA_RETURN_IF_ERROR(state_->Check("CopyFrom", base_->path()));
+    return base_->CopyFrom(Unwrapped(src), src_offset, dst_offset, n);
   }
   Status StartWriteback(uint64_t offset, uint64_t n) override {
     TESSERA_RETURN_IF_ERROR(state_->Check("StartWriteback", base_->path()));
@@ -84,11 +96,17 @@ class FaultInjectingReadableFile : public ReadableFile {
   }
   uint64_t size() const override { return base_->size(); }
   const std::string& path() const override { return base_->path(); }
+  const ReadableFile& base() const { return *base_; }
 
  private:
   const std::unique_ptr<ReadableFile> base_;
   const std::shared_ptr<SharedState> state_;
 };
+
+const ReadableFile& Unwrapped(const ReadableFile& file) {
+  const auto* wrapper = dynamic_cast<const FaultInjectingReadableFile*>(&file);
+  return wrapper != nullptr ? wrapper->base() : file;
+}
 
 }  // namespace
 

@@ -93,6 +93,10 @@ class PosixWritableFile : public WritableFile {
     return Status::Ok();
   }
 
+  // copy_file_range(2) when `src` is a PosixReadableFile (defined below), else the default.
+  Status CopyFrom(const ReadableFile& src, uint64_t src_offset, uint64_t dst_offset,
+                  uint64_t n) override;
+
   Status Sync() override {
     const int fd = fd_.load(std::memory_order_acquire);
     if (fd < 0) return FailedPrecondition("sync " + path_ + ": file is closed");
@@ -185,9 +189,10 @@ class PosixReadableFile : public ReadableFile {
 
   uint64_t size() const override { return size_; }
   const std::string& path() const override { return path_; }
+  int fd() const { return fd_; }
 
- private:
-  Status CheckRange(uint64_t offset, size_t n, const char* what) const {
+  // kDataLoss naming the path when [offset, offset + n) is not inside the file as opened.
+  Status CheckRange(uint64_t offset, uint64_t n, const char* what) const {
     if (offset <= size_ && n <= size_ - offset) return Status::Ok();
     return DataLoss(std::string(what) + " of " + path_ + " at offset " + std::to_string(offset) +
                     " length " + std::to_string(n) + " is past the end of the file (size " +
@@ -200,6 +205,40 @@ class PosixReadableFile : public ReadableFile {
   const size_t max_io_bytes_;
   const bool map_reads_;
 };
+
+// In the kernel, page cache to page cache (one copy, no user buffer), in calls of at most
+// max_io_bytes. Where the kernel cannot copy between these two files (EXDEV: different file
+// systems on older kernels; EINVAL, ENOSYS, EOPNOTSUPP: not supported), the rest goes
+// through the default's buffer. A call that copies nothing means the source ended early (it
+// shrank after it was opened), or a file system that copies nothing this way: the default's
+// ReadAt then copies the rest or reports the truncation.
+Status PosixWritableFile::CopyFrom(const ReadableFile& src, uint64_t src_offset,
+                                   uint64_t dst_offset, uint64_t n) {
+  const auto* posix = dynamic_cast<const PosixReadableFile*>(&src);
+  if (posix == nullptr) return WritableFile::CopyFrom(src, src_offset, dst_offset, n);
+  const int fd = fd_.load(std::memory_order_acquire);
+  if (fd < 0) return FailedPrecondition("copy into " + path_ + ": file is closed");
+  TESSERA_RETURN_IF_ERROR(posix->CheckRange(src_offset, n, "copy"));
+  loff_t in = static_cast<loff_t>(src_offset), out = static_cast<loff_t>(dst_offset);
+  uint64_t left = n;
+  while (left > 0) {
+    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(left, max_io_bytes_));
+    const ssize_t r = ::copy_file_range(posix->fd(), &in, fd, &out, chunk, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && errno != EXDEV && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP) {
+      return IOErrorFromErrno("copy_file_range from " + src.path() + " at offset " +
+                                  std::to_string(in) + " to " + path_ + " at offset " +
+                                  std::to_string(out) + " (" + std::to_string(chunk) + " bytes)",
+                              errno);
+    }
+    if (r <= 0) {
+      return WritableFile::CopyFrom(src, static_cast<uint64_t>(in), static_cast<uint64_t>(out),
+                                    left);
+    }
+    left -= static_cast<uint64_t>(r);
+  }
+  return Status::Ok();
+}
 
 // open(2), retried on EINTR.
 int OpenRetry(const std::string& path, int flags, mode_t mode = 0) {

@@ -583,6 +583,38 @@ TEST_P(StorageTest, StartWritebackKeepsTheBytes) {
   EXPECT_TRUE(got.size() == data.size() && std::memcmp(got.data(), data.data(), got.size()) == 0);
 }
 
+// CopyFrom puts exactly the source's bytes at the destination offset, in calls that cross
+// max_io_bytes at odd offsets, and reports a source range past the end like ReadAt.
+TEST_P(StorageTest, CopyFromCopiesTheRangeAndRefusesPastTheEnd) {
+  const std::vector<uint8_t> data = Pattern(25 * kPosixMaxIoBytes + 123, 17);
+  const std::string from = Path("from"), to = Path("to");
+  {
+    STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(from));
+    STORAGE_ASSERT_OK(w->WriteAt(0, data.data(), data.size()));
+    STORAGE_ASSERT_OK(w->Close());
+  }
+  STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(from));
+  STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(to));
+  STORAGE_ASSERT_OK(w->WriteAt(0, "head", 4));
+  const uint64_t src_offset = 1001, n = 20 * kPosixMaxIoBytes + 7;
+  STORAGE_ASSERT_OK(w->CopyFrom(*r, src_offset, 4, n));
+  STORAGE_ASSERT_OK(w->CopyFrom(*r, 0, 4 + n, 3));  // a few bytes after, from the start
+  STORAGE_ASSERT_OK(w->CopyFrom(*r, data.size(), 4 + n + 3, 0));  // nothing, at the end
+  const Status past = w->CopyFrom(*r, data.size() - 5, 0, 10);
+  EXPECT_EQ(past.code(), StatusCode::kDataLoss) << past.ToString();
+  EXPECT_THAT(past.message(), HasSubstr(from));
+  EXPECT_THAT(past.message(), HasSubstr("size " + std::to_string(data.size())));
+  STORAGE_ASSERT_OK(w->Sync());
+  STORAGE_ASSERT_OK(w->Close());
+  EXPECT_FALSE(w->CopyFrom(*r, 0, 0, 1).ok());  // closed
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), to));
+  std::string want = "head";
+  want.append(data.begin() + src_offset, data.begin() + src_offset + n);
+  want.append(data.begin(), data.begin() + 3);
+  EXPECT_TRUE(got == want) << "copied bytes differ (" << got.size() << " bytes, want "
+                           << want.size() << ")";
+}
+
 // Map is optional: a storage either declines with kUnimplemented or shows exactly the bytes
 // ReadAt returns, at any offset, and rejects ranges past the end like ReadAt.
 TEST_P(StorageTest, MapShowsTheBytesOfReadAtOrIsUnimplemented) {
@@ -1011,6 +1043,55 @@ TEST(FaultInjectingStorageTest, InjectedFaultDoesNotReachTheBase) {
   STORAGE_ASSERT_OK(w->WriteAt(0, "data", 4));
   STORAGE_ASSIGN_OR_FAIL(contents, memory->GetFileContents("d/f"));
   EXPECT_EQ(contents, Bytes("data"));
+}
+
+// CopyFrom is one operation, whatever its length; an injected fault copies nothing. Over a
+// POSIX base the copy reaches the base with the unwrapped source (copy_file_range).
+TEST(FaultInjectingStorageTest, CopyFromIsOneOperationThatCanFail) {
+  auto memory = std::make_shared<MemoryStorage>();
+  const std::vector<uint8_t> data = Pattern(3 << 20, 3);
+  memory->SetFileContents("d/src", data);
+  FaultInjectingStorage f(memory, Plan(3));                    // the second CopyFrom
+  STORAGE_ASSIGN_OR_FAIL(auto r, f.NewReadableFile("d/src"));  // 0
+  STORAGE_ASSIGN_OR_FAIL(auto w, f.NewWritableFile("d/dst"));  // 1
+  STORAGE_ASSERT_OK(w->CopyFrom(*r, 0, 0, data.size()));       // 2
+  const Status failed = w->CopyFrom(*r, 0, data.size(), 100);  // 3
+  EXPECT_TRUE(IsInjected(failed)) << failed.ToString();
+  EXPECT_EQ(failed.message(), "injected fault at operation 3 (CopyFrom d/dst)");
+  EXPECT_EQ(f.operation_count(), 4);
+  STORAGE_ASSIGN_OR_FAIL(auto contents, memory->GetFileContents("d/dst"));
+  EXPECT_TRUE(contents == data);
+
+  char tmpl[] = "/tmp/tessera_copy_test_XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  FaultInjectingStorage posix(NewPosixStorage());
+  STORAGE_ASSERT_OK(WriteFile(posix, dir + "/src", std::string(data.begin(), data.end())));
+  STORAGE_ASSIGN_OR_FAIL(auto pr, posix.NewReadableFile(dir + "/src"));
+  STORAGE_ASSIGN_OR_FAIL(auto pw, posix.NewWritableFile(dir + "/dst"));
+  STORAGE_ASSERT_OK(pw->CopyFrom(*pr, 10, 0, data.size() - 10));
+  STORAGE_ASSERT_OK(pw->Close());
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(posix, dir + "/dst"));
+  EXPECT_TRUE(got == std::string(data.begin() + 10, data.end()));
+  std::filesystem::remove_all(dir);
+}
+
+// A source of another storage is copied through the default's buffer.
+TEST(PosixStorageTest, CopyFromAnotherStorageGoesThroughABuffer) {
+  MemoryStorage memory;
+  const std::vector<uint8_t> data = Pattern((1 << 20) * 2 + 5, 4);
+  memory.SetFileContents("/m/src", data);
+  char tmpl[] = "/tmp/tessera_copy_test_XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  std::shared_ptr<Storage> posix = NewPosixStorage();
+  STORAGE_ASSIGN_OR_FAIL(auto r, memory.NewReadableFile("/m/src"));
+  STORAGE_ASSIGN_OR_FAIL(auto w, posix->NewWritableFile(dir + "/dst"));
+  STORAGE_ASSERT_OK(w->CopyFrom(*r, 0, 0, data.size()));
+  STORAGE_ASSERT_OK(w->Close());
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(*posix, dir + "/dst"));
+  EXPECT_TRUE(got == std::string(data.begin(), data.end()));
+  std::filesystem::remove_all(dir);
 }
 
 TEST(FaultInjectingStorageTest, CrashFailsEveryLaterOperation) {
