@@ -156,6 +156,7 @@ std::vector<std::string> SortedUnique(std::vector<std::string> v) {
   v.erase(std::unique(v.begin(), v.end()), v.end());
   return v;
 }
+
 Status WriteWholeFile(Storage& storage, const std::string& path, const Bytes& bytes, bool sync) {
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
                            storage.NewWritableFile(path, CreateMode::kExclusive));

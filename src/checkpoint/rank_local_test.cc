@@ -357,6 +357,26 @@ TEST(RankLocalTest, NewestCompleteSaveWinsAndAnIncompleteOneFallsBack) {
   ASSERT_OK(Verify("/ck", memory));
 }
 
+// An incomplete rank-local save beside a PyTorch DCP checkpoint does not hide it; once complete,
+// it is the checkpoint of the directory.
+TEST(RankLocalTest, IncompleteRankLocalSaveBesideADcpCheckpointDoesNotHideIt) {
+  auto memory = std::make_shared<MemoryStorage>();
+  std::vector<Status> statuses = RunLocalRanks(kRanks, [&](Comm& comm) -> Status {
+    RankState s(1, comm.rank());
+    SaveOptions o;
+    o.storage = memory;
+    o.format = CheckpointFormat::kTorchDist;
+    return Save(s.Dict(), "/ck", comm, o).status();
+  });
+  for (const Status& s : statuses) ASSERT_OK(s);
+  std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  SaveRanks("/ck", 2, "t2", memory, {0});  // incomplete
+  ASSERT_OK_AND_ASSIGN(Metadata dcp, ReadMetadata("/ck", memory));
+  EXPECT_EQ(dcp.format, CheckpointFormat::kTorchDist);
+  SaveRanks("/ck", 2, "t2", memory, {1});
+  EXPECT_EQ(LoadedGeneration("/ck", memory), 2);
+}
+
 // Saves are ordered by save time in milliseconds: a rank-local save that follows a collective
 // one within the same millisecond must still be the newer.
 TEST(RankLocalTest, RankLocalSaveRightAfterACollectiveOneIsTheNewer) {

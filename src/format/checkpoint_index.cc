@@ -155,8 +155,16 @@ Result<CheckpointIndex> ReadCheckpointIndex(Storage& storage, const std::string&
   std::sort(names.begin(), names.end());
   TESSERA_ASSIGN_OR_RETURN(std::vector<RankManifestSet> sets,
                            FindRankManifestSets(storage, path, names));
-  if (!sets.empty())
-    return ReadTesseraOrRankLocal(storage, path, Has(names, kManifestFileName), sets);
+  if (!sets.empty()) {
+    Result<CheckpointIndex> index =
+        ReadTesseraOrRankLocal(storage, path, Has(names, kManifestFileName), sets);
+    // An incomplete rank-local save beside a PyTorch DCP checkpoint does not hide it.
+    const bool dcp_beside =
+        !Has(names, kManifestFileName) && Has(names, torch_dist::kDcpMetadataFileName);
+    if (index.ok() || !dcp_beside || index.status().code() != StatusCode::kFailedPrecondition) {
+      return index;
+    }
+  }
   if (Has(names, kManifestFileName)) {
     TESSERA_ASSIGN_OR_RETURN(Metadata m, ReadTesseraManifest(storage, path));
     return CheckpointIndex{path, std::move(m)};
