@@ -97,6 +97,35 @@ Result<std::string> FirstExisting(Storage& storage, const std::string& path,
   return std::string();
 }
 
+// Refuses (kAlreadyExists, naming the tag and the file) a tag this rank already saved: its rank
+// manifest is there, or data files of this rank at the tag with no marker of this rank beside
+// them. Those are not what an attempt that died left (it dies with its marker in place; a
+// cleanup that removes a dead marker removes its files too, unless a checkpoint lists them):
+// they are a committed checkpoint's, e.g. the tag saved and finalized before a job restarted
+// from an older step. Stats of the names this attempt will write, rather than a listing (see
+// RemoveOwnLeftovers).
+Status CheckTagNotSaved(Storage& storage, const std::string& path, int rank, const std::string& tag,
+                        const std::string& manifest_name, const std::string& marker_id,
+                        const std::vector<DataFilePlan>& files) {
+  const std::string saved =
+      "rank " + std::to_string(rank) + " already saved tag '" + tag + "' into " + path + " (";
+  const std::string advice = "each rank-local save needs a new SaveOptions::save_tag";
+  TESSERA_ASSIGN_OR_RETURN(FileType existing, storage.Stat(JoinPath(path, manifest_name)));
+  if (existing != FileType::kNotFound) {
+    return Status(StatusCode::kAlreadyExists, saved + manifest_name + "): " + advice);
+  }
+  TESSERA_ASSIGN_OR_RETURN(std::string own_file, FirstExisting(storage, path, files));
+  if (own_file.empty()) return Status::Ok();
+  TESSERA_ASSIGN_OR_RETURN(FileType own_marker,
+                           storage.Stat(JoinPath(path, "tessera.saving." + marker_id)));
+  if (own_marker != FileType::kNotFound) return Status::Ok();
+  return Status(StatusCode::kAlreadyExists,
+                saved + own_file +
+                    " is there and no interrupted attempt of this rank left it; the tag was "
+                    "finalized or another job saved it): " +
+                    advice);
+}
+
 // Writes the part's manifest under a temporary name and renames it into place: the part is
 // there whole or not at all. What is written must read back as a part.
 Status CommitRankManifest(Storage& storage, const std::string& path, const Metadata& part,
@@ -165,34 +194,11 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
   TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
   const int64_t listed_ms = NowUnixMs();  // before anything of the directory is looked at
   const std::string manifest_name = RankManifestName(save_id, rank);
-  TESSERA_ASSIGN_OR_RETURN(FileType existing, storage->Stat(JoinPath(path, manifest_name)));
-  if (existing != FileType::kNotFound) {
-    return Status(StatusCode::kAlreadyExists,
-                  "rank " + std::to_string(rank) + " already saved tag '" + options.save_tag +
-                      "' into " + path + " (" + manifest_name +
-                      "): each rank-local save needs a new SaveOptions::save_tag");
-  }
   const std::vector<DataFilePlan> files = PlanDataFiles(
       split.main, plan.writes[0], options.num_io_threads, options.separate_prefixes, save_id, rank);
   const std::string marker_id = save_id + ".r" + std::to_string(rank);
-  // This rank's data files of the tag with no marker of this rank beside them are not what an
-  // attempt that died left (it dies with its marker in place; a cleanup that removes a dead
-  // marker removes its files too, unless a checkpoint lists them): they are a committed
-  // checkpoint's, e.g. the tag saved and finalized before a job restarted from an older step.
-  // (Stat of the names this attempt will write, rather than a listing: see RemoveOwnLeftovers.)
-  TESSERA_ASSIGN_OR_RETURN(std::string own_file, FirstExisting(*storage, path, files));
-  if (!own_file.empty()) {
-    TESSERA_ASSIGN_OR_RETURN(FileType own_marker,
-                             storage->Stat(JoinPath(path, "tessera.saving." + marker_id)));
-    if (own_marker == FileType::kNotFound) {
-      return Status(StatusCode::kAlreadyExists,
-                    "rank " + std::to_string(rank) + " already saved tag '" + options.save_tag +
-                        "' into " + path + " (" + own_file +
-                        " is there and no interrupted attempt of this rank left it; the tag was "
-                        "finalized or another job saved it): each rank-local save needs a new "
-                        "SaveOptions::save_tag");
-    }
-  }
+  TESSERA_RETURN_IF_ERROR(
+      CheckTagNotSaved(*storage, path, rank, options.save_tag, manifest_name, marker_id, files));
   RemoveSaveMarker(*storage, path, marker_id);  // a crashed earlier attempt's
   RemoveOwnLeftovers(*storage, path, files, manifest_name);
   TESSERA_RETURN_IF_ERROR(CreateSaveMarker(*storage, path, marker_id, options.sync));
