@@ -129,7 +129,9 @@ void FromRankManifests(const fs::path& dir, const std::vector<Entry>& files, Fou
            (set.header_read ? std::to_string(set.num_ranks) : std::string("?")) + " parts";
   };
   const RankManifestSet* newest = nullptr;  // the newest set, or the one that is the checkpoint
-  for (const RankManifestSet& set : sets.ok() ? *sets : std::vector<RankManifestSet>{}) {
+  // `newest` points into `all`, which outlives its uses below.
+  const std::vector<RankManifestSet> all = sets.ok() ? *sets : std::vector<RankManifestSet>{};
+  for (const RankManifestSet& set : all) {
     if (index.ok() && index->metadata.save_id == set.save_id) {
       newest = &set;
       break;
