@@ -60,14 +60,9 @@ int RunDemo(const DemoOptions& options) {
   save_options.num_io_threads = options.io_threads;
   save_options.sync = options.sync ? SyncPolicy::kFull : SyncPolicy::kNone;
   save_options.user_metadata = {{"producer", "tessera demo"}, {"layout", save_layout->ToString()}};
-  if (options.rank_local) {
-    // No collective in the save: each rank commits its own part under a tag all ranks know.
-    save_options.collective = false;
-    save_options.save_tag =
-        "demo-" + std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                     std::chrono::system_clock::now().time_since_epoch())
-                                     .count());
-  }
+  // With --rank-local each save is tagged; every rank takes the ranks' latest clock reading before
+  // the save (a message of the demo's, not of the save), so MPI processes agree on the tag.
+  save_options.collective = !options.rank_local;
 
   // Sums over ranks, computed with an all-reduce so that MPI runs print totals too.
   auto sum = [](Comm& comm, std::vector<int64_t> values) -> Result<std::vector<int64_t>> {
@@ -86,9 +81,16 @@ int RunDemo(const DemoOptions& options) {
   Status saved = (*runner)->Run(save_layout->ranks(), [&](Comm& comm, bool active) -> Status {
     RankState state;
     if (active) state = BuildRankState(config, *save_layout, comm.rank(), /*fill=*/true);
+    SaveOptions rank_options = save_options;
+    if (options.rank_local) {
+      std::vector<int64_t> now_ms = {std::chrono::duration_cast<std::chrono::milliseconds>(
+                                         std::chrono::system_clock::now().time_since_epoch())
+                                         .count()};
+      TESSERA_RETURN_IF_ERROR(comm.AllReduce(now_ms, ReduceOp::kMax));
+      rank_options.save_tag = "demo-" + std::to_string(now_ms[0]);
+    }
     TESSERA_RETURN_IF_ERROR(comm.Barrier());
     Clock::time_point start = Clock::now();
-    SaveOptions rank_options = save_options;
     if (save_bar.active()) {
       rank_options.progress =
           save_bar.RankCallback(local_ranks == 1 ? 0 : comm.rank(), local_ranks);
