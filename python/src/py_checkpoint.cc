@@ -365,19 +365,7 @@ void RegisterMetadata(py::module_& m) {
       .def_readonly("location", &ObjectInfo::location)
       .def_property_readonly("nbytes", [](const ObjectInfo& o) { return o.location.length; })
       .def_property_readonly(
-          "encoding",
-          [](const ObjectInfo& o) {
-            switch (o.encoding) {
-              case ObjectEncoding::kPickle:
-                return "pickle";
-              case ObjectEncoding::kTorchSave:
-                return "torch_save";
-              case ObjectEncoding::kJson:
-                return "json";
-              default:
-                return "bytes";
-            }
-          },
+          "encoding", [](const ObjectInfo& o) { return PythonEncodingName(o.encoding); },
           "what the stored bytes are: 'bytes', 'pickle', 'torch_save' (a torch.save archive, "
           "e.g. a PyTorch DCP byte item) or 'json'")
       .def("__repr__", [](const ObjectInfo& o) {

@@ -97,11 +97,8 @@ py::bytes StateBuilder::ObjectData(size_t index) const {
   return py::bytes(reinterpret_cast<const char*>(object->data.data()), object->data.size());
 }
 
-std::string StateBuilder::ObjectEncodingName(size_t index) const {
-  if (index >= dict_.size()) throw py::index_error("no entry " + std::to_string(index));
-  const auto* object = std::get_if<ShardedObject>(&dict_.entries()[index]);
-  if (!object) throw py::type_error("entry " + std::to_string(index) + " is a tensor");
-  switch (object->encoding) {
+const char* PythonEncodingName(ObjectEncoding encoding) {
+  switch (encoding) {
     case ObjectEncoding::kPickle:
       return "pickle";
     case ObjectEncoding::kTorchSave:
@@ -111,6 +108,13 @@ std::string StateBuilder::ObjectEncodingName(size_t index) const {
     default:
       return "bytes";
   }
+}
+
+std::string StateBuilder::ObjectEncodingName(size_t index) const {
+  if (index >= dict_.size()) throw py::index_error("no entry " + std::to_string(index));
+  const auto* object = std::get_if<ShardedObject>(&dict_.entries()[index]);
+  if (!object) throw py::type_error("entry " + std::to_string(index) + " is a tensor");
+  return PythonEncodingName(object->encoding);
 }
 
 namespace {

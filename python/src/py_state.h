@@ -33,6 +33,10 @@ struct TensorSpec {
   bool partial = false;
 };
 
+// The Python name of an object encoding: "pickle", "torch_save", "json" or "bytes" (the names
+// tessera's Python layer decodes by).
+const char* PythonEncodingName(ObjectEncoding encoding);
+
 class StateBuilder {
  public:
   StateBuilder() = default;
