@@ -16,9 +16,6 @@
 #include "py_status.h"
 #include "tessera/local_comm.h"
 
-#ifdef TESSERA_PYTHON_WITH_MPI
-#include "tessera/mpi_comm.h"
-#endif
 
 namespace py = pybind11;
 
@@ -278,19 +275,6 @@ py::list RunLocal(int num_ranks, const py::function& fn, double timeout_seconds)
   return out;
 }
 
-#ifdef TESSERA_PYTHON_WITH_MPI
-// An MPI_Comm from the integer mpi4py's MPI._handleof gives: a pointer (Open MPI) or an int
-// (MPICH).
-template <typename Handle = MPI_Comm>
-Handle MpiCommFromHandle(uintptr_t handle) {
-  if constexpr (std::is_pointer_v<Handle>) {
-    return reinterpret_cast<Handle>(handle);
-  } else {
-    return static_cast<Handle>(handle);
-  }
-}
-#endif
-
 }  // namespace
 
 CommHandle::~CommHandle() {
@@ -441,22 +425,22 @@ void RegisterComm(py::module_& m) {
         "and returns the results indexed by rank. A collective waits at most `timeout` seconds\n"
         "for its peers. If any rank raises, the exception of the first failing rank is raised\n"
         "(ranks whose collectives only gave up because of it are passed over).");
-#ifdef TESSERA_PYTHON_WITH_MPI
+  // The MPI Comm lives in its own extension module (tessera._tessera_mpi, python/src/
+  // mpi_module.cc), so that importing tessera never needs libmpi. It hands its Comm over in a
+  // capsule: one owned std::shared_ptr<Comm>, taken here exactly once.
   m.def(
-      "_mpi_comm",
-      [](uintptr_t handle) {
-        const MPI_Comm user_comm = MpiCommFromHandle(handle);
-        Result<std::unique_ptr<Comm>> comm = [&] {
-          py::gil_scoped_release release;
-          return NewMpiComm(user_comm);
-        }();
-        return std::make_unique<CommHandle>(std::shared_ptr<Comm>(ValueOrThrow(std::move(comm))));
+      "_comm_from_capsule",
+      [](py::capsule capsule) {
+        if (std::string(capsule.name() ? capsule.name() : "") != kSharedCommCapsule) {
+          throw std::invalid_argument("not a tessera Comm capsule");
+        }
+        auto* shared = capsule.get_pointer<std::shared_ptr<Comm>>();
+        if (shared == nullptr || *shared == nullptr) {
+          throw std::invalid_argument("this tessera Comm capsule was already used");
+        }
+        return std::make_unique<CommHandle>(std::exchange(*shared, nullptr));
       },
-      py::arg("handle"), "COLLECTIVE. A Comm over a duplicate of the MPI communicator `handle`.");
-  m.attr("_has_mpi") = true;
-#else
-  m.attr("_has_mpi") = false;
-#endif
+      py::arg("capsule"), "Takes the Comm out of a capsule made by tessera._tessera_mpi.");
 }
 
 }  // namespace tessera::python

@@ -6,7 +6,7 @@
 //   - python_comm(impl): a Comm whose collectives call the Python object `impl` (how the
 //     torch.distributed comm of tessera/_torch_comm.py is made), from any thread, taking the
 //     GIL for the call;
-//   - mpi_comm(handle): MPI, when tessera is built with its MPI Comm.
+//   - mpi_comm(handle): MPI, through the separate module tessera._tessera_mpi (mpi_module.cc).
 #ifndef TESSERA_PYTHON_PY_COMM_H_
 #define TESSERA_PYTHON_PY_COMM_H_
 
@@ -39,6 +39,10 @@ class CommHandle {
   std::shared_ptr<Comm> owned_;
   Comm* comm_ = nullptr;
 };
+
+// The name of the PyCapsule that carries one owned std::shared_ptr<Comm> from another
+// extension module (tessera._tessera_mpi) to tessera._tessera (`_comm_from_capsule`).
+inline constexpr const char* kSharedCommCapsule = "tessera.shared_comm";
 
 void RegisterComm(pybind11::module_& m);
 

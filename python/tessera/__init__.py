@@ -31,17 +31,29 @@ from ._tessera import (AsyncSaveHandle, Comm, ConvertReport, LoadReport, Metadat
 
 __version__ = "0.1.0"
 
-# Whether the extension was built against tessera's MPI Comm (include/tessera/mpi_comm.h).
-HAS_MPI = bool(_tessera._has_mpi)
+def _find_mpi_module() -> bool:
+    """Whether this tessera was built with its MPI Comm (the module tessera._tessera_mpi)."""
+    import importlib.util  # noqa: PLC0415
+    return importlib.util.find_spec("tessera._tessera_mpi") is not None
 
 
-def mpi_comm(comm=None):
-    """A tessera.Comm over an mpi4py communicator (default MPI.COMM_WORLD)."""
+# Whether tessera was built with its MPI Comm. Importing tessera never loads libmpi: only
+# mpi_comm() does.
+HAS_MPI = _find_mpi_module()
+
+
+def mpi_comm(comm=None) -> Comm:
+    """COLLECTIVE. A tessera.Comm over an mpi4py communicator (default ``MPI.COMM_WORLD``).
+
+    Loads tessera's MPI module (and with it libmpi) on first use. Raises NotImplementedError when
+    this tessera was built without MPI.
+    """
     if not HAS_MPI:
         raise NotImplementedError("this tessera was built without its MPI Comm")
     from mpi4py import MPI  # noqa: PLC0415
+    from . import _tessera_mpi  # noqa: PLC0415
     comm = MPI.COMM_WORLD if comm is None else comm
-    return _tessera._mpi_comm(MPI._handleof(comm))
+    return _tessera._comm_from_capsule(_tessera_mpi.new_mpi_comm_capsule(MPI._handleof(comm)))
 
 
 __all__ = [
