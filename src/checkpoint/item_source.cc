@@ -189,8 +189,12 @@ long ItemSource::Choose() {
 
 void ItemSource::Run() {
   std::unique_lock<std::mutex> lock(mu_);
-  std::vector<DeviceEvent> last_event(devices_.size(), 0);
-  std::vector<bool> queued_any(devices_.size(), false);
+  // Buffers that took a copy; the last copy of each is checked at the end (an earlier one was
+  // checked by the writer that read it before the buffer was reused).
+  std::vector<std::vector<long>> last_piece(devices_.size());  // per buffer, or -1
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    last_piece[d].assign(devices_[d].buffers.size(), -1);
+  }
   while (!stopping_ && error_.ok() && !AllQueuedOrDropped()) {
     const long chosen = Choose();
     if (chosen < 0) {
@@ -211,13 +215,9 @@ void ItemSource::Run() {
     }
     if (queued.ok()) queued = d.device->Record(buffer.event, d.staging->save_stream());
     lock.lock();
-    queued_any[piece.device] = true;  // some copy of it may be in flight
-    last_event[piece.device] = buffer.event;
+    last_piece[piece.device][piece.buffer] = chosen;  // some copy into it may be in flight
     if (!queued.ok()) {
-      const LocalItem& item = plan_.items[files_[piece.file].items[piece.segments[0].item]];
-      Fail(queued.WithContext("copying key '" + item.key + "' (bytes from " +
-                              std::to_string(piece.segments[0].offset) + " of box " +
-                              item.box.ToString() + ") from " + d.device->name()));
+      Fail(queued.WithContext(Describe(piece)));
       break;
     }
     piece.state = PieceState::kQueued;
@@ -227,11 +227,13 @@ void ItemSource::Run() {
   const bool complete = AllQueuedOrDropped();
   Status status = error_;
   lock.unlock();
-  // The stream runs its copies in order: once the last one queued is done, all are.
+  // Every copy done, and none failed. No buffer takes another copy now.
   for (size_t d = 0; d < devices_.size(); ++d) {
-    if (!queued_any[d]) continue;
-    Status done = devices_[d].device->Synchronize(last_event[d]);
-    if (status.ok() && !done.ok()) status = done.WithContext("copying to host memory");
+    for (size_t b = 0; b < last_piece[d].size(); ++b) {
+      if (last_piece[d][b] < 0) continue;
+      Status done = devices_[d].device->Synchronize(devices_[d].buffers[b].event);
+      if (status.ok() && !done.ok()) status = done.WithContext(Describe(pieces_[last_piece[d][b]]));
+    }
   }
   if (status.ok() && !complete) status = Aborted("the save stopped before its device tensors were copied");
   lock.lock();
@@ -240,6 +242,18 @@ void ItemSource::Run() {
   cv_.notify_all();
   lock.unlock();
   Staged(status);
+}
+
+std::string ItemSource::Describe(const Piece& piece) const {
+  const Segment& first = piece.segments.front();
+  const LocalItem& item = plan_.items[files_[piece.file].items[first.item]];
+  std::string what = "copying key '" + item.key + "' (box " + item.box.ToString() + ", bytes " +
+                     std::to_string(first.offset) + " to " +
+                     std::to_string(first.offset + first.size) + ")";
+  if (piece.segments.size() > 1) {
+    what += " and " + std::to_string(piece.segments.size() - 1) + " more part(s)";
+  }
+  return what + " from " + devices_[piece.device].device->name() + " to host memory";
 }
 
 void ItemSource::Staged(const Status& status) {
@@ -291,8 +305,8 @@ Result<std::span<const std::byte>> ItemSource::Bytes(size_t f, size_t k, uint64_
     lock.unlock();
     Status landed = d.device->Synchronize(buffer.event);  // at once once it has landed
     if (!landed.ok()) {
-      landed = landed.WithContext("copying key '" + item.key + "' to host memory");
       lock.lock();
+      landed = landed.WithContext(Describe(piece));
       Fail(landed);
       return landed;
     }

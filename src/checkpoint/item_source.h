@@ -28,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -114,6 +115,8 @@ class ItemSource {
   void Fail(Status status);         // requires mu_
   void FreePiece(Piece& piece);     // requires mu_
   void Staged(const Status& status);
+  // "copying key 'w' (box ..., bytes a to b) from cuda:0 to host memory", for errors.
+  std::string Describe(const Piece& piece) const;
 
   const StateDict& state_;
   const LocalPlan& plan_;
