@@ -49,7 +49,7 @@ uint64_t ParseBytes(const std::string& s) {
   char* end = nullptr;
   const double v = std::strtod(s.c_str(), &end);
   const std::string unit = end ? end : "";
-  const uint64_t m = unit == "KiB" ? 1ull << 10
+  const uint64_t m = unit == "KiB"   ? 1ull << 10
                      : unit == "MiB" ? 1ull << 20
                      : unit == "GiB" ? 1ull << 30
                                      : 1;
@@ -170,7 +170,8 @@ double PoolToDevice(Fixture& f, int threads, uint64_t piece) {
       for (size_t t = r; t < f.sizes.size(); t += threads) {
         for (uint64_t done = 0; done < f.sizes[t];) {
           const uint64_t n = std::min(piece, f.sizes[t] - done);
-          Must(sink.Reserve(static_cast<uint32_t>(t), f.memory + f.offsets[t] + done, n), "reserve");
+          Must(sink.Reserve(static_cast<uint32_t>(t), f.memory + f.offsets[t] + done, n),
+               "reserve");
           done += n;
         }
       }
@@ -232,13 +233,20 @@ int Main(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--bytes") a.bytes = ParseBytes(v);
-    else if (k == "--tensors") a.tensors = std::atoi(v.c_str());
-    else if (k == "--piece") a.piece = ParseBytes(v);
-    else if (k == "--budget") a.budget = ParseBytes(v);
-    else if (k == "--threads") a.threads = std::atoi(v.c_str());
-    else if (k == "--repeat") a.repeat = std::atoi(v.c_str());
-    else if (k == "--device") a.device = std::atoi(v.c_str());
+    if (k == "--bytes")
+      a.bytes = ParseBytes(v);
+    else if (k == "--tensors")
+      a.tensors = std::atoi(v.c_str());
+    else if (k == "--piece")
+      a.piece = ParseBytes(v);
+    else if (k == "--budget")
+      a.budget = ParseBytes(v);
+    else if (k == "--threads")
+      a.threads = std::atoi(v.c_str());
+    else if (k == "--repeat")
+      a.repeat = std::atoi(v.c_str());
+    else if (k == "--device")
+      a.device = std::atoi(v.c_str());
     else {
       std::fprintf(stderr, "tessera_bench_device: unknown argument %s\n", k.c_str());
       return 2;

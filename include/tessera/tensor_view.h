@@ -34,8 +34,8 @@ struct TensorView {
   TensorView(const void* data_in, DType dtype_in, Shape shape_in)
       : data(const_cast<void*>(data_in)), dtype(dtype_in), shape(std::move(shape_in)) {}
   // A view of memory of `device`, ordered on the caller's `stream`.
-  static TensorView OnDevice(std::shared_ptr<Device> device, DeviceStream stream,
-                             const void* data, DType dtype, Shape shape) {
+  static TensorView OnDevice(std::shared_ptr<Device> device, DeviceStream stream, const void* data,
+                             DType dtype, Shape shape) {
     TensorView view(data, dtype, std::move(shape));
     view.device = std::move(device);
     view.stream = stream;

@@ -11,8 +11,8 @@
 #include <mutex>
 #include <new>
 #include <set>
-#include <utility>
 #include <thread>
+#include <utility>
 
 #include "checkpoint/rank_local_save.h"
 #include "device/device_staging.h"
@@ -51,10 +51,10 @@ struct AsyncSaveHandle::State {
   bool device = false;
 
   mutable std::mutex mu;
-  mutable std::condition_variable cv;  // a piece copied, staged, done
-  size_t pieces_left = 0;              // not yet copied
-  bool checking = false;               // a thread is comparing the sources with the copies
-  std::optional<Status> staged;        // host tensors: set once the caller may touch them again
+  mutable std::condition_variable cv;   // a piece copied, staged, done
+  size_t pieces_left = 0;               // not yet copied
+  bool checking = false;                // a thread is comparing the sources with the copies
+  std::optional<Status> staged;         // host tensors: set once the caller may touch them again
   std::optional<Status> device_staged;  // device tensors: likewise (when `device`)
   std::optional<Status> status;
   std::optional<SaveReport> report;
@@ -473,8 +473,8 @@ class AsyncSaver {
     if (handle_state->device) {
       // The background save copies the device tensors; it says when they are copied.
       job.options.device_staging.on_staged =
-          [handle_state, user = std::move(job.options.device_staging.on_staged)](
-              const Status& status) {
+          [handle_state,
+           user = std::move(job.options.device_staging.on_staged)](const Status& status) {
             handle_state->DeviceStaged(status);
             if (user) user(status);
           };

@@ -61,8 +61,8 @@ class CudaTest : public ::testing::Test {
   std::vector<uint8_t> LoadToHost(const std::string& path, const std::string& key, size_t n) {
     std::vector<uint8_t> got(n);
     StateDict s;
-    EXPECT_OK(s.Add(ShardedTensor::Whole(
-        key, TensorView(got.data(), DType::kU8, {static_cast<int64_t>(n)}))));
+    EXPECT_OK(s.Add(
+        ShardedTensor::Whole(key, TensorView(got.data(), DType::kU8, {static_cast<int64_t>(n)}))));
     LoadOptions o;
     o.storage = storage_;
     o.unexpected_keys = KeyPolicy::kSkip;
@@ -97,7 +97,8 @@ TEST_F(CudaTest, SaveWithABudgetSmallerThanTheState) {
   for (size_t i = 0; i < sizes.size(); ++i) {
     want.push_back(testing::RandomBytes(sizes[i], 10 + i));
     std::byte* p = Upload(want.back());
-    ASSERT_OK(state.Add(ShardedTensor::Whole("t" + std::to_string(i), View(p, sizes[i], caller()))));
+    ASSERT_OK(
+        state.Add(ShardedTensor::Whole("t" + std::to_string(i), View(p, sizes[i], caller()))));
   }
   SaveOptions o;
   o.storage = storage_;
@@ -121,8 +122,8 @@ TEST_F(CudaTest, DeferredAsyncSaveSeesTheCallersQueuedWorkAndTheCallerMayFreeAft
     // Queued, not done, when AsyncSave is called.
     ASSERT_EQ(cudaMemcpyAsync(tensor, source, n, cudaMemcpyDeviceToDevice, stream), cudaSuccess);
     StateDict state;
-    ASSERT_OK(state.Add(ShardedTensor::Whole(
-        "t", View(tensor, n, reinterpret_cast<DeviceStream>(stream)))));
+    ASSERT_OK(state.Add(
+        ShardedTensor::Whole("t", View(tensor, n, reinterpret_cast<DeviceStream>(stream)))));
     std::unique_ptr<Comm> comm = NewSingleRankComm();
     AsyncSaveOptions o;
     o.save.storage = storage_;
@@ -156,7 +157,8 @@ TEST_F(CudaTest, LoadIntoCudaMemoryReshardedAndConverted) {
   std::vector<float> whole(rows * cols);
   for (size_t i = 0; i < whole.size(); ++i) whole[i] = static_cast<float>(i) * 0.25f;
   StateDict saved;
-  ASSERT_OK(saved.Add(ShardedTensor::Whole("w", TensorView(whole.data(), DType::kF32, {rows, cols}))));
+  ASSERT_OK(
+      saved.Add(ShardedTensor::Whole("w", TensorView(whole.data(), DType::kF32, {rows, cols}))));
   SaveOptions so;
   so.storage = storage_;
   ASSERT_OK(Save(saved, "/mem/reshard", so));

@@ -50,9 +50,9 @@ Result<uint64_t> WriteTensorItem(WritableFile& out, uint64_t at, const LocalItem
 // Writes one data file: its items back to back from offset 0.
 Status WriteDcpDataFile(Storage& storage, const std::string& dir, const StateDict& state,
                         ItemSource& source, const LocalPlan& plan, uint32_t file_index,
-                        const DataFilePlan& file,
-                        const DataFileWriteOptions& options, std::atomic<uint64_t>& written,
-                        std::vector<WrittenItem>& items, uint64_t& size, uint8_t& created) {
+                        const DataFilePlan& file, const DataFileWriteOptions& options,
+                        std::atomic<uint64_t>& written, std::vector<WrittenItem>& items,
+                        uint64_t& size, uint8_t& created) {
   TESSERA_ASSIGN_OR_RETURN(
       std::unique_ptr<WritableFile> out,
       storage.NewWritableFile(JoinPath(dir, file.name), CreateMode::kExclusive));
@@ -68,8 +68,8 @@ Status WriteDcpDataFile(Storage& storage, const std::string& dir, const StateDic
       ItemReader data(source, file_index, k, item.num_bytes);
       TESSERA_ASSIGN_OR_RETURN(length, WriteTensorItem(*out, at, item, data, writeback, written));
     } else {
-      const std::span<const uint8_t> bytes(
-          reinterpret_cast<const uint8_t*>(ItemData(state, item)), item.num_bytes);
+      const std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(ItemData(state, item)),
+                                           item.num_bytes);
       TESSERA_ASSIGN_OR_RETURN(
           length, torch_dist::WriteDcpObjectItem(*out, at, bytes, item.object_encoding));
       written.fetch_add(item.num_bytes, std::memory_order_relaxed);

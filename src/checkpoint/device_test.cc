@@ -162,13 +162,14 @@ TEST_F(DeviceTest, OnlyTheWritersReplicasLeaveTheDevice) {
   // Two ranks hold the same replicated tensor; only the main replica's rank copies it.
   std::vector<std::shared_ptr<SimulatedDevice>> sims = {std::make_shared<SimulatedDevice>("a"),
                                                         std::make_shared<SimulatedDevice>("b")};
-  std::vector<DeviceBuffer> t = {DeviceBuffer(sims[0], 200000, 5), DeviceBuffer(sims[1], 200000, 5)};
+  std::vector<DeviceBuffer> t = {DeviceBuffer(sims[0], 200000, 5),
+                                 DeviceBuffer(sims[1], 200000, 5)};
   ASSERT_OK(FirstError(RunLocalRanks(2, [&](Comm& comm) -> Status {
     const int r = comm.rank();
     StateDict state;
     TESSERA_ASSIGN_OR_RETURN(DeviceStream s, sims[r]->NewStream());
-    TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
-        "t", t[r].View(DType::kU8, {200000}, s), {200000}, {0}, {r})));
+    TESSERA_RETURN_IF_ERROR(state.Add(
+        ShardedTensor::Shard("t", t[r].View(DType::kU8, {200000}, s), {200000}, {0}, {r})));
     return Save(state, "/mem/replicas", comm, Saving()).status();
   })));
   EXPECT_EQ(sims[0]->stats().bytes_to_host, 200000u);
@@ -180,7 +181,8 @@ TEST_F(DeviceTest, FailedCopyFailsTheSaveAndLeavesNoCheckpoint) {
   DeviceBuffer t(sim_, 1 << 20, 7);
   StateDict state;
   ASSERT_OK(state.Add(ShardedTensor::Whole("t", t.View(DType::kU8, {1 << 20}, stream_))));
-  for (auto mode : {SimulatedDevice::FaultMode::kWhenQueued, SimulatedDevice::FaultMode::kWhenRun}) {
+  for (auto mode :
+       {SimulatedDevice::FaultMode::kWhenQueued, SimulatedDevice::FaultMode::kWhenRun}) {
     sim_->FailCopy(5, mode);
     Status staged;
     SaveOptions o = Saving(64 << 10, 4 * (64 << 10));
@@ -228,16 +230,17 @@ TEST_F(DeviceTest, LoadIntoDeviceMemoryResharded) {
   std::vector<float> whole(rows * cols);
   for (size_t i = 0; i < whole.size(); ++i) whole[i] = static_cast<float>(i) * 0.5f;
   StateDict saved;
-  ASSERT_OK(saved.Add(ShardedTensor::Whole("w", TensorView(whole.data(), DType::kF32, {rows, cols}))));
+  ASSERT_OK(
+      saved.Add(ShardedTensor::Whole("w", TensorView(whole.data(), DType::kF32, {rows, cols}))));
   ASSERT_OK(Save(saved, "/mem/reshard", Saving()));
   struct Case {
     Box box;
     std::optional<FlatRange> flat;
   };
   const std::vector<Case> cases = {
-      {Box({0, 0}, {rows, cols}), std::nullopt},      // whole
-      {Box({5, 0}, {30, cols}), std::nullopt},        // rows
-      {Box({3, 100}, {20, 333}), std::nullopt},       // a sub-box: a run per row
+      {Box({0, 0}, {rows, cols}), std::nullopt},        // whole
+      {Box({5, 0}, {30, cols}), std::nullopt},          // rows
+      {Box({3, 100}, {20, 333}), std::nullopt},         // a sub-box: a run per row
       {Box({8, 0}, {16, cols}), FlatRange{777, 9999}},  // a distributed optimizer's shard
   };
   for (uint64_t budget : {uint64_t{0}, uint64_t{64 << 10}}) {
@@ -259,7 +262,8 @@ TEST_F(DeviceTest, LoadIntoDeviceMemoryResharded) {
           want.push_back(whole[(c.box.offsets[0] + i) * cols + c.box.offsets[1] + j]);
         }
       }
-      if (c.flat) want = std::vector<float>(want.begin() + c.flat->begin, want.begin() + c.flat->end);
+      if (c.flat)
+        want = std::vector<float>(want.begin() + c.flat->begin, want.begin() + c.flat->end);
       std::vector<uint8_t> got = dst.Read();
       ASSERT_EQ(got.size(), want.size() * 4);
       EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size()), 0) << c.box.ToString();
@@ -291,7 +295,8 @@ TEST_F(DeviceTest, LoadIntoDeviceConvertsAndOrdersTheCallersStream) {
   ASSERT_OK_AND_ASSIGN(DeviceEvent e, sim_->NewEvent());
   ASSERT_OK(sim_->Record(e, stream_));
   ASSERT_OK(sim_->Synchronize(e));
-  for (size_t i = 0; i < values.size(); ++i) ASSERT_EQ(seen[i], static_cast<double>(values[i])) << i;
+  for (size_t i = 0; i < values.size(); ++i)
+    ASSERT_EQ(seen[i], static_cast<double>(values[i])) << i;
 }
 
 TEST_F(DeviceTest, ReadSharingIntoDeviceMemory) {
@@ -301,7 +306,8 @@ TEST_F(DeviceTest, ReadSharingIntoDeviceMemory) {
   ASSERT_OK(Save(saved, "/mem/shared", Saving()));
   for (ReadSharing sharing : {ReadSharing::kAllGather, ReadSharing::kBroadcast}) {
     std::vector<std::shared_ptr<SimulatedDevice>> sims;
-    for (int r = 0; r < 3; ++r) sims.push_back(std::make_shared<SimulatedDevice>("sim:" + std::to_string(r)));
+    for (int r = 0; r < 3; ++r)
+      sims.push_back(std::make_shared<SimulatedDevice>("sim:" + std::to_string(r)));
     std::vector<DeviceBuffer> dst;
     for (int r = 0; r < 3; ++r) {
       dst.emplace_back(sims[r], 3 << 20, 40 + r);
@@ -336,23 +342,24 @@ TEST_F(DeviceTest, PermutedChunkIntoDeviceMemory) {
     for (int j = 0; j < 6; ++j) transposed[j * 4 + i] = 10.0f * i + j;
   }
   StateDict saved;
-  ASSERT_OK(saved.Add(ShardedTensor::Whole("m", TensorView(transposed.data(), DType::kF32, {6, 4}))));
+  ASSERT_OK(
+      saved.Add(ShardedTensor::Whole("m", TensorView(transposed.data(), DType::kF32, {6, 4}))));
   ASSERT_OK(Save(saved, "/mem/perm", Saving()));
   ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata("/mem/perm", storage_));
   m.tensors[0].global_shape = {4, 6};
   m.tensors[0].chunks[0].box = Box({0, 0}, {4, 6});
   m.tensors[0].chunks[0].storage_order = {1, 0};
   const Bytes manifest = EncodeManifest(m);
-  ASSERT_OK_AND_ASSIGN(
-      std::unique_ptr<WritableFile> out,
-      storage_->NewWritableFile("/mem/perm/" + std::string(kManifestFileName), CreateMode::kTruncate));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<WritableFile> out,
+                       storage_->NewWritableFile("/mem/perm/" + std::string(kManifestFileName),
+                                                 CreateMode::kTruncate));
   ASSERT_OK(out->WriteAt(0, manifest.data(), manifest.size()));
   ASSERT_OK(out->Close());
   for (const Box& box : {Box({0, 0}, {4, 6}), Box({1, 2}, {2, 3})}) {
     DeviceBuffer dst(sim_, box.NumElements() * 4, 3);
     StateDict state;
-    ASSERT_OK(state.Add(ShardedTensor::Shard("m", dst.View(DType::kF32, box.sizes, stream_), {4, 6},
-                                             box.offsets)));
+    ASSERT_OK(state.Add(
+        ShardedTensor::Shard("m", dst.View(DType::kF32, box.sizes, stream_), {4, 6}, box.offsets)));
     ASSERT_OK(Load(state, "/mem/perm", Loading(4096)));
     std::vector<float> want;
     for (int64_t i = 0; i < box.sizes[0]; ++i) {
@@ -389,8 +396,8 @@ TEST_F(DeviceTest, DeferredAsyncSaveReturnsAtOnceAndTheCallerMayFreeAfterWaitSta
   ASSERT_OK(state.Add(ShardedTensor::Whole("h", TensorView(host.data(), DType::kU8, {1000}))));
   std::unique_ptr<Comm> comm = NewSingleRankComm();
   // Pinned memory for 2 of the 16 pieces: pieces are reused as soon as they are written.
-  ASSERT_OK_AND_ASSIGN(AsyncSaveHandle h,
-                       AsyncSave(state, "/mem/async", *comm, Deferred(Saving(64 << 10, 128 << 10))));
+  ASSERT_OK_AND_ASSIGN(AsyncSaveHandle h, AsyncSave(state, "/mem/async", *comm,
+                                                    Deferred(Saving(64 << 10, 128 << 10))));
   EXPECT_FALSE(kernel_done.load());  // returned without waiting for the device
   EXPECT_FALSE(h.Staged());
   ASSERT_OK(h.WaitStaged());
@@ -424,8 +431,8 @@ TEST_F(DeviceTest, MemoryStaysFlatOverManySaves) {
   for (int i = 0; i < 3; ++i) buffers.emplace_back(sim_, 100000 + 7 * i, 50 + i);
   StateDict state;
   for (int i = 0; i < 3; ++i) {
-    ASSERT_OK(state.Add(ShardedTensor::Whole("t" + std::to_string(i),
-                                             buffers[i].View(DType::kU8, {100000 + 7 * i}, stream_))));
+    ASSERT_OK(state.Add(ShardedTensor::Whole(
+        "t" + std::to_string(i), buffers[i].View(DType::kU8, {100000 + 7 * i}, stream_))));
   }
   std::unique_ptr<Comm> comm = NewSingleRankComm();
   SimulatedDevice::Stats first;
@@ -451,15 +458,16 @@ TEST_F(DeviceTest, MemoryStaysFlatOverManySaves) {
 TEST_F(DeviceTest, AsyncSaveWithAFailedCopyFailsOnEveryRank) {
   std::vector<std::shared_ptr<SimulatedDevice>> sims = {std::make_shared<SimulatedDevice>("a"),
                                                         std::make_shared<SimulatedDevice>("b")};
-  std::vector<DeviceBuffer> t = {DeviceBuffer(sims[0], 400000, 61), DeviceBuffer(sims[1], 400000, 62)};
+  std::vector<DeviceBuffer> t = {DeviceBuffer(sims[0], 400000, 61),
+                                 DeviceBuffer(sims[1], 400000, 62)};
   sims[1]->FailCopy(2, SimulatedDevice::FaultMode::kWhenRun);
   std::vector<Status> staged(2), done(2);
   ASSERT_OK(FirstError(RunLocalRanks(2, [&](Comm& comm) -> Status {
     const int r = comm.rank();
     TESSERA_ASSIGN_OR_RETURN(DeviceStream s, sims[r]->NewStream());
     StateDict state;
-    TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
-        "t", t[r].View(DType::kU8, {400000}, s), {800000}, {400000 * r})));
+    TESSERA_RETURN_IF_ERROR(state.Add(
+        ShardedTensor::Shard("t", t[r].View(DType::kU8, {400000}, s), {800000}, {400000 * r})));
     TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle h,
                              AsyncSave(state, "/mem/async_failed", comm, Deferred(Saving())));
     staged[r] = h.WaitStaged();

@@ -37,12 +37,11 @@ Result<std::unique_ptr<DeviceUploads>> DeviceUploads::Start(const StateDict& sta
   const size_t count =
       options.pinned_bytes == 0
           ? 2 * threads + 2
-          : std::max<uint64_t>(1, (options.pinned_bytes + options.piece_bytes - 1) /
-                                      options.piece_bytes);
+          : std::max<uint64_t>(
+                1, (options.pinned_bytes + options.piece_bytes - 1) / options.piece_bytes);
   for (Target& t : uploads->targets_) {
     TESSERA_ASSIGN_OR_RETURN(t.staging, DeviceStaging::For(t.device));
-    TESSERA_ASSIGN_OR_RETURN(t.buffers,
-                             t.staging->Lease(*t.device, count, uploads->piece_bytes_));
+    TESSERA_ASSIGN_OR_RETURN(t.buffers, t.staging->Lease(*t.device, count, uploads->piece_bytes_));
     for (int b = static_cast<int>(t.buffers.size()); b-- > 0;) t.free.push_back(b);
     // The copies start after the caller's work on the tensors so far (their memory may still
     // be read by it, or be in the middle of a stream-ordered allocation).

@@ -30,8 +30,7 @@ ItemSource::ItemSource(const StateDict& state, const LocalPlan& plan,
       options_(options),
       num_writers_(static_cast<size_t>(std::max(num_writers, 1))) {}
 
-Result<std::unique_ptr<ItemSource>> ItemSource::Start(const StateDict& state,
-                                                      const LocalPlan& plan,
+Result<std::unique_ptr<ItemSource>> ItemSource::Start(const StateDict& state, const LocalPlan& plan,
                                                       const std::vector<DataFilePlan>& files,
                                                       const DeviceStagingOptions& options,
                                                       int num_writers) {
@@ -81,7 +80,8 @@ Status ItemSource::Plan() {
         }
         Piece& piece = pieces_.back();
         const uint64_t n = std::min(item.num_bytes - done, piece_bytes - piece.size);
-        piece.segments.push_back(Segment{static_cast<uint32_t>(k), done, n, src + done, piece.size});
+        piece.segments.push_back(
+            Segment{static_cast<uint32_t>(k), done, n, src + done, piece.size});
         piece.size += n;
         done += n;
       }
@@ -100,11 +100,11 @@ Status ItemSource::SetUp() {
     const uint64_t budget = options_.pinned_bytes;
     const size_t count =
         budget == 0 ? pieces_on[d]
-                    : std::min<size_t>(pieces_on[d], std::max<uint64_t>(
-                                                         1, (budget + options_.piece_bytes - 1) /
-                                                                options_.piece_bytes));
-    TESSERA_ASSIGN_OR_RETURN(copies.buffers, copies.staging->Lease(*copies.device, count,
-                                                                   options_.piece_bytes));
+                    : std::min<size_t>(pieces_on[d],
+                                       std::max<uint64_t>(1, (budget + options_.piece_bytes - 1) /
+                                                                 options_.piece_bytes));
+    TESSERA_ASSIGN_OR_RETURN(copies.buffers,
+                             copies.staging->Lease(*copies.device, count, options_.piece_bytes));
     for (int b = static_cast<int>(copies.buffers.size()); b-- > 0;) copies.free.push_back(b);
   }
   // The copies start after the work the caller queued on its streams so far.
@@ -235,7 +235,8 @@ void ItemSource::Run() {
       if (status.ok() && !done.ok()) status = done.WithContext(Describe(pieces_[last_piece[d][b]]));
     }
   }
-  if (status.ok() && !complete) status = Aborted("the save stopped before its device tensors were copied");
+  if (status.ok() && !complete)
+    status = Aborted("the save stopped before its device tensors were copied");
   lock.lock();
   if (!status.ok()) Fail(status);
   copying_done_ = true;

@@ -75,11 +75,11 @@ class ItemSource {
 
  private:
   struct Segment {
-    uint32_t item = 0;      // index into files[f].items
-    uint64_t offset = 0;    // in the item's bytes
+    uint32_t item = 0;    // index into files[f].items
+    uint64_t offset = 0;  // in the item's bytes
     uint64_t size = 0;
     const std::byte* src = nullptr;  // device memory
-    uint64_t at = 0;        // in the piece's buffer
+    uint64_t at = 0;                 // in the piece's buffer
   };
   enum class PieceState { kWaiting, kQueued, kDone };
   struct Piece {
@@ -88,8 +88,8 @@ class ItemSource {
     std::vector<Segment> segments;
     uint64_t size = 0;
     PieceState state = PieceState::kWaiting;
-    int buffer = -1;         // index into its device's buffers
-    size_t consumed = 0;     // segments the writer is done with
+    int buffer = -1;      // index into its device's buffers
+    size_t consumed = 0;  // segments the writer is done with
   };
   struct DeviceCopies {
     std::shared_ptr<Device> device;

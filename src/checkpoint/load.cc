@@ -63,8 +63,8 @@ namespace {
 // Where the distinct runs of a read-sharing group land in this rank's memory, and how bytes
 // get out of and into it: memcpy for host memory, through `uploads` for device memory.
 struct RunDestinations {
-  std::vector<std::byte*> at;       // per distinct run; null when this rank does not need it
-  std::vector<uint32_t> tensor;     // per distinct run: its metadata tensor
+  std::vector<std::byte*> at;    // per distinct run; null when this rank does not need it
+  std::vector<uint32_t> tensor;  // per distinct run: its metadata tensor
   DeviceUploads* uploads = nullptr;
 
   bool OnDevice(uint32_t u) const { return uploads && uploads->OnDevice(tensor[u]); }
@@ -80,8 +80,7 @@ struct RunDestinations {
     return Status::Ok();
   }
   // Puts `n` bytes at byte `begin` of run `u`.
-  Status Put(DeviceSink& sink, uint32_t u, uint64_t begin, const uint8_t* bytes,
-             uint64_t n) const {
+  Status Put(DeviceSink& sink, uint32_t u, uint64_t begin, const uint8_t* bytes, uint64_t n) const {
     const auto* from = reinterpret_cast<const std::byte*>(bytes);
     if (!OnDevice(u)) {
       std::memcpy(at[u] + begin, from, n);
@@ -89,8 +88,7 @@ struct RunDestinations {
     }
     for (uint64_t done = 0; done < n;) {
       const uint64_t m = std::min<uint64_t>(uploads->piece_bytes(), n - done);
-      TESSERA_ASSIGN_OR_RETURN(std::byte * into,
-                               sink.Reserve(tensor[u], at[u] + begin + done, m));
+      TESSERA_ASSIGN_OR_RETURN(std::byte * into, sink.Reserve(tensor[u], at[u] + begin + done, m));
       std::memcpy(into, from + done, m);
       done += m;
     }
@@ -292,12 +290,11 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
   const RankReadPlan& plan = *planned;
   ProgressMeter progress(options.progress, plan.bytes_needed);
   // ReadShared is collective and fails alike on every rank; ExecuteReads is local.
-  Status read_status =
-      options.read_sharing != ReadSharing::kNone && comm.size() > 1
-          ? ReadShared(comm, storage, root, metadata, plan.runs, options, report, progress,
-                       uploads.get())
-          : ExecuteReads(storage, root, metadata, plan.runs, options, report, &progress,
-                         uploads.get());
+  Status read_status = options.read_sharing != ReadSharing::kNone && comm.size() > 1
+                           ? ReadShared(comm, storage, root, metadata, plan.runs, options, report,
+                                        progress, uploads.get())
+                           : ExecuteReads(storage, root, metadata, plan.runs, options, report,
+                                          &progress, uploads.get());
   if (read_status.ok()) {
     read_status = ExecutePermutedCopies(storage, root, metadata, plan.permuted, options, report,
                                         uploads.get());

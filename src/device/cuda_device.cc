@@ -43,7 +43,8 @@ class DeviceScope {
 
 class CudaDeviceImpl final : public Device {
  public:
-  explicit CudaDeviceImpl(int ordinal) : ordinal_(ordinal), name_("cuda:" + std::to_string(ordinal)) {}
+  explicit CudaDeviceImpl(int ordinal)
+      : ordinal_(ordinal), name_("cuda:" + std::to_string(ordinal)) {}
 
   std::string name() const override { return name_; }
 
@@ -51,9 +52,11 @@ class CudaDeviceImpl final : public Device {
     DeviceScope scope(ordinal_);
     void* p = nullptr;
     // Portable: pinned for every device's context, not only this one's.
-    const cudaError_t e = Checked(scope, [&] { return cudaHostAlloc(&p, bytes, cudaHostAllocPortable); });
+    const cudaError_t e =
+        Checked(scope, [&] { return cudaHostAlloc(&p, bytes, cudaHostAllocPortable); });
     if (e != cudaSuccess) {
-      return CudaError(e, "cudaHostAlloc of " + std::to_string(bytes) + " pinned bytes for " + name_);
+      return CudaError(e,
+                       "cudaHostAlloc of " + std::to_string(bytes) + " pinned bytes for " + name_);
     }
     return p;
   }
@@ -109,8 +112,8 @@ class CudaDeviceImpl final : public Device {
       return cudaMemcpyAsync(host, device, n, cudaMemcpyDeviceToHost, AsStream(stream));
     });
     if (e == cudaSuccess) return Status::Ok();
-    return CudaError(e, "cudaMemcpyAsync (device to host, " + std::to_string(n) + " bytes) on " +
-                            name_);
+    return CudaError(
+        e, "cudaMemcpyAsync (device to host, " + std::to_string(n) + " bytes) on " + name_);
   }
   Status CopyToDevice(void* device, const void* host, size_t n, DeviceStream stream) override {
     DeviceScope scope(ordinal_);
@@ -118,8 +121,8 @@ class CudaDeviceImpl final : public Device {
       return cudaMemcpyAsync(device, host, n, cudaMemcpyHostToDevice, AsStream(stream));
     });
     if (e == cudaSuccess) return Status::Ok();
-    return CudaError(e, "cudaMemcpyAsync (host to device, " + std::to_string(n) + " bytes) on " +
-                            name_);
+    return CudaError(
+        e, "cudaMemcpyAsync (host to device, " + std::to_string(n) + " bytes) on " + name_);
   }
   Status Record(DeviceEvent event, DeviceStream stream) override {
     DeviceScope scope(ordinal_);

@@ -91,8 +91,7 @@ void DeviceStaging::FreeBuffer(Device& device, const PinnedBuffer& buffer) {
   device.FreePinned(buffer.data);
 }
 
-Result<std::vector<PinnedBuffer>> DeviceStaging::Lease(Device& device, size_t count,
-                                                       size_t bytes) {
+Result<std::vector<PinnedBuffer>> DeviceStaging::Lease(Device& device, size_t count, size_t bytes) {
   std::vector<PinnedBuffer> leased;
   std::vector<PinnedBuffer> other_sizes;
   {

@@ -10,8 +10,8 @@
 
 #include "device/device_staging.h"
 #include "device/simulated_device.h"
-#include "testing/test_util.h"
 #include "tessera/device.h"
+#include "testing/test_util.h"
 
 namespace tessera {
 namespace {
@@ -92,9 +92,8 @@ TEST(SimulatedDeviceTest, StreamWaitsForAnEventOfAnotherStream) {
   const uint32_t before = 1, after = 2;
   ASSERT_OK(sim->Poke(dev, &before, 4));
   // A slow kernel writes `after`; the copy on the other stream waits for it.
-  ASSERT_OK(sim->Launch(compute, std::chrono::milliseconds(50), [&] {
-    ASSERT_OK(sim->Poke(dev, &after, 4));
-  }));
+  ASSERT_OK(sim->Launch(compute, std::chrono::milliseconds(50),
+                        [&] { ASSERT_OK(sim->Poke(dev, &after, 4)); }));
   ASSERT_OK(sim->Record(ready, compute));
   ASSERT_OK(sim->Wait(copy, ready));
   ASSERT_OK(sim->CopyToHost(pinned, dev, 4, copy));

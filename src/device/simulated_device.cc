@@ -101,13 +101,14 @@ Result<void*> SimulatedDevice::Allocate(size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t size = (std::max<uint64_t>(bytes, 1) + kAlignment - 1) / kAlignment * kAlignment;
   if (!base_ || next_offset_ + size > options_.address_space_bytes) {
-    return IOError(name_ + ": out of simulated device memory allocating " +
-                   std::to_string(bytes) + " bytes");
+    return IOError(name_ + ": out of simulated device memory allocating " + std::to_string(bytes) +
+                   " bytes");
   }
   Allocation allocation;
   allocation.size = bytes;
   allocation.bytes.reset(new (std::nothrow) std::byte[std::max<size_t>(bytes, 1)]);
-  if (!allocation.bytes) return IOError(name_ + ": no memory for " + std::to_string(bytes) + " bytes");
+  if (!allocation.bytes)
+    return IOError(name_ + ": no memory for " + std::to_string(bytes) + " bytes");
   std::byte* address = base_ + next_offset_;
   next_offset_ += size;
   device_[reinterpret_cast<uintptr_t>(address)] = std::move(allocation);
@@ -147,7 +148,8 @@ Status SimulatedDevice::CheckPinned(const void* p, size_t n) const {
     if (a >= it->first && a + n <= it->first + it->second) return Status::Ok();
   }
   return InvalidArgument(name_ + ": " + Hex(p) + " (+" + std::to_string(n) + " bytes) is not " +
-                         "pinned memory of " + name_ + " (pageable or device memory passed as "
+                         "pinned memory of " + name_ +
+                         " (pageable or device memory passed as "
                          "pinned host memory?)");
 }
 
@@ -353,8 +355,9 @@ void SimulatedDevice::RunStream(Stream* s) {
       case Op::Kind::kToDevice: {
         auto transfer = std::chrono::duration<double>(
             options_.bytes_per_second > 0 ? op.n / options_.bytes_per_second : 0.0);
-        std::this_thread::sleep_for(options_.copy_latency +
-                                    std::chrono::duration_cast<std::chrono::microseconds>(transfer));
+        std::this_thread::sleep_for(
+            options_.copy_latency +
+            std::chrono::duration_cast<std::chrono::microseconds>(transfer));
         const bool to_host = op.kind == Op::Kind::kToHost;
         Status status;
         if (op.fail) {

@@ -106,7 +106,7 @@ class SimulatedDevice final : public Device {
   Result<std::byte*> DeviceBytes(const void* p, size_t n) const;  // requires mu_
   Status CheckPinned(const void* p, size_t n) const;              // requires mu_
   Status Queue(DeviceStream stream, Op op);
-  Result<Stream*> FindStream(DeviceStream stream);   // requires mu_
+  Result<Stream*> FindStream(DeviceStream stream);              // requires mu_
   Result<std::shared_ptr<Event>> FindEvent(DeviceEvent event);  // requires mu_
   void RunStream(Stream* stream);
   // Whether the next copy fails, and how (consumes the countdown).
@@ -116,7 +116,7 @@ class SimulatedDevice final : public Device {
   const SimulatedDeviceOptions options_;
   std::byte* base_ = nullptr;  // of the reserved address range
   mutable std::mutex mu_;
-  uint64_t next_offset_ = 0;  // bump allocation in the reserved range
+  uint64_t next_offset_ = 0;                // bump allocation in the reserved range
   std::map<uintptr_t, Allocation> device_;  // by address
   std::map<uintptr_t, size_t> pinned_;      // by address
   std::map<DeviceStream, std::unique_ptr<Stream>> streams_;
