@@ -299,6 +299,27 @@ TEST_F(DeviceTest, LoadIntoDeviceConvertsAndOrdersTheCallersStream) {
     ASSERT_EQ(seen[i], static_cast<double>(values[i])) << i;
 }
 
+TEST_F(DeviceTest, FailedCopyToTheDeviceFailsTheLoad) {
+  std::vector<uint8_t> bytes = testing::RandomBytes(1 << 20, 23);
+  StateDict saved;
+  ASSERT_OK(saved.Add(ShardedTensor::Whole("x", TensorView(bytes.data(), DType::kU8, {1 << 20}))));
+  ASSERT_OK(Save(saved, "/mem/load_failed", Saving()));
+  DeviceBuffer dst(sim_, 1 << 20, 24);
+  StateDict state;
+  ASSERT_OK(state.Add(ShardedTensor::Whole("x", dst.View(DType::kU8, {1 << 20}, stream_))));
+  for (auto mode :
+       {SimulatedDevice::FaultMode::kWhenQueued, SimulatedDevice::FaultMode::kWhenRun}) {
+    sim_->FailCopy(3, mode);
+    Result<LoadReport> loaded = Load(state, "/mem/load_failed", Loading(64 << 10, 2 * (64 << 10)));
+    ASSERT_FALSE(loaded.ok());
+    EXPECT_THAT(loaded.status().message(), HasSubstr("injected failure"));
+  }
+  const uint64_t pinned = sim_->stats().pinned_bytes;
+  ASSERT_OK(Load(state, "/mem/load_failed", Loading(64 << 10, 2 * (64 << 10))));
+  EXPECT_EQ(dst.Read(), bytes);
+  EXPECT_EQ(sim_->stats().pinned_bytes, pinned);  // the failed loads gave their buffers back
+}
+
 TEST_F(DeviceTest, ReadSharingIntoDeviceMemory) {
   std::vector<uint8_t> bytes = testing::RandomBytes(3 << 20, 21);
   StateDict saved;
@@ -455,25 +476,37 @@ TEST_F(DeviceTest, MemoryStaysFlatOverManySaves) {
   }
 }
 
-TEST_F(DeviceTest, AsyncSaveWithAFailedCopyFailsOnEveryRank) {
+TEST_F(DeviceTest, AsyncSaveOfTwoRanksAndAFailedCopyFailsOnEveryRank) {
   std::vector<std::shared_ptr<SimulatedDevice>> sims = {std::make_shared<SimulatedDevice>("a"),
                                                         std::make_shared<SimulatedDevice>("b")};
   std::vector<DeviceBuffer> t = {DeviceBuffer(sims[0], 400000, 61),
                                  DeviceBuffer(sims[1], 400000, 62)};
-  sims[1]->FailCopy(2, SimulatedDevice::FaultMode::kWhenRun);
   std::vector<Status> staged(2), done(2);
-  ASSERT_OK(FirstError(RunLocalRanks(2, [&](Comm& comm) -> Status {
-    const int r = comm.rank();
-    TESSERA_ASSIGN_OR_RETURN(DeviceStream s, sims[r]->NewStream());
-    StateDict state;
-    TESSERA_RETURN_IF_ERROR(state.Add(
-        ShardedTensor::Shard("t", t[r].View(DType::kU8, {400000}, s), {800000}, {400000 * r})));
-    TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle h,
-                             AsyncSave(state, "/mem/async_failed", comm, Deferred(Saving())));
-    staged[r] = h.WaitStaged();
-    done[r] = h.Wait();
-    return Status::Ok();
-  })));
+  auto run = [&](const std::string& path) {
+    return FirstError(RunLocalRanks(2, [&](Comm& comm) -> Status {
+      const int r = comm.rank();
+      TESSERA_ASSIGN_OR_RETURN(DeviceStream s, sims[r]->NewStream());
+      StateDict state;
+      TESSERA_RETURN_IF_ERROR(state.Add(
+          ShardedTensor::Shard("t", t[r].View(DType::kU8, {400000}, s), {800000}, {400000 * r})));
+      // A budget of 2 pieces for 7 per rank.
+      TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle h,
+                               AsyncSave(state, path, comm, Deferred(Saving(64 << 10, 128 << 10))));
+      staged[r] = h.WaitStaged();
+      done[r] = h.Wait();
+      return Status::Ok();
+    }));
+  };
+  // Both ranks' halves, written as they are copied.
+  ASSERT_OK(run("/mem/async_ok"));
+  for (const Status& s : staged) EXPECT_OK(s);
+  for (const Status& s : done) EXPECT_OK(s);
+  std::vector<uint8_t> both = t[0].want;
+  both.insert(both.end(), t[1].want.begin(), t[1].want.end());
+  EXPECT_EQ(LoadToHost("/mem/async_ok", "t", 800000), both);
+  // The third copy of rank 1 fails: its staging fails, and the save on both ranks.
+  sims[1]->FailCopy(2, SimulatedDevice::FaultMode::kWhenRun);
+  ASSERT_OK(run("/mem/async_failed"));
   EXPECT_OK(staged[0]);
   EXPECT_THAT(staged[1].message(), HasSubstr("injected failure"));
   for (const Status& s : done) EXPECT_THAT(s.message(), HasSubstr("injected failure"));
