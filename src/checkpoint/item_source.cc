@@ -239,8 +239,6 @@ void ItemSource::Run() {
     status = Aborted("the save stopped before its device tensors were copied");
   lock.lock();
   if (!status.ok()) Fail(status);
-  copying_done_ = true;
-  cv_.notify_all();
   lock.unlock();
   Staged(status);
 }

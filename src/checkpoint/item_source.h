@@ -134,7 +134,6 @@ class ItemSource {
   bool stopping_ = false;
   size_t round_robin_ = 0;
   bool staged_called_ = false;  // guarded by mu_
-  bool copying_done_ = false;   // the copying thread has finished
   std::thread thread_;
 };
 
