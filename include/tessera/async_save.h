@@ -21,6 +21,18 @@
 //   as WaitStaged() does, so a handle dropped early never leaves threads reading freed memory.
 // The StateDict itself (keys, views, objects) is copied during the call: it may go at once.
 //
+// Tensors in device memory (TensorView::device) are not copied during the call, whatever the
+// staging mode: the call makes tessera's copy stream wait for the work queued on each tensor's
+// stream so far (a few microseconds per stream; the copies see the tensors as that work leaves
+// them), and the background save copies the bytes this rank writes, in pieces, into pinned
+// host buffers as it writes them (SaveOptions::device_staging: the pinned budget and piece
+// size). WaitStaged() returns once every piece has left device memory: with a budget at least
+// the size of the device state (the default) after one pass of copies, else when all but the
+// last budget's worth are written. With kBlocking the call itself waits for that. Until then
+// the caller must not change or free those tensors; queueing more work that only reads them is
+// fine (forward and backward passes). check_unchanged_until_staged checks host tensors only.
+// Under kQueue a device save is copied when the save before it is done.
+//
 // COLLECTIVE: every rank of `comm` calls AsyncSave with the same path and options, in the same
 // order (even where the call fails: the background work of every rank takes part in every save).
 // The first AsyncSave on a comm communicates over it (it creates a private communicator split

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tessera/comm.h"
+#include "tessera/device.h"
 #include "tessera/metadata.h"
 #include "tessera/state_dict.h"
 #include "tessera/status.h"
@@ -100,6 +101,11 @@ struct SaveOptions {
   std::string save_tag;
   // Where files go. Default null: the local file system (NewPosixStorage()).
   std::shared_ptr<Storage> storage;
+  // Tensors in device memory (TensorView::device) are copied to host memory in pieces through
+  // pinned buffers as the data files are written: only the bytes this rank writes, each piece
+  // written (and checksummed) as soon as it lands. See DeviceStagingOptions for the budget,
+  // the piece size and on_staged (when the caller may change its device tensors again).
+  DeviceStagingOptions device_staging;
 };
 
 struct SaveReport {
@@ -169,6 +175,12 @@ struct LoadOptions {
   std::function<void(uint64_t done, uint64_t total)> progress;
   // Where files come from. Default null: the local file system.
   std::shared_ptr<Storage> storage;
+  // Tensors in device memory (TensorView::device) are filled through pinned buffers: runs are
+  // read (and checked) into a buffer, which is copied to the device while the next one is read.
+  // The copies start after the work queued on each tensor's stream when Load is called, and
+  // the stream waits for them: work queued on it after Load returns sees the loaded bytes.
+  // DeviceStagingOptions::on_staged is not used.
+  DeviceStagingOptions device_staging;
 };
 
 struct LoadReport {

@@ -150,6 +150,13 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("separate_prefixes", &SaveOptions::separate_prefixes)
       .def_readwrite("collective", &SaveOptions::collective)
       .def_readwrite("save_tag", &SaveOptions::save_tag)
+      // DeviceStagingOptions of CUDA tensors, flat (include/tessera/device.h).
+      .def_property(
+          "pinned_bytes", [](const SaveOptions& o) { return o.device_staging.pinned_bytes; },
+          [](SaveOptions& o, uint64_t v) { o.device_staging.pinned_bytes = v; })
+      .def_property(
+          "device_piece_bytes", [](const SaveOptions& o) { return o.device_staging.piece_bytes; },
+          [](SaveOptions& o, uint64_t v) { o.device_staging.piece_bytes = v; })
       .def_property(
           "progress", [](const SaveOptions& o) { return ProgressToPython(o.progress); },
           [](SaveOptions& o, py::object fn) { o.progress = ProgressFromPython(std::move(fn)); });
@@ -163,6 +170,12 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("cast_dtypes", &LoadOptions::cast_dtypes)
       .def_readwrite("read_sharing", &LoadOptions::read_sharing)
       .def_readwrite("exchange_bytes", &LoadOptions::exchange_bytes)
+      .def_property(
+          "pinned_bytes", [](const LoadOptions& o) { return o.device_staging.pinned_bytes; },
+          [](LoadOptions& o, uint64_t v) { o.device_staging.pinned_bytes = v; })
+      .def_property(
+          "device_piece_bytes", [](const LoadOptions& o) { return o.device_staging.piece_bytes; },
+          [](LoadOptions& o, uint64_t v) { o.device_staging.piece_bytes = v; })
       .def_property(
           "progress", [](const LoadOptions& o) { return ProgressToPython(o.progress); },
           [](LoadOptions& o, py::object fn) { o.progress = ProgressFromPython(std::move(fn)); });

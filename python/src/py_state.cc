@@ -56,9 +56,16 @@ size_t StateBuilder::AddBuffer(std::string key, py::buffer data, const std::stri
 }
 
 size_t StateBuilder::AddPointer(std::string key, uintptr_t data_ptr, const std::string& dtype,
-                                Shape shape, py::object owner, const TensorSpec& spec) {
+                                Shape shape, py::object owner, const TensorSpec& spec,
+                                int cuda_device, uintptr_t stream) {
   const DType type = ValueOrThrow(DTypeFromName(dtype));
   TensorView view(reinterpret_cast<const void*>(data_ptr), type, std::move(shape));
+  if (cuda_device >= 0) {
+    Result<std::shared_ptr<Device>> device = CudaDevice(cuda_device);
+    ThrowIfError(device.status().WithContext("tensor '" + key + "'"));
+    view.device = std::move(*device);
+    view.stream = static_cast<DeviceStream>(stream);
+  }
   const size_t index = Add(std::move(key), std::move(view), spec);
   owners_.push_back(std::move(owner));
   return index;
@@ -138,6 +145,8 @@ TensorSpec MakeSpec(std::optional<Shape> global_shape, std::vector<int64_t> glob
 }  // namespace
 
 void RegisterState(py::module_& m) {
+  m.def("_built_with_cuda", &BuiltWithCuda,
+        "Whether this tessera was built with CUDA (CUDA tensors can be saved and loaded).");
   py::class_<StateBuilder>(m, "StateBuilder",
                            "The entries of one save or load; built by tessera._state.")
       .def(py::init<>())
@@ -165,18 +174,18 @@ void RegisterState(py::module_& m) {
              Shape shape, py::object owner, std::optional<Shape> global_shape,
              std::vector<int64_t> global_offset, Shape local_shape, ReplicaId replica_id,
              std::optional<std::pair<int64_t, int64_t>> flat_range, bool allow_shape_mismatch,
-             bool partial) {
+             bool partial, int cuda_device, uintptr_t stream) {
             TensorSpec spec =
                 MakeSpec(std::move(global_shape), std::move(global_offset), std::move(local_shape),
                          std::move(replica_id), flat_range, allow_shape_mismatch, partial);
             return s.AddPointer(std::move(key), data_ptr, dtype, std::move(shape), std::move(owner),
-                                spec);
+                                spec, cuda_device, stream);
           },
           py::arg("key"), py::arg("data_ptr"), py::arg("dtype"), py::arg("shape"), py::arg("owner"),
           py::arg("global_shape") = py::none(), py::arg("global_offset") = std::vector<int64_t>{},
           py::arg("local_shape") = Shape{}, py::arg("replica_id") = ReplicaId{},
           py::arg("flat_range") = py::none(), py::arg("allow_shape_mismatch") = false,
-          py::arg("partial") = false)
+          py::arg("partial") = false, py::arg("cuda_device") = -1, py::arg("stream") = 0)
       .def(
           "add_object",
           [](StateBuilder& s, std::string key, py::bytes data, ReplicaId replica_id, bool pickled) {

@@ -49,9 +49,12 @@ class StateBuilder {
   size_t AddBuffer(std::string key, pybind11::buffer data, const std::string& dtype,
                    const TensorSpec& spec, bool writable);
   // A tensor at address `data_ptr` (a torch tensor's data_ptr()) of `dtype` and `shape`,
-  // contiguous row-major; `owner` is kept alive. Returns the entry's index.
+  // contiguous row-major; `owner` is kept alive. With `cuda_device` >= 0 the address is memory
+  // of that CUDA device and `stream` (a cudaStream_t as an integer: torch's current stream of
+  // the device) orders it (TensorView::device, ::stream). Returns the entry's index.
   size_t AddPointer(std::string key, uintptr_t data_ptr, const std::string& dtype, Shape shape,
-                    pybind11::object owner, const TensorSpec& spec);
+                    pybind11::object owner, const TensorSpec& spec, int cuda_device = -1,
+                    uintptr_t stream = 0);
   // An object: opaque bytes. Returns the entry's index.
   // `pickled`: the bytes are a Python pickle (ObjectEncoding::kPickle), else kBytes.
   size_t AddObject(std::string key, std::string_view data, ReplicaId replica_id,

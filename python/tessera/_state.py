@@ -53,7 +53,7 @@ def _replica(value):
 class ShardedTensor:
     """One rank's piece of a global tensor (see include/tessera/sharded_tensor.h).
 
-    data: a contiguous CPU torch tensor or NumPy array: the local box
+    data: a contiguous torch tensor (in CPU or CUDA memory) or NumPy array: the local box
         [global_offset, global_offset + local_shape), or, with flat_range=(begin, end), the
         elements begin..end-1 of the row-major flattening of that box (how a distributed
         optimizer shards).
@@ -427,10 +427,11 @@ def _add_tensor(builder, key, value, rank, for_load):
 
 
 def _add_torch(builder, key, tensor, dtype, spec):
-    if tensor.device.type != "cpu":
+    device = tensor.device
+    if device.type not in ("cpu", "cuda"):
         raise invalid_argument(
-            f"tensor '{key}': on device {tensor.device}; tessera reads and writes host memory "
-            "(move it with .cpu(), and back after a load)")
+            f"tensor '{key}': on device {device}; tessera reads and writes host and CUDA "
+            "memory (move it with .cpu(), and back after a load)")
     if tensor.layout != _torch_strided():
         raise invalid_argument(f"tensor '{key}': layout {tensor.layout} is not supported "
                                "(dense tensors only)")
@@ -447,7 +448,25 @@ def _add_torch(builder, key, tensor, dtype, spec):
         raise invalid_argument(
             f"tensor '{key}': the tensor is not contiguous (tessera reads and writes row-major "
             "memory in place; pass t.contiguous() to save, or load into a contiguous tensor)")
+    if device.type == "cuda":
+        # Copied through pinned buffers on tessera's own stream, ordered after the work queued
+        # so far on torch's current stream of the tensor's device (and, on load, before the
+        # work queued on it afterwards).
+        return builder.add_pointer(key, tensor.data_ptr(), name, list(tensor.shape), tensor,
+                                   cuda_device=_device_index(device),
+                                   stream=_current_cuda_stream(device), **spec)
     return builder.add_pointer(key, tensor.data_ptr(), name, list(tensor.shape), tensor, **spec)
+
+
+def _device_index(device):
+    import torch  # noqa: PLC0415
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _current_cuda_stream(device):
+    """torch's current stream of `device` as a cudaStream_t integer (0: the legacy default)."""
+    import torch  # noqa: PLC0415
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
 def _torch_strided():

@@ -10,9 +10,12 @@
 #include <deque>
 #include <mutex>
 #include <new>
+#include <set>
 #include <thread>
+#include <utility>
 
 #include "checkpoint/rank_local_save.h"
+#include "device/device_staging.h"
 #include "format/checksum.h"
 
 namespace tessera {
@@ -42,11 +45,17 @@ struct AsyncSaveHandle::State {
   std::vector<uint64_t> checksums;  // per segment, of the staged copy (check only)
   size_t next_piece = 0;            // the next piece to hand out (guarded by the pool)
 
+  // Tensors in device memory are not copied here: the background save copies them (the bytes
+  // this rank writes) through pinned buffers as it writes (checkpoint/item_source.h), and
+  // reports through DeviceStaged.
+  bool device = false;
+
   mutable std::mutex mu;
-  mutable std::condition_variable cv;  // a piece copied, staged, done
-  size_t pieces_left = 0;              // not yet copied
-  bool checking = false;               // a thread is comparing the sources with the copies
-  std::optional<Status> staged;        // set once the caller may touch its tensors again
+  mutable std::condition_variable cv;   // a piece copied, staged, done
+  size_t pieces_left = 0;               // not yet copied
+  bool checking = false;                // a thread is comparing the sources with the copies
+  std::optional<Status> staged;         // host tensors: set once the caller may touch them again
+  std::optional<Status> device_staged;  // device tensors: likewise (when `device`)
   std::optional<Status> status;
   std::optional<SaveReport> report;
 
@@ -59,9 +68,18 @@ struct AsyncSaveHandle::State {
     cv.notify_all();
   }
 
-  // See AsyncSaveHandle::WaitStaged. With the check, the first caller after the copy compares
-  // the sources with the copies; others wait for its verdict.
+  // See AsyncSaveHandle::WaitStaged: the host tensors' staging, then the device tensors'.
   Status WaitStaged() {
+    Status host = WaitHostStaged();
+    if (!device) return host;
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return device_staged.has_value(); });
+    return host.ok() ? *device_staged : host;
+  }
+
+  // With the check, the first caller after the copy compares the sources with the copies;
+  // others wait for its verdict.
+  Status WaitHostStaged() {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return staged.has_value() || (pieces_left == 0 && !checking); });
     if (staged) return *staged;
@@ -75,7 +93,15 @@ struct AsyncSaveHandle::State {
     return result;
   }
 
-  // For the saver's worker: waits for the staged status without doing the check itself.
+  // Called once by the background save (DeviceStagingOptions::on_staged).
+  void DeviceStaged(const Status& result) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!device_staged) device_staged = result;
+    cv.notify_all();
+  }
+
+  // For the saver's worker: waits for the host tensors' staged status without doing the check
+  // itself.
   Status WaitStagedByOthers() {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return staged.has_value(); });
@@ -119,7 +145,7 @@ Status AsyncSaveHandle::WaitStaged() const { return state_->WaitStaged(); }
 
 bool AsyncSaveHandle::Staged() const {
   std::lock_guard<std::mutex> lock(state_->mu);
-  return state_->pieces_left == 0;
+  return state_->pieces_left == 0 && (!state_->device || state_->device_staged.has_value());
 }
 
 Status AsyncSaveHandle::Wait() const {
@@ -297,13 +323,29 @@ void CutIntoPieces(size_t piece_bytes, HandleState& s) {
   if (s.check) s.checksums.assign(s.segments.size(), 0);
 }
 
+// A tensor in device memory stays where it is: the background save copies it. Its copies must
+// see the tensor as it is now, so the device's save stream is made to wait, now, for the work
+// queued on the caller's stream so far, and the staged view names that stream instead (the
+// save then has nothing more to wait for).
+Status PrepareDeviceTensor(ShardedTensor& tensor) {
+  TensorView& view = tensor.data;
+  Result<std::shared_ptr<DeviceStaging>> staging = DeviceStaging::For(view.device);
+  TESSERA_RETURN_IF_ERROR_CTX(staging.status(), "tensor '" + tensor.key + "'");
+  TESSERA_RETURN_IF_ERROR_CTX(
+      (*staging)->Order(*view.device, (*staging)->save_stream(), view.stream),
+      "tensor '" + tensor.key + "': ordering its copy after its stream");
+  view.stream = (*staging)->save_stream();
+  return Status::Ok();
+}
+
 // Everything AsyncSave does before copying: checks the state, takes staging buffers from `set`,
-// fills `staged` with the same entries viewing them (objects are copied here: they are small)
-// and `work` with what to copy.
+// fills `staged` with the same entries viewing them (objects are copied here: they are small;
+// tensors in device memory stay where they are) and `work` with what to copy.
 Status Prepare(const StateDict& state, const AsyncSaveOptions& options, StagingSet& set,
                StateDict& staged, HandleState& work) {
   TESSERA_RETURN_IF_ERROR(ValidateStagingOptions(options));
   work.check = options.check_unchanged_until_staged && options.staging == StagingMode::kDeferred;
+  std::set<std::pair<const Device*, DeviceStream>> ordered;  // one wait per caller stream
   for (const StateEntry& entry : state.entries()) {
     if (const auto* object = std::get_if<ShardedObject>(&entry)) {
       TESSERA_RETURN_IF_ERROR(staged.Add(*object));
@@ -311,6 +353,18 @@ Status Prepare(const StateDict& state, const AsyncSaveOptions& options, StagingS
     }
     ShardedTensor tensor = std::get<ShardedTensor>(entry);
     TESSERA_RETURN_IF_ERROR(tensor.Validate());
+    if (tensor.data.on_device()) {
+      work.device = true;
+      if (ordered.insert({tensor.data.device.get(), tensor.data.stream}).second) {
+        TESSERA_RETURN_IF_ERROR(PrepareDeviceTensor(tensor));
+      } else {
+        TESSERA_ASSIGN_OR_RETURN(std::shared_ptr<DeviceStaging> staging,
+                                 DeviceStaging::For(tensor.data.device));
+        tensor.data.stream = staging->save_stream();
+      }
+      TESSERA_RETURN_IF_ERROR(staged.Add(std::move(tensor)));
+      continue;
+    }
     const size_t n = tensor.data.NumBytes();
     std::byte* buffer = set.Get(work.keys.size(), n);
     if (buffer == nullptr) {
@@ -410,13 +464,25 @@ class AsyncSaver {
     pool_.Submit(handle_state);
     if (blocking) {
       pool_.Help(*handle_state);
-      handle_state->WaitStaged().IgnoreError();  // cannot fail without the check
+      handle_state->WaitHostStaged().IgnoreError();  // cannot fail without the check
     }
     job.staging = std::move(set);
     job.path = path;
     job.options = options.save;
     job.handle = handle_state;
+    if (handle_state->device) {
+      // The background save copies the device tensors; it says when they are copied.
+      job.options.device_staging.on_staged =
+          [handle_state,
+           user = std::move(job.options.device_staging.on_staged)](const Status& status) {
+            handle_state->DeviceStaged(status);
+            if (user) user(status);
+          };
+    }
     Queue(std::move(job));
+    // kBlocking: the device tensors' copies too, before returning (they run in the background
+    // save, which needs the job queued first).
+    if (blocking && handle_state->device) handle_state->WaitStaged().IgnoreError();
     auto guard = std::make_shared<StagingGuard>(handle_state);
     // Aliasing: the handles point at the state and own the guard, which owns the state.
     return AsyncSaveHandle(std::shared_ptr<HandleState>(guard, handle_state.get()));
@@ -435,7 +501,7 @@ class AsyncSaver {
     auto state = std::make_shared<HandleState>();
     state->piece_begin = {0};
     state->staged = error;
-    return state;
+    return state;  // device false: nothing to wait for
   }
 
   void Queue(Job job) {

@@ -1,5 +1,7 @@
 #include "checkpoint/data_files.h"
 
+#include "checkpoint/item_source.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -86,7 +88,7 @@ struct FileResult {
 // Writes one data file: header, then every item in pieces, checksumming each piece just after
 // writing it, while it is in cache. Tensor chunks get one checksum per block of
 // `block_bytes`; objects one for all their bytes.
-Status WriteDataFile(Storage& storage, const std::string& dir, const StateDict& state,
+Status WriteDataFile(Storage& storage, const std::string& dir, ItemSource& source,
                      const LocalPlan& plan, uint32_t file_index, const DataFilePlan& file,
                      const FileLayout& layout, const DataFileWriteOptions& options,
                      std::atomic<uint64_t>& written, FileResult& result, uint8_t& created) {
@@ -101,7 +103,7 @@ Status WriteDataFile(Storage& storage, const std::string& dir, const StateDict& 
   uint64_t writeback_begin = 0;  // with kFull, bytes before it were handed to StartWriteback
   for (size_t k = 0; k < file.items.size(); ++k) {
     const LocalItem& item = plan.items[file.items[k]];
-    const std::byte* data = ItemData(state, item);
+    ItemReader data(source, file_index, k, item.num_bytes);
     const uint64_t at_item = data_start + layout.entries[k].begin;
     // Objects: one block of any length.
     const uint64_t block = item.kind == ItemKind::kObject || options.checksum_block_bytes == 0
@@ -115,11 +117,14 @@ Status WriteDataFile(Storage& storage, const std::string& dir, const StateDict& 
     ChecksumStream checksum;
     uint64_t done = 0, block_end = block_end_from(0);
     while (true) {
-      const size_t n = static_cast<size_t>(std::min(kWritePiece, block_end - done));
+      size_t n = static_cast<size_t>(std::min(kWritePiece, block_end - done));
       const uint64_t at = at_item + done;
       if (n > 0) {
-        TESSERA_RETURN_IF_ERROR(out->WriteAt(at, data + done, n));
-        checksum.Update(data + done, n);
+        // A device item's bytes come a piece at a time: n may shrink to the piece's end.
+        TESSERA_ASSIGN_OR_RETURN(std::span<const std::byte> bytes, data.Next(n));
+        n = bytes.size();
+        TESSERA_RETURN_IF_ERROR(out->WriteAt(at, bytes.data(), n));
+        checksum.Update(bytes.data(), n);
         written.fetch_add(n, std::memory_order_relaxed);
       }
       done += n;
@@ -234,6 +239,30 @@ Status WriteFilesInParallel(Storage& storage, const std::string& dir,
   return Status::Ok();
 }
 
+Status WriteFilesFromSource(
+    Storage& storage, const std::string& dir, const StateDict& state, const LocalPlan& plan,
+    const std::vector<DataFilePlan>& files, const DataFileWriteOptions& options,
+    std::atomic<uint64_t>& written,
+    const std::function<Status(ItemSource& source, size_t f, uint8_t& created)>& write_file) {
+  TESSERA_ASSIGN_OR_RETURN(
+      std::unique_ptr<ItemSource> source,
+      ItemSource::Start(state, plan, files, options.device_staging, options.num_threads));
+  Status status =
+      WriteFilesInParallel(storage, dir, files, options, written, [&](size_t f, uint8_t& created) {
+        source->BeginFile(f);
+        Status s = write_file(*source, f, created);
+        source->EndFile(f);
+        return s;
+      });
+  Status staged = source->Finish();
+  if (status.ok() && !staged.ok()) {
+    // Every writer got its bytes, so this cannot happen; nothing refers to the files either way.
+    for (const DataFilePlan& f : files) storage.Remove(JoinPath(dir, f.name)).IgnoreError();
+    return staged;
+  }
+  return status;
+}
+
 Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, const StateDict& state,
                                    const LocalPlan& plan, const std::vector<DataFilePlan>& files,
                                    const std::string& save_id,
@@ -246,9 +275,10 @@ Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, con
   }
   std::vector<FileResult> results(files.size());
   std::atomic<uint64_t> written{0};
-  TESSERA_RETURN_IF_ERROR(
-      WriteFilesInParallel(storage, dir, files, options, written, [&](size_t f, uint8_t& created) {
-        return WriteDataFile(storage, dir, state, plan, static_cast<uint32_t>(f), files[f],
+  TESSERA_RETURN_IF_ERROR(WriteFilesFromSource(
+      storage, dir, state, plan, files, options, written,
+      [&](ItemSource& source, size_t f, uint8_t& created) {
+        return WriteDataFile(storage, dir, source, plan, static_cast<uint32_t>(f), files[f],
                              layouts[f], options, written, results[f], created);
       }));
   WriteResult result;

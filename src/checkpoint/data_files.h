@@ -42,6 +42,8 @@ struct DataFileWriteOptions {
   uint64_t checksum_block_bytes = 0;
   // Called with the bytes written so far by this rank, from the calling thread only.
   std::function<void(uint64_t done)> on_progress;
+  // How tensors in device memory are copied to host memory (checkpoint/item_source.h).
+  DeviceStagingOptions device_staging;
 };
 
 // Bytes written per WriteAt, and (with SyncPolicy::kFull) between StartWriteback calls, by the
@@ -60,9 +62,22 @@ Status WriteFilesInParallel(Storage& storage, const std::string& dir,
                             const DataFileWriteOptions& options, std::atomic<uint64_t>& written,
                             const std::function<Status(size_t f, uint8_t& created)>& write_file);
 
+class ItemSource;
+
+// WriteFilesInParallel with the items' bytes coming from an ItemSource made for the call
+// (checkpoint/item_source.h): write_file(source, f, created) reads the items of file f through
+// it, in file order. Calls options.device_staging.on_staged (ItemSource).
+Status WriteFilesFromSource(
+    Storage& storage, const std::string& dir, const StateDict& state, const LocalPlan& plan,
+    const std::vector<DataFilePlan>& files, const DataFileWriteOptions& options,
+    std::atomic<uint64_t>& written,
+    const std::function<Status(ItemSource& source, size_t f, uint8_t& created)>& write_file);
+
 // Writes the planned files with up to options.num_threads threads, checksumming every piece
-// right after writing it, and reports where every item landed. On failure removes every file
-// it created and returns the first error, naming the file.
+// right after writing it, and reports where every item landed. Items in device memory are
+// copied to pinned host memory piece by piece as the writers go (ItemSource), and
+// options.device_staging.on_staged is called once they all were (or will not be). On failure
+// removes every file it created and returns the first error, naming the file.
 Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, const StateDict& state,
                                    const LocalPlan& plan, const std::vector<DataFilePlan>& files,
                                    const std::string& save_id, const DataFileWriteOptions& options);

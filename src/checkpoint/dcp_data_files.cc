@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "checkpoint/item_source.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_dtype.h"
 
@@ -23,7 +24,7 @@ struct Writeback {
 
 // One tensor chunk as a torch.save item at `at`; returns the item's length.
 Result<uint64_t> WriteTensorItem(WritableFile& out, uint64_t at, const LocalItem& item,
-                                 const std::byte* data, Writeback& writeback,
+                                 ItemReader& data, Writeback& writeback,
                                  std::atomic<uint64_t>& written) {
   const torch_dist::TorchTensorSpec spec{std::string(torch_dist::TorchDTypeOf(item.dtype).name),
                                          item.box.sizes, false};
@@ -35,8 +36,10 @@ Result<uint64_t> WriteTensorItem(WritableFile& out, uint64_t at, const LocalItem
                     std::to_string(item.num_bytes));
   }
   for (uint64_t done = 0; done < item.num_bytes;) {
-    const size_t n = static_cast<size_t>(std::min(kWritePiece, item.num_bytes - done));
-    TESSERA_RETURN_IF_ERROR(writer.Append(data + done, n));
+    TESSERA_ASSIGN_OR_RETURN(std::span<const std::byte> bytes,
+                             data.Next(std::min(kWritePiece, item.num_bytes - done)));
+    const size_t n = bytes.size();
+    TESSERA_RETURN_IF_ERROR(writer.Append(bytes.data(), n));
     written.fetch_add(n, std::memory_order_relaxed);
     done += n;
     TESSERA_RETURN_IF_ERROR(writeback.After(writer.position()));
@@ -46,9 +49,10 @@ Result<uint64_t> WriteTensorItem(WritableFile& out, uint64_t at, const LocalItem
 
 // Writes one data file: its items back to back from offset 0.
 Status WriteDcpDataFile(Storage& storage, const std::string& dir, const StateDict& state,
-                        const LocalPlan& plan, uint32_t file_index, const DataFilePlan& file,
-                        const DataFileWriteOptions& options, std::atomic<uint64_t>& written,
-                        std::vector<WrittenItem>& items, uint64_t& size, uint8_t& created) {
+                        ItemSource& source, const LocalPlan& plan, uint32_t file_index,
+                        const DataFilePlan& file, const DataFileWriteOptions& options,
+                        std::atomic<uint64_t>& written, std::vector<WrittenItem>& items,
+                        uint64_t& size, uint8_t& created) {
   TESSERA_ASSIGN_OR_RETURN(
       std::unique_ptr<WritableFile> out,
       storage.NewWritableFile(JoinPath(dir, file.name), CreateMode::kExclusive));
@@ -56,14 +60,16 @@ Status WriteDcpDataFile(Storage& storage, const std::string& dir, const StateDic
   const bool durable = options.sync == SyncPolicy::kFull;
   Writeback writeback{*out, durable};
   uint64_t at = 0;
-  for (uint32_t i : file.items) {
+  for (size_t k = 0; k < file.items.size(); ++k) {
+    const uint32_t i = file.items[k];
     const LocalItem& item = plan.items[i];
-    const std::byte* data = ItemData(state, item);
     uint64_t length = 0;
     if (item.kind == ItemKind::kTensor) {
+      ItemReader data(source, file_index, k, item.num_bytes);
       TESSERA_ASSIGN_OR_RETURN(length, WriteTensorItem(*out, at, item, data, writeback, written));
     } else {
-      const std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(data), item.num_bytes);
+      const std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(ItemData(state, item)),
+                                           item.num_bytes);
       TESSERA_ASSIGN_OR_RETURN(
           length, torch_dist::WriteDcpObjectItem(*out, at, bytes, item.object_encoding));
       written.fetch_add(item.num_bytes, std::memory_order_relaxed);
@@ -117,10 +123,11 @@ Result<WriteResult> WriteDcpDataFiles(Storage& storage, const std::string& dir,
   std::vector<std::vector<WrittenItem>> items(files.size());
   std::vector<uint64_t> sizes(files.size(), 0);
   std::atomic<uint64_t> written{0};
-  TESSERA_RETURN_IF_ERROR(
-      WriteFilesInParallel(storage, dir, files, options, written, [&](size_t f, uint8_t& created) {
-        return WriteDcpDataFile(storage, dir, state, plan, static_cast<uint32_t>(f), files[f],
-                                options, written, items[f], sizes[f], created);
+  TESSERA_RETURN_IF_ERROR(WriteFilesFromSource(
+      storage, dir, state, plan, files, options, written,
+      [&](ItemSource& source, size_t f, uint8_t& created) {
+        return WriteDcpDataFile(storage, dir, state, source, plan, static_cast<uint32_t>(f),
+                                files[f], options, written, items[f], sizes[f], created);
       }));
   WriteResult result;
   for (size_t f = 0; f < files.size(); ++f) {

@@ -60,54 +60,97 @@ Result<CheckpointIndex> ReadAndShareIndex(Comm& comm, Storage& storage, const st
 
 namespace {
 
-// The exchange of read runs between the ranks of `comm`: the same schedule on every rank.
+// Where the distinct runs of a read-sharing group land in this rank's memory, and how bytes
+// get out of and into it: memcpy for host memory, through `uploads` for device memory.
+struct RunDestinations {
+  std::vector<std::byte*> at;    // per distinct run; null when this rank does not need it
+  std::vector<uint32_t> tensor;  // per distinct run: its metadata tensor
+  DeviceUploads* uploads = nullptr;
+
+  bool OnDevice(uint32_t u) const { return uploads && uploads->OnDevice(tensor[u]); }
+  // Appends `n` bytes of run `u` from byte `begin` to `out`.
+  Status Append(uint32_t u, uint64_t begin, uint64_t n, Bytes& out) const {
+    const size_t size = out.size();
+    out.resize(size + n);
+    if (OnDevice(u)) {
+      return uploads->CopyBack(tensor[u], reinterpret_cast<std::byte*>(out.data() + size),
+                               at[u] + begin, n);
+    }
+    std::memcpy(out.data() + size, at[u] + begin, n);
+    return Status::Ok();
+  }
+  // Puts `n` bytes at byte `begin` of run `u`.
+  Status Put(DeviceSink& sink, uint32_t u, uint64_t begin, const uint8_t* bytes, uint64_t n) const {
+    const auto* from = reinterpret_cast<const std::byte*>(bytes);
+    if (!OnDevice(u)) {
+      std::memcpy(at[u] + begin, from, n);
+      return Status::Ok();
+    }
+    for (uint64_t done = 0; done < n;) {
+      const uint64_t m = std::min<uint64_t>(uploads->piece_bytes(), n - done);
+      TESSERA_ASSIGN_OR_RETURN(std::byte * into, sink.Reserve(tensor[u], at[u] + begin + done, m));
+      std::memcpy(into, from + done, m);
+      done += m;
+    }
+    return Status::Ok();
+  }
+};
+
+// The exchange of read runs between the ranks of `comm`: the same schedule on every rank. A
+// rank that fails to take its bytes out of or put them into its memory (a device copy) goes on
+// taking part in every round, sending nothing, and returns its failure at the end; the others
+// see the short message and fail too. A failing collective returns at once (every rank's does).
 Status ExchangeWithinGroup(Comm& comm, const ReadAssignment& assignment,
-                           const std::vector<std::byte*>& destination, const LoadOptions& options,
+                           const RunDestinations& destinations, const LoadOptions& options,
                            LoadReport& report, ProgressMeter& progress) {
+  DeviceSink sink(destinations.uploads);
   const int me = comm.rank();
   const std::vector<std::vector<ExchangePiece>> rounds =
       ScheduleExchange(assignment, comm.size(), options.exchange_bytes);
   auto needs = [&](const ExchangePiece& p) {
-    return destination[p.unique_run] != nullptr && assignment.reader[p.unique_run] != me;
+    return destinations.at[p.unique_run] != nullptr && assignment.reader[p.unique_run] != me;
+  };
+  Status local;  // the first failure of this rank's own copies
+  auto short_message = [&](int sender, uint64_t size) {
+    return Internal("read sharing: rank " + std::to_string(sender) + " sent " +
+                    std::to_string(size) + " bytes, fewer than planned (it failed)");
   };
   for (const std::vector<ExchangePiece>& round : rounds) {
     if (options.read_sharing == ReadSharing::kBroadcast) {
       for (const ExchangePiece& p : round) {
         const int sender = assignment.reader[p.unique_run];
         Bytes bytes;
-        if (sender == me) {
-          const std::byte* from = destination[p.unique_run] + p.begin;
-          bytes.assign(reinterpret_cast<const uint8_t*>(from),
-                       reinterpret_cast<const uint8_t*>(from) + p.length);
+        if (sender == me && local.ok()) {
+          local = destinations.Append(p.unique_run, p.begin, p.length, bytes);
+          if (!local.ok()) bytes.clear();
         }
         TESSERA_RETURN_IF_ERROR(comm.Broadcast(&bytes, sender));
-        if (needs(p)) {
-          std::memcpy(destination[p.unique_run] + p.begin, bytes.data(), p.length);
-          report.bytes_received += p.length;
-          progress.Add(p.length);
-        }
+        if (!needs(p) || !local.ok()) continue;
+        local = bytes.size() == p.length
+                    ? destinations.Put(sink, p.unique_run, p.begin, bytes.data(), p.length)
+                    : short_message(sender, bytes.size());
+        report.bytes_received += p.length;
+        progress.Add(p.length);
       }
       continue;
     }
     // All-gather: each rank contributes the pieces it read, in schedule order.
     Bytes contribution;
     for (const ExchangePiece& p : round) {
-      if (assignment.reader[p.unique_run] != me) continue;
-      const auto* from = reinterpret_cast<const uint8_t*>(destination[p.unique_run] + p.begin);
-      contribution.insert(contribution.end(), from, from + p.length);
+      if (assignment.reader[p.unique_run] != me || !local.ok()) continue;
+      local = destinations.Append(p.unique_run, p.begin, p.length, contribution);
     }
+    if (!local.ok()) contribution.clear();
     std::vector<Bytes> received;
     TESSERA_RETURN_IF_ERROR(comm.AllGather(contribution, &received));
     std::vector<uint64_t> cursor(comm.size(), 0);
     for (const ExchangePiece& p : round) {
       const int sender = assignment.reader[p.unique_run];
-      if (needs(p)) {
-        if (cursor[sender] + p.length > received[sender].size()) {
-          return Internal("read sharing: rank " + std::to_string(sender) + " sent " +
-                          std::to_string(received[sender].size()) + " bytes, fewer than planned");
-        }
-        std::memcpy(destination[p.unique_run] + p.begin, received[sender].data() + cursor[sender],
-                    p.length);
+      if (needs(p) && local.ok()) {
+        local = cursor[sender] + p.length <= received[sender].size()
+                    ? destinations.Put(sink, p.unique_run, p.begin,
+                                       received[sender].data() + cursor[sender], p.length)
+                    : short_message(sender, received[sender].size());
         report.bytes_received += p.length;
         progress.Add(p.length);
       }
@@ -115,7 +158,8 @@ Status ExchangeWithinGroup(Comm& comm, const ReadAssignment& assignment,
     }
     progress.Report();
   }
-  return Status::Ok();
+  Status flushed = sink.Flush();
+  return local.ok() ? flushed : local;
 }
 
 // Reads `runs` with read sharing. Ranks that need the same runs (data-parallel replicas of the
@@ -126,7 +170,7 @@ Status ExchangeWithinGroup(Comm& comm, const ReadAssignment& assignment,
 // rank's run list. COLLECTIVE over `comm`; within a group every rank returns the same status.
 Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const Metadata& metadata,
                   const std::vector<ReadRun>& all_runs, const LoadOptions& options,
-                  LoadReport& report, ProgressMeter& progress) {
+                  LoadReport& report, ProgressMeter& progress, DeviceUploads* uploads) {
   std::vector<ReadRun> runs, own;
   for (const ReadRun& run : all_runs) (run.flat ? own : runs).push_back(run);
   const Bytes keys = EncodeRunKeys(runs);
@@ -143,19 +187,23 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Comm> group_comm, comm.Split(members[0], comm.rank()));
   Comm& group = *group_comm;
   if (group.size() == 1) {
-    return ExecuteReads(storage, path, metadata, all_runs, options, report, &progress);
+    return ExecuteReads(storage, path, metadata, all_runs, options, report, &progress, uploads);
   }
   TESSERA_ASSIGN_OR_RETURN(std::vector<RunKey> my_keys, DecodeRunKeys(keys));
   const ReadAssignment assignment = AssignIdenticalReads(my_keys, group.size());
   const int me = group.rank();
   // Where each distinct run lands in this rank's memory.
-  std::vector<std::byte*> destination(assignment.unique.size(), nullptr);
+  RunDestinations destinations;
+  destinations.at.assign(assignment.unique.size(), nullptr);
+  destinations.tensor.assign(assignment.unique.size(), 0);
+  destinations.uploads = uploads;
   std::vector<ReadRun> to_read = std::move(own);
   for (size_t i = 0; i < runs.size(); ++i) {
     const uint32_t u = static_cast<uint32_t>(
         std::lower_bound(assignment.unique.begin(), assignment.unique.end(), my_keys[i]) -
         assignment.unique.begin());
-    destination[u] = runs[i].destination;
+    destinations.at[u] = runs[i].destination;
+    destinations.tensor[u] = runs[i].tensor;
     if (assignment.reader[u] == me) to_read.push_back(runs[i]);
   }
   std::sort(to_read.begin(), to_read.end(), [](const ReadRun& a, const ReadRun& b) {
@@ -163,8 +211,9 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
                                         : a.file_offset < b.file_offset;
   });
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(
-      group, ExecuteReads(storage, path, metadata, to_read, options, report, &progress)));
-  return ExchangeWithinGroup(group, assignment, destination, options, report, progress);
+      group, ExecuteReads(storage, path, metadata, to_read, options, report, &progress, uploads)));
+  return AgreeOnStatus(
+      group, ExchangeWithinGroup(group, assignment, destinations, options, report, progress));
 }
 
 }  // namespace
@@ -224,17 +273,31 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
                           " (set LoadOptions::unexpected_keys = kSkip to ignore)");
     }
   }
+  // Tensors in device memory are filled through pinned buffers (checkpoint/device_uploads.h);
+  // setting that up is part of the plan every rank agrees on.
+  std::unique_ptr<DeviceUploads> uploads;
+  if (plan_status.ok()) {
+    Result<std::unique_ptr<DeviceUploads>> started =
+        DeviceUploads::Start(state, metadata, options.device_staging, options.num_io_threads);
+    if (started.ok()) {
+      uploads = std::move(*started);
+    } else {
+      plan_status = started.status();
+    }
+  }
   // 3. Read only if every rank's plan is good; then agree on the outcome.
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, plan_status));
   const RankReadPlan& plan = *planned;
   ProgressMeter progress(options.progress, plan.bytes_needed);
   // ReadShared is collective and fails alike on every rank; ExecuteReads is local.
-  Status read_status =
-      options.read_sharing != ReadSharing::kNone && comm.size() > 1
-          ? ReadShared(comm, storage, root, metadata, plan.runs, options, report, progress)
-          : ExecuteReads(storage, root, metadata, plan.runs, options, report, &progress);
+  Status read_status = options.read_sharing != ReadSharing::kNone && comm.size() > 1
+                           ? ReadShared(comm, storage, root, metadata, plan.runs, options, report,
+                                        progress, uploads.get())
+                           : ExecuteReads(storage, root, metadata, plan.runs, options, report,
+                                          &progress, uploads.get());
   if (read_status.ok()) {
-    read_status = ExecutePermutedCopies(storage, root, metadata, plan.permuted, options, report);
+    read_status = ExecutePermutedCopies(storage, root, metadata, plan.permuted, options, report,
+                                        uploads.get());
     for (const PermutedCopy& copy : plan.permuted) {
       const DType dtype = copy.cast ? copy.cast->to : metadata.tensors[copy.tensor].dtype;
       progress.Add(copy.part.NumElements() * DTypeSize(dtype));
@@ -247,6 +310,11 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
         ReadObject(storage, root, metadata, *read.info, options, read.destination->data, report);
     read.destination->encoding = read.info->encoding;
     progress.Add(read.info->location.length);
+  }
+  if (uploads) {
+    // Every copy to the device done, and the tensors' streams ordered after them.
+    Status copied = uploads->Finish();
+    if (read_status.ok()) read_status = copied;
   }
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, read_status));
   progress.Finish();

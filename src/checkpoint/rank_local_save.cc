@@ -213,6 +213,7 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
   write_options.num_threads = options.num_io_threads;
   write_options.sync = options.sync;
   write_options.checksum_block_bytes = kChecksumBlockBytes;
+  write_options.device_staging = options.device_staging;
   uint64_t my_bytes = 0;
   for (uint32_t i : plan.writes[0]) my_bytes += split.main.items[i].num_bytes;
   if (options.progress) {

@@ -57,6 +57,51 @@ Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage& storage, const std::
 
 namespace {
 
+// Puts bytes in place: straight into host memory, or, for tensors in device memory, into the
+// thread's pinned buffer (DeviceSink), from which they are copied to the device.
+struct Placer {
+  DeviceUploads* uploads = nullptr;  // null when nothing is loaded into device memory
+  DeviceSink* sink = nullptr;        // this thread's, with `uploads`
+
+  bool OnDevice(uint32_t tensor) const { return uploads && uploads->OnDevice(tensor); }
+
+  // The most file bytes of one read that fit one pinned buffer once converted by `cast`.
+  uint64_t MaxPart(const std::optional<DTypeCast>& cast) const {
+    const uint64_t capacity = uploads->piece_bytes();
+    return cast ? capacity / DTypeSize(cast->to) * DTypeSize(cast->from) : capacity;
+  }
+
+  // `n` bytes bound for `dst` (of metadata tensor `tensor`), converted from `cast->from` when
+  // there is a cast (then `n` counts source bytes, whole elements).
+  Status Put(uint32_t tensor, std::byte* dst, const std::byte* bytes, uint64_t n,
+             const std::optional<DTypeCast>& cast) const {
+    auto put = [&](std::byte* into, const std::byte* from, uint64_t m) {
+      if (cast) {
+        ConvertFloats(cast->from, from, cast->to, into,
+                      static_cast<size_t>(m / DTypeSize(cast->from)));
+      } else {
+        std::memcpy(into, from, m);
+      }
+    };
+    auto dest_bytes = [&](uint64_t m) {
+      return cast ? m / DTypeSize(cast->from) * DTypeSize(cast->to) : m;
+    };
+    if (!OnDevice(tensor)) {
+      put(dst, bytes, n);
+      return Status::Ok();
+    }
+    const uint64_t step = MaxPart(cast);
+    for (uint64_t done = 0; done < n;) {
+      const uint64_t m = std::min(step, n - done);
+      TESSERA_ASSIGN_OR_RETURN(std::byte * into,
+                               sink->Reserve(tensor, dst + dest_bytes(done), dest_bytes(m)));
+      put(into, bytes + done, m);
+      done += m;
+    }
+    return Status::Ok();
+  }
+};
+
 // A piece of a run that lies inside one checksum unit. `length` bytes of the file; with a
 // cast, `destination` receives them converted (DestinationBytes of them).
 struct Segment {
@@ -70,13 +115,9 @@ struct Segment {
   }
   // Puts `n` file bytes of the segment, starting `at` bytes into it, in place: copied, or
   // converted while they are still in cache. With a cast, `at` and `n` are whole elements.
-  void Deliver(uint64_t at, const std::byte* bytes, uint64_t n) const {
-    if (!cast) {
-      std::memcpy(destination + at, bytes, n);
-      return;
-    }
-    ConvertFloats(cast->from, bytes, cast->to, destination + DestinationBytes(at),
-                  static_cast<size_t>(n / DTypeSize(cast->from)));
+  Status Deliver(const Placer& placer, uint32_t tensor, uint64_t at, const std::byte* bytes,
+                 uint64_t n) const {
+    return placer.Put(tensor, destination + DestinationBytes(at), bytes, n, cast);
   }
 };
 
@@ -187,8 +228,8 @@ std::string ChecksumMismatch(const std::string& dir, const Metadata& metadata, c
 // Performs one unit read. `buffer` holds kCheckedReadPiece bytes.
 Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata& metadata,
                 const UnitRead& unit, const std::vector<Segment>& segments,
-                std::vector<std::byte>& buffer, uint64_t& bytes_read, uint64_t& calls,
-                ProgressMeter* progress) {
+                std::vector<std::byte>& buffer, const Placer& placer, uint64_t& bytes_read,
+                uint64_t& calls, ProgressMeter* progress) {
   auto context = [&] { return "reading " + DescribeChunk(metadata, unit.tensor, unit.chunk); };
   ChecksumStream checksum;
   if (unit.direct) {
@@ -198,15 +239,22 @@ Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata
     // slower in `tessera bench io`.
     // A segment that converts goes through the buffer, piece by piece: each piece is
     // converted into place right after it is read (and checksummed).
+    // In device memory, an uncast segment is read straight into the pinned buffer that is
+    // copied to it, in parts that fit one.
+    const bool device = placer.OnDevice(unit.tensor);
     for (uint32_t s = unit.segments_begin; s < unit.segments_end; ++s) {
       const Segment& seg = segments[s];
-      const uint64_t piece = unit.check || seg.cast ? kCheckedReadPiece : kReadPiece;
+      uint64_t piece = unit.check || seg.cast ? kCheckedReadPiece : kReadPiece;
+      if (device) piece = std::min(piece, placer.MaxPart(seg.cast));
       for (uint64_t done = 0; done < seg.length; ++calls) {
         const size_t n = static_cast<size_t>(std::min<uint64_t>(piece, seg.length - done));
         std::byte* into = seg.cast ? buffer.data() : seg.destination + done;
+        if (device && !seg.cast) {
+          TESSERA_ASSIGN_OR_RETURN(into, placer.sink->Reserve(unit.tensor, into, n));
+        }
         TESSERA_RETURN_IF_ERROR_CTX(file.ReadAt(seg.file_offset + done, into, n), context());
         if (unit.check) checksum.Update(into, n);
-        if (seg.cast) seg.Deliver(done, into, n);
+        if (seg.cast) TESSERA_RETURN_IF_ERROR(seg.Deliver(placer, unit.tensor, done, into, n));
         if (progress) progress->Add(seg.DestinationBytes(n));
         done += n;
       }
@@ -225,7 +273,8 @@ Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata
         const uint64_t from = std::max(seg.file_offset, piece_begin);
         const uint64_t to = std::min(seg.file_offset + seg.length, piece_end);
         if (from < to) {
-          seg.Deliver(from - seg.file_offset, buffer.data() + (from - piece_begin), to - from);
+          TESSERA_RETURN_IF_ERROR(seg.Deliver(placer, unit.tensor, from - seg.file_offset,
+                                              buffer.data() + (from - piece_begin), to - from));
           if (progress) progress->Add(seg.DestinationBytes(to - from));
         }
         if (seg.file_offset + seg.length <= piece_end) next = s + 1;
@@ -265,7 +314,7 @@ Status CheckCastAlignment(const Metadata& metadata, const std::vector<ReadRun>& 
 
 Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& metadata,
                     const std::vector<ReadRun>& runs, const LoadOptions& options,
-                    LoadReport& report, ProgressMeter* progress) {
+                    LoadReport& report, ProgressMeter* progress, DeviceUploads* uploads) {
   if (runs.empty()) return Status::Ok();
   TESSERA_RETURN_IF_ERROR(CheckCastAlignment(metadata, runs, options));
   std::vector<UnitRead> units;
@@ -300,10 +349,13 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
   std::vector<uint64_t> bytes(slices, 0), calls(slices, 0);
   auto work = [&](size_t slice) {
     std::vector<std::byte> buffer(kCheckedReadPiece);
+    DeviceSink sink(uploads);
+    const Placer placer{uploads, &sink};
     for (size_t i = bounds[slice]; i < bounds[slice + 1] && statuses[slice].ok(); ++i) {
       statuses[slice] = ReadUnit(*files[units[i].file_index], dir, metadata, units[i], segments,
-                                 buffer, bytes[slice], calls[slice], progress);
+                                 buffer, placer, bytes[slice], calls[slice], progress);
     }
+    if (statuses[slice].ok()) statuses[slice] = sink.Flush();
   };
   if (progress) {
     progress->ParallelFor(slices, work);  // the calling thread reports
@@ -323,8 +375,10 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
 
 Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Metadata& metadata,
                              const std::vector<PermutedCopy>& copies, const LoadOptions& options,
-                             LoadReport& report) {
+                             LoadReport& report, DeviceUploads* uploads) {
   std::vector<std::byte> chunk_bytes;
+  DeviceSink sink(uploads);  // appends while destinations are contiguous
+  const Placer placer{uploads, &sink};
   for (const PermutedCopy& copy : copies) {
     const TensorInfo& tensor = metadata.tensors[copy.tensor];
     const ChunkInfo& chunk = tensor.chunks[copy.chunk];
@@ -353,19 +407,15 @@ Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Met
         src += (at - chunk.box.offsets[d]) * stride[d];
         dst += (at - copy.layout.offsets[d]) * dst_strides[d];
       }
-      if (copy.cast) {
-        ConvertFloats(copy.cast->from, chunk_bytes.data() + src * element, copy.cast->to,
-                      copy.destination + dst * dst_element, 1);
-      } else {
-        std::memcpy(copy.destination + dst * element, chunk_bytes.data() + src * element, element);
-      }
+      TESSERA_RETURN_IF_ERROR(placer.Put(copy.tensor, copy.destination + dst * dst_element,
+                                         chunk_bytes.data() + src * element, element, copy.cast));
       for (size_t d = rank; d-- > 0;) {
         if (++index[d] < copy.part.sizes[d]) break;
         index[d] = 0;
       }
     }
   }
-  return Status::Ok();
+  return sink.Flush();
 }
 
 Status ReadObject(Storage& storage, const std::string& dir, const Metadata& metadata,

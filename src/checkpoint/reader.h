@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/device_uploads.h"
 #include "checkpoint/progress.h"
 #include "plan/load_plan.h"
 #include "tessera/checkpoint.h"
@@ -14,17 +15,21 @@ namespace tessera {
 // Performs `runs` with options.num_io_threads threads, checking the checksum of every run that
 // covers a whole chunk when options.verify_checksums. Opens each file once and checks its size
 // against the manifest. Errors name the key, the chunk, the file. With a `progress` meter,
-// counts the bytes of `runs` as they land and reports from the calling thread.
+// counts the bytes of `runs` as they land and reports from the calling thread. Runs of the
+// tensors `uploads` has in device memory go there through its pinned buffers (each thread
+// flushes its own before returning; uploads->Finish() waits for the copies).
 Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& metadata,
                     const std::vector<ReadRun>& runs, const LoadOptions& options,
-                    LoadReport& report, ProgressMeter* progress = nullptr);
+                    LoadReport& report, ProgressMeter* progress = nullptr,
+                    DeviceUploads* uploads = nullptr);
 
 // Performs copies of parts of chunks stored in another dimension order: reads each chunk
 // whole (checking its checksum blocks when options.verify_checksums and the format has them),
-// then copies the part element by element.
+// then copies the part element by element (into device memory through `uploads`, as
+// ExecuteReads).
 Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Metadata& metadata,
                              const std::vector<PermutedCopy>& copies, const LoadOptions& options,
-                             LoadReport& report);
+                             LoadReport& report, DeviceUploads* uploads = nullptr);
 
 // Reads one object's bytes into `out`, checking its checksum when options.verify_checksums.
 Status ReadObject(Storage& storage, const std::string& dir, const Metadata& metadata,

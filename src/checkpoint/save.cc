@@ -8,6 +8,7 @@
 // Every message carries its sender's status (envelope.h), so a rank that fails at any step
 // still takes part in the remaining collectives and every rank returns the same error.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <limits>
@@ -249,8 +250,32 @@ Outcome CommitOnCoordinator(const Comm& comm, Storage& storage, const std::strin
 
 }  // namespace
 
+namespace {
+
+Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Comm& comm,
+                            const SaveOptions& options);
+
+}  // namespace
+
 Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& comm,
                         const SaveOptions& options) {
+  if (!options.device_staging.on_staged) return SaveOnce(state, path, comm, options);
+  // on_staged is called exactly once: by the data file writers once the device tensors are
+  // copied, else here (the save failed before copying, or had nothing to copy).
+  auto called = std::make_shared<std::atomic<bool>>(false);
+  SaveOptions once = options;
+  once.device_staging.on_staged = [called, &options](const Status& status) {
+    if (!called->exchange(true)) options.device_staging.on_staged(status);
+  };
+  Result<SaveReport> result = SaveOnce(state, path, comm, once);
+  if (!called->exchange(true)) options.device_staging.on_staged(result.status());
+  return result;
+}
+
+namespace {
+
+Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Comm& comm,
+                            const SaveOptions& options) {
   // No collective at all: the comm only says who this rank is.
   if (!options.collective) return SaveRankLocal(state, path, comm.rank(), comm.size(), options);
   std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
@@ -312,6 +337,7 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   write_options.num_threads = options.num_io_threads;
   write_options.sync = options.sync;
   write_options.checksum_block_bytes = kChecksumBlockBytes;
+  write_options.device_staging = options.device_staging;
   uint64_t my_bytes = 0;
   for (uint32_t i : items) my_bytes += local->items[i].num_bytes;
   if (options.progress) {
@@ -365,6 +391,8 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
   report.total_bytes = outcome.total_bytes;
   return report;
 }
+
+}  // namespace
 
 Result<SaveReport> Save(const StateDict& state, const std::string& path,
                         const SaveOptions& options) {
