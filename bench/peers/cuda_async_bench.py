@@ -6,8 +6,8 @@ with a GPU.
 
     PYTHONPATH=build/python python3 bench/peers/cuda_async_bench.py --gib 4 --dir /tmp/bench
 
-Figures, each the best of --repeat runs after one warm-up (which allocates the pinned memory
-of both sides):
+Figures, each the median of --repeat runs after one warm-up (which allocates the pinned memory
+of both sides), with the spread (min and max) beside it as <name>_min / <name>_max:
 - to_cpu_seconds: [t.to("cpu") for t in state] (pageable memory), synchronised.
 - pinned_d2h_seconds: copy_(non_blocking=True) of every tensor into pinned buffers allocated
   beforehand, synchronised: the plain device-to-host copy of the same bytes.
@@ -109,8 +109,14 @@ def dcp_round(dcp, stager, state, path, threads):
     return blocking, staged, time.perf_counter() - t0
 
 
-def best(rows, i):
-    return min(r[i] for r in rows)
+def spread(result, name, values):
+    """Records the median of `values` as `name`, and their min and max beside it."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    result[name] = median
+    result[name + "_min"] = ordered[0]
+    result[name + "_max"] = ordered[-1]
 
 
 def main():
@@ -145,21 +151,21 @@ def main():
 
     def baselines():
         to_cpu(state)
-        result["to_cpu_seconds"] = min(to_cpu(state) for _ in range(args.repeat))
+        spread(result, "to_cpu_seconds", [to_cpu(state) for _ in range(args.repeat)])
         pinned = [torch.empty_like(t, device="cpu") for t in state.values()]
         if cuda:
             pinned = [p.pin_memory() for p in pinned]
         pinned_d2h(state, pinned)
-        result["pinned_d2h_seconds"] = min(pinned_d2h(state, pinned) for _ in range(args.repeat))
+        spread(result, "pinned_d2h_seconds",
+               [pinned_d2h(state, pinned) for _ in range(args.repeat)])
         del pinned
 
     def tessera_side():
         path = os.path.join(args.dir, "tessera")
         rows = [tessera_round(tessera, state, path, args.threads) for _ in range(args.repeat + 1)]
         rows = rows[1:]
-        result["tessera_blocking_seconds"] = best(rows, 0)
-        result["tessera_staged_seconds"] = best(rows, 1)
-        result["tessera_committed_seconds"] = best(rows, 2)
+        for i, name in enumerate(("blocking", "staged", "committed")):
+            spread(result, f"tessera_{name}_seconds", [r[i] for r in rows])
         # Load back into fresh GPU memory, bit for bit.
         into = {k: torch.empty_like(v) for k, v in state.items()}
         synchronize()
@@ -173,18 +179,33 @@ def main():
     def dcp_side():
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-        stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                              use_async_staging=cuda, use_non_blocking_copy=cuda))
+        def new_stager():
+            return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                use_async_staging=cuda,
+                                                use_non_blocking_copy=cuda))
+
+        def closed(stager):
+            # torch 2.11's async_save closes the stager it was given after the save (its
+            # deepcopy dispatch table is cleared, and the next save fails with KeyError); 2.13
+            # keeps it open for reuse. A closed one is replaced, which costs DCP a fresh pinned
+            # allocation in that round: recorded as dcp_stager_reused.
+            inner = getattr(stager, "_state_dict_stager", None)
+            return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
+
+        stager = new_stager()
+        result["dcp_stager_reused"] = True
         try:
             rows = []
             for r in range(args.repeat + 1):
+                if closed(stager):
+                    result["dcp_stager_reused"] = False
+                    stager = new_stager()
                 path = os.path.join(args.dir, f"dcp{r}")
                 rows.append(dcp_round(dcp, stager, state, path, args.threads))
                 shutil.rmtree(path, ignore_errors=True)
             rows = rows[1:]
-            result["dcp_blocking_seconds"] = best(rows, 0)
-            result["dcp_staged_seconds"] = best(rows, 1)
-            result["dcp_committed_seconds"] = best(rows, 2)
+            for i, name in enumerate(("blocking", "staged", "committed")):
+                spread(result, f"dcp_{name}_seconds", [r[i] for r in rows])
         finally:
             stager.close()
 
