@@ -173,7 +173,7 @@ OwnerState StateOfMarker(const std::string& dir, const std::string& id,
 }
 
 OwnerState StateOf(const MarkerOwner& owner) {
-  static const MarkerOwner me = ThisProcess();  // host, boot and pid do not change
+  const MarkerOwner me = ThisProcess();  // not cached: a forked child is another process
   if (owner.host != me.host) return OwnerState::kUnknowable;
   if (owner.boot_id != me.boot_id) return OwnerState::kDead;  // the machine rebooted since
   if (owner.pid == me.pid && owner.process_start == me.process_start) {

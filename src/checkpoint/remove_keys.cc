@@ -341,8 +341,10 @@ Status CommitAfterBase(Storage& storage, const std::string& path, Metadata& kept
     return InvalidArgument("the checkpoint would not be readable, nothing was committed: " +
                            check.status().message());
   }
+  // A commit made meanwhile, whose cleanup removed the files this one keeps, is named as such.
   TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(path));
   const std::set<std::string> present(names.begin(), names.end());
+  if (present.count(CommitName(kept.commit_seq))) return Changed(storage, path, kept.commit_seq);
   for (const FileInfo& f : kept.files) {
     if (!present.count(f.name)) {
       return DataLoss("data file " + JoinPath(path, f.name) + " vanished before the commit " +
