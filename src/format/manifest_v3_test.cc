@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
+#include <iterator>
 
 #include "format/checksum.h"
 #include "format/manifest.h"
@@ -119,6 +121,26 @@ TEST(ManifestV3Test, EveryTruncationIsAnErrorAndPartsRoundTrip) {
   EXPECT_EQ(decoded.part_rank, 1);
   EXPECT_EQ(decoded.commit_seq, 0u);
   EXPECT_FALSE(decoded.rank_local_reference);
+}
+
+// The manifest fuzz target's seeds (fuzz/corpus/manifest/, one mode byte then a manifest) cover
+// version 3: a whole commit, a reference, and the 68-byte part claiming 2^31-1 ranks (issue 22,
+// defect 8).
+TEST(ManifestV3Test, FuzzCorpusHasVersion3Seeds) {
+  const std::string dir = std::string(TESSERA_SOURCE_DIR) + "/fuzz/corpus/manifest/";
+  for (const char* name : {"v3_whole_commit_3", "v3_whole_commit_3_repair", "v3_reference",
+                           "v3_reference_repair", "v3_part_claims_2147483647_ranks"}) {
+    SCOPED_TRACE(name);
+    std::ifstream in(dir + name, std::ios::binary);
+    ASSERT_TRUE(in) << "missing seed " << dir << name;
+    Bytes seed((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ASSERT_GT(seed.size(), 1u);
+    ASSERT_OK_AND_ASSIGN(Metadata m, DecodeManifest(Bytes(seed.begin() + 1, seed.end()), name));
+    EXPECT_EQ(m.format_version, 3u);
+    if (std::string(name).starts_with("v3_reference")) EXPECT_TRUE(m.rank_local_reference);
+    if (std::string(name).starts_with("v3_whole")) EXPECT_EQ(m.commit_seq, 3u);
+    if (std::string(name).starts_with("v3_part")) EXPECT_EQ(m.num_ranks, 2147483647);
+  }
 }
 
 }  // namespace
