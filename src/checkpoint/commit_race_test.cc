@@ -169,10 +169,14 @@ bool IsCommit(const std::string& name) {
 // pointing at them, and its own cleanup deleted the save's: nothing loaded, both said OK.
 TEST(RemoveKeysRaceTest, ASaveCommittingAtAnyMomentWinsAndRemoveKeysGivesWay) {
   const std::vector<std::pair<std::string, HookStorage::When>> moments = {
-      {"marker", [](const std::string& op,
-                    const std::string& n) { return op == "Publish" && n.starts_with("tessera.saving."); }},
-      {"rewrite", [](const std::string& op,
-                     const std::string& n) { return op == "NewWritableFile" && n.starts_with("tsr-"); }},
+      {"marker",
+       [](const std::string& op, const std::string& n) {
+         return op == "Publish" && n.starts_with("tessera.saving.");
+       }},
+      {"rewrite",
+       [](const std::string& op, const std::string& n) {
+         return op == "NewWritableFile" && n.starts_with("tsr-");
+       }},
       {"commit", [](const std::string& op, const std::string& n) {
          return op == "Publish" && IsCommit(n);
        }}};
@@ -270,7 +274,7 @@ TEST(RemoveKeysRaceTest, ProcessesSavingAndRemovingKeysAtOnceNeverLoseTheCheckpo
   std::printf("RemoveKeys gave way to the save in %d of 30 rounds\n", aborted);
 }
 
-// ---- defect 2: two jobs saving one tag -----------------------------------------------------------
+// ---- defect 2: two jobs saving one tag -----------------------------------------------------
 
 // Job A (a child process) stops after writing its data files; job B (this process) saves the
 // same rank of the same tag: refused, naming A's process and the way out. A finishes; the tag
@@ -448,7 +452,7 @@ TEST(SameTagTest, AJobWhoseMarkerWasTakenCommitsNothingAndNoBytesAreReplaced) {
   ASSERT_OK(Verify(path));
 }
 
-// ---- defect 3: clocks do not order saves ---------------------------------------------------------
+// ---- defect 3: clocks do not order saves ---------------------------------------------------
 
 // Rewrites the save time of every manifest of `dir` that belongs to save `save_id` (its parts
 // and its reference, or its committed manifest): what a node whose clock is off writes.

@@ -49,9 +49,10 @@ Status CommitDcpCheckpoint(Storage& storage, const std::string& dir, const Metad
 // Commits `dcp` as `dir`/.metadata, for any writer of DCP directories: checks that the pickle
 // reads back (ReadDcpMetadata) equal to `dcp`, that every data file it names is in `dir` and that
 // no tessera manifest is; syncs the directory (kFull); publishes it as `.metadata` (kReplace,
-// synced with kFull); reads it back. `renamed` becomes true once the new `.metadata` may be visible (the
-// data files must then be kept). Nothing is renamed when a check fails. A `.metadata` that reads
-// back different and references no file of `save_id` was committed by a later save: success.
+// synced with kFull); reads it back. `renamed` becomes true once the new `.metadata` may be
+// visible (the data files must then be kept). Nothing is published when a check fails. A
+// `.metadata` that reads back different and references no file of `save_id` was committed by
+// a later save: success.
 Status CommitDcpMetadata(Storage& storage, const std::string& dir,
                          const torch_dist::DcpMetadata& dcp, const std::string& save_id,
                          SyncPolicy sync, bool& renamed);

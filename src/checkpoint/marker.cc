@@ -129,11 +129,11 @@ Status CreateSaveMarker(Storage& storage, const std::string& dir, const std::str
                           "twice at once");
     }
   }
-  Status published =
-      storage
-          .Publish(JoinPath(dir, MarkerName(id)), std::as_bytes(std::span(text.data(), text.size())),
-                   PublishMode::kCreateOnly, sync == SyncPolicy::kFull)
-          .WithContext("writing the in-progress marker of " + id);
+  const std::span<const std::byte> bytes = std::as_bytes(std::span(text.data(), text.size()));
+  Status published = storage
+                         .Publish(JoinPath(dir, MarkerName(id)), bytes, PublishMode::kCreateOnly,
+                                  sync == SyncPolicy::kFull)
+                         .WithContext("writing the in-progress marker of " + id);
   if (!published.ok()) {
     std::lock_guard<std::mutex> lock(held_mu);
     Held().erase(key);

@@ -1,6 +1,7 @@
 // A rank-local save: the four steps of Save (save.cc) on one rank, with nothing exchanged.
-// The rank plans alone over the items it holds as the main replica, writes its data files,
-// and commits the manifest of its part (docs/FORMAT.md, section 4.2).
+// The rank plans alone over the items it holds as the main replica, takes its marker (refusing
+// another live job's), writes its data files, and commits the manifest of its part; rank 0
+// places the save in the directory's order first (docs/FORMAT.md, section 4.2).
 #include "checkpoint/rank_local_save.h"
 
 #include <algorithm>
@@ -264,7 +265,9 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
   // Rank 0 places the save in the order before its own part, so that a complete set always
   // has its place (a rank 0 that dies between the two leaves the set incomplete; its retry
   // places it again, higher).
-  if (committed.ok() && rank == 0) committed = PublishReference(*storage, path, *part, options.sync);
+  if (committed.ok() && rank == 0) {
+    committed = PublishReference(*storage, path, *part, options.sync);
+  }
   if (committed.ok()) committed = CommitRankManifest(*storage, path, *part, options.sync);
   if (!committed.ok()) {
     for (const FileInfo& f : written.files) storage->Remove(JoinPath(path, f.name)).IgnoreError();

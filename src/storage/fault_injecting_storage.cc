@@ -140,7 +140,8 @@ Status FaultInjectingStorage::Check(const char* op, const std::string& path) {
 Result<std::unique_ptr<WritableFile>> FaultInjectingStorage::NewWritableFile(
     const std::string& path, CreateMode mode) {
   TESSERA_RETURN_IF_ERROR(Check("NewWritableFile", path));
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, target().NewWritableFile(path, mode));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
+                           target().NewWritableFile(path, mode));
   return std::unique_ptr<WritableFile>(
       std::make_unique<FaultInjectingWritableFile>(std::move(file), state_));
 }
