@@ -137,8 +137,8 @@ Status AcquireRankMarker(Storage& storage, const std::string& path, const std::s
 Status CheckMarkerStillOurs(Storage& storage, const std::string& path, const std::string& marker_id,
                             const std::string& attempt) {
   Result<MarkerContent> marker = ReadSaveMarker(storage, path, marker_id);
-  if (marker.ok() && marker->attempt == attempt && StateOf(marker->owner) ==
-                                                        OwnerState::kThisProcess) {
+  if (marker.ok() && marker->attempt == attempt &&
+      StateOf(marker->owner) == OwnerState::kThisProcess) {
     return Status::Ok();
   }
   return Status(StatusCode::kAlreadyExists,

@@ -307,10 +307,13 @@ Base BaseOf(const CheckpointIndex& index) {
                                   : std::string(kVersion2ManifestFileName)};
 }
 
+// The removal gives way to commit `seq`, made after the base it started from.
 Status Changed(Storage& storage, const std::string& path, uint64_t seq) {
-  return Aborted("the checkpoint at " + path + " changed while keys were being removed (" +
-                 DescribeCommit(storage, path, seq) +
-                 " was made meanwhile; it is what loads); nothing was removed");
+  return Aborted("the checkpoint at " + path + " changed while keys were being removed: " +
+                 DescribeCommit(storage, path, seq) + " is newer than commit " +
+                 std::to_string(seq - 1) +
+                 ", which the removal started from (the newer save is what the directory "
+                 "holds); nothing was removed");
 }
 
 // Once the marker is in place, no cleanup that lists the directory removes a commit (cleanup.h):

@@ -155,6 +155,12 @@ Status NoCompleteCheckpoint(const std::string& path, const std::vector<RankManif
   const auto readable = std::count_if(sets.begin(), sets.end(),
                                       [](const RankManifestSet& set) { return set.header_read; });
   const bool several = readable > 1;
+  if (newest->complete()) {  // its reference was removed as superseded; a rank finished later
+    return FailedPrecondition(path + " holds no complete checkpoint: the rank-local save " +
+                              newest->save_id +
+                              " has every part, but no commit places it (a newer save "
+                              "superseded it before its last rank finished)");
+  }
   return FailedPrecondition(
       path + " holds no complete checkpoint: the rank-local save " + newest->save_id +
       " lacks the manifests of " + newest->MissingRanks() +
