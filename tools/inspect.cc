@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "core/utf8.h"
+#include "format/manifest.h"
 #include "format/checkpoint_index.h"
 #include "format/torch_dist/pickle.h"
 #include "tessera/checkpoint.h"
@@ -489,7 +490,7 @@ int PrintJson(const std::string& path, const Metadata& m, const std::vector<bool
               const std::map<std::string, ObjectEncoding>& encodings) {
   // JSON strings hold Unicode text: refuse (naming the string) rather than abort inside the
   // JSON library or print silently altered names.
-  Status text = CheckMetadataIsUtf8(m, JoinPath(path, "tessera.manifest"));
+  Status text = CheckMetadataIsUtf8(m, JoinPath(path, CommitName(m.commit_seq)));
   if (text.ok() && !IsValidUtf8(path)) {
     text = InvalidArgument("the path " + QuoteBytes(path) + " is not valid UTF-8");
   }

@@ -73,6 +73,21 @@ const Entry* Find(const std::vector<Entry>& files, const std::string& name) {
   return nullptr;
 }
 
+// The tessera commit with the highest number ("tessera.manifest.<n>", or the version 2
+// "tessera.manifest"), or null.
+const Entry* NewestCommit(const std::vector<Entry>& files) {
+  const Entry* newest = nullptr;
+  uint64_t newest_seq = 0;
+  for (const Entry& e : files) {
+    uint64_t seq = 0;
+    if (ParseCommitName(e.name, &seq) && (!newest || seq > newest_seq)) {
+      newest = &e;
+      newest_seq = seq;
+    }
+  }
+  return newest;
+}
+
 // Files whose names satisfy `pick`: counted, summed, newest time.
 void Tally(const std::vector<Entry>& files, bool (*pick)(const std::string&), Found& found) {
   for (const Entry& e : files) {
@@ -168,11 +183,11 @@ std::optional<Found> Examine(const fs::path& dir, const std::vector<Entry>& file
     return std::any_of(files.begin(), files.end(), [&](const Entry& e) { return pick(e.name); });
   };
   if (any(IsRankManifest)) {
-    if (const Entry* manifest = Find(files, kManifestFileName)) {
+    if (const Entry* manifest = NewestCommit(files)) {
       found.save_time_ms = manifest->mtime_ms;
     }
     FromRankManifests(dir, files, found);
-  } else if (const Entry* manifest = Find(files, kManifestFileName)) {
+  } else if (const Entry* manifest = NewestCommit(files)) {
     found.format = "tessera";
     found.save_time_ms = manifest->mtime_ms;
     FromMetadata(dir, found);

@@ -9,6 +9,8 @@ export PYTHONPATH="$(cd "$(dirname "$tessera")" && pwd)/python${PYTHONPATH:+:$PY
 work="$(mktemp -d "${TMPDIR:-/tmp}/tessera-ops-XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 failures=0
+# The newest commit of a tessera directory: tessera.manifest.<20 digits> (docs/FORMAT.md, 4).
+commit() { ls "$1" | grep -E '^tessera\.manifest\.[0-9]{20}$' | tail -n 1; }
 check() {  # check NAME CONDITION-EXIT-CODE
   if [ "$2" -eq 0 ]; then echo "ok: $1"; else echo "FAILED: $1"; failures=$((failures + 1)); fi
 }
@@ -208,9 +210,9 @@ check "diff --values of a copy: identical by checksums, exit 0" $?
 [ $rc -eq 2 ] && [ "$(wc -l < "$work/diff.err")" -eq 1 ]; check "diff with a missing checkpoint: one line, exit 2" $?
 
 # ---- rm-keys -------------------------------------------------------------------------------
-before="$(md5sum "$work/copy/tessera.manifest")"
+before="$(md5sum "$work/copy/$(commit "$work/copy")")"
 "$tessera" rm-keys "$work/copy" --prefix optimizer. --dry-run > "$work/dry.txt"; check "rm-keys --dry-run exits 0" $?
-[ "$before" = "$(md5sum "$work/copy/tessera.manifest")" ] && grep -Eq "^would remove [1-9][0-9]* tensors and 1 objects" "$work/dry.txt"
+[ "$before" = "$(md5sum "$work/copy/$(commit "$work/copy")")" ] && grep -Eq "^would remove [1-9][0-9]* tensors and 1 objects" "$work/dry.txt"
 check "rm-keys --dry-run says what it would do and changes nothing" $?
 "$tessera" rm-keys "$work/copy" --prefix optimizer. --prefix none. --progress --json > "$work/rm.json" 2> "$work/rm.err"
 check "rm-keys exits 0" $?
@@ -251,8 +253,8 @@ check "a command line that does not parse: one line naming what is missing" $?
 "$tessera" demo --out "$work/rl" --size 8MiB --no-sync --rank-local --save-layout tp2,dp2 \
   --load-layout tp4,dp1 > "$work/rl.out" 2>&1
 check "demo --rank-local saves without a collective and loads resharded" $?
-[ "$(ls "$work/rl" | grep -c '^tessera.manifest.rank-')" -eq 4 ] && [ ! -e "$work/rl/tessera.manifest" ]
-check "a rank-local save leaves one rank manifest per rank and no tessera.manifest" $?
+[ "$(ls "$work/rl" | grep -c '^tessera.manifest.rank-')" -eq 4 ] && [ "$(ls "$work/rl" | grep -cE '^tessera\.manifest\.[0-9]{20}$')" -eq 1 ]
+check "a rank-local save leaves one rank manifest per rank and one commit (rank 0's reference)" $?
 "$tessera" verify "$work/rl" --quiet > /dev/null
 check "verify reads the rank manifests as one checkpoint" $?
 COLUMNS=200 "$tessera" ls "$work/rl" > "$work/rl_ls.txt"
@@ -261,20 +263,20 @@ check "ls: a complete rank-local save is committed, 4 ranks, not finalized" $?
 "$tessera" inspect "$work/rl" > "$work/rl_inspect.txt" && grep -q "^  state      rank-local save, not finalized: 4 rank manifests" "$work/rl_inspect.txt"
 check "inspect reads an unfinalized rank-local save and says it is one" $?
 cp -r "$work/rl" "$work/rl_rm"
-"$tessera" rm-keys "$work/rl_rm" --prefix optimizer. > /dev/null && "$tessera" verify "$work/rl_rm" --quiet > /dev/null && [ -e "$work/rl_rm/tessera.manifest" ] && [ "$(ls "$work/rl_rm" | grep -c '^tessera.manifest.rank-')" -eq 0 ]
+"$tessera" rm-keys "$work/rl_rm" --prefix optimizer. > /dev/null && "$tessera" verify "$work/rl_rm" --quiet > /dev/null && [ -n "$(commit "$work/rl_rm")" ] && [ "$(ls "$work/rl_rm" | grep -c '^tessera.manifest.rank-')" -eq 0 ]
 check "rm-keys of an unfinalized rank-local save commits a whole manifest without the keys" $?
 "$tessera" finalize "$work/rl" > "$work/finalize.out"
 check "finalize exits 0" $?
 "$tessera" diff "$work/rl" "$work/rl_rm" > /dev/null; [ $? -eq 1 ]
 check "diff of a finalized and a rank-local-then-rm-keys checkpoint: they differ (exit 1)" $?
-[ -e "$work/rl/tessera.manifest" ] && [ "$(ls "$work/rl" | grep -c '^tessera.manifest.rank-')" -eq 0 ]
-check "finalize merges the rank manifests into tessera.manifest" $?
+[ -n "$(commit "$work/rl")" ] && [ "$(ls "$work/rl" | grep -c '^tessera.manifest.rank-')" -eq 0 ]
+check "finalize merges the rank manifests into one manifest, the commit" $?
 "$tessera" verify "$work/rl" --quiet > /dev/null
 check "the finalized checkpoint verifies" $?
 msg="$("$tessera" finalize "$work/rl" 2>&1)"; rc=$?
 [ $rc -ne 0 ] && echo "$msg" | grep -q "nothing to finalize"
 check "finalize of a finalized checkpoint: one line saying there is nothing to do" $?
-rm "$work/rl/tessera.manifest"
+rm "$work/rl/$(commit "$work/rl")"
 "$tessera" demo --out "$work/rl2" --size 4MiB --no-sync --rank-local > /dev/null 2>&1
 rm "$work/rl2/"tessera.manifest.rank-*-r00001
 msg="$("$tessera" verify "$work/rl2" 2>&1)"; rc=$?

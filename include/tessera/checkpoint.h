@@ -88,7 +88,9 @@ struct SaveOptions {
   // Default true: the ranks plan together (dedup, balance, one manifest committed last), a few
   // small collectives. false: a rank-local save, with no Comm call at all (the comm only gives
   // rank and size): every rank writes the boxes and objects it holds as the main replica and
-  // commits a manifest of its own part (docs/FORMAT.md, section 4.2). Load, ReadMetadata,
+  // commits a manifest of its own part; rank 0 also places the save in the directory's order of
+  // commits (docs/FORMAT.md, section 4.2: the order is the directory's, never a clock's; the
+  // ranks may finish in any order). Load, ReadMetadata,
   // Verify and inspect treat the parts as one checkpoint once every rank's is there and their
   // union covers every tensor; Finalize merges them into one manifest. Requires `save_tag`;
   // format kTessera only. Costs: no dedup of replicas that all claim the main replica (the
@@ -97,7 +99,9 @@ struct SaveOptions {
   bool collective = true;
   // With collective false, required: names the save on every rank without a message (e.g.
   // "step-1000"); the save id is a hash of it, so it must differ from save to save into one
-  // directory (a tag already saved by a rank is refused, naming it).
+  // directory (a tag whose part a rank already committed is refused, naming it). Two jobs
+  // saving one tag at once: the second is refused (kAlreadyExists naming the first's process),
+  // unless the first is dead, whose marker it takes over.
   std::string save_tag;
   // Where files go. Default null: the local file system (NewPosixStorage()).
   std::shared_ptr<Storage> storage;
@@ -222,9 +226,10 @@ struct VerifyReport {
 };
 
 // Merges the rank manifests of the rank-local save at `path` (the newest complete one, as
-// ReadMetadata chooses) into one committed manifest, atomically, and removes the rank
-// manifests and the files of earlier saves. Not collective: run it from one process. Returns
-// the merged metadata. Errors as ReadMetadata's (naming the ranks whose manifest is missing, or
+// ReadMetadata chooses) into one manifest, published atomically in the place of the save's
+// reference (the same commit number: the save keeps its place among the saves around it),
+// and removes the rank manifests and the files of earlier saves. Not collective: run it from
+// one process. Returns the merged metadata. Errors as ReadMetadata's (naming the ranks whose manifest is missing, or
 // the keys with gaps); kFailedPrecondition when `path` holds no rank-local save to finalize.
 // Safe to run beside training: rank-local saves newer than the one it merges stay. Run again
 // after a crash, it finishes the job (removes the parts its commit left).

@@ -3,6 +3,10 @@
 //
 // Every call counts as one operation, storage calls and file calls alike (NewWritableFile,
 // WriteAt, CopyFrom, Sync, Close, Rename, SyncDir, ...), numbered from 0 in the order they start.
+// Publish over a store with rename is made of such calls (Storage::PublishThroughRename: the
+// temporary file's creation, write, sync and close, the rename, the directory's sync), so a
+// fault or a crash can hit each step of every commit; over a store without rename it is one
+// operation, "Publish".
 // With fail_at = N, operation N fails with kIOError "injected fault at operation N (<op>
 // <path>)". With crash = true every operation after N fails too, as if the process had died;
 // pair it with MemoryStorage::SimulateCrash() to drop what was not yet durable.
@@ -17,6 +21,7 @@
 #include <string>
 
 #include "tessera/storage.h"
+#include "tessera/storage_wrapper.h"
 
 namespace tessera {
 
@@ -27,7 +32,7 @@ struct FaultPlan {
   std::string path_filter;
 };
 
-class FaultInjectingStorage : public Storage {
+class FaultInjectingStorage : public StorageWrapper {
  public:
   explicit FaultInjectingStorage(std::shared_ptr<Storage> base, FaultPlan plan = {});
 
@@ -38,6 +43,8 @@ class FaultInjectingStorage : public Storage {
   // True once the planned fault has fired.
   bool fault_fired() const;
 
+  Status Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
+                 bool sync) override;
   using Storage::NewWritableFile;
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         CreateMode mode) override;
@@ -46,6 +53,7 @@ class FaultInjectingStorage : public Storage {
   Result<FileType> Stat(const std::string& path) override;
   Result<std::vector<std::string>> ListDir(const std::string& dir) override;
   Status Rename(const std::string& from, const std::string& to) override;
+  Status RenameNoReplace(const std::string& from, const std::string& to) override;
   Status Remove(const std::string& path) override;
   Status RemoveDir(const std::string& path) override;
   Status SyncDir(const std::string& dir) override;
@@ -55,7 +63,6 @@ class FaultInjectingStorage : public Storage {
   Status Check(const char* op, const std::string& path);
 
  private:
-  std::shared_ptr<Storage> base_;
   struct State;
   std::shared_ptr<State> state_;
 };

@@ -1,6 +1,9 @@
 // MemoryStorage: a Storage that keeps every file in memory and models durability exactly, so
 // tests can simulate a crash.
 //
+// Publish is Storage's rename-based default, made of the calls below, so it is modelled the
+// same way (an unsynced publish may vanish in a crash, a synced one survives).
+//
 // Model: each file has volatile contents (what reads see) and durable contents (what survives
 // a crash); WritableFile::Sync copies the first to the second. Each directory has a volatile
 // and a durable set of entries; SyncDir(dir) makes dir's volatile entries durable. Rename and
@@ -37,6 +40,7 @@ class MemoryStorage : public Storage {
   Result<FileType> Stat(const std::string& path) override;
   Result<std::vector<std::string>> ListDir(const std::string& dir) override;
   Status Rename(const std::string& from, const std::string& to) override;
+  Status RenameNoReplace(const std::string& from, const std::string& to) override;
   Status Remove(const std::string& path) override;
   Status RemoveDir(const std::string& path) override;
   Status SyncDir(const std::string& dir) override;

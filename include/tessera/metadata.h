@@ -112,7 +112,18 @@ struct Metadata {
   // rank-local save (SaveOptions::collective false): only the chunks and objects that rank
   // wrote, so its tensors need not be covered; readers merge the num_ranks parts.
   int32_t part_rank = -1;
-  int64_t save_time_unix_ms = 0;    // when the save committed; 0 when unknown
+  // When the save committed (ms since 1970, UTC); 0 when unknown. Informational: saves are
+  // ordered by commit_seq, never by a clock.
+  int64_t save_time_unix_ms = 0;
+  // Format version 3: the place of this commit in its directory's sequence of commits, the
+  // number in its file name "tessera.manifest.<seq>" (docs/FORMAT.md, section 4); readers load
+  // the highest loadable one. 0 when not committed into a sequence (a rank manifest, a
+  // manifest of version 1 or 2, another format's index).
+  uint64_t commit_seq = 0;
+  // Format version 3: this is a reference (manifest kind 2), not an index. It holds no file,
+  // tensor or object: it places the rank-local save `save_id` of `num_ranks` ranks at
+  // `commit_seq` in the directory's order; readers load it, merged, once every part is there.
+  bool rank_local_reference = false;
   std::vector<TensorInfo> tensors;  // sorted by key
   std::vector<ObjectInfo> objects;  // sorted by key
   std::vector<FileInfo> files;

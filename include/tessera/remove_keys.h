@@ -2,9 +2,10 @@
 // bytes (e.g. the optimizer state of old checkpoints), crash-safely.
 //
 // Not collective: one process calls it (on a shared file system, one rank, then a barrier).
-// A concurrent Load of the same checkpoint may fail once the old files are removed; a Save that
-// commits into the same directory while RemoveKeys runs wins (RemoveKeys then fails with
-// kAborted and changes nothing).
+// A concurrent Load of the same checkpoint may fail once the old files are removed; a save of
+// any kind that commits into the same directory while RemoveKeys runs wins: RemoveKeys commits
+// exactly the commit after the one it read (docs/FORMAT.md, 4.1), so it then fails with
+// kAborted naming that save, removes only the files it wrote, and the newer save is what loads.
 #ifndef TESSERA_REMOVE_KEYS_H_
 #define TESSERA_REMOVE_KEYS_H_
 
@@ -61,8 +62,9 @@ struct RemoveKeysReport {
 //      copied with their checksums, each checksum block verified as it is copied (a mismatch
 //      is kDataLoss naming key, chunk and file, and nothing changes); files with no removed
 //      chunk are kept as they are;
-//   2. the new manifest is committed atomically (docs/FORMAT.md, section 4), keeping the user
-//      metadata, the save time and the separate prefixes;
+//   2. the new manifest is committed atomically as the commit right after the one read
+//      (docs/FORMAT.md, section 4.1), keeping the user metadata, the save time and the separate
+//      prefixes;
 //   3. the files no longer listed are removed.
 // A crash at any step leaves the old checkpoint or the new one. Saving with
 // SaveOptions::separate_prefixes = {prefix} makes removing that prefix copy nothing.

@@ -3,7 +3,8 @@
 //
 // Paths are plain strings handed to the implementation as they are ("/ckpt/step100/x").
 // Implementations: NewPosixStorage() (storage.h), MemoryStorage (memory_storage.h),
-// FaultInjectingStorage (fault_injecting_storage.h).
+// FaultInjectingStorage (fault_injecting_storage.h); StorageWrapper (storage_wrapper.h) forwards
+// every call to another Storage, for test doubles that change one.
 //
 // Thread safety: Storage and file objects are safe to use from several threads at once;
 // concurrent WriteAt calls on one file must target disjoint byte ranges.
@@ -16,6 +17,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -127,9 +129,60 @@ enum class CreateMode {
   kTruncate,
 };
 
+// What a store guarantees. Code that needs one of these checks it and says which store lacks
+// it, rather than failing half-way (a store without `rename`, e.g. an object store, cannot hold
+// a `tessera convert` temporary directory that is renamed into place).
+struct StorageCapabilities {
+  // Rename and RenameNoReplace move a file (Rename also a directory) to a new name atomically:
+  // a reader sees the old name or the new one, never both missing, never a partial file.
+  bool rename = false;
+  // WritableFile::WriteAt may write at any offset, in any order, from several threads (a store
+  // without it takes each file's bytes in order, from offset 0, once).
+  bool positional_writes = false;
+  // SyncDir makes the directory's entries durable; without it, a store makes every completed
+  // creation, rename and removal durable by itself (SyncDir is then a no-op).
+  bool directory_sync = false;
+  // Creating a name that must not exist is atomic: NewWritableFile(kExclusive) and
+  // Publish(kCreateOnly) fail with kAlreadyExists when the name exists, and of several
+  // processes racing to create one name exactly one succeeds.
+  bool conditional_create = false;
+};
+
+// How Publish treats a name that exists.
+enum class PublishMode {
+  kCreateOnly,  // fail with kAlreadyExists; of several racing creators exactly one wins
+  kReplace,     // replace it atomically
+};
+
 class Storage {
  public:
   virtual ~Storage() = default;
+
+  // What this store guarantees. The default is what the default Publish needs and what POSIX
+  // file systems give: every capability.
+  virtual StorageCapabilities capabilities() const;
+
+  // Makes `bytes` the whole content of `path` atomically: readers see the previous content (or
+  // no file) or all of the new one, never a part. kCreateOnly: fails with kAlreadyExists if
+  // `path` exists; of several racing creators exactly one wins. kReplace: replaces. With
+  // `sync`, durable on return (data and directory entry); without, a crash of the machine may
+  // lose it (never tear it). Every commit of tessera (manifests, markers, rank manifests, the
+  // DCP `.metadata`) is a Publish.
+  // The default is PublishThroughRename. A store without rename (an object store) implements
+  // it with its own atomic put (S3: PutObject, with If-None-Match: * for kCreateOnly).
+  virtual Status Publish(const std::string& path, std::span<const std::byte> bytes,
+                         PublishMode mode, bool sync);
+
+  // Publish made of this storage's own calls, for a store with rename: the bytes go to a
+  // temporary name beside `path` that no other attempt uses (PublishTemporaryName, created
+  // exclusively), synced when `sync`, then RenameNoReplace (kCreateOnly) or Rename
+  // (kReplace) into place, then SyncDir of the parent when `sync`. A temporary name removed
+  // by someone else before the rename (another save's cleanup of what looked like a dead
+  // attempt's leftover) is retried with a fresh name; any other failure removes the
+  // temporary file. A wrapper whose Publish calls this sees every step through its own
+  // overrides (FaultInjectingStorage does, so that a crash can hit each step).
+  Status PublishThroughRename(const std::string& path, std::span<const std::byte> bytes,
+                              PublishMode mode, bool sync);
 
   // Opens `path` for writing, created as `mode` says. The parent directory must exist. A new
   // directory entry is durable only after SyncDir(parent).
@@ -149,6 +202,14 @@ class Storage {
   virtual Result<std::vector<std::string>> ListDir(const std::string& dir) = 0;
   // Atomically replaces `to` with `from`. Durable after SyncDir of the parent directory.
   virtual Status Rename(const std::string& from, const std::string& to) = 0;
+  // Moves the file `from` to `to` atomically if `to` does not exist, else fails with
+  // kAlreadyExists and changes nothing; of several racing calls for one `to`, exactly one
+  // succeeds. Durable after SyncDir of the parent directory. What PublishThroughRename does
+  // for kCreateOnly. The default returns kUnimplemented (a store without rename).
+  virtual Status RenameNoReplace(const std::string& from, const std::string& to) {
+    (void)to;
+    return Unimplemented("RenameNoReplace is not supported for " + from);
+  }
   // Removes a file. kNotFound when it does not exist.
   virtual Status Remove(const std::string& path) = 0;
   // Removes an empty directory (what a failed `tessera convert` does with its temporary
@@ -179,6 +240,13 @@ std::shared_ptr<Storage> NewPosixStorage(PosixStorageOptions options = {});
 
 // Joins two path pieces with one '/'.
 std::string JoinPath(const std::string& dir, const std::string& name);
+
+// The temporary name PublishThroughRename writes `path` under:
+// "<path>.tsr-tmp-<16 lowercase hex digits>", the digits from the kernel's random source.
+std::string PublishTemporaryName(const std::string& path);
+// Whether `name` (a file name, not a path) is such a temporary name; if so, sets *target to the
+// name it was to be published as. Cleanups use it to remove what a killed Publish left.
+bool ParsePublishTemporaryName(std::string_view name, std::string* target);
 
 }  // namespace tessera
 

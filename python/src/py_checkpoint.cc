@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "core/utf8.h"
+#include "format/manifest.h"
 #include "format/checksum.h"
 #include "py_comm.h"
 #include "py_state.h"
@@ -561,7 +562,8 @@ void RegisterCheckpoint(py::module_& m) {
         Metadata metadata = WithoutGil([&] { return ReadMetadata(path); });
         // Keys and user metadata become Python strs: a manifest holding bytes that are not
         // UTF-8 is a tessera error naming them, not a UnicodeDecodeError on first access.
-        ThrowIfError(CheckMetadataIsUtf8(metadata, JoinPath(path, "tessera.manifest")));
+        ThrowIfError(
+            CheckMetadataIsUtf8(metadata, JoinPath(path, CommitName(metadata.commit_seq))));
         return metadata;
       },
       py::arg("path"),
@@ -591,7 +593,8 @@ void RegisterCheckpoint(py::module_& m) {
       "_finalize",
       [](const std::string& path) {
         Metadata metadata = WithoutGil([&] { return Finalize(path); });
-        ThrowIfError(CheckMetadataIsUtf8(metadata, JoinPath(path, "tessera.manifest")));
+        ThrowIfError(
+            CheckMetadataIsUtf8(metadata, JoinPath(path, CommitName(metadata.commit_seq))));
         return metadata;
       },
       py::arg("path"));

@@ -15,11 +15,19 @@ import tessera
 from tessera import _tessera
 
 
+def _newest_commit(path):
+    """The name of the commit that holds the checkpoint at `path`: "tessera.manifest.<n>" with
+    the highest n (docs/FORMAT.md, section 4); None when there is none."""
+    commits = sorted(n for n in os.listdir(path) if n.startswith("tessera.manifest.")
+                     and n.rsplit(".", 1)[1].isdigit()) if os.path.isdir(path) else []
+    return commits[-1] if commits else None
+
+
 def patch_manifest(path, old, new):
     """Replaces `old` by `new` (same length) in the manifest at checkpoint `path` and fixes its
     checksum, as a corrupt or foreign writer would leave it."""
     assert len(old) == len(new)
-    manifest = os.path.join(path, "tessera.manifest")
+    manifest = os.path.join(path, _newest_commit(path))
     data = bytearray(open(manifest, "rb").read())
     at = data.find(old)
     assert at >= 0 and data.find(old, at + 1) < 0, f"{old!r} must appear once"
@@ -77,7 +85,7 @@ def test_save_refuses_user_metadata_and_keys_that_are_not_utf8(ckpt):
         with pytest.raises(tessera.InvalidArgumentError, match="not valid UTF-8") as info:
             tessera.save(state, ckpt, **kwargs)
         assert what in str(info.value)
-    assert not os.path.exists(os.path.join(ckpt, "tessera.manifest"))
+    assert _newest_commit(ckpt) is None
 
 
 def test_cli_inspect_json_refuses_non_utf8_and_text_escapes_it(cli, non_utf8):

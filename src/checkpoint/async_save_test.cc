@@ -12,6 +12,8 @@
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
+#include "tessera/storage_wrapper.h"
+#include "testing/commits.h"
 #include "testing/test_util.h"
 
 namespace tessera {
@@ -124,8 +126,7 @@ TEST(AsyncSaveTest, AFailingRankFailsEveryHandleAndLeavesNoManifest) {
     return h.Wait();
   });
   for (const Status& s : statuses) EXPECT_THAT(s.message(), HasSubstr("rank 1"));
-  ASSERT_OK_AND_ASSIGN(FileType type, memory->Stat("/ck/tessera.manifest"));
-  EXPECT_EQ(type, FileType::kNotFound);
+  EXPECT_FALSE(testing::HasCommit(*memory, "/ck"));
 }
 
 TEST(AsyncSaveTest, ABadStateOnOneRankFailsAsyncSaveOnEveryRank) {
@@ -166,8 +167,7 @@ TEST(AsyncSaveTest, ABadStateOnOneRankFailsDeferredSavesInWaitWithNoCollectiveIn
   EXPECT_OK(staged[0]);
   EXPECT_OK(staged[2]);
   for (int r : {0, 2}) EXPECT_THAT(statuses[r].message(), HasSubstr("rank 1: tensor 'w'"));
-  ASSERT_OK_AND_ASSIGN(FileType type, memory->Stat("/ck/tessera.manifest"));
-  EXPECT_EQ(type, FileType::kNotFound);
+  EXPECT_FALSE(testing::HasCommit(*memory, "/ck"));
 }
 
 TEST(AsyncSaveTest, DestroyingTheCommWithASaveInFlightFinishesIt) {
@@ -195,9 +195,9 @@ TEST(AsyncSaveTest, DestroyingTheCommWithASaveInFlightFinishesIt) {
 
 // Forwards to `base`, but holds the creation of every writable file until Open(): a save can
 // neither write nor commit before the test lets it.
-class GateStorage : public Storage {
+class GateStorage : public StorageWrapper {
  public:
-  explicit GateStorage(std::shared_ptr<Storage> base) : base_(std::move(base)) {}
+  explicit GateStorage(std::shared_ptr<Storage> base) : StorageWrapper(std::move(base)) {}
   void Open() {
     std::lock_guard<std::mutex> lock(mu_);
     open_ = true;
@@ -206,28 +206,20 @@ class GateStorage : public Storage {
   using Storage::NewWritableFile;
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         CreateMode mode) override {
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return open_; });
-    }
-    return base_->NewWritableFile(path, mode);
+    Wait();
+    return target().NewWritableFile(path, mode);
   }
-  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
-    return base_->NewReadableFile(path);
+  Status Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
+                 bool sync) override {
+    Wait();
+    return target().Publish(path, bytes, mode, sync);
   }
-  Status CreateDirs(const std::string& path) override { return base_->CreateDirs(path); }
-  Result<FileType> Stat(const std::string& path) override { return base_->Stat(path); }
-  Result<std::vector<std::string>> ListDir(const std::string& dir) override {
-    return base_->ListDir(dir);
-  }
-  Status Rename(const std::string& from, const std::string& to) override {
-    return base_->Rename(from, to);
-  }
-  Status Remove(const std::string& path) override { return base_->Remove(path); }
-  Status SyncDir(const std::string& dir) override { return base_->SyncDir(dir); }
 
  private:
-  std::shared_ptr<Storage> base_;
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return open_; });
+  }
   std::mutex mu_;
   std::condition_variable cv_;
   bool open_ = false;
@@ -342,8 +334,7 @@ TEST(AsyncSaveTest, TheCheckCatchesATensorChangedBeforeWaitStaged) {
     EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
     EXPECT_THAT(s.message(), HasSubstr("rank 1: tensor 'w' changed"));
   }
-  ASSERT_OK_AND_ASSIGN(FileType type, memory->Stat("/ck/tessera.manifest"));
-  EXPECT_EQ(type, FileType::kNotFound);
+  EXPECT_FALSE(testing::HasCommit(*memory, "/ck"));
 }
 
 TEST(AsyncSaveTest, TheCheckPassesUnchangedTensorsWhoeverChecks) {

@@ -14,6 +14,7 @@
 #include "tessera/checkpoint.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
+#include "testing/commits.h"
 #include "testing/test_util.h"
 
 namespace tessera {
@@ -281,7 +282,7 @@ TEST(CastDTypesPermutedTest, ChunkInAnotherDimensionOrderLoadsConverted) {
   const Bytes manifest = EncodeManifest(m);
   ASSERT_OK_AND_ASSIGN(
       std::unique_ptr<WritableFile> out,
-      storage->NewWritableFile("/mem/p/" + std::string(kManifestFileName), CreateMode::kTruncate));
+      storage->NewWritableFile(testing::CommitPath(*storage, "/mem/p"), CreateMode::kTruncate));
   ASSERT_OK(out->WriteAt(0, manifest.data(), manifest.size()));
   ASSERT_OK(out->Close());
 

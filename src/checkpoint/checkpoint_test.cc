@@ -14,6 +14,7 @@
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
 #include "tessera/remove_keys.h"
+#include "testing/commits.h"
 #include "testing/test_util.h"
 
 namespace tessera {
@@ -365,7 +366,7 @@ TEST(PartialChunkVerificationTest, CatchesCorruptionInTheBlocksALoadTouches) {
   }
   // The same checkpoint under a version 1 manifest (whose one checksum covers the chunk).
   {
-    std::ofstream out(path + "/tessera.manifest", std::ios::binary | std::ios::trunc);
+    std::ofstream out(testing::CommitPath(path), std::ios::binary | std::ios::trunc);
     const Bytes v1 = EncodeManifestVersion1(m);
     out.write(reinterpret_cast<const char*>(v1.data()), v1.size());
   }
@@ -508,7 +509,7 @@ TEST_F(CorruptionTest, ManifestEscapingTheDirectoryIsRejected) {
     Metadata m = good;
     m.files[0].name = bad;
     Bytes bytes = EncodeManifest(m);
-    std::ofstream(path_ + "/" + kManifestFileName, std::ios::binary | std::ios::trunc)
+    std::ofstream(testing::CommitPath(path_), std::ios::binary | std::ios::trunc)
         .write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     Status s = LoadIt();
     EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
@@ -538,8 +539,7 @@ TEST(MultiRankTest, ARankWhoseStorageFailsFailsTheSaveEverywhereAndLeavesNoManif
     EXPECT_THAT(statuses[r].message(), HasSubstr("rank 2")) << statuses[r].ToString();
     EXPECT_THAT(statuses[r].message(), HasSubstr("injected fault")) << statuses[r].ToString();
   }
-  ASSERT_OK_AND_ASSIGN(FileType type, memory->Stat("/ck/tessera.manifest"));
-  EXPECT_EQ(type, FileType::kNotFound);
+  EXPECT_FALSE(testing::HasCommit(*memory, "/ck"));
   ASSERT_OK_AND_ASSIGN(std::vector<std::string> left, memory->ListDir("/ck"));
   EXPECT_TRUE(left.empty()) << left.size() << " files left, first " << left[0];
 }

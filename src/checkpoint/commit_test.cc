@@ -13,6 +13,8 @@
 
 #include "format/manifest.h"
 #include "tessera/checkpoint.h"
+#include "tessera/storage_wrapper.h"
+#include "testing/commits.h"
 #include "testing/test_util.h"
 
 namespace tessera {
@@ -112,47 +114,33 @@ TEST(CommitTest, ASaveTheReaderWouldRefuseFailsAndKeepsThePreviousCheckpoint) {
 
 // Posix storage that stops at one step of a save and waits for the other process: it writes a
 // byte to `reached` and reads one from `resume`.
-class PausingStorage : public Storage {
+class PausingStorage : public StorageWrapper {
  public:
-  enum class At { kNone, kTempManifestCreated, kManifestRenamed };
+  enum class At { kNone, kBeforeCommit, kAfterCommit };
   PausingStorage(At at, int reached, int resume)
-      : inner_(NewPosixStorage()), at_(at), reached_(reached), resume_(resume) {}
+      : StorageWrapper(NewPosixStorage()), at_(at), reached_(reached), resume_(resume) {}
 
-  using Storage::NewWritableFile;
-  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
-                                                        CreateMode mode) override {
-    if (at_ == At::kTempManifestCreated &&
-        IsTempManifestName(std::filesystem::path(path).filename().string())) {
-      Pause();
-    }
-    return inner_->NewWritableFile(path, mode);
-  }
-  Status Rename(const std::string& from, const std::string& to) override {
-    Status s = inner_->Rename(from, to);
-    if (at_ == At::kManifestRenamed && to.ends_with(kManifestFileName)) Pause();
+  Status Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
+                 bool sync) override {
+    uint64_t seq = 0;
+    const bool commit = ParseCommitName(std::filesystem::path(path).filename().string(), &seq);
+    if (commit && at_ == At::kBeforeCommit) Pause();
+    Status s = target().Publish(path, bytes, mode, sync);
+    if (commit && at_ == At::kAfterCommit) Pause();
     return s;
   }
-  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
-    return inner_->NewReadableFile(path);
-  }
-  Status CreateDirs(const std::string& path) override { return inner_->CreateDirs(path); }
-  Result<FileType> Stat(const std::string& path) override { return inner_->Stat(path); }
-  Result<std::vector<std::string>> ListDir(const std::string& dir) override {
-    return inner_->ListDir(dir);
-  }
-  Status Remove(const std::string& path) override { return inner_->Remove(path); }
-  Status SyncDir(const std::string& dir) override { return inner_->SyncDir(dir); }
 
  private:
   void Pause() {
+    if (std::exchange(paused_, true)) return;  // once
     if (reached_ < 0) _exit(0);  // no one to wait for: die here, as a killed job does
     char c = 1;
     EXPECT_EQ(write(reached_, &c, 1), 1);
     EXPECT_EQ(read(resume_, &c, 1), 1);
   }
-  std::shared_ptr<Storage> inner_;
   At at_;
   int reached_, resume_;
+  bool paused_ = false;
 };
 
 // Save A (this process) pauses at `pause_at`; meanwhile save B (a child process) saves
@@ -191,7 +179,7 @@ TEST(ConcurrentSaveTest, ACleanupKeepsTheFilesOfASaveStillRunning) {
   Gen one(1);
   ASSERT_OK(Save(one.Dict(), path));
   bool b_ok = false;
-  Status a = SaveConcurrently(path, PausingStorage::At::kTempManifestCreated, &b_ok);
+  Status a = SaveConcurrently(path, PausingStorage::At::kBeforeCommit, &b_ok);
   EXPECT_TRUE(b_ok);
   ASSERT_OK(a);
   Status error;
@@ -199,7 +187,7 @@ TEST(ConcurrentSaveTest, ACleanupKeepsTheFilesOfASaveStillRunning) {
   EXPECT_OK(Verify(path));
   // A's cleanup removed B's files and generation 1's, and every marker.
   ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path));
-  std::vector<std::string> want = {kManifestFileName};
+  std::vector<std::string> want = testing::CommitFiles(*NewPosixStorage(), path);
   for (const FileInfo& f : m.files) want.push_back(f.name);
   std::sort(want.begin(), want.end());
   EXPECT_EQ(Names(path), want);
@@ -213,7 +201,7 @@ TEST(ConcurrentSaveTest, ASaveCommittedAfterAnotherKeepsItsFiles) {
   Gen one(1);
   ASSERT_OK(Save(one.Dict(), path));
   bool b_ok = false;
-  Status a = SaveConcurrently(path, PausingStorage::At::kManifestRenamed, &b_ok);
+  Status a = SaveConcurrently(path, PausingStorage::At::kAfterCommit, &b_ok);
   EXPECT_TRUE(b_ok);
   ASSERT_OK(a);
   Status error;
@@ -223,7 +211,7 @@ TEST(ConcurrentSaveTest, ASaveCommittedAfterAnotherKeepsItsFiles) {
   Gen four(4);
   ASSERT_OK(Save(four.Dict(), path));
   ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path));
-  std::vector<std::string> want = {kManifestFileName};
+  std::vector<std::string> want = testing::CommitFiles(*NewPosixStorage(), path);
   for (const FileInfo& f : m.files) want.push_back(f.name);
   std::sort(want.begin(), want.end());
   EXPECT_EQ(Names(path), want);
@@ -240,7 +228,7 @@ TEST(ConcurrentSaveTest, FilesOfADeadSaveAreRemovedByTheNextSave) {
     Gen two(2);
     SaveOptions options;
     options.storage =
-        std::make_shared<PausingStorage>(PausingStorage::At::kTempManifestCreated, -1, -1);
+        std::make_shared<PausingStorage>(PausingStorage::At::kBeforeCommit, -1, -1);
     (void)Save(two.Dict(), path, options);
     _exit(1);  // not reached: the storage ends the process when the save reaches the manifest
   }
@@ -254,7 +242,7 @@ TEST(ConcurrentSaveTest, FilesOfADeadSaveAreRemovedByTheNextSave) {
   Gen one(1);
   ASSERT_OK(Save(one.Dict(), path));
   ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path));
-  std::vector<std::string> want = {kManifestFileName};
+  std::vector<std::string> want = testing::CommitFiles(*NewPosixStorage(), path);
   for (const FileInfo& f : m.files) want.push_back(f.name);
   std::sort(want.begin(), want.end());
   EXPECT_EQ(Names(path), want);

@@ -307,20 +307,17 @@ Status Finish(Storage& storage, const std::string& temp, const Destination& dst,
     const bool keys_changed = !options.keys.empty() || !options.strip_prefix.empty();
     TESSERA_ASSIGN_OR_RETURN(Metadata m, TesseraMetadata(source, plan, layout, checksums, save_id,
                                                          num_ranks, keys_changed));
-    bool renamed = false;
-    TESSERA_RETURN_IF_ERROR(CommitManifest(storage, temp, m, options.sync, renamed));
+    bool visible = false;
+    TESSERA_RETURN_IF_ERROR(CommitManifest(storage, temp, m, options.sync, visible));
   } else if (plan.files.size() > 1) {
     std::vector<std::pair<std::string, std::string>> weight_map;
     for (const OutputTensor& t : plan.tensors)
       weight_map.emplace_back(t.name, layout.names[t.file]);
     TESSERA_ASSIGN_OR_RETURN(std::string text,
                              EncodeHuggingFaceIndex(plan.total_tensor_bytes, weight_map));
-    const std::string path = JoinPath(temp, kHuggingFaceIndexName);
-    TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
-                             storage.NewWritableFile(path, CreateMode::kExclusive));
-    TESSERA_RETURN_IF_ERROR(out->WriteAt(0, text.data(), text.size()));
-    if (durable) TESSERA_RETURN_IF_ERROR(out->Sync());
-    TESSERA_RETURN_IF_ERROR(out->Close());
+    TESSERA_RETURN_IF_ERROR(storage.Publish(JoinPath(temp, kHuggingFaceIndexName),
+                                            std::as_bytes(std::span(text.data(), text.size())),
+                                            PublishMode::kCreateOnly, durable));
   }
   if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(temp));
   TESSERA_RETURN_IF_ERROR_CTX(storage.Rename(temp, dst.path),
@@ -346,6 +343,17 @@ Result<ConvertReport> Convert(const std::string& src, const std::string& dst,
   const bool coordinator = comm.rank() == kCoordinator;
   // The same on every rank (the options are), so every rank returns here alike.
   TESSERA_RETURN_IF_ERROR(CheckOptions(options));
+  // The destination appears whole or not at all because its temporary directory is renamed
+  // into place, and the files are written at offsets in any order: a store without those
+  // capabilities (an object store) is refused before anything is read or written.
+  if (const StorageCapabilities caps = storage->capabilities();
+      !caps.rename || !caps.positional_writes) {
+    return Unimplemented(
+        "tessera convert needs a store with rename and positional writes (it writes into a "
+        "temporary directory renamed into place); ConvertOptions::storage has " +
+        std::string(caps.rename ? "no positional writes" : "no rename") +
+        ": convert on a file system, then copy the result");
+  }
   TESSERA_ASSIGN_OR_RETURN(const Destination destination, SplitDestination(dst));
 
   // 1-2. The source's index, once; the same plan on every rank.
@@ -439,7 +447,7 @@ Result<ConvertReport> Convert(const std::string& src, const std::string& dst,
   for (const OutputObject& o : plan.objects) report.total_bytes += o.bytes;
   report.files = layout->names;
   if (options.to == CheckpointFormat::kTessera) {
-    report.files.push_back(kManifestFileName);
+    report.files.push_back(NumberedManifestName(1));  // the first commit of a new directory
   } else if (options.to == CheckpointFormat::kTorchDist) {
     report.files.push_back(torch_dist::kDcpMetadataFileName);
   } else if (plan.files.size() > 1) {

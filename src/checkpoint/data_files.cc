@@ -160,7 +160,8 @@ const std::byte* ItemData(const StateDict& state, const LocalItem& item) {
 std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector<uint32_t>& items,
                                         int files_per_group,
                                         const std::vector<std::string>& separate_prefixes,
-                                        const std::string& save_id, int rank) {
+                                        const std::string& save_id, int rank,
+                                        const std::string& attempt) {
   std::vector<std::vector<uint32_t>> groups(1 + separate_prefixes.size());
   for (uint32_t i : items) groups[GroupOf(plan.items[i].key, separate_prefixes)].push_back(i);
   std::vector<DataFilePlan> files;
@@ -181,7 +182,7 @@ std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector
     }
   }
   for (size_t f = 0; f < files.size(); ++f) {
-    files[f].name = DataFileName(save_id, rank, static_cast<int>(f));
+    files[f].name = DataFileName(save_id, rank, static_cast<int>(f), attempt);
     std::sort(files[f].items.begin(), files[f].items.end(), [&](uint32_t a, uint32_t b) {
       return InManifestOrder(plan.items[a], plan.items[b]);
     });

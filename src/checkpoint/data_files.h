@@ -28,11 +28,13 @@ struct DataFilePlan {
 // key starts with each of `separate_prefixes` (the longest matching prefix wins), one for the
 // rest; each group over up to `files_per_group` files, balancing bytes (largest first to the
 // least loaded). Within a file, tensors come first, by key and box, then objects by key: the
-// manifest's order, which its encoding rewards (docs/FORMAT.md, section 3.5).
+// manifest's order, which its encoding rewards (docs/FORMAT.md, section 3.5). Files are named
+// DataFileName(save_id, rank, f, attempt).
 std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector<uint32_t>& items,
                                         int files_per_group,
                                         const std::vector<std::string>& separate_prefixes,
-                                        const std::string& save_id, int rank);
+                                        const std::string& save_id, int rank,
+                                        const std::string& attempt = "");
 
 struct DataFileWriteOptions {
   int num_threads = 2;  // files written at once

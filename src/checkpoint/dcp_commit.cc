@@ -4,6 +4,7 @@
 #include <set>
 
 #include "checkpoint/commit.h"
+#include "checkpoint/marker.h"
 #include "format/manifest.h"
 #include "format/torch_dist/dcp_writer.h"
 
@@ -86,9 +87,11 @@ torch_dist::DcpFlavor DcpFlavorOf(TorchDistFlavor flavor) {
 }
 
 Status CheckDcpSaveTarget(const std::string& dir, const std::vector<std::string>& names) {
-  if (std::find(names.begin(), names.end(), kManifestFileName) != names.end()) {
+  for (const std::string& name : names) {
+    uint64_t seq = 0;
+    if (!ParseCommitName(name, &seq)) continue;
     return FailedPrecondition(
-        dir + " holds a tessera checkpoint (" + std::string(kManifestFileName) +
+        dir + " holds a tessera checkpoint (" + name +
         "); a PyTorch DCP save there would be hidden by it: save into another directory, or "
         "convert the checkpoint");
   }
@@ -125,11 +128,9 @@ Status CommitDcpMetadata(Storage& storage, const std::string& dir, const DcpMeta
   TESSERA_RETURN_IF_ERROR(CheckDirectoryBeforeCommit(storage, dir, DataFilesOf(dcp)));
   const bool durable = sync == SyncPolicy::kFull;
   if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(dir));  // the data files' names
-  const std::string temp = JoinPath(dir, torch_dist::TempDcpMetadataName(save_id));
-  TESSERA_RETURN_IF_ERROR(WriteWholeFile(storage, temp, bytes, durable));
-  renamed = true;  // from here on the new .metadata may be visible, even if Rename fails
-  TESSERA_RETURN_IF_ERROR(storage.Rename(temp, path));
-  if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(dir));
+  renamed = true;  // from here on the new .metadata may be visible, even if Publish fails
+  TESSERA_RETURN_IF_ERROR(
+      storage.Publish(path, std::as_bytes(std::span(bytes)), PublishMode::kReplace, durable));
   return CheckReadBack(storage, path, bytes, save_id);
 }
 
@@ -148,8 +149,16 @@ void RemoveStaleDcpFiles(Storage& storage, const std::string& dir, const std::st
   const std::set<std::string> live = DataFilesOf(*current);
   // 3. Remove the rest of tessera's DCP files.
   for (const std::string& name : *names) {
+    // What a killed Publish of `.metadata` left: every writer of it holds a marker.
+    std::string target;
+    if (ParsePublishTemporaryName(name, &target)) {
+      if (target == torch_dist::kDcpMetadataFileName && markers.others_running == 0) {
+        storage.Remove(JoinPath(dir, name)).IgnoreError();
+      }
+      continue;
+    }
     std::string id = torch_dist::DcpDataFileSaveId(name);
-    if (id.empty()) id = torch_dist::TempDcpMetadataSaveId(name);
+    if (id.empty()) id = torch_dist::TempDcpMetadataSaveId(name);  // a version 2 writer's
     if (id.empty() || markers.running.count(id) || live.count(name)) continue;
     storage.Remove(JoinPath(dir, name)).IgnoreError();
   }

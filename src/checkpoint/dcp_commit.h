@@ -4,10 +4,11 @@
 // pickle as the index.
 //
 // Files: DCP data files carry the save id in their names (torch_dist::DcpDataFileName), so a
-// save never overwrites a file of the checkpoint it replaces; `.metadata` is written under
-// ".metadata.tsr-<save_id>.tmp" and renamed over the old one. The cleanup removes only files
-// whose names carry a tessera save id: a DCP directory written by torch keeps every file torch
-// wrote (`__0_0.distcp`, `.metadata.tmp`), whether the new `.metadata` references it or not.
+// save never overwrites a file of the checkpoint it replaces; `.metadata` is published over the
+// old one (Storage::Publish, kReplace: DCP has one index name, so the last commit wins). The
+// cleanup removes only files whose names carry a tessera save id, and temporaries of a killed
+// Publish of `.metadata`: a DCP directory written by torch keeps every file torch wrote
+// (`__0_0.distcp`, `.metadata.tmp`), whether the new `.metadata` references it or not.
 #ifndef TESSERA_CHECKPOINT_DCP_COMMIT_H_
 #define TESSERA_CHECKPOINT_DCP_COMMIT_H_
 
@@ -28,8 +29,9 @@ Status CheckSaveFormat(const SaveOptions& options, bool coordinator);
 
 torch_dist::DcpFlavor DcpFlavorOf(TorchDistFlavor flavor);
 
-// Refuses a directory whose entries (`names`) include a tessera manifest: it would hide the DCP
-// checkpoint from tessera's readers, which look for it first. FailedPrecondition naming it.
+// Refuses a directory whose entries (`names`) include a tessera commit (a numbered manifest or
+// the version 2 one): it would hide the DCP checkpoint from tessera's readers, which look for
+// it first. FailedPrecondition naming it.
 Status CheckDcpSaveTarget(const std::string& dir, const std::vector<std::string>& names);
 
 struct DcpCommitOptions {
@@ -46,11 +48,11 @@ Status CommitDcpCheckpoint(Storage& storage, const std::string& dir, const Metad
 
 // Commits `dcp` as `dir`/.metadata, for any writer of DCP directories: checks that the pickle
 // reads back (ReadDcpMetadata) equal to `dcp`, that every data file it names is in `dir` and that
-// no tessera manifest is; syncs the directory (kFull); writes the pickle exclusively under
-// torch_dist::TempDcpMetadataName(save_id), syncs it, renames it to `.metadata`, syncs the
-// directory; reads it back. `renamed` becomes true once the new `.metadata` may be visible (the
-// data files must then be kept). Nothing is renamed when a check fails. A `.metadata` that reads
-// back different and references no file of `save_id` was committed by a later save: success.
+// no tessera manifest is; syncs the directory (kFull); publishes it as `.metadata` (kReplace,
+// synced with kFull); reads it back. `renamed` becomes true once the new `.metadata` may be
+// visible (the data files must then be kept). Nothing is published when a check fails. A
+// `.metadata` that reads back different and references no file of `save_id` was committed by
+// a later save: success.
 Status CommitDcpMetadata(Storage& storage, const std::string& dir,
                          const torch_dist::DcpMetadata& dcp, const std::string& save_id,
                          SyncPolicy sync, bool& renamed);

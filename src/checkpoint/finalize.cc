@@ -1,7 +1,13 @@
-// Finalize: a rank-local save's rank manifests merged into one committed manifest.
+// Finalize: a rank-local save's rank manifests merged into one manifest (docs/FORMAT.md, 4.2).
+//
+// The merged manifest takes the place of the save's reference: the same commit number, replaced.
+// Finalize changes which file holds the checkpoint, not the checkpoint nor its place in the
+// directory's order, so it never races the saves around it: a save that commits meanwhile is
+// newer before and after. A version 2 save (no reference) becomes commit 1, create-only.
 #include <algorithm>
 
 #include "checkpoint/commit.h"
+#include "checkpoint/sequence.h"
 #include "format/checkpoint_index.h"
 #include "format/manifest.h"
 #include "tessera/checkpoint.h"
@@ -21,17 +27,48 @@ std::vector<std::string> PartsOf(const std::vector<std::string>& names,
   return parts;
 }
 
-// After the merged manifest of `merged` is committed: its parts go (durably), then what no
+// After the merged manifest of `merged` is in place: its parts go (durably), then what no
 // checkpoint needs. Also what finishes a Finalize that crashed after its commit.
 Status RemoveMergedParts(Storage& storage, const std::string& path, const Metadata& merged,
-                         const std::vector<std::string>& parts) {
-  for (const std::string& name : parts) {
-    TESSERA_RETURN_IF_ERROR_CTX(storage.Remove(JoinPath(path, name)),
-                                "removing the merged rank manifest " + name);
+                         const std::string& own_id) {
+  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(path));
+  for (const std::string& name : PartsOf(names, merged.save_id)) {
+    Status removed = storage.Remove(JoinPath(path, name));
+    if (!removed.ok() && removed.code() != StatusCode::kNotFound) {
+      return removed.WithContext("removing the merged rank manifest " + name);
+    }
   }
   TESSERA_RETURN_IF_ERROR(storage.SyncDir(path));
-  RemoveStaleFiles(storage, path, merged);
+  RemoveStaleFiles(storage, path, own_id);
   return Status::Ok();
+}
+
+// The merged manifest, in the reference's place (kReplace), or as commit 1 for a version 2
+// save.
+Status CommitMerged(Storage& storage, const std::string& path, Metadata& merged) {
+  const uint64_t seq = merged.commit_seq;
+  if (seq == 0) {
+    merged.commit_seq = 1;
+    Status published = PublishCommitAt(storage, path, 1, EncodeManifest(merged), true);
+    if (published.code() == StatusCode::kAlreadyExists) {
+      return FailedPrecondition(
+          "cannot finalize the version 2 rank-local save " + merged.save_id + " in " + path +
+          ": the directory holds commits of version 3 (" + DescribeCommit(storage, path, 1) +
+          "), which place every version 2 save below them");
+    }
+    TESSERA_RETURN_IF_ERROR(published);
+    WriteSequenceHint(storage, path, 1);
+    return Status::Ok();
+  }
+  TESSERA_ASSIGN_OR_RETURN(FileType reference, storage.Stat(JoinPath(path, CommitName(seq))));
+  if (reference == FileType::kNotFound) {
+    return FailedPrecondition("the rank-local save " + merged.save_id + " in " + path +
+                              " was superseded by a newer checkpoint while it was finalized; "
+                              "nothing to finalize");
+  }
+  const Bytes bytes = EncodeManifest(merged);
+  return storage.Publish(JoinPath(path, CommitName(seq)), std::as_bytes(std::span(bytes)),
+                         PublishMode::kReplace, /*sync=*/true);
 }
 
 }  // namespace
@@ -39,13 +76,14 @@ Status RemoveMergedParts(Storage& storage, const std::string& path, const Metada
 Result<Metadata> Finalize(const std::string& path, std::shared_ptr<Storage> storage) {
   if (!storage) storage = NewPosixStorage();
   TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadCheckpointIndex(*storage, path));
+  const std::string own_id = NewSaveId({});
   if (!index.rank_local) {
     // A Finalize that crashed between its commit and the removal of the parts left both; they
-    // read as the same checkpoint (the merged manifest wins the tie). Finish the removal.
+    // read as the same checkpoint (the merged manifest is in the reference's place). Finish.
     TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->ListDir(path));
-    const std::vector<std::string> parts = PartsOf(names, index.metadata.save_id);
-    if (index.metadata.format == CheckpointFormat::kTessera && !parts.empty()) {
-      TESSERA_RETURN_IF_ERROR(RemoveMergedParts(*storage, path, index.metadata, parts));
+    if (index.metadata.format == CheckpointFormat::kTessera &&
+        !PartsOf(names, index.metadata.save_id).empty()) {
+      TESSERA_RETURN_IF_ERROR(RemoveMergedParts(*storage, path, index.metadata, own_id));
       return std::move(index.metadata);
     }
     return FailedPrecondition(path +
@@ -54,18 +92,19 @@ Result<Metadata> Finalize(const std::string& path, std::shared_ptr<Storage> stor
   }
   Metadata merged = std::move(index.metadata);
   merged.part_rank = -1;
-  // The merged manifest keeps the save id and the save time of the set (rank 0's part): a reader
-  // that finds both (a crash before the parts are removed) prefers the merged manifest at equal
-  // times.
-  // The save id is the parts', not a new one: the temporary manifest of an earlier Finalize of
-  // this save that crashed before its rename would block the exclusive creation of ours.
-  storage->Remove(JoinPath(path, TempManifestName(merged.save_id))).IgnoreError();
-  bool renamed = false;
-  TESSERA_RETURN_IF_ERROR_CTX(CommitManifest(*storage, path, merged, SyncPolicy::kFull, renamed),
+  merged.rank_local_reference = false;
+  // The marker protects no file of its own: while it runs, no cleanup removes a commit, so the
+  // reference stays in place until the merged manifest replaces it.
+  TESSERA_RETURN_IF_ERROR(CreateSaveMarker(*storage, path, own_id, SyncPolicy::kFull));
+  struct MarkerGuard {
+    Storage& storage;
+    const std::string& path;
+    const std::string& id;
+    ~MarkerGuard() { RemoveSaveMarker(storage, path, id); }
+  } marker{*storage, path, own_id};
+  TESSERA_RETURN_IF_ERROR_CTX(CommitMerged(*storage, path, merged),
                               "committing the merged manifest of " + path);
-  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->ListDir(path));
-  TESSERA_RETURN_IF_ERROR(
-      RemoveMergedParts(*storage, path, merged, PartsOf(names, merged.save_id)));
+  TESSERA_RETURN_IF_ERROR(RemoveMergedParts(*storage, path, merged, own_id));
   return merged;
 }
 

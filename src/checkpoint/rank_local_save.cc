@@ -1,15 +1,18 @@
 // A rank-local save: the four steps of Save (save.cc) on one rank, with nothing exchanged.
-// The rank plans alone over the items it holds as the main replica, writes its data files,
-// and commits the manifest of its part (docs/FORMAT.md, section 4.2).
+// The rank plans alone over the items it holds as the main replica, takes its marker (refusing
+// another live job's), writes its data files, and commits the manifest of its part; rank 0
+// places the save in the directory's order first (docs/FORMAT.md, section 4.2).
 #include "checkpoint/rank_local_save.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <mutex>
+#include <random>
 #include <set>
-#include <thread>
 
 #include "checkpoint/commit.h"
+#include "checkpoint/sequence.h"
 #include "checkpoint/data_files.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
@@ -77,57 +80,103 @@ void AddReplicaOnlyTensors(const std::vector<const LocalItem*>& replicas, Metada
             [](const TensorInfo& a, const TensorInfo& b) { return a.key < b.key; });
 }
 
-// Files a crashed earlier attempt of this rank at the same save left behind would block the
-// exclusive creation of this attempt's: the names it is about to write are removed. No
-// directory listing: at tens of thousands of ranks, every rank listing a directory of their
-// files would cost O(ranks x files) metadata operations.
-void RemoveOwnLeftovers(Storage& storage, const std::string& path,
-                        const std::vector<DataFilePlan>& files, const std::string& manifest_name) {
-  for (const DataFilePlan& f : files) storage.Remove(JoinPath(path, f.name)).IgnoreError();
-  storage.Remove(JoinPath(path, manifest_name + ".tmp")).IgnoreError();
-}
-
-// The first of `files` that exists in `path`, or "".
-Result<std::string> FirstExisting(Storage& storage, const std::string& path,
-                                  const std::vector<DataFilePlan>& files) {
-  for (const DataFilePlan& f : files) {
-    TESSERA_ASSIGN_OR_RETURN(FileType type, storage.Stat(JoinPath(path, f.name)));
-    if (type != FileType::kNotFound) return f.name;
-  }
-  return std::string();
-}
-
 // Refuses (kAlreadyExists, naming the tag and the file) a tag this rank already saved: its rank
-// manifest is there, or data files of this rank at the tag with no marker of this rank beside
-// them. Those are not what an attempt that died left (it dies with its marker in place; a
-// cleanup that removes a dead marker removes its files too, unless a checkpoint lists them):
-// they are a committed checkpoint's, e.g. the tag saved and finalized before a job restarted
-// from an older step. Stats of the names this attempt will write, rather than a listing (see
-// RemoveOwnLeftovers).
+// manifest is there (from this job or an earlier one). One Stat, no listing: at tens of
+// thousands of ranks, every rank listing a directory of their files would cost
+// O(ranks x files) metadata operations.
 Status CheckTagNotSaved(Storage& storage, const std::string& path, int rank, const std::string& tag,
-                        const std::string& manifest_name, const std::string& marker_id,
-                        const std::vector<DataFilePlan>& files) {
-  const std::string saved =
-      "rank " + std::to_string(rank) + " already saved tag '" + tag + "' into " + path + " (";
-  const std::string advice = "each rank-local save needs a new SaveOptions::save_tag";
-  TESSERA_ASSIGN_OR_RETURN(FileType existing, storage.Stat(JoinPath(path, manifest_name)));
-  if (existing != FileType::kNotFound) {
-    return Status(StatusCode::kAlreadyExists, saved + manifest_name + "): " + advice);
-  }
-  TESSERA_ASSIGN_OR_RETURN(std::string own_file, FirstExisting(storage, path, files));
-  if (own_file.empty()) return Status::Ok();
-  TESSERA_ASSIGN_OR_RETURN(FileType own_marker,
-                           storage.Stat(JoinPath(path, "tessera.saving." + marker_id)));
-  if (own_marker != FileType::kNotFound) return Status::Ok();
+                        const std::string& part_name) {
+  TESSERA_ASSIGN_OR_RETURN(FileType existing, storage.Stat(JoinPath(path, part_name)));
+  if (existing == FileType::kNotFound) return Status::Ok();
   return Status(StatusCode::kAlreadyExists,
-                saved + own_file +
-                    " is there and no interrupted attempt of this rank left it; the tag was "
-                    "finalized or another job saved it): " +
-                    advice);
+                "rank " + std::to_string(rank) + " already saved tag '" + tag + "' into " + path +
+                    " (" + part_name + "): each rank-local save needs a new SaveOptions::save_tag");
 }
 
-// Writes the part's manifest under a temporary name and renames it into place: the part is
-// there whole or not at all. What is written must read back as a part.
+// This rank's in-progress marker for the save, with its attempt id. An existing one is taken
+// over when it is a leftover (of this process, an attempt that ended; or of a process that
+// died, on this host); it is refused (kAlreadyExists, naming its owner and the way past it)
+// when its owner runs or cannot be checked (another host): two jobs saving one tag at once
+// would otherwise mix their ranks' parts.
+Status AcquireRankMarker(Storage& storage, const std::string& path, const std::string& marker_id,
+                         const std::string& tag, int rank, const std::string& attempt,
+                         SyncPolicy sync) {
+  const std::string key = JoinPath(path, MarkerName(marker_id));
+  for (int tries = 0; tries < 3; ++tries) {
+    Status created = CreateSaveMarker(storage, path, marker_id, sync, attempt);
+    if (created.ok() || created.code() != StatusCode::kAlreadyExists) return created;
+    if (MarkerHeldHere(path, marker_id)) {
+      return Status(StatusCode::kAlreadyExists,
+                    "rank " + std::to_string(rank) + " of tag '" + tag + "' is being saved into " +
+                        path + " by another thread of this process; save each tag once");
+    }
+    Result<MarkerContent> marker = ReadSaveMarker(storage, path, marker_id);
+    if (!marker.ok() && marker.status().code() == StatusCode::kNotFound) continue;  // just went
+    // Does not parse: no running operation wrote it (one publishes its marker whole).
+    const OwnerState state =
+        marker.ok() ? StateOfMarker(path, marker_id, marker->owner) : OwnerState::kDead;
+    if (state != OwnerState::kDead) {
+      return Status(
+          StatusCode::kAlreadyExists,
+          "rank " + std::to_string(rank) + " of tag '" + tag + "' is already being saved into " +
+              path + " by " + DescribeOwner(marker->owner) + " (its marker " + key + ")" +
+              (state == OwnerState::kUnknowable ? ", which cannot be checked from this host" : "") +
+              ": two jobs must not save one tag; if that process is gone (its node crashed), "
+              "remove " + key + " and save again");
+    }
+    // A leftover: its files are its own (attempt ids), garbage for the next cleanup.
+    RemoveSaveMarker(storage, path, marker_id);
+  }
+  return Status(StatusCode::kAlreadyExists,
+                "rank " + std::to_string(rank) + " of tag '" + tag + "': another process keeps "
+                "taking over " + key + "; two jobs must not save one tag");
+}
+
+// After the data files and before the part: the marker is still this attempt's (another job
+// that took it over, e.g. after it was removed by hand, would now mix its part into the save).
+Status CheckMarkerStillOurs(Storage& storage, const std::string& path, const std::string& marker_id,
+                            const std::string& attempt) {
+  Result<MarkerContent> marker = ReadSaveMarker(storage, path, marker_id);
+  if (marker.ok() && marker->attempt == attempt &&
+      StateOf(marker->owner) == OwnerState::kThisProcess) {
+    return Status::Ok();
+  }
+  return Status(StatusCode::kAlreadyExists,
+                "the in-progress marker " + JoinPath(path, MarkerName(marker_id)) +
+                    " is no longer this save's (" +
+                    (marker.ok() ? "now " + DescribeOwner(marker->owner)
+                                 : marker.status().message()) +
+                    "): another job saves the same tag; nothing was committed");
+}
+
+// An attempt id: kAttemptHexDigits hex digits from the kernel's random source.
+std::string NewAttemptId() {
+  std::random_device device;
+  char id[kAttemptHexDigits + 1];
+  std::snprintf(id, sizeof(id), "%08x", static_cast<unsigned>(device()));
+  return id;
+}
+
+// Rank 0 places the save in the directory's order: a reference, the next commit number.
+Status PublishReference(Storage& storage, const std::string& path, const Metadata& part,
+                        SyncPolicy sync) {
+  Metadata reference;
+  reference.save_id = part.save_id;
+  reference.num_ranks = part.num_ranks;
+  reference.save_time_unix_ms = part.save_time_unix_ms;
+  reference.checksum_block_bytes = part.checksum_block_bytes;
+  reference.rank_local_reference = true;
+  TESSERA_ASSIGN_OR_RETURN(uint64_t highest, FindHighestCommit(storage, path));
+  bool visible = false;
+  TESSERA_ASSIGN_OR_RETURN(
+      uint64_t seq,
+      PublishNewestCommit(storage, path, reference, highest, sync == SyncPolicy::kFull, &visible));
+  WriteSequenceHint(storage, path, seq);
+  return Status::Ok();
+}
+
+// Publishes the part's manifest create-only: the part is there whole or not at all. What is
+// written must read back as a part.
 Status CommitRankManifest(Storage& storage, const std::string& path, const Metadata& part,
                           SyncPolicy sync) {
   const std::string name = RankManifestName(part.save_id, part.part_rank);
@@ -136,36 +185,14 @@ Status CommitRankManifest(Storage& storage, const std::string& path, const Metad
     return InvalidArgument("the rank manifest would not be readable, nothing was committed: " +
                            check.status().message());
   }
-  const bool durable = sync == SyncPolicy::kFull;
-  const std::string temp = JoinPath(path, name + ".tmp");
-  TESSERA_RETURN_IF_ERROR(WriteWholeFile(storage, temp, bytes, durable));
-  TESSERA_RETURN_IF_ERROR(storage.Rename(temp, JoinPath(path, name)));
-  if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(path));
-  return Status::Ok();
+  return storage.Publish(JoinPath(path, name), std::as_bytes(std::span(bytes)),
+                         PublishMode::kCreateOnly, sync == SyncPolicy::kFull);
 }
 
 int64_t NowUnixMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-// Readers order saves by save time in milliseconds, and a committed manifest wins a tie. A save
-// that committed before this rank listed the directory took its time no later than `listed_ms`:
-// this part's time is strictly later, so a rank-local save right after a collective one (or
-// after this rank's previous part) is the newer one. It waits for the clock rather than adding
-// to it, so that a save committed after this part gets a time no earlier than the part's (and
-// wins the tie). Waits at most a millisecond, and only when the save took less; if the clock
-// was set back meanwhile, it gives up after 5 ms and takes listed_ms + 1.
-int64_t SaveTimeAfter(int64_t listed_ms) {
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(5);
-  int64_t now = NowUnixMs();
-  while (now <= listed_ms) {
-    if (std::chrono::steady_clock::now() > give_up) return listed_ms + 1;
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-    now = NowUnixMs();
-  }
-  return now;
 }
 
 }  // namespace
@@ -192,22 +219,23 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
 
   const std::string save_id = RankLocalSaveId(options.save_tag);
   TESSERA_RETURN_IF_ERROR(CreateDurableDirs(*storage, path, options.sync));
-  const int64_t listed_ms = NowUnixMs();  // before anything of the directory is looked at
-  const std::string manifest_name = RankManifestName(save_id, rank);
-  const std::vector<DataFilePlan> files = PlanDataFiles(
-      split.main, plan.writes[0], options.num_io_threads, options.separate_prefixes, save_id, rank);
+  const std::string part_name = RankManifestName(save_id, rank);
+  TESSERA_RETURN_IF_ERROR(CheckTagNotSaved(*storage, path, rank, options.save_tag, part_name));
+  // Every attempt writes files of its own names: nothing an earlier attempt (or another job)
+  // wrote is ever removed or overwritten here, so no part can describe bytes it did not write.
+  const std::string attempt = NewAttemptId();
   const std::string marker_id = save_id + ".r" + std::to_string(rank);
-  TESSERA_RETURN_IF_ERROR(
-      CheckTagNotSaved(*storage, path, rank, options.save_tag, manifest_name, marker_id, files));
-  RemoveSaveMarker(*storage, path, marker_id);  // a crashed earlier attempt's
-  RemoveOwnLeftovers(*storage, path, files, manifest_name);
-  TESSERA_RETURN_IF_ERROR(CreateSaveMarker(*storage, path, marker_id, options.sync));
+  TESSERA_RETURN_IF_ERROR(AcquireRankMarker(*storage, path, marker_id, options.save_tag, rank,
+                                            attempt, options.sync));
   struct MarkerGuard {
     Storage& storage;
     const std::string& path;
     const std::string& id;
     ~MarkerGuard() { RemoveSaveMarker(storage, path, id); }
   } marker{*storage, path, marker_id};
+  const std::vector<DataFilePlan> files =
+      PlanDataFiles(split.main, plan.writes[0], options.num_io_threads, options.separate_prefixes,
+                    save_id, rank, attempt);
 
   DataFileWriteOptions write_options;
   write_options.num_threads = options.num_io_threads;
@@ -232,9 +260,16 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
     part->user_metadata = options.user_metadata;
     part->checksum_block_bytes = kChecksumBlockBytes;
     part->separate_prefixes = SortedUnique(options.separate_prefixes);
-    part->save_time_unix_ms = SaveTimeAfter(listed_ms);
-    committed = CommitRankManifest(*storage, path, *part, options.sync);
+    part->save_time_unix_ms = NowUnixMs();  // informational: the order is rank 0's commit's
+    committed = CheckMarkerStillOurs(*storage, path, marker_id, attempt);
   }
+  // Rank 0 places the save in the order before its own part, so that a complete set always
+  // has its place (a rank 0 that dies between the two leaves the set incomplete; its retry
+  // places it again, higher).
+  if (committed.ok() && rank == 0) {
+    committed = PublishReference(*storage, path, *part, options.sync);
+  }
+  if (committed.ok()) committed = CommitRankManifest(*storage, path, *part, options.sync);
   if (!committed.ok()) {
     for (const FileInfo& f : written.files) storage->Remove(JoinPath(path, f.name)).IgnoreError();
     return committed;

@@ -1,6 +1,8 @@
 // A rank-local save (SaveOptions::collective false): no communication at all. Every rank
-// writes what it holds as the main replica and commits the manifest of its part
-// (docs/FORMAT.md, section 4.2); readers merge the parts (format/rank_manifests.h).
+// writes what it holds as the main replica (files named with an attempt id of its own) and
+// commits the manifest of its part; rank 0 first places the save in the directory's order
+// with a reference (docs/FORMAT.md, section 4.2); readers merge the parts
+// (format/rank_manifests.h). Every rank does O(1) metadata operations (no listing).
 #ifndef TESSERA_CHECKPOINT_RANK_LOCAL_SAVE_H_
 #define TESSERA_CHECKPOINT_RANK_LOCAL_SAVE_H_
 

@@ -17,6 +17,7 @@
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
 #include "tessera/remove_keys.h"
+#include "testing/commits.h"
 #include "testing/test_util.h"
 
 namespace tessera {
@@ -263,9 +264,11 @@ TEST(RankLocalTest, CorruptPartOfAnOlderSaveDoesNotHideTheNewerCheckpoint) {
   }
 }
 
-// A save of one rank whose only part is truncated: with no other checkpoint the error names
-// the file; next to a committed checkpoint, that one loads (the part counts as missing).
-TEST(RankLocalTest, TruncatedOnlyPartIsNamedAndCountsAsMissing) {
+// A save of one rank whose only part is truncated: the error names the file, alone in the
+// directory or placed above a committed checkpoint (a damaged newest checkpoint is never
+// replaced silently by an older one; version 2 counted it as missing, having no time to order
+// it by). A version 2 save whose only part is truncated still counts as missing.
+TEST(RankLocalTest, TruncatedOnlyPartIsNamedAndNeverHidesBehindAnOlderCheckpoint) {
   auto memory = std::make_shared<MemoryStorage>();
   RankState s(1, 0);
   ASSERT_OK(SaveRankLocal(s.Dict(), "/alone", 0, 1, RankLocal("t", memory)));
@@ -279,7 +282,26 @@ TEST(RankLocalTest, TruncatedOnlyPartIsNamedAndCountsAsMissing) {
   SaveCollective("/ck", 1, memory);
   ASSERT_OK(SaveRankLocal(s.Dict(), "/ck", 0, 1, RankLocal("t", memory)));
   memory->SetFileContents(PartPath("/ck", "t", 0), bytes);
-  EXPECT_EQ(LoadedGeneration("/ck", memory), 1);
+  EXPECT_EQ(LoadedGeneration("/ck", memory, &error), -1);
+  EXPECT_THAT(error.message(), HasSubstr(PartPath("/ck", "t", 0)));
+  EXPECT_THAT(error.message(), HasSubstr("the next save into the directory supersedes it"));
+
+  // Version 2: a collective save's manifest and, newer by save time, a save whose part is cut.
+  auto old = std::make_shared<MemoryStorage>();
+  SaveCollective("/v2", 1, old);
+  ASSERT_OK_AND_ASSIGN(Metadata whole, ReadMetadata("/v2", old));
+  const std::string numbered = testing::CommitPath(*old, "/v2");
+  old->SetFileContents("/v2/tessera.manifest", EncodeManifestVersion2(whole));
+  ASSERT_OK(old->Remove(numbered));
+  Metadata part = whole;
+  part.save_id = RankLocalSaveId("t");
+  part.part_rank = 0;
+  part.num_ranks = 1;
+  part.save_time_unix_ms = whole.save_time_unix_ms + 1000;
+  Bytes cut = EncodeManifestVersion2(part);
+  cut.resize(cut.size() / 2);
+  old->SetFileContents("/v2/" + RankManifestName(part.save_id, 0), cut);
+  EXPECT_EQ(LoadedGeneration("/v2", old), 1);
 }
 
 // A rank that died while writing its part leaves "<part>.tmp": readers ignore it, the rank's
@@ -640,21 +662,26 @@ TEST(RankLocalTest, AsyncSaveWithBothStagingModes) {
 // ----------------------------------------------------------------------------
 
 // A job that restarts from an older step reaches the same step again and saves the same tag.
-// After Finalize the tag's data files are the committed checkpoint's: the save is refused and
-// they are left alone (they were removed as "an earlier attempt's leftovers", so that the
-// committed checkpoint no longer loaded).
-TEST(RankLocalTest, SavingAFinalizedTagAgainIsRefusedAndKeepsTheCheckpoint) {
+// Every attempt writes files of its own names, so the finalized checkpoint's files are never
+// touched: the save again is a newer save of the tag, loaded once complete, and until then the
+// finalized one loads. (Version 2 refused it: it removed "an earlier attempt's leftovers" by
+// name, which were the committed checkpoint's files.)
+TEST(RankLocalTest, SavingAFinalizedTagAgainIsANewerSaveAndNeverTouchesTheFinalizedFiles) {
   auto memory = std::make_shared<MemoryStorage>();
   SaveRanks("/ck", 1, "t", memory);
   ASSERT_OK(Finalize("/ck", memory));
-  for (int r = 0; r < kRanks; ++r) {
-    RankState s(2, r);
-    Status again = SaveRankLocal(s.Dict(), "/ck", r, kRanks, RankLocal("t", memory)).status();
-    EXPECT_EQ(again.code(), StatusCode::kAlreadyExists) << again.ToString();
-    EXPECT_THAT(again.message(), HasSubstr("tag 't'"));
-  }
+  SaveRanks("/ck", 2, "t", memory, {1});
   EXPECT_EQ(LoadedGeneration("/ck", memory), 1);
   ASSERT_OK(Verify("/ck", memory));
+  SaveRanks("/ck", 2, "t", memory, {0});
+  EXPECT_EQ(LoadedGeneration("/ck", memory), 2);
+  ASSERT_OK(Verify("/ck", memory));
+  // Saving a rank's part of the tag once more, while its part is there, is refused.
+  RankState s(3, 0);
+  Status again = SaveRankLocal(s.Dict(), "/ck", 0, kRanks, RankLocal("t", memory)).status();
+  EXPECT_EQ(again.code(), StatusCode::kAlreadyExists) << again.ToString();
+  EXPECT_THAT(again.message(), HasSubstr("tag 't'"));
+  EXPECT_EQ(LoadedGeneration("/ck", memory), 2);
 }
 
 // A rank that died mid-save retries the same tag: what its attempt left is removed and the set

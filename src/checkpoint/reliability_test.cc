@@ -21,6 +21,8 @@
 #include "tessera/checkpoint.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
+#include "tessera/storage_wrapper.h"
+#include "testing/commits.h"
 #include "testing/test_util.h"
 
 namespace tessera {
@@ -86,8 +88,7 @@ TEST(PlantedSymlinkTest, CachedSaveIdsCannotBePredictedFromTheDirectory) {
   ASSERT_OK_AND_ASSIGN(SaveReport saved, Save(first.dict, path, *comm));
   // Links at every name the old derivation would have used next.
   const std::string guess = OldNextSaveId(saved.save_id);
-  for (const std::string& name :
-       {DataFileName(guess, 0, 0), DataFileName(guess, 0, 1), TempManifestName(guess)}) {
+  for (const std::string& name : {DataFileName(guess, 0, 0), DataFileName(guess, 0, 1)}) {
     ASSERT_EQ(::symlink(victim.c_str(), (path + "/" + name).c_str()), 0) << std::strerror(errno);
   }
   ASSERT_OK_AND_ASSIGN(SaveReport again, Save(second.dict, path, *comm));
@@ -100,66 +101,83 @@ TEST(PlantedSymlinkTest, CachedSaveIdsCannotBePredictedFromTheDirectory) {
 // Plants a symbolic link to `target` under the name of the first file a save creates whose
 // name satisfies `pick`, just before the save creates it (the worst case: the attacker knew
 // the name).
-class PlantingStorage : public Storage {
+class PlantingStorage : public StorageWrapper {
  public:
   PlantingStorage(std::string target, std::function<bool(const std::string&)> pick)
-      : base_(NewPosixStorage()), target_(std::move(target)), pick_(std::move(pick)) {}
+      : StorageWrapper(NewPosixStorage()), target_(std::move(target)), pick_(std::move(pick)) {}
+  // Through this storage's own calls, so that the commit's temporary file is seen too.
+  Status Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
+                 bool sync) override {
+    return PublishThroughRename(path, bytes, mode, sync);
+  }
   using Storage::NewWritableFile;
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         CreateMode mode) override {
     const std::string name = std::filesystem::path(path).filename();
-    if (!planted_.empty() || !pick_(name)) return base_->NewWritableFile(path, mode);
+    if (!planted_.empty() || !pick_(name)) return target().NewWritableFile(path, mode);
     planted_ = path;
     if (::symlink(target_.c_str(), path.c_str()) != 0) return IOErrorFromErrno("symlink", errno);
-    return base_->NewWritableFile(path, mode);
+    return target().NewWritableFile(path, mode);
   }
-  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
-    return base_->NewReadableFile(path);
-  }
-  Status CreateDirs(const std::string& path) override { return base_->CreateDirs(path); }
-  Result<FileType> Stat(const std::string& path) override { return base_->Stat(path); }
-  Result<std::vector<std::string>> ListDir(const std::string& dir) override {
-    return base_->ListDir(dir);
-  }
-  Status Rename(const std::string& from, const std::string& to) override {
-    return base_->Rename(from, to);
-  }
-  Status Remove(const std::string& path) override { return base_->Remove(path); }
-  Status SyncDir(const std::string& dir) override { return base_->SyncDir(dir); }
 
   const std::string& planted() const { return planted_; }
 
  private:
-  std::shared_ptr<Storage> base_;
   std::string target_;
   std::function<bool(const std::string&)> pick_;
   std::string planted_;
 };
 
-TEST(PlantedSymlinkTest, ALinkAtTheNameOfADataFileOrTempManifestIsRefusedNeverFollowed) {
-  struct Case {
-    const char* what;
-    std::function<bool(const std::string&)> pick;
-  };
-  for (const Case& c :
-       {Case{"data file", IsTesseraDataFileName}, Case{"temporary manifest", IsTempManifestName}}) {
-    SCOPED_TRACE(c.what);
+bool IsCommitTemporary(const std::string& name) {
+  std::string target;
+  uint64_t seq = 0;
+  return ParsePublishTemporaryName(name, &target) && ParseCommitName(target, &seq);
+}
+
+TEST(PlantedSymlinkTest, ALinkAtTheNameOfADataFileIsRefusedNeverFollowed) {
+  TempDir dir;
+  const std::string path = dir.Sub("ck");
+  const std::string victim = dir.Sub("victim");
+  WriteAll(victim, "not yours");
+  SmallState first(1), second(2);
+  ASSERT_OK(Save(first.dict, path));
+  auto planting = std::make_shared<PlantingStorage>(victim, IsTesseraDataFileName);
+  SaveOptions options;
+  options.storage = planting;
+  Result<SaveReport> saved = Save(second.dict, path, options);
+  ASSERT_FALSE(planting->planted().empty());
+  ASSERT_FALSE(saved.ok());
+  EXPECT_EQ(saved.status().code(), StatusCode::kAlreadyExists) << saved.status().ToString();
+  EXPECT_THAT(saved.status().message(), HasSubstr(planting->planted()));
+  EXPECT_EQ(ReadAll(victim), "not yours");
+  EXPECT_EQ(LoadedValue(path), 1);  // the previous checkpoint is intact
+}
+
+// The commit's temporary name is drawn again when taken; the commit's own name is published
+// create-only without following anything (a link there is an existing name: the commit takes
+// the next number). Neither redirects a write.
+TEST(PlantedSymlinkTest, ALinkAtTheCommitsTemporaryOrNextNameIsNeverFollowed) {
+  for (bool at_the_commit : {false, true}) {
+    SCOPED_TRACE(at_the_commit ? "the next commit's name" : "the commit's temporary name");
     TempDir dir;
     const std::string path = dir.Sub("ck");
     const std::string victim = dir.Sub("victim");
     WriteAll(victim, "not yours");
     SmallState first(1), second(2);
     ASSERT_OK(Save(first.dict, path));
-    auto planting = std::make_shared<PlantingStorage>(victim, c.pick);
+    auto planting = std::make_shared<PlantingStorage>(victim, IsCommitTemporary);
     SaveOptions options;
     options.storage = planting;
-    Result<SaveReport> saved = Save(second.dict, path, options);
-    ASSERT_FALSE(planting->planted().empty());
-    ASSERT_FALSE(saved.ok());
-    EXPECT_EQ(saved.status().code(), StatusCode::kAlreadyExists) << saved.status().ToString();
-    EXPECT_THAT(saved.status().message(), HasSubstr(planting->planted()));
+    if (at_the_commit) {
+      ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path));
+      const std::string next = path + "/" + NumberedManifestName(m.commit_seq + 1);
+      ASSERT_EQ(::symlink(victim.c_str(), next.c_str()), 0) << std::strerror(errno);
+      options.storage = nullptr;
+    }
+    ASSERT_OK(Save(second.dict, path, options));
+    if (!at_the_commit) ASSERT_FALSE(planting->planted().empty());
     EXPECT_EQ(ReadAll(victim), "not yours");
-    EXPECT_EQ(LoadedValue(path), 1);  // the previous checkpoint is intact
+    EXPECT_EQ(LoadedValue(path), 2);
   }
 }
 
@@ -180,7 +198,7 @@ TEST(Utf8Test, SaveRefusesUserMetadataThatIsNotUtf8NamingTheKey) {
   saved = Save(state.dict, "/ck", options);
   EXPECT_EQ(saved.status().code(), StatusCode::kInvalidArgument) << saved.status().ToString();
   EXPECT_THAT(saved.status().message(), HasSubstr("user_metadata[\"key\"] = \"\\xc0\\xaf\""));
-  EXPECT_EQ(storage->Stat("/ck/tessera.manifest").value(), FileType::kNotFound);
+  EXPECT_FALSE(testing::HasCommit(*storage, "/ck"));
   // With several ranks, rank 0's metadata is checked and every rank returns its error.
   std::vector<Status> statuses = RunLocalRanks(3, [&](Comm& comm) -> Status {
     SmallState mine(1);
@@ -222,7 +240,7 @@ TEST(DeadlineTest, ASaveWithARankThatStopsFailsEverywhereNamingIt) {
     EXPECT_THAT(statuses[r].message(), HasSubstr("gave up after waiting 200 ms for rank 3 to "
                                                  "enter it"));
   }
-  EXPECT_EQ(storage->Stat("/ck/tessera.manifest").value(), FileType::kNotFound);
+  EXPECT_FALSE(testing::HasCommit(*storage, "/ck"));
 }
 
 // ---- item 7: a manifest is never read into memory on the strength of its size alone ---------
@@ -241,7 +259,7 @@ TEST(HugeManifestTest, SparseManifestsAreRejectedWithoutReadingThem) {
   const std::string path = dir.Sub("ck");
   SmallState state(1);
   ASSERT_OK(Save(state.dict, path));
-  const std::string manifest = path + "/" + kManifestFileName;
+  const std::string manifest = testing::CommitPath(path);
   const std::string good = ReadAll(manifest);
   const uint64_t peak_before = PeakRssBytes();
   auto expect_rejected = [&](const std::string& what) {

@@ -18,6 +18,7 @@
 #include "checkpoint/commit.h"
 #include "checkpoint/progress.h"
 #include "checkpoint/reader.h"
+#include "checkpoint/sequence.h"
 #include "format/checkpoint_index.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
@@ -291,40 +292,109 @@ Status CheckArguments(const std::vector<std::string>& prefixes, const RemoveKeys
   return Status::Ok();
 }
 
+// The commit the new manifest derives from: its number and a file whose presence shows that no
+// cleanup has removed it as superseded (the commit itself; for a version 2 directory the
+// version 2 manifest or the rank-local save's part of rank 0).
+struct Base {
+  uint64_t seq = 0;
+  std::string witness;
+};
+
+Base BaseOf(const CheckpointIndex& index) {
+  const Metadata& m = index.metadata;
+  if (m.commit_seq > 0) return Base{m.commit_seq, CommitName(m.commit_seq)};
+  return Base{0, index.rank_local ? RankManifestName(m.save_id, 0)
+                                  : std::string(kVersion2ManifestFileName)};
+}
+
+// The removal gives way to commit `seq`, made after the base it started from.
+Status Changed(Storage& storage, const std::string& path, uint64_t seq) {
+  return Aborted("the checkpoint at " + path + " changed while keys were being removed: " +
+                 DescribeCommit(storage, path, seq) + " is newer than commit " +
+                 std::to_string(seq - 1) +
+                 ", which the removal started from (the newer save is what the directory "
+                 "holds); nothing was removed");
+}
+
+// Once the marker is in place, no cleanup that lists the directory removes a commit (cleanup.h):
+// the base still there means no commit was made above it before (cleanups remove from the
+// lowest up), and none can be made after without taking base + 1, which stays and which the
+// commit below then finds taken.
+Status CheckBaseIsNewest(Storage& storage, const std::string& path, const Base& base) {
+  TESSERA_ASSIGN_OR_RETURN(FileType witness, storage.Stat(JoinPath(path, base.witness)));
+  TESSERA_ASSIGN_OR_RETURN(FileType next, storage.Stat(JoinPath(path, CommitName(base.seq + 1))));
+  if (next != FileType::kNotFound) return Changed(storage, path, base.seq + 1);
+  if (witness == FileType::kNotFound) {
+    return Aborted("the checkpoint at " + path + " changed while keys were being removed (" +
+                   base.witness + " was superseded and removed); nothing was removed");
+  }
+  return Status::Ok();
+}
+
+// Step 2: the new manifest as commit base + 1 exactly, create-only. Another commit made since the
+// base was read holds that number (or one above it, and then this one too): the removal gives
+// way. `visible` as CommitManifest's.
+Status CommitAfterBase(Storage& storage, const std::string& path, Metadata& kept, const Base& base,
+                       SyncPolicy sync, bool& visible) {
+  kept.commit_seq = base.seq + 1;
+  kept.part_rank = -1;
+  kept.rank_local_reference = false;
+  const Bytes bytes = EncodeManifest(kept);
+  if (Result<Metadata> check = DecodeManifest(bytes, path); !check.ok()) {
+    return InvalidArgument("the checkpoint would not be readable, nothing was committed: " +
+                           check.status().message());
+  }
+  // A commit made meanwhile, whose cleanup removed the files this one keeps, is named as such.
+  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(path));
+  const std::set<std::string> present(names.begin(), names.end());
+  if (present.count(CommitName(kept.commit_seq))) return Changed(storage, path, kept.commit_seq);
+  for (const FileInfo& f : kept.files) {
+    if (!present.count(f.name)) {
+      return DataLoss("data file " + JoinPath(path, f.name) + " vanished before the commit " +
+                      "(removed by another process?); nothing was removed");
+    }
+  }
+  const bool durable = sync == SyncPolicy::kFull;
+  if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(path));
+  visible = true;
+  Status published = PublishCommitAt(storage, path, kept.commit_seq, bytes, durable);
+  if (published.code() == StatusCode::kAlreadyExists) {
+    visible = false;
+    return Changed(storage, path, kept.commit_seq);
+  }
+  TESSERA_RETURN_IF_ERROR(published);
+  WriteSequenceHint(storage, path, kept.commit_seq);
+  return Status::Ok();
+}
+
 // Steps 1 to 3, once the plan is made.
-Status Rewrite(Storage& storage, const std::string& path, const Metadata& old,
+Status Rewrite(Storage& storage, const std::string& path, const Metadata& old, const Base& base,
                const RemoveKeysOptions& options, std::vector<FilePlan>& files, Metadata& kept,
                ProgressMeter& meter) {
-  TESSERA_RETURN_IF_ERROR(CreateSaveMarker(storage, path, kept.save_id, options.sync));
+  TESSERA_RETURN_IF_ERROR(
+      CreateSaveMarker(storage, path, kept.save_id, options.sync));
   struct MarkerGuard {
     Storage& storage;
     const std::string& path;
     const std::string& save_id;
     ~MarkerGuard() { RemoveSaveMarker(storage, path, save_id); }
   } marker{storage, path, kept.save_id};
+  TESSERA_RETURN_IF_ERROR(CheckBaseIsNewest(storage, path, base));
   TESSERA_RETURN_IF_ERROR(WriteRewrites(storage, path, old, options, files, meter));
   RebuildFileTable(old, files, kept);
-  auto remove_new_files = [&] {
-    for (const FilePlan& f : files) {
-      if (f.fate == Fate::kRewrite) storage.Remove(JoinPath(path, f.new_name)).IgnoreError();
-    }
-  };
-  // A save that committed since we read the manifest wins: committing now would bring back
-  // the older checkpoint and let the cleanup delete the newer one's files.
-  Result<CheckpointIndex> now = ReadCheckpointIndex(storage, path);
-  if (!now.ok() || now->metadata.save_id != old.save_id) {
-    remove_new_files();
-    if (!now.ok()) return now.status().WithContext("re-reading the manifest before the commit");
-    return Aborted("the checkpoint at " + path + " changed while keys were being removed (save " +
-                   now->metadata.save_id + " committed); nothing was removed");
-  }
-  bool renamed = false;
-  Status committed = CommitManifest(storage, path, kept, options.sync, renamed);
+  bool visible = false;
+  Status committed = CommitAfterBase(storage, path, kept, base, options.sync, visible);
   if (!committed.ok()) {
-    if (!renamed) remove_new_files();
-    return committed.WithContext("committing the manifest of " + path);
+    if (!visible) {  // only the files this removal wrote: they carry its save id
+      for (const FilePlan& f : files) {
+        if (f.fate == Fate::kRewrite) storage.Remove(JoinPath(path, f.new_name)).IgnoreError();
+      }
+    }
+    return committed.code() == StatusCode::kAborted
+               ? committed
+               : committed.WithContext("committing the manifest of " + path);
   }
-  RemoveStaleFiles(storage, path, kept);
+  RemoveStaleFiles(storage, path, kept.save_id);
   return Status::Ok();
 }
 
@@ -378,7 +448,8 @@ Result<RemoveKeysReport> RemoveKeys(const std::string& path,
   }
   meter.set_total(report.bytes_copied);
   if (!options.dry_run) {
-    TESSERA_RETURN_IF_ERROR(Rewrite(*storage, path, old, options, files, kept, meter));
+    TESSERA_RETURN_IF_ERROR(
+        Rewrite(*storage, path, old, BaseOf(index), options, files, kept, meter));
     report.save_id = kept.save_id;
   }
   meter.Finish();

@@ -14,6 +14,8 @@
 #include "format/safetensors.h"
 #include "tessera/checkpoint.h"
 #include "tessera/memory_storage.h"
+#include "tessera/storage_wrapper.h"
+#include "testing/commits.h"
 #include "testing/test_util.h"
 
 namespace tessera {
@@ -83,7 +85,8 @@ class RemoveKeysTest : public ::testing::Test {
   // Only the manifest and the files it lists remain: nothing stale, no marker.
   void ExpectNoStrayFiles() {
     ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path_, storage_));
-    std::set<std::string> expected = {kManifestFileName};
+    std::vector<std::string> commit = testing::CommitFiles(*storage_, path_);
+    std::set<std::string> expected(commit.begin(), commit.end());
     for (const FileInfo& f : m.files) expected.insert(f.name);
     const std::vector<std::string> names = Names();
     EXPECT_EQ(std::set<std::string>(names.begin(), names.end()), expected);
@@ -164,14 +167,14 @@ TEST_F(RemoveKeysTest, DryRunReportsWhatARealRunDoesAndTouchesNothing) {
   ASSERT_OK(Save(state.Dict(), path_, save_));
   const std::vector<std::string> names = Names();
   ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> manifest,
-                       storage_->GetFileContents(path_ + "/" + kManifestFileName));
+                       storage_->GetFileContents(testing::CommitPath(*storage_, path_)));
   remove_.dry_run = true;
   ASSERT_OK_AND_ASSIGN(RemoveKeysReport dry,
                        RemoveKeys(path_, {"optimizer.m", "model.b"}, remove_));
   EXPECT_TRUE(dry.dry_run);
   EXPECT_EQ(Names(), names);
   ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> manifest_after,
-                       storage_->GetFileContents(path_ + "/" + kManifestFileName));
+                       storage_->GetFileContents(testing::CommitPath(*storage_, path_)));
   EXPECT_EQ(manifest_after, manifest);
 
   remove_.dry_run = false;
@@ -296,32 +299,18 @@ TEST_F(RemoveKeysTest, ReportsProgressFromTheCallingThreadUpToTheBytesCopied) {
 
 // Runs `hook` once, when the first data file is created through it: a save that commits while
 // RemoveKeys copies.
-class HookStorage : public Storage {
+class HookStorage : public StorageWrapper {
  public:
   HookStorage(std::shared_ptr<Storage> base, std::function<void()> hook)
-      : base_(std::move(base)), hook_(std::move(hook)) {}
+      : StorageWrapper(std::move(base)), hook_(std::move(hook)) {}
   using Storage::NewWritableFile;
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         CreateMode mode) override {
     if (hook_ && path.ends_with(".safetensors")) std::exchange(hook_, nullptr)();
-    return base_->NewWritableFile(path, mode);
+    return target().NewWritableFile(path, mode);
   }
-  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
-    return base_->NewReadableFile(path);
-  }
-  Status CreateDirs(const std::string& path) override { return base_->CreateDirs(path); }
-  Result<FileType> Stat(const std::string& path) override { return base_->Stat(path); }
-  Result<std::vector<std::string>> ListDir(const std::string& dir) override {
-    return base_->ListDir(dir);
-  }
-  Status Rename(const std::string& from, const std::string& to) override {
-    return base_->Rename(from, to);
-  }
-  Status Remove(const std::string& path) override { return base_->Remove(path); }
-  Status SyncDir(const std::string& dir) override { return base_->SyncDir(dir); }
 
  private:
-  std::shared_ptr<Storage> base_;
   std::function<void()> hook_;
 };
 

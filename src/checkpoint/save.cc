@@ -242,7 +242,7 @@ Outcome CommitOnCoordinator(const Comm& comm, Storage& storage, const std::strin
     TESSERA_RETURN_IF_ERROR_CTX(
         CommitManifest(storage, path, metadata, options.sync, outcome.manifest_renamed),
         "committing the manifest of " + path);
-    if (options.remove_stale_files) RemoveStaleFiles(storage, path, metadata);
+    if (options.remove_stale_files) RemoveStaleFiles(storage, path, save_id);
     return Status::Ok();
   }();
   return outcome;
@@ -345,9 +345,11 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
     options.progress(0, my_bytes);  // the start: a bar's clock and total
   }
   const bool torch_dist = options.format == CheckpointFormat::kTorchDist;
-  const auto plan_files = torch_dist ? PlanDcpDataFiles : PlanDataFiles;
   const std::vector<DataFilePlan> files =
-      plan_files(*local, items, options.num_io_threads, options.separate_prefixes, save_id, rank);
+      torch_dist ? PlanDcpDataFiles(*local, items, options.num_io_threads,
+                                    options.separate_prefixes, save_id, rank)
+                 : PlanDataFiles(*local, items, options.num_io_threads, options.separate_prefixes,
+                                 save_id, rank);
   Result<WriteResult> written =
       torch_dist ? WriteDcpDataFiles(*storage, path, state, *local, files,
                                      DcpFlavorOf(options.torch_dist_flavor), write_options)

@@ -16,14 +16,18 @@ struct CheckpointIndex {
   std::string root;  // the directory Metadata::files are relative to
   Metadata metadata;
   // The checkpoint is a rank-local save: the merge of its rank manifests (Finalize writes it
-  // as one manifest).
+  // as one manifest). metadata.commit_seq is then its reference's number.
   bool rank_local = false;
 };
 
 // Detects the format of `path` and reads its index:
-//   - a directory holding tessera.manifest and/or the rank manifests of rank-local saves: the
-//     newest (by save time) of the committed manifest and the complete rank-local saves; with
-//     neither, an error naming the ranks whose manifests a rank-local save lacks;
+//   - a tessera directory (docs/FORMAT.md, section 4): the highest numbered commit
+//     "tessera.manifest.<n>" that is loadable (a whole manifest; or a reference to a rank-local
+//     save whose every rank manifest is there, merged), else what a version 2 directory holds
+//     (tessera.manifest as commit 0 and the rank-local saves of version 2, newest by save
+//     time); with none, an error naming the ranks whose manifests the newest rank-local save
+//     lacks (at most 16 of them, then a count). metadata.commit_seq says which commit loaded;
+//     a damaged newest commit is an error, never replaced silently by an older one;
 //   - a directory holding .metadata: PyTorch DCP / Megatron-Core torch_dist;
 //   - a directory holding model.safetensors.index.json or *.safetensors files (none of them a
 //     tessera data file): Hugging Face safetensors;
@@ -32,6 +36,11 @@ struct CheckpointIndex {
 // checkpoint") for a directory with none of these, or with the data files of a tessera save
 // that never committed; the codec's errors (kDataLoss naming the file) for a bad index.
 Result<CheckpointIndex> ReadCheckpointIndex(Storage& storage, const std::string& path);
+
+// The commit `name` ("tessera.manifest.<n>" or the version 2 "tessera.manifest") of `dir`: a
+// whole manifest or a reference, its number checked against its name. Reads nothing it has not
+// bounded first (the size its header declares, at most kMaxManifestBytes, then its checksum).
+Result<Metadata> ReadCommit(Storage& storage, const std::string& dir, const std::string& name);
 
 }  // namespace tessera
 

@@ -593,17 +593,17 @@ TEST(ManifestV1Test, RejectsBadMagic) {
 
 TEST(ManifestV1Test, RejectsNewerVersion) {
   Bytes b = EncodeManifestVersion1(SampleMetadata());
-  StoreU32(b, 8, 3);
+  StoreU32(b, 8, 4);
   Status s = DecodeStatus(b);
   EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
   EXPECT_EQ(s.message(), std::string(kSource) +
-                             ": manifest format version 3 is newer than this build of tessera "
-                             "supports (2)");
-  // Decided before anything else of the file is trusted: a v3 layout may differ entirely.
-  Bytes v3 = ToBytes("TSRMANIF");
-  v3.resize(12);
-  StoreU32(v3, 8, 3);
-  EXPECT_DECODE_ERROR(v3, StatusCode::kUnimplemented, "format version 3 is newer");
+                             ": manifest format version 4 is newer than this build of tessera "
+                             "supports (3)");
+  // Decided before anything else of the file is trusted: a v4 layout may differ entirely.
+  Bytes v4 = ToBytes("TSRMANIF");
+  v4.resize(12);
+  StoreU32(v4, 8, 4);
+  EXPECT_DECODE_ERROR(v4, StatusCode::kUnimplemented, "format version 4 is newer");
   StoreU32(b, 8, 0);
   EXPECT_DECODE_ERROR(Reseal(b), StatusCode::kDataLoss, "invalid manifest format version 0");
 }
@@ -926,6 +926,52 @@ TEST(NamesTest, DataFileName) {
        }) {
     EXPECT_FALSE(IsTesseraDataFileName(name)) << name;
   }
+}
+
+TEST(NamesTest, RankLocalDataFileNamesCarryTheAttempt) {
+  EXPECT_EQ(DataFileName("5f3a9c01d2e4b687", 3, 1, "0a1b2c3d"),
+            "tsr-5f3a9c01d2e4b687-r00003-a0a1b2c3d-f001.safetensors");
+  EXPECT_TRUE(IsTesseraDataFileName(DataFileName("5f3a9c01d2e4b687", 3, 1, "0a1b2c3d")));
+  EXPECT_TRUE(IsAttemptId("0a1b2c3d"));
+  for (const char* name : {
+           "tsr-5f3a9c01d2e4b687-r00003-a0a1b2c3-f001.safetensors",    // 7 digits
+           "tsr-5f3a9c01d2e4b687-r00003-a0a1b2c3dd-f001.safetensors",  // 9 digits
+           "tsr-5f3a9c01d2e4b687-r00003-a0A1b2c3d-f001.safetensors",   // uppercase
+           "tsr-5f3a9c01d2e4b687-r00003-a-f001.safetensors",
+           "tsr-5f3a9c01d2e4b687-a0a1b2c3d-r00003-f001.safetensors",
+       }) {
+    EXPECT_FALSE(IsTesseraDataFileName(name)) << name;
+  }
+}
+
+TEST(NamesTest, CommitNamesSortAsTheirNumbers) {
+  EXPECT_EQ(NumberedManifestName(1), "tessera.manifest.00000000000000000001");
+  EXPECT_EQ(NumberedManifestName(std::numeric_limits<uint64_t>::max()),
+            "tessera.manifest.18446744073709551615");
+  EXPECT_LT(NumberedManifestName(9), NumberedManifestName(10));
+  EXPECT_LT(std::string(kVersion2ManifestFileName), NumberedManifestName(1));
+  uint64_t seq = 99;
+  EXPECT_TRUE(ParseCommitName("tessera.manifest", &seq));
+  EXPECT_EQ(seq, 0u);
+  EXPECT_TRUE(ParseCommitName(NumberedManifestName(12345), &seq));
+  EXPECT_EQ(seq, 12345u);
+  EXPECT_EQ(CommitName(0), "tessera.manifest");
+  EXPECT_EQ(CommitName(7), NumberedManifestName(7));
+  for (const char* name : {
+           "tessera.manifest.00000000000000000000",   // 0 is the version 2 name's
+           "tessera.manifest.0000000000000000001",    // 19 digits
+           "tessera.manifest.000000000000000000001",  // 21 digits
+           "tessera.manifest.18446744073709551616",   // past uint64
+           "tessera.manifest.0000000000000000000x",
+           "tessera.manifest.00000000000000000001.tsr-tmp-0123456789abcdef",
+           "tessera.manifest.tmp-0123456789abcdef", "tessera.manifest.rank-0123456789abcdef-r00000",
+           "tessera.latest", "tessera.manifestx", ""}) {
+    EXPECT_FALSE(ParseCommitName(name, &seq)) << name;
+  }
+  std::string id;
+  int rank = 0;
+  EXPECT_FALSE(ParseRankManifestName(NumberedManifestName(3), &id, &rank));
+  EXPECT_FALSE(IsTempManifestName(NumberedManifestName(3)));
 }
 
 TEST(NamesTest, TempManifestName) {

@@ -32,6 +32,8 @@ constexpr char kDataFilePrefix[] = "tsr-";
 constexpr char kDataFileSuffix[] = ".safetensors";
 constexpr char kTempManifestPrefix[] = "tessera.manifest.tmp-";
 constexpr char kRankManifestPrefix[] = "tessera.manifest.rank-";
+constexpr char kNumberedManifestPrefix[] = "tessera.manifest.";
+constexpr size_t kSeqDigits = 20;  // every uint64, zero-padded so that names sort as numbers
 constexpr size_t kSaveIdHexDigits = 16;
 
 // ---- encoding ------------------------------------------------------------------------------
@@ -421,6 +423,11 @@ Status ValidateDecoded(const Metadata& m, std::string_view source) {
     return corrupt("part rank " + std::to_string(m.part_rank) + " is not below num_ranks " +
                    std::to_string(m.num_ranks));
   }
+  if (m.rank_local_reference &&
+      (!m.files.empty() || !m.tensors.empty() || !m.objects.empty() || m.num_ranks < 1)) {
+    return corrupt("a reference to a rank-local save must name at least one rank and hold no "
+                   "file, tensor or object");
+  }
   if (m.save_id.empty() || m.save_id.size() > kMaxSaveIdBytes) {
     return corrupt("save_id " + Quote(m.save_id) + " must have 1.." +
                    std::to_string(kMaxSaveIdBytes) + " bytes");
@@ -476,7 +483,11 @@ Bytes WithHeaderAndChecksum(uint32_t version, const Bytes& body) {
 }  // namespace
 
 Bytes EncodeManifest(const Metadata& m) {
-  return WithHeaderAndChecksum(kFormatVersion, EncodeBodyVersion2(m));
+  return WithHeaderAndChecksum(kFormatVersion, EncodeBody(m, kFormatVersion));
+}
+
+Bytes EncodeManifestVersion2(const Metadata& m) {
+  return WithHeaderAndChecksum(2, EncodeBody(m, 2));
 }
 
 Bytes EncodeManifestVersion1(const Metadata& m) {
@@ -597,7 +608,7 @@ Result<Metadata> DecodeManifest(std::span<const uint8_t> bytes, std::string_view
   }
   const std::span<const uint8_t> body(data + kHeaderBytes, body_length);
   Result<Metadata> metadata =
-      version == 1 ? DecodeBodyVersion1(body, source) : DecodeBodyVersion2(body, source);
+      version == 1 ? DecodeBodyVersion1(body, source) : DecodeBody(body, source, version);
   if (!metadata.ok()) return metadata;
   TESSERA_RETURN_IF_ERROR(ValidateDecoded(*metadata, source));
   return metadata;
@@ -618,9 +629,16 @@ Status CheckDataFileName(std::string_view name) {
   return InvalidArgument("file name " + Quote(name) + " is not a plain file name: it " + why);
 }
 
-std::string DataFileName(std::string_view save_id, int rank, int file_index) {
+std::string DataFileName(std::string_view save_id, int rank, int file_index,
+                         std::string_view attempt) {
   char nums[48];
-  std::snprintf(nums, sizeof(nums), "-r%05d-f%03d", rank, file_index);
+  if (attempt.empty()) {
+    std::snprintf(nums, sizeof(nums), "-r%05d-f%03d", rank, file_index);
+  } else {
+    std::snprintf(nums, sizeof(nums), "-r%05d-a%.*s-f%03d", rank,
+                  static_cast<int>(std::min<size_t>(attempt.size(), kAttemptHexDigits)),
+                  attempt.data(), file_index);
+  }
   std::string name;
   name.reserve(sizeof(kDataFilePrefix) + save_id.size() + sizeof(nums) + sizeof(kDataFileSuffix));
   name += kDataFilePrefix;
@@ -646,9 +664,52 @@ bool IsTesseraDataFileName(std::string_view name) {
   name.remove_prefix(2);
   const size_t f = name.find("-f");
   if (f == std::string_view::npos) return false;
-  const std::string_view rank = name.substr(0, f);
+  std::string_view rank = name.substr(0, f);
   const std::string_view file = name.substr(f + 2);
+  // Rank-local saves (format version 3): "-a<attempt>" after the rank.
+  if (const size_t a = rank.find("-a"); a != std::string_view::npos) {
+    if (!IsAttemptId(rank.substr(a + 2))) return false;
+    rank = rank.substr(0, a);
+  }
   return rank.size() >= 5 && AllDigits(rank) && file.size() >= 3 && AllDigits(file);
+}
+
+bool IsAttemptId(std::string_view attempt) {
+  if (attempt.size() != kAttemptHexDigits) return false;
+  for (char c : attempt) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+std::string NumberedManifestName(uint64_t seq) {
+  char digits[24];
+  std::snprintf(digits, sizeof(digits), "%020llu", static_cast<unsigned long long>(seq));
+  return std::string(kNumberedManifestPrefix) + digits;
+}
+
+bool ParseCommitName(std::string_view name, uint64_t* seq) {
+  if (name == kVersion2ManifestFileName) {
+    *seq = 0;
+    return true;
+  }
+  if (!name.starts_with(kNumberedManifestPrefix)) return false;
+  name.remove_prefix(sizeof(kNumberedManifestPrefix) - 1);
+  if (name.size() != kSeqDigits || !AllDigits(name)) return false;
+  uint64_t value = 0;
+  for (char c : name) {
+    if (__builtin_mul_overflow(value, 10, &value) ||
+        __builtin_add_overflow(value, static_cast<uint64_t>(c - '0'), &value)) {
+      return false;
+    }
+  }
+  if (value == 0) return false;
+  *seq = value;
+  return true;
+}
+
+std::string CommitName(uint64_t seq) {
+  return seq == 0 ? std::string(kVersion2ManifestFileName) : NumberedManifestName(seq);
 }
 
 std::string RankManifestName(std::string_view save_id, int rank) {

@@ -7,8 +7,9 @@
 // the target first repairs the header (magic, flags 0, body length = what follows; the version
 // kept when it is one this build reads, else 1) and the trailing checksum, so that mutations
 // reach the body decoder of either version. Bit 0 clear: the bytes are decoded as they are (the
-// header checks themselves). Seeds cover both versions and both manifest kinds (a whole
-// checkpoint, and a rank's part of a rank-local save: v2_rank_part*).
+// header checks themselves). Seeds cover every version and every manifest kind (a whole
+// checkpoint; a rank's part of a rank-local save: v2_rank_part*; version 3's commit numbers and
+// references: v3_*, and a part claiming 2^31-1 ranks, issue 22 defect 8).
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

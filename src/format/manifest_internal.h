@@ -46,9 +46,11 @@ Status ValidateDecoded(const Metadata& m, std::string_view source);
 
 // The body decoders. `body` excludes header and trailer.
 Result<Metadata> DecodeBodyVersion1(std::span<const uint8_t> body, std::string_view source);
-Result<Metadata> DecodeBodyVersion2(std::span<const uint8_t> body, std::string_view source);
-// The version 2 body of `m`.
-Bytes EncodeBodyVersion2(const Metadata& m);
+// Versions 2 and 3 (3 adds the commit sequence number and references, docs/FORMAT.md 3.6).
+Result<Metadata> DecodeBody(std::span<const uint8_t> body, std::string_view source,
+                            uint32_t version);
+// The version 2 or 3 body of `m`.
+Bytes EncodeBody(const Metadata& m, uint32_t version);
 
 }  // namespace tessera::manifest_internal
 

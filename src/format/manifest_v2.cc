@@ -26,7 +26,8 @@ constexpr uint8_t kKnownChunkFlags =
     kSameSizes | kNextInFile | kSameFile | kHasOrder | kEncodingMask;
 // Manifest kinds (u8). Permanent.
 constexpr uint8_t kWholeCheckpoint = 0;
-constexpr uint8_t kRankPart = 1;  // followed by varint part_rank
+constexpr uint8_t kRankPart = 1;   // followed by varint part_rank
+constexpr uint8_t kReference = 2;  // version 3: places a rank-local save in the sequence
 // Smallest block size a writer may declare: smaller blocks would make the manifest larger
 // than the data they protect is worth.
 constexpr uint64_t kMinChecksumBlockBytes = 4096;
@@ -138,8 +139,12 @@ void EncodeChunks(const Metadata& m, const TensorInfo& t, Encoder& e, FileCursor
 
 class DecoderV2 {
  public:
-  DecoderV2(std::span<const uint8_t> body, std::string_view source)
-      : begin_(body.data()), p_(body.data()), end_(body.data() + body.size()), source_(source) {}
+  DecoderV2(std::span<const uint8_t> body, std::string_view source, uint32_t version)
+      : begin_(body.data()),
+        p_(body.data()),
+        end_(body.data() + body.size()),
+        source_(source),
+        version_(version) {}
 
   Result<Metadata> Decode();
 
@@ -248,6 +253,7 @@ class DecoderV2 {
   Status Files(Metadata& m);
   Status Strings(Metadata& m);
   Status Tensor(Metadata& m, TensorInfo& t, const std::string& previous_key, bool first);
+  Status Kind(Metadata& m);
   Status Chunk(Metadata& m, TensorInfo& t, size_t index, const std::string& where);
   Status StorageOrder(ChunkInfo& c, size_t rank, const std::string& where);
   Status Location(const Metadata& m, const ByteLocation& l, const std::string& where) const;
@@ -257,6 +263,7 @@ class DecoderV2 {
   const uint8_t* p_;
   const uint8_t* const end_;
   std::string_view source_;
+  const uint32_t version_;  // 2 or 3 (3 adds the commit sequence and references)
   std::vector<uint64_t> next_in_file_;
   // State of the chunk being decoded, carried from the previous chunk of the tensor.
   std::vector<int64_t> previous_offsets_;
@@ -265,7 +272,7 @@ class DecoderV2 {
 };
 
 Status DecoderV2::Preamble(Metadata& m) {
-  uint8_t format = 0, checksum = 0, kind = 0;
+  uint8_t format = 0, checksum = 0;
   TESSERA_RETURN_IF_ERROR(U8(&format, "source format"));
   TESSERA_RETURN_IF_ERROR(U8(&checksum, "checksum kind"));
   if (format > static_cast<uint8_t>(CheckpointFormat::kSafetensors)) {
@@ -281,17 +288,7 @@ Status DecoderV2::Preamble(Metadata& m) {
     return Corrupt("checksum block of " + std::to_string(m.checksum_block_bytes) +
                    " bytes is below the minimum of " + std::to_string(kMinChecksumBlockBytes));
   }
-  TESSERA_RETURN_IF_ERROR(U8(&kind, "manifest kind"));
-  if (kind == kRankPart) {
-    uint64_t rank = 0;
-    TESSERA_RETURN_IF_ERROR(Varint(&rank, "part rank"));
-    if (rank > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
-      return Corrupt("part rank " + std::to_string(rank) + " is too large");
-    }
-    m.part_rank = static_cast<int32_t>(rank);
-  } else if (kind != kWholeCheckpoint) {
-    return Corrupt("unknown manifest kind " + std::to_string(kind));
-  }
+  TESSERA_RETURN_IF_ERROR(Kind(m));
   TESSERA_RETURN_IF_ERROR(Str(&m.save_id, "save_id"));
   uint64_t num_ranks = 0, time = 0;
   TESSERA_RETURN_IF_ERROR(Varint(&num_ranks, "num_ranks"));
@@ -304,6 +301,28 @@ Status DecoderV2::Preamble(Metadata& m) {
     return Corrupt("save time " + std::to_string(time) + " is too large");
   }
   m.save_time_unix_ms = static_cast<int64_t>(time);
+  return Status();
+}
+
+// The manifest kind and what follows it: the part rank of a rank manifest, then (version 3)
+// the commit sequence number.
+Status DecoderV2::Kind(Metadata& m) {
+  uint8_t kind = 0;
+  TESSERA_RETURN_IF_ERROR(U8(&kind, "manifest kind"));
+  if (kind == kRankPart) {
+    uint64_t rank = 0;
+    TESSERA_RETURN_IF_ERROR(Varint(&rank, "part rank"));
+    if (rank > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
+      return Corrupt("part rank " + std::to_string(rank) + " is too large");
+    }
+    m.part_rank = static_cast<int32_t>(rank);
+  } else if (kind == kReference && version_ >= 3) {
+    m.rank_local_reference = true;
+  } else if (kind != kWholeCheckpoint) {
+    return Corrupt("unknown manifest kind " + std::to_string(kind) + " (format version " +
+                   std::to_string(version_) + ")");
+  }
+  if (version_ >= 3) TESSERA_RETURN_IF_ERROR(Varint(&m.commit_seq, "commit sequence number"));
   return Status();
 }
 
@@ -602,7 +621,7 @@ Status DecoderV2::Objects(Metadata& m) {
 
 Result<Metadata> DecoderV2::Decode() {
   Metadata m;
-  m.format_version = 2;
+  m.format_version = version_;
   TESSERA_RETURN_IF_ERROR(Preamble(m));
   TESSERA_RETURN_IF_ERROR(Files(m));
   TESSERA_RETURN_IF_ERROR(Strings(m));
@@ -622,7 +641,7 @@ Result<Metadata> DecoderV2::Decode() {
 
 }  // namespace
 
-Bytes EncodeBodyVersion2(const Metadata& m) {
+Bytes EncodeBody(const Metadata& m, uint32_t version) {
   Bytes out;
   uint64_t chunks = 0;
   for (const TensorInfo& t : m.tensors) chunks += t.chunks.size();
@@ -635,8 +654,9 @@ Bytes EncodeBodyVersion2(const Metadata& m) {
     e.U8(kRankPart);
     e.Varint(static_cast<uint64_t>(m.part_rank));
   } else {
-    e.U8(kWholeCheckpoint);
+    e.U8(m.rank_local_reference && version >= 3 ? kReference : kWholeCheckpoint);
   }
+  if (version >= 3) e.Varint(m.commit_seq);
   e.Str(m.save_id);
   e.Varint(static_cast<uint32_t>(m.num_ranks));
   e.Varint(static_cast<uint64_t>(std::max<int64_t>(m.save_time_unix_ms, 0)));
@@ -678,8 +698,9 @@ Bytes EncodeBodyVersion2(const Metadata& m) {
   return out;
 }
 
-Result<Metadata> DecodeBodyVersion2(std::span<const uint8_t> body, std::string_view source) {
-  return DecoderV2(body, source).Decode();
+Result<Metadata> DecodeBody(std::span<const uint8_t> body, std::string_view source,
+                            uint32_t version) {
+  return DecoderV2(body, source, version).Decode();
 }
 
 }  // namespace tessera::manifest_internal

@@ -77,7 +77,7 @@ Metadata Sample() {
 }
 
 Status DecodeStatus(const Bytes& bytes) { return DecodeManifest(bytes, kSource).status(); }
-Status DecodeStatus(const Metadata& m) { return DecodeStatus(EncodeManifest(m)); }
+Status DecodeStatus(const Metadata& m) { return DecodeStatus(EncodeManifestVersion2(m)); }
 
 #define EXPECT_V2_ERROR(input, code_, substr)                      \
   do {                                                             \
@@ -89,10 +89,10 @@ Status DecodeStatus(const Metadata& m) { return DecodeStatus(EncodeManifest(m));
 TEST(ManifestV2Test, RoundTripsEveryField) {
   // The 32 KiB chunks of "decoder.big" have 8 blocks of 4 KiB: 7 block checksums each.
   Metadata m = Sample();
-  const Bytes bytes = EncodeManifest(m);
+  const Bytes bytes = EncodeManifestVersion2(m);
   ASSERT_OK_AND_ASSIGN(Metadata decoded, DecodeManifest(bytes, kSource));
   EXPECT_EQ(decoded, m);
-  EXPECT_EQ(EncodeManifest(decoded), bytes);
+  EXPECT_EQ(EncodeManifestVersion2(decoded), bytes);
   // Another format, without checksums: none are stored.
   m.format = CheckpointFormat::kTorchDist;
   m.checksum = ChecksumKind::kNone;
@@ -104,7 +104,7 @@ TEST(ManifestV2Test, RoundTripsEveryField) {
   m.tensors[0].chunks[1].encoding = ChunkEncoding::kTorchSaveItem;
   m.tensors[0].chunks[1].location.length = 40000;
   m.tensors[0].chunks[1].payload_offset = 700;
-  const Bytes foreign = EncodeManifest(m);
+  const Bytes foreign = EncodeManifestVersion2(m);
   EXPECT_LT(foreign.size(), bytes.size() - 4 * 8 * 8);
   ASSERT_OK_AND_ASSIGN(decoded, DecodeManifest(foreign, kSource));
   EXPECT_EQ(decoded, m);
@@ -151,7 +151,7 @@ TEST(ManifestV2Test, LayoutMatchesTheSpec) {
                            8,    3,  // key "u", pickle, file 1, offset 8, length 3
                            9,    0,    0,    0,    0,
                            0,    0,    0};  // checksum 9
-  const Bytes got = EncodeManifest(m);
+  const Bytes got = EncodeManifestVersion2(m);
   ASSERT_GE(got.size(), 32u);
   EXPECT_EQ(Bytes(got.begin() + 24, got.end() - 8), want_body);
   EXPECT_EQ(got[8], 2);  // format version
@@ -162,7 +162,7 @@ TEST(ManifestV2Test, LayoutMatchesTheSpec) {
 
 TEST(ManifestV2Test, EveryTruncationAndRandomCorruptionIsAnErrorOrValid) {
   const Metadata m = Sample();
-  const Bytes good = EncodeManifest(m);
+  const Bytes good = EncodeManifestVersion2(m);
   for (size_t body = 0; body + 32 < good.size(); ++body) {
     Bytes b(good.begin(), good.begin() + 24 + body);
     b.resize(b.size() + 8);
@@ -181,7 +181,7 @@ TEST(ManifestV2Test, EveryTruncationAndRandomCorruptionIsAnErrorOrValid) {
       continue;
     }
     // What decodes is valid: it encodes and decodes again to the same content.
-    ASSERT_OK_AND_ASSIGN(Metadata again, DecodeManifest(EncodeManifest(*decoded), kSource));
+    ASSERT_OK_AND_ASSIGN(Metadata again, DecodeManifest(EncodeManifestVersion2(*decoded), kSource));
     EXPECT_EQ(again, *decoded);
   }
   EXPECT_GT(errors, 300);  // most flips land in checksums, which any value is valid for
@@ -253,7 +253,7 @@ TEST(ManifestV2Test, RejectsOverlappingChunksInEitherVersion) {
   t.chunks = {Chunk(Box({0, 0}, {2, 4}), DType::kU8, 0, 0),
               Chunk(Box({1, 0}, {2, 4}), DType::kU8, 0, 8)};
   m.tensors = {t};
-  for (const Bytes& bytes : {EncodeManifest(m), EncodeManifestVersion1(m)}) {
+  for (const Bytes& bytes : {EncodeManifestVersion2(m), EncodeManifestVersion1(m)}) {
     Status s = DecodeStatus(bytes);
     EXPECT_EQ(s.code(), StatusCode::kDataLoss);
     EXPECT_THAT(s.message(), HasSubstr("tensor \"t\": boxes [0:2, 0:4] and [1:3, 0:4] overlap"));
@@ -273,7 +273,7 @@ TEST(ManifestV2Test, RejectsCraftedFlagsAndCounts) {
                 DType::kU8,
                 {2},
                 {Chunk(Box({0}, {1}), DType::kU8, 0, 5), Chunk(Box({1}, {1}), DType::kU8, 0, 6)}}};
-  const Bytes good = EncodeManifest(m);
+  const Bytes good = EncodeManifestVersion2(m);
   // Body: 0 1 0 0 | 1 'x' | 0 0 | 1 0 1 'f' 0x80 0x20 | 0 | 0 | 1 | 0 1 't' 11 1 0 2 | 2 | chunk 0
   const size_t first_chunk = 24 + 4 + 2 + 2 + 6 + 1 + 1 + 1 + 7 + 1;
   ASSERT_EQ(good[first_chunk], 0);      // flags of chunk 0
@@ -340,7 +340,7 @@ TEST(ManifestV2Test, OneMillionChunksAreCompactAndDecodeFast) {
     }
   }
   auto start = std::chrono::steady_clock::now();
-  const Bytes bytes = EncodeManifest(m);
+  const Bytes bytes = EncodeManifestVersion2(m);
   const double encode_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   start = std::chrono::steady_clock::now();

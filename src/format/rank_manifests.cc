@@ -32,15 +32,21 @@ Result<Metadata> ReadRankManifest(Storage& storage, const std::string& dir, cons
 }  // namespace
 
 std::string RankManifestSet::MissingRanks() const {
-  std::vector<int> missing;
-  for (int r = 0; r < num_ranks; ++r) {
-    if (!names.count(r)) missing.push_back(r);
+  // Walks the gaps between the parts present, never the ranks one by one: a part may claim
+  // 2^31-1 ranks (a corrupt or hostile file), and naming 16 of them must cost 16 steps.
+  const int64_t present = std::distance(names.begin(), names.lower_bound(num_ranks));
+  const int64_t missing = static_cast<int64_t>(num_ranks) - present;
+  std::string out = missing == 1 ? "rank " : "ranks ";
+  int64_t shown = 0;
+  auto next_present = names.begin();
+  for (int64_t r = 0; r < num_ranks && shown < kMissingRanksShown; ++r) {
+    if (next_present != names.end() && next_present->first == r) {
+      ++next_present;
+      continue;
+    }
+    out += (shown++ ? ", " : "") + std::to_string(r);
   }
-  std::string out = missing.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < missing.size() && i < 16; ++i) {
-    out += (i ? ", " : "") + std::to_string(missing[i]);
-  }
-  if (missing.size() > 16) out += ", ...";
+  if (missing > shown) out += " and " + std::to_string(missing - shown) + " more";
   return out + " (of " + std::to_string(num_ranks) + ")";
 }
 
@@ -62,6 +68,7 @@ Result<std::vector<RankManifestSet>> FindRankManifestSets(Storage& storage, cons
       if (part.ok()) {
         set.num_ranks = part->num_ranks;
         set.save_time_unix_ms = part->save_time_unix_ms;
+        set.format_version = part->format_version;
         set.header_read = true;
         break;
       }

@@ -25,6 +25,10 @@ struct RankManifestSet {
   int32_t num_ranks = 0;
   int64_t save_time_unix_ms = 0;
   bool header_read = false;  // false: no part could be read (num_ranks, save time unknown)
+  // Of the part the header facts come from. A set of version 3 parts loads only through a
+  // reference (docs/FORMAT.md, 4.2); one of version 2 parts is ordered by save time below every
+  // numbered commit, as version 2 readers ordered it.
+  uint32_t format_version = 0;
   // The first part that cannot be read or does not fit the others (a rank at or beyond
   // num_ranks), naming its file; OK otherwise. Such a set never loads.
   Status problem;
@@ -33,8 +37,13 @@ struct RankManifestSet {
   bool complete() const {
     return header_read && std::distance(names.begin(), names.lower_bound(num_ranks)) == num_ranks;
   }
-  // "ranks 3, 5 (of 8)": the ranks whose manifest is missing.
+  // Version 2 parts: ordered by save time, without a reference.
+  bool legacy() const { return header_read && format_version <= 2; }
+  // "ranks 3, 5 (of 8)": the ranks whose manifest is missing; the first kMissingRanksShown of
+  // them, then "and N more". Costs O(parts present + kMissingRanksShown), whatever num_ranks
+  // claims.
   std::string MissingRanks() const;
+  static constexpr int kMissingRanksShown = 16;
 };
 
 // The sets in `names` (a directory listing of `dir`), each with the header facts of its lowest

@@ -111,7 +111,7 @@ const ReadableFile& Unwrapped(const ReadableFile& file) {
 }  // namespace
 
 FaultInjectingStorage::FaultInjectingStorage(std::shared_ptr<Storage> base, FaultPlan plan)
-    : base_(std::move(base)), state_(std::make_shared<State>()) {
+    : StorageWrapper(std::move(base)), state_(std::make_shared<State>()) {
   state_->plan = std::move(plan);
 }
 
@@ -140,7 +140,8 @@ Status FaultInjectingStorage::Check(const char* op, const std::string& path) {
 Result<std::unique_ptr<WritableFile>> FaultInjectingStorage::NewWritableFile(
     const std::string& path, CreateMode mode) {
   TESSERA_RETURN_IF_ERROR(Check("NewWritableFile", path));
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, base_->NewWritableFile(path, mode));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
+                           target().NewWritableFile(path, mode));
   return std::unique_ptr<WritableFile>(
       std::make_unique<FaultInjectingWritableFile>(std::move(file), state_));
 }
@@ -148,45 +149,57 @@ Result<std::unique_ptr<WritableFile>> FaultInjectingStorage::NewWritableFile(
 Result<std::unique_ptr<ReadableFile>> FaultInjectingStorage::NewReadableFile(
     const std::string& path) {
   TESSERA_RETURN_IF_ERROR(Check("NewReadableFile", path));
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, base_->NewReadableFile(path));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, target().NewReadableFile(path));
   return std::unique_ptr<ReadableFile>(
       std::make_unique<FaultInjectingReadableFile>(std::move(file), state_));
 }
 
 Status FaultInjectingStorage::CreateDirs(const std::string& path) {
   TESSERA_RETURN_IF_ERROR(Check("CreateDirs", path));
-  return base_->CreateDirs(path);
+  return target().CreateDirs(path);
 }
 
 Result<FileType> FaultInjectingStorage::Stat(const std::string& path) {
   TESSERA_RETURN_IF_ERROR(Check("Stat", path));
-  return base_->Stat(path);
+  return target().Stat(path);
 }
 
 Result<std::vector<std::string>> FaultInjectingStorage::ListDir(const std::string& dir) {
   TESSERA_RETURN_IF_ERROR(Check("ListDir", dir));
-  return base_->ListDir(dir);
+  return target().ListDir(dir);
 }
 
 Status FaultInjectingStorage::Rename(const std::string& from, const std::string& to) {
   // One path string naming both ends, so path_filter matches either.
   TESSERA_RETURN_IF_ERROR(Check("Rename", from + " -> " + to));
-  return base_->Rename(from, to);
+  return target().Rename(from, to);
+}
+
+Status FaultInjectingStorage::RenameNoReplace(const std::string& from, const std::string& to) {
+  TESSERA_RETURN_IF_ERROR(Check("RenameNoReplace", from + " -> " + to));
+  return target().RenameNoReplace(from, to);
+}
+
+Status FaultInjectingStorage::Publish(const std::string& path, std::span<const std::byte> bytes,
+                                      PublishMode mode, bool sync) {
+  if (target().capabilities().rename) return PublishThroughRename(path, bytes, mode, sync);
+  TESSERA_RETURN_IF_ERROR(Check("Publish", path));
+  return target().Publish(path, bytes, mode, sync);
 }
 
 Status FaultInjectingStorage::Remove(const std::string& path) {
   TESSERA_RETURN_IF_ERROR(Check("Remove", path));
-  return base_->Remove(path);
+  return target().Remove(path);
 }
 
 Status FaultInjectingStorage::RemoveDir(const std::string& path) {
   TESSERA_RETURN_IF_ERROR(Check("RemoveDir", path));
-  return base_->RemoveDir(path);
+  return target().RemoveDir(path);
 }
 
 Status FaultInjectingStorage::SyncDir(const std::string& dir) {
   TESSERA_RETURN_IF_ERROR(Check("SyncDir", dir));
-  return base_->SyncDir(dir);
+  return target().SyncDir(dir);
 }
 
 }  // namespace tessera

@@ -310,6 +310,27 @@ Status MemoryStorage::Rename(const std::string& from, const std::string& to) {
   return Status::Ok();
 }
 
+Status MemoryStorage::RenameNoReplace(const std::string& from, const std::string& to) {
+  const std::string what = "rename " + from + " to " + to + " without replacing";
+  const std::vector<std::string> from_comps = Components(from);
+  const std::vector<std::string> to_comps = Components(to);
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (from_comps.empty() || to_comps.empty()) return ErrnoStatus(what, EBUSY);
+  TESSERA_ASSIGN_OR_RETURN(NodePtr from_parent, impl_->ResolveParent(from_comps, what));
+  auto from_it = from_parent->entries.find(from_comps.back());
+  if (from_it == from_parent->entries.end()) return ErrnoStatus(what, ENOENT);
+  TESSERA_ASSIGN_OR_RETURN(NodePtr to_parent, impl_->ResolveParent(to_comps, what));
+  if (to_parent->entries.count(to_comps.back())) return ErrnoStatus(what, EEXIST);
+  const NodePtr node = from_it->second;
+  if (node->is_dir && to_comps.size() > from_comps.size() &&
+      std::equal(from_comps.begin(), from_comps.end(), to_comps.begin())) {
+    return ErrnoStatus(what, EINVAL);  // a directory into its own subtree
+  }
+  to_parent->entries[to_comps.back()] = node;
+  from_parent->entries.erase(from_comps.back());
+  return Status::Ok();
+}
+
 Status MemoryStorage::Remove(const std::string& path) {
   const std::string what = "unlink " + path;
   const std::vector<std::string> comps = Components(path);

@@ -2,6 +2,7 @@
 // loops, requests split at PosixStorageOptions::max_io_bytes, and error messages that name
 // the operation, the path and the errno text.
 #include <dirent.h>
+#include <stdio.h>  // renameat2
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -338,6 +339,27 @@ class PosixStorage : public Storage {
     if (::rename(OsPath(from), OsPath(to)) != 0) {
       return ErrnoStatus("rename " + from + " to " + to, errno);
     }
+    return Status::Ok();
+  }
+
+  // renameat2(RENAME_NOREPLACE); where the file system refuses it (EINVAL: not supported by
+  // this file system, e.g. older NFS; ENOSYS: an old kernel), link(2) then unlink(2) of the
+  // old name, which fails on an existing target the same way (the old name left behind by a
+  // failed unlink is a temporary the next cleanup removes).
+  Status RenameNoReplace(const std::string& from, const std::string& to) override {
+    const std::string what = "rename " + from + " to " + to + " without replacing";
+    if (::renameat2(AT_FDCWD, OsPath(from), AT_FDCWD, OsPath(to), RENAME_NOREPLACE) == 0) {
+      return Status::Ok();
+    }
+    const int err = errno;
+    if (err != EINVAL && err != ENOSYS && err != EOPNOTSUPP) return ErrnoStatus(what, err);
+    if (::link(OsPath(from), OsPath(to)) != 0) {
+      const int link_err = errno;
+      if (link_err == EEXIST || link_err == ENOENT) return ErrnoStatus(what, link_err);
+      return IOError(what + ": the file system supports neither renameat2(RENAME_NOREPLACE) (" +
+                     std::strerror(err) + ") nor link(2) (" + std::strerror(link_err) + ")");
+    }
+    ::unlink(OsPath(from));
     return Status::Ok();
   }
 

@@ -2,7 +2,9 @@
 // MemoryStorage's crash model and FaultInjectingStorage's fault plans.
 #include <fcntl.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,6 +25,7 @@
 #include "tessera/memory_storage.h"
 #include "tessera/status.h"
 #include "tessera/storage.h"
+#include "tessera/storage_wrapper.h"
 
 namespace tessera {
 namespace {
@@ -652,6 +655,120 @@ TEST_P(StorageTest, MapShowsTheBytesOfReadAtOrIsUnimplemented) {
   EXPECT_EQ(std::memcmp(kept.bytes().data(), data.data() + 100, 200), 0);
 }
 
+// ---- Publish: the one commit operation -------------------------------------------------------
+
+std::span<const std::byte> AsBytes(const std::string& s) {
+  return std::as_bytes(std::span(s.data(), s.size()));
+}
+
+// The names in the test directory that are Publish's temporaries.
+std::vector<std::string> Temporaries(Storage& storage, const std::string& dir) {
+  std::vector<std::string> out;
+  Result<std::vector<std::string>> names = storage.ListDir(dir);
+  if (!names.ok()) return out;
+  for (const std::string& n : *names) {
+    if (ParsePublishTemporaryName(n, nullptr)) out.push_back(n);
+  }
+  return out;
+}
+
+TEST_P(StorageTest, CapabilitiesOfTheFileSystemLikeStores) {
+  const StorageCapabilities c = storage().capabilities();
+  EXPECT_TRUE(c.rename);
+  EXPECT_TRUE(c.positional_writes);
+  EXPECT_TRUE(c.directory_sync);
+  EXPECT_TRUE(c.conditional_create);
+}
+
+TEST_P(StorageTest, PublishCreateOnlyCreatesOnceAndRefusesAnExistingName) {
+  const std::string path = Path("index");
+  for (bool sync : {true, false}) {
+    SCOPED_TRACE(sync ? "sync" : "no sync");
+    STORAGE_ASSERT_OK(storage().Publish(path, AsBytes("first"), PublishMode::kCreateOnly, sync));
+    STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
+    EXPECT_EQ(got, "first");
+    const Status again = storage().Publish(path, AsBytes("second"), PublishMode::kCreateOnly, sync);
+    EXPECT_EQ(again.code(), StatusCode::kAlreadyExists) << again.ToString();
+    EXPECT_THAT(again.message(), HasSubstr(path));
+    STORAGE_ASSIGN_OR_FAIL(got, ReadFile(storage(), path));
+    EXPECT_EQ(got, "first");
+    EXPECT_THAT(Temporaries(storage(), env_->root()), IsEmpty());
+    STORAGE_ASSERT_OK(storage().Remove(path));
+  }
+}
+
+TEST_P(StorageTest, PublishReplaceReplacesWholeAndCreatesWhenMissing) {
+  const std::string path = Path("pointer");
+  STORAGE_ASSERT_OK(storage().Publish(path, AsBytes("one"), PublishMode::kReplace, true));
+  STORAGE_ASSERT_OK(
+      storage().Publish(path, AsBytes("a longer second"), PublishMode::kReplace, false));
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
+  EXPECT_EQ(got, "a longer second");
+  STORAGE_ASSERT_OK(storage().Publish(path, AsBytes(""), PublishMode::kReplace, true));
+  STORAGE_ASSIGN_OR_FAIL(got, ReadFile(storage(), path));
+  EXPECT_EQ(got, "");
+  STORAGE_ASSIGN_OR_FAIL(auto names, storage().ListDir(env_->root()));
+  EXPECT_THAT(names, ElementsAre("pointer"));
+}
+
+// What a killed attempt left (its temporary, synced or not) never blocks a later Publish.
+TEST_P(StorageTest, PublishIsNotBlockedByTheTemporaryOfAKilledAttempt) {
+  const std::string path = Path("marker");
+  const std::string leftover = PublishTemporaryName(path);
+  STORAGE_ASSERT_OK(WriteFile(storage(), leftover, "half"));
+  std::string target;
+  ASSERT_TRUE(ParsePublishTemporaryName(std::filesystem::path(leftover).filename().string(),
+                                        &target));
+  EXPECT_EQ(target, "marker");
+  STORAGE_ASSERT_OK(storage().Publish(path, AsBytes("whole"), PublishMode::kCreateOnly, true));
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
+  EXPECT_EQ(got, "whole");
+  EXPECT_EQ(Temporaries(storage(), env_->root()).size(), 1u) << "the leftover, untouched";
+}
+
+// Of several threads creating one name at once, exactly one wins and its bytes are the file.
+TEST_P(StorageTest, PublishCreateOnlyRacingCreatorsExactlyOneWins) {
+  constexpr int kThreads = 6;
+  for (int round = 0; round < 10; ++round) {
+    const std::string path = Path("seq." + std::to_string(round));
+    std::vector<Status> results(kThreads);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        const std::string mine(1000 + t, static_cast<char>('a' + t));
+        results[t] = storage().Publish(path, AsBytes(mine), PublishMode::kCreateOnly, t % 2 == 0);
+      });
+    }
+    for (auto& thread : threads) thread.join();
+    int winner = -1;
+    for (int t = 0; t < kThreads; ++t) {
+      if (results[t].ok()) {
+        EXPECT_EQ(winner, -1) << "two creators won";
+        winner = t;
+      } else {
+        EXPECT_EQ(results[t].code(), StatusCode::kAlreadyExists) << results[t].ToString();
+      }
+    }
+    ASSERT_GE(winner, 0);
+    STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
+    EXPECT_EQ(got, std::string(1000 + winner, static_cast<char>('a' + winner)));
+  }
+  EXPECT_THAT(Temporaries(storage(), env_->root()), IsEmpty());
+}
+
+TEST_P(StorageTest, RenameNoReplaceMovesOnlyOntoAFreeName) {
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("a"), "A"));
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("b"), "B"));
+  const Status taken = storage().RenameNoReplace(Path("a"), Path("b"));
+  EXPECT_EQ(taken.code(), StatusCode::kAlreadyExists) << taken.ToString();
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), Path("b")));
+  EXPECT_EQ(got, "B");
+  STORAGE_ASSERT_OK(storage().RenameNoReplace(Path("a"), Path("c")));
+  STORAGE_ASSIGN_OR_FAIL(got, ReadFile(storage(), Path("c")));
+  EXPECT_EQ(got, "A");
+  EXPECT_EQ(storage().RenameNoReplace(Path("a"), Path("d")).code(), StatusCode::kNotFound);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     AllStorages, StorageTest,
     ::testing::Values(
@@ -1199,6 +1316,155 @@ TEST(FaultInjectingStorageTest, ConcurrentOperationsAreNumberedOnce) {
   for (int n : injected) total += n;
   EXPECT_EQ(total, 1);
   EXPECT_EQ(f.operation_count(), 1 + kThreads * kOps);
+}
+
+
+// ---- Publish under faults and crashes -----------------------------------------------------
+
+std::span<const std::byte> Span(const std::string& s) {
+  return std::as_bytes(std::span(s.data(), s.size()));
+}
+
+// A synced Publish is the temporary file's creation, write, sync and close, the rename and the
+// directory's sync; unsynced, the creation, write, close and rename.
+TEST(FaultInjectingStorageTest, PublishIsMadeOfCountedSteps) {
+  auto memory = std::make_shared<MemoryStorage>();
+  ASSERT_TRUE(memory->CreateDirs("/d").ok());
+  FaultInjectingStorage f(memory);
+  STORAGE_ASSERT_OK(f.Publish("/d/x", Span("bytes"), PublishMode::kCreateOnly, true));
+  EXPECT_EQ(f.operation_count(), 6);
+  f.SetPlan(FaultPlan{});
+  STORAGE_ASSERT_OK(f.Publish("/d/x", Span("more"), PublishMode::kReplace, false));
+  EXPECT_EQ(f.operation_count(), 4);
+}
+
+// Over a store without rename, Publish is that store's, counted as one operation.
+TEST(FaultInjectingStorageTest, PublishOverAStoreWithoutRenameIsOneOperation) {
+  class NoRename : public StorageWrapper {
+   public:
+    using StorageWrapper::StorageWrapper;
+    StorageCapabilities capabilities() const override {
+      return StorageCapabilities{.conditional_create = true};
+    }
+    Status Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
+                   bool sync) override {
+      ++publishes;
+      return target().Publish(path, bytes, mode, sync);
+    }
+    int publishes = 0;
+  };
+  auto memory = std::make_shared<MemoryStorage>();
+  ASSERT_TRUE(memory->CreateDirs("/d").ok());
+  auto store = std::make_shared<NoRename>(memory);
+  FaultInjectingStorage f(store, Plan(0));
+  const Status failed = f.Publish("/d/x", Span("bytes"), PublishMode::kCreateOnly, true);
+  EXPECT_TRUE(IsInjected(failed)) << failed.ToString();
+  EXPECT_THAT(failed.message(), HasSubstr("Publish /d/x"));
+  EXPECT_EQ(store->publishes, 0);
+  f.SetPlan(FaultPlan{});
+  STORAGE_ASSERT_OK(f.Publish("/d/x", Span("bytes"), PublishMode::kCreateOnly, true));
+  EXPECT_EQ(f.operation_count(), 1);
+  EXPECT_EQ(store->publishes, 1);
+  EXPECT_FALSE(f.capabilities().rename);
+}
+
+// A machine crash at every step of a synced Publish leaves the old content (or no file) or the
+// whole new one; a Publish that returned OK survives the crash.
+TEST(MemoryStorageTest, CrashAtEveryStepOfAPublishLeavesTheOldContentOrTheNew) {
+  for (PublishMode mode : {PublishMode::kCreateOnly, PublishMode::kReplace}) {
+    const bool replace = mode == PublishMode::kReplace;
+    SCOPED_TRACE(replace ? "replace" : "create-only");
+    int old_seen = 0, new_seen = 0;
+    for (int64_t n = 0;; ++n) {
+      auto memory = std::make_shared<MemoryStorage>();
+      if (replace) memory->SetFileContents("/d/x", Bytes("old"));
+      ASSERT_TRUE(memory->CreateDirs("/d").ok());
+      ASSERT_TRUE(memory->SyncDir("/").ok());
+      FaultInjectingStorage f(memory, Plan(n, /*crash=*/true));
+      const Status published = f.Publish("/d/x", Span("the new bytes"), mode, true);
+      const bool past_the_end = !f.fault_fired();
+      memory->SimulateCrash();
+      Result<std::vector<uint8_t>> got = memory->GetFileContents("/d/x");
+      const bool is_new = got.ok() && *got == Bytes("the new bytes");
+      const bool is_old = replace ? got.ok() && *got == Bytes("old") : !got.ok();
+      EXPECT_TRUE(is_new || is_old) << "step " << n;
+      if (published.ok()) {
+        EXPECT_TRUE(is_new) << "step " << n;
+      }
+      (is_new ? new_seen : old_seen)++;
+      // No temporary survives a crash: it was never made durable.
+      Result<std::vector<std::string>> names = memory->ListDir("/d");
+      ASSERT_TRUE(names.ok());
+      EXPECT_EQ(names->size(), is_old && !replace ? 0u : 1u) << "step " << n;
+      if (past_the_end) break;
+    }
+    EXPECT_GT(old_seen, 3);
+    EXPECT_GT(new_seen, 0);
+  }
+}
+
+// Unsynced, a crash may lose the new content, never tear it.
+TEST(MemoryStorageTest, UnsyncedPublishMayVanishInACrashButIsNeverTorn) {
+  MemoryStorage memory;
+  memory.SetFileContents("/d/x", Bytes("old"));
+  ASSERT_TRUE(memory.Publish("/d/x", Span("new"), PublishMode::kReplace, false).ok());
+  ASSERT_TRUE(memory.Publish("/d/y", Span("y"), PublishMode::kCreateOnly, false).ok());
+  memory.SimulateCrash();
+  Result<std::vector<uint8_t>> x = memory.GetFileContents("/d/x");
+  ASSERT_TRUE(x.ok());
+  EXPECT_EQ(*x, Bytes("old"));
+  EXPECT_FALSE(memory.GetFileContents("/d/y").ok());
+}
+
+// A process killed in the middle of a Publish keeps its temporary (the file system keeps what
+// a process wrote): it is a name of its own, never the target, and never in a later Publish's
+// way.
+TEST(PosixStorageTest, PublishKilledMidWayLeavesOnlyATemporaryBeside) {
+  char tmpl[] = "/tmp/tessera_publish_kill_XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  const pid_t child = fork();
+  if (child == 0) {
+    class KillBeforeRename : public StorageWrapper {
+     public:
+      using StorageWrapper::StorageWrapper;
+      Status Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
+                     bool sync) override {
+        return PublishThroughRename(path, bytes, mode, sync);
+      }
+      Status RenameNoReplace(const std::string&, const std::string&) override {
+        ::raise(SIGKILL);
+        return Status::Ok();
+      }
+    };
+    KillBeforeRename killing(NewPosixStorage());
+    (void)killing.Publish(dir + "/x", Span("killed"), PublishMode::kCreateOnly, true);
+    ::_exit(3);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(child, &wstatus, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == SIGKILL);
+  std::shared_ptr<Storage> posix = NewPosixStorage();
+  std::vector<std::string> left = Temporaries(*posix, dir);
+  ASSERT_EQ(left.size(), 1u);
+  EXPECT_EQ(posix->Stat(dir + "/x").value(), FileType::kNotFound);
+  STORAGE_ASSERT_OK(posix->Publish(dir + "/x", Span("retried"), PublishMode::kCreateOnly, true));
+  EXPECT_EQ(ReadFile(*posix, dir + "/x").value(), "retried");
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PosixStorageTest, RenameNoReplaceRefusesADanglingSymbolicLink) {
+  char tmpl[] = "/tmp/tessera_noreplace_XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  std::shared_ptr<Storage> posix = NewPosixStorage();
+  ASSERT_EQ(::symlink((dir + "/nowhere").c_str(), (dir + "/link").c_str()), 0);
+  STORAGE_ASSERT_OK(WriteFile(*posix, dir + "/a", "A"));
+  EXPECT_EQ(posix->RenameNoReplace(dir + "/a", dir + "/link").code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(posix->Publish(dir + "/link", Span("x"), PublishMode::kCreateOnly, true).code(),
+            StatusCode::kAlreadyExists);
+  EXPECT_FALSE(std::filesystem::exists(dir + "/nowhere"));
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -1,0 +1,235 @@
+#include "checkpoint/marker.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+namespace tessera {
+namespace {
+
+constexpr char kMarkerPrefix[] = "tessera.saving.";
+// A version 2 writer published its marker through "<marker>.tmp".
+constexpr char kVersion2MarkerTempSuffix[] = ".tmp";
+// A marker written on another host cannot be checked for liveness; it protects its operation's
+// files for this long after it was created. Longer than any save; afterwards the files of a
+// save that died on another host become garbage for the next cleanup. (A clock decides only
+// what is garbage, never which save is the newer.)
+constexpr int64_t kForeignMarkerLifetimeMs = 24ll * 3600 * 1000;
+// Markers are a few hundred bytes; a larger file is not one.
+constexpr uint64_t kMaxMarkerBytes = 4096;
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string ReadFirstLine(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+std::string StartTimeOf(int64_t pid) {
+  const std::string stat = ReadFirstLine("/proc/" + std::to_string(pid) + "/stat");
+  // The command name (field 2) is in parentheses and may hold spaces: count after the last ')'.
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return "";
+  std::istringstream fields(stat.substr(close + 1));
+  std::string field;
+  for (int i = 3; i <= 22 && (fields >> field); ++i) {
+    if (i == 22) return field;
+  }
+  return "";
+}
+
+MarkerOwner ThisProcess() {
+  MarkerOwner me;
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) == 0) me.host = host;
+  me.boot_id = ReadFirstLine("/proc/sys/kernel/random/boot_id");
+  me.pid = static_cast<int64_t>(getpid());
+  me.process_start = StartTimeOf(me.pid);
+  me.created_unix_ms = NowUnixMs();
+  return me;
+}
+
+// The markers this process holds now ("<dir>/<marker name>"), from before they are published to
+// after they are removed. A marker naming this process but not held is a leftover of an
+// operation of this process that ended (a failure it could not clean up, or a crash of the
+// machine simulated in a test): its owner is as good as dead.
+std::mutex held_mu;
+std::set<std::string>& Held() {
+  static std::set<std::string>* held = new std::set<std::string>();  // guarded by held_mu
+  return *held;
+}
+
+std::string HeldKey(const std::string& dir, const std::string& id) {
+  return JoinPath(dir, MarkerName(id));
+}
+
+Result<MarkerContent> ParseMarker(const std::string& text, const std::string& path) {
+  std::map<std::string, std::string> fields;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t eq = line.find('=');
+    if (eq != std::string::npos) fields[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  if (!text.starts_with("tessera save marker\n") || !fields.count("host") ||
+      !fields.count("pid") || !fields.count("created_unix_ms")) {
+    return DataLoss(path + " is not an in-progress marker of tessera");
+  }
+  MarkerContent m;
+  m.save_id = fields["save_id"];
+  m.attempt = fields["attempt"];
+  m.owner.host = fields["host"];
+  m.owner.boot_id = fields["boot_id"];
+  m.owner.pid = std::strtoll(fields["pid"].c_str(), nullptr, 10);
+  m.owner.process_start = fields["process_start"];
+  m.owner.created_unix_ms = std::strtoll(fields["created_unix_ms"].c_str(), nullptr, 10);
+  return m;
+}
+
+}  // namespace
+
+std::string MarkerName(const std::string& id) { return kMarkerPrefix + id; }
+
+std::string MarkerSaveId(const std::string& name) {
+  if (!name.starts_with(kMarkerPrefix) || name.ends_with(kVersion2MarkerTempSuffix) ||
+      ParsePublishTemporaryName(name, nullptr)) {
+    return "";
+  }
+  std::string id = name.substr(sizeof(kMarkerPrefix) - 1);
+  if (id.size() > 16 && id[16] == '.') id.resize(16);
+  return id;
+}
+
+Status CreateSaveMarker(Storage& storage, const std::string& dir, const std::string& id,
+                        SyncPolicy sync, const std::string& attempt) {
+  const MarkerOwner me = ThisProcess();
+  const std::string save_id = id.size() > 16 && id[16] == '.' ? id.substr(0, 16) : id;
+  std::string text = "tessera save marker\nsave_id=" + save_id + "\n";
+  if (!attempt.empty()) text += "attempt=" + attempt + "\n";
+  text += "host=" + me.host + "\nboot_id=" + me.boot_id + "\npid=" + std::to_string(me.pid) +
+          "\nprocess_start=" + me.process_start +
+          "\ncreated_unix_ms=" + std::to_string(me.created_unix_ms) + "\n";
+  const std::string key = HeldKey(dir, id);
+  {
+    std::lock_guard<std::mutex> lock(held_mu);
+    if (!Held().insert(key).second) {
+      return Status(StatusCode::kAlreadyExists,
+                    key + " is held by another thread of this process: the same operation runs "
+                          "twice at once");
+    }
+  }
+  const std::span<const std::byte> bytes = std::as_bytes(std::span(text.data(), text.size()));
+  Status published = storage
+                         .Publish(JoinPath(dir, MarkerName(id)), bytes, PublishMode::kCreateOnly,
+                                  sync == SyncPolicy::kFull)
+                         .WithContext("writing the in-progress marker of " + id);
+  if (!published.ok()) {
+    std::lock_guard<std::mutex> lock(held_mu);
+    Held().erase(key);
+  }
+  return published;
+}
+
+Result<MarkerContent> ReadSaveMarker(Storage& storage, const std::string& dir,
+                                     const std::string& id) {
+  const std::string path = JoinPath(dir, MarkerName(id));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, storage.NewReadableFile(path));
+  if (file->size() > kMaxMarkerBytes) {
+    return DataLoss(path + " is not an in-progress marker of tessera (" +
+                    std::to_string(file->size()) + " bytes)");
+  }
+  std::string text(file->size(), '\0');
+  TESSERA_RETURN_IF_ERROR(file->ReadAt(0, text.data(), text.size()));
+  return ParseMarker(text, path);
+}
+
+bool MarkerHeldHere(const std::string& dir, const std::string& id) {
+  std::lock_guard<std::mutex> lock(held_mu);
+  return Held().count(HeldKey(dir, id)) > 0;
+}
+
+void RemoveSaveMarker(Storage& storage, const std::string& dir, const std::string& id) {
+  storage.Remove(JoinPath(dir, MarkerName(id))).IgnoreError();
+  std::lock_guard<std::mutex> lock(held_mu);
+  Held().erase(HeldKey(dir, id));
+}
+
+OwnerState StateOfMarker(const std::string& dir, const std::string& id,
+                         const MarkerOwner& owner) {
+  const OwnerState state = StateOf(owner);
+  if (state == OwnerState::kThisProcess && !MarkerHeldHere(dir, id)) return OwnerState::kDead;
+  return state;
+}
+
+OwnerState StateOf(const MarkerOwner& owner) {
+  const MarkerOwner me = ThisProcess();  // not cached: a forked child is another process
+  if (owner.host != me.host) return OwnerState::kUnknowable;
+  if (owner.boot_id != me.boot_id) return OwnerState::kDead;  // the machine rebooted since
+  if (owner.pid == me.pid && owner.process_start == me.process_start) {
+    return OwnerState::kThisProcess;
+  }
+  const std::string start = StartTimeOf(owner.pid);
+  return !start.empty() && start == owner.process_start ? OwnerState::kAlive : OwnerState::kDead;
+}
+
+std::string DescribeOwner(const MarkerOwner& owner) {
+  std::string when;
+  const std::time_t seconds = static_cast<std::time_t>(owner.created_unix_ms / 1000);
+  std::tm utc{};
+  char text[32];
+  if (gmtime_r(&seconds, &utc) && std::strftime(text, sizeof(text), "%Y-%m-%d %H:%M:%S", &utc)) {
+    when = std::string(", marked ") + text + " UTC";
+  }
+  return "process " + std::to_string(owner.pid) + " on host " + owner.host + " (boot " +
+         owner.boot_id.substr(0, 8) + ", started at clock tick " + owner.process_start + ")" +
+         when;
+}
+
+SaveMarkers FindSaveMarkers(Storage& storage, const std::string& dir,
+                            const std::vector<std::string>& names, const std::string& own_id) {
+  SaveMarkers markers;
+  markers.running.insert(own_id);
+  for (const std::string& name : names) {
+    const std::string id = MarkerSaveId(name);
+    if (id.empty()) continue;
+    const std::string marker_id = name.substr(sizeof(kMarkerPrefix) - 1);
+    Result<MarkerContent> marker = ReadSaveMarker(storage, dir, marker_id);
+    bool running = false;
+    if (marker.ok()) {
+      switch (StateOfMarker(dir, marker_id, marker->owner)) {
+        case OwnerState::kThisProcess:
+        case OwnerState::kAlive:
+          running = true;
+          break;
+        case OwnerState::kUnknowable:
+          running = NowUnixMs() - marker->owner.created_unix_ms < kForeignMarkerLifetimeMs;
+          break;
+        case OwnerState::kDead:
+          break;
+      }
+    }
+    if (!running) {
+      if (marker.ok() || marker.status().code() == StatusCode::kDataLoss) {
+        markers.dead_markers.push_back(name);
+      }
+      continue;
+    }
+    if (id == own_id) continue;
+    markers.running.insert(id);
+    ++markers.others_running;
+  }
+  return markers;
+}
+
+}  // namespace tessera
