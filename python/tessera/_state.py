@@ -343,16 +343,18 @@ class Flat:
         the state dict is one entry."""
         builder = _tessera.StateBuilder()
         self.entries = []
-        entry_of_value = {}  # id(tensor leaf value) -> its entry
-        sharded_only = {}    # tensor key -> whether every leaf of it so far is a ShardedTensor
+        # (key, id of the leaf's value) -> its entry: one object at several places under one
+        # key is one entry (a tensor tied under two keys is saved under each).
+        entry_of_value = {}
+        sharded_only = {}  # tensor key -> whether every leaf of it so far is a ShardedTensor
         for leaf in self.leaves:
             if leaf.is_tensor:
                 value = leaf.value
-                entry = entry_of_value.get(id(value))
+                entry = entry_of_value.get((leaf.key, id(value)))
                 if entry is None:
                     _check_shared_key(sharded_only, leaf.key, value)
                     entry = _add_tensor(builder, leaf.key, value, rank, for_load)
-                    entry_of_value[id(value)] = entry
+                    entry_of_value[(leaf.key, id(value))] = entry
                 self.entries.append(entry)
                 continue
             value = leaf.value

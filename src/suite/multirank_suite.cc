@@ -6,6 +6,7 @@
 
 #include "tessera/async_save.h"
 #include "tessera/checkpoint.h"
+#include "tessera/convert.h"
 #include "tessera/fault_injecting_storage.h"
 #include "testing/random_pieces.h"
 #include "workload/model_state.h"
@@ -653,7 +654,12 @@ Status SavePiecesAs(Comm& comm, const StateDict& state, const std::string& path,
       options = RankLocal("trial" + std::to_string(trial));
       options.sync = SyncPolicy::kNone;
       TESSERA_RETURN_IF_ERROR(Save(state, path, comm, options).status());
-      return comm.Barrier();  // every rank's part is there before any loads
+      TESSERA_RETURN_IF_ERROR(comm.Barrier());  // every rank's part is there before any loads
+      if (trial % 10 == 9) {                    // half of them merged into one manifest
+        Status finalized = comm.rank() == 0 ? Finalize(path).status() : Status::Ok();
+        TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, finalized));
+      }
+      return Status::Ok();
   }
 }
 
@@ -685,13 +691,8 @@ Status SeveralPiecesPerKeyPerRank(Comm& comm, const std::string& dir) {
       load_layout.push_back(testing::RandomPiecesLayout(t.shape, groups, rng, false));
     }
     const std::string path = dir + "/pieces" + std::to_string(trial);
-    Status status = [&]() -> Status {
-      StateDict saved;
-      std::vector<std::vector<uint8_t>> save_buffers;
-      TESSERA_RETURN_IF_ERROR(
-          BuildPiecesState(tensors, save_layout, comm.rank(), true, saved, save_buffers));
-      TESSERA_RETURN_IF_ERROR(SavePiecesAs(comm, saved, path, trial));
-      TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, Verify(path).status()));
+    // Loads the checkpoint at `from` into the load layout and checks every element.
+    auto load_and_check = [&](const std::string& from) -> Status {
       StateDict loaded;
       std::vector<std::vector<uint8_t>> load_buffers;
       TESSERA_RETURN_IF_ERROR(BuildPiecesState(tensors, load_layout, comm.rank() % groups, false,
@@ -702,13 +703,28 @@ Status SeveralPiecesPerKeyPerRank(Comm& comm, const std::string& dir) {
                                           ReadSharing::kBroadcast};
       load_options.read_sharing = kSharing[trial % 3];
       load_options.exchange_bytes = 512;  // several rounds
-      TESSERA_RETURN_IF_ERROR(Load(loaded, path, comm, load_options).status());
+      TESSERA_RETURN_IF_ERROR(Load(loaded, from, comm, load_options).status());
       Status check;
       for (const StateEntry& entry : loaded.entries()) {
         check = CheckPattern(std::get<ShardedTensor>(entry));
         if (!check.ok()) break;
       }
       return AgreeOnStatus(comm, check);
+    };
+    Status status = [&]() -> Status {
+      StateDict saved;
+      std::vector<std::vector<uint8_t>> save_buffers;
+      TESSERA_RETURN_IF_ERROR(
+          BuildPiecesState(tensors, save_layout, comm.rank(), true, saved, save_buffers));
+      TESSERA_RETURN_IF_ERROR(SavePiecesAs(comm, saved, path, trial));
+      TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, Verify(path).status()));
+      TESSERA_RETURN_IF_ERROR(load_and_check(path));
+      if (trial % 5 != 0) return Status::Ok();
+      // Convert reads a checkpoint saved in pieces like any other.
+      ConvertOptions convert;
+      convert.max_file_bytes = 1024;  // several files
+      TESSERA_RETURN_IF_ERROR(Convert(path, path + "_hf", convert, comm).status());
+      return load_and_check(path + "_hf");
     }();
     TESSERA_RETURN_IF_ERROR_CTX(status, where);
   }
