@@ -34,7 +34,7 @@ class Adapted:
     """A framework leaf as tessera sees it.
 
     value: the tessera ShardedTensor or ShardedObject saved or loaded for it, or a list of
-        ShardedTensors: pieces of one tensor (several local shards).
+        ShardedTensors: pieces of one tensor (several local shards), each an entry of its own.
     kind: "torch_sharded", "dtensor", "megatron_tensor" or "megatron_object" (for messages).
     replace_on_load: after a load, the leaf is replaced in its container by the loaded value
         (Megatron ShardedObjects, as Megatron's load returns them); tensors are loaded in place.
@@ -104,8 +104,8 @@ def _torch_sharded_tensor_class():
 
 
 def _from_torch_sharded(st, key):
-    """Each local shard is a piece at its shard_offsets; several on one rank are merged into
-    one box when they form one (tessera/_merge.py)."""
+    """Each local shard is a piece at its shard_offsets; several on one rank are pieces of one
+    key, each saved from and loaded into its own tensor."""
     from ._state import ShardedTensor  # noqa: PLC0415 (_state imports this module)
     metadata = st.metadata()
     global_shape = [int(d) for d in metadata.size]

@@ -167,7 +167,6 @@ def _check_objects(objects):
 def _load_prepared(state_dict, flat, builder, path, comm, opts, function="tessera.load",
                    objects="unpickle"):
     report = _tessera._load(builder, path, comm, opts)
-    flat.finish_load(set(report.missing_keys))
     if function is not None:
         warn_partial_load(f"{function}(strict=False)", report.missing_keys,
                           report.unexpected_keys, stacklevel=4)

@@ -25,7 +25,6 @@ import sys
 
 from . import _adapters
 from . import _dtypes
-from . import _merge
 from . import _tessera
 from ._errors import Error, corrupt_checkpoint, invalid_argument
 
@@ -323,7 +322,7 @@ class Flat:
 
     def _visit_adapted(self, key, adapted):
         value = adapted.value
-        if isinstance(value, list):  # pieces of one tensor (merged by build())
+        if isinstance(value, list):  # pieces of one tensor (entries of their own, see build())
             for piece in value:
                 self.leaves.append(Leaf(piece.key or key, piece, True))
             return {"tensor": value[0].key or key, "lib": _lib(value[0].data), "sharded": True}
@@ -337,21 +336,26 @@ class Flat:
 
     def build(self, rank, for_load):
         """The StateBuilder of the leaves; plain tensors and objects get replica id (rank,).
-        Several tensor leaves of one key (pieces of one tensor) become one entry (_merge)."""
+        Tensor leaves sharing a key are pieces of one tensor (Megatron's layers stacked on a
+        prepended axis, a distributed optimizer's flat range of each layer, several local
+        shards): each is an entry of its own, saved from and loaded into its own memory (the
+        library checks that they agree and do not overlap). One object at several places of
+        the state dict is one entry."""
         builder = _tessera.StateBuilder()
         self.entries = []
-        self.merged = []
-        pieces = collections.defaultdict(list)
+        # (key, id of the leaf's value) -> its entry: one object at several places under one
+        # key is one entry (a tensor tied under two keys is saved under each).
+        entry_of_value = {}
+        sharded_only = {}  # tensor key -> whether every leaf of it so far is a ShardedTensor
         for leaf in self.leaves:
             if leaf.is_tensor:
-                pieces[leaf.key].append(leaf.value)
-        entry_of_key = {}
-        for leaf in self.leaves:
-            if leaf.is_tensor:
-                if leaf.key not in entry_of_key:
-                    entry_of_key[leaf.key] = self._add_pieces(builder, leaf.key,
-                                                              pieces[leaf.key], rank, for_load)
-                self.entries.append(entry_of_key[leaf.key])
+                value = leaf.value
+                entry = entry_of_value.get((leaf.key, id(value)))
+                if entry is None:
+                    _check_shared_key(sharded_only, leaf.key, value)
+                    entry = _add_tensor(builder, leaf.key, value, rank, for_load)
+                    entry_of_value[(leaf.key, id(value))] = entry
+                self.entries.append(entry)
                 continue
             value = leaf.value
             replica = [rank]
@@ -373,30 +377,17 @@ class Flat:
                                                    pickled=leaf.encoding == "pickle"))
         return builder
 
-    def _add_pieces(self, builder, key, values, rank, for_load):
-        distinct = list({id(v): v for v in values}.values())  # one object at several places
-        if len(distinct) == 1:
-            return _add_tensor(builder, key, distinct[0], rank, for_load)
-        if not all(isinstance(v, ShardedTensor) for v in distinct):
-            raise invalid_argument(
-                f"duplicate key '{key}': {len(values)} leaves have it (a key is the dotted path "
-                "of a leaf, or the key of its sharded tensor); only pieces of one sharded tensor "
-                "may share a key")
-        merged = _merge.merge(key, distinct)
-        if merged is None:  # empty boxes only
-            return _add_tensor(builder, key, distinct[0], rank, for_load)
-        if not for_load or merged.tensor.allow_shape_mismatch:
-            merged.copy_in()  # a load may leave parts of the staging buffer untouched
-        if for_load:
-            self.merged.append(merged)
-        return _add_tensor(builder, key, merged.tensor, rank, for_load)
 
-    def finish_load(self, skipped):
-        """After a load: copies the staging buffers of merged pieces into the pieces (those
-        of keys in `skipped` were not loaded)."""
-        for merged in self.merged:
-            if merged.tensor.key not in skipped:
-                merged.copy_out()
+def _check_shared_key(sharded_only, key, value):
+    """Only ShardedTensors (pieces of one tensor) may share a key: two plain tensors under one
+    dotted path are a mistake in the state dict, not pieces."""
+    sharded = isinstance(value, ShardedTensor)
+    if key in sharded_only and not (sharded and sharded_only[key]):
+        raise invalid_argument(
+            f"duplicate key '{key}': several leaves have it (a key is the dotted path of a "
+            "leaf, or the key of its sharded tensor); only pieces of one sharded tensor may "
+            "share a key")
+    sharded_only[key] = sharded and sharded_only.get(key, True)
 
 
 def _add_tensor(builder, key, value, rank, for_load):

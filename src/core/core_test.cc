@@ -102,5 +102,44 @@ TEST(StateDictTest, KeysMustBeUtf8) {
   EXPECT_OK(state.Add(ShardedObject{"\xe2\x82\xac", {1}, {}}));
 }
 
+// Issue 21: a rank may hold several pieces of one tensor under one key (each its own entry, with
+// its own memory); they must agree on dtype and global shape. An object's key stays unique.
+TEST(StateDictTest, SeveralPiecesOfOneKeyAreEntriesOfTheirOwn) {
+  std::vector<float> a(8), b(8), c(4);
+  std::vector<int32_t> wrong(8);
+  StateDict state;
+  EXPECT_OK(state.Add(Tensor("w", a.data(), DType::kF32, {1, 8}, {4, 8}, {0, 0})));
+  EXPECT_OK(state.Add(ShardedObject{"step", {1}, {}}));
+  EXPECT_OK(state.Add(Tensor("w", b.data(), DType::kF32, {1, 8}, {4, 8}, {2, 0})));
+  EXPECT_OK(state.Add(ShardedTensor::FlatShard("w", TensorView(c.data(), DType::kF32, {4}), {4, 8},
+                                               {3, 0}, {1, 8}, 2)));
+  EXPECT_EQ(state.size(), 4u);
+  EXPECT_EQ(state.num_keys(), 2u);
+  EXPECT_EQ(state.CountOf("w"), 3u);
+  EXPECT_EQ(state.CountOf("step"), 1u);
+  EXPECT_EQ(state.CountOf("absent"), 0u);
+  EXPECT_EQ(state.IndicesOf("w"), (std::vector<size_t>{0, 2, 3}));
+  EXPECT_EQ(state.IndicesOf("step"), (std::vector<size_t>{1}));
+  EXPECT_TRUE(state.IndicesOf("absent").empty());
+  ASSERT_NE(state.Find("w"), nullptr);
+  EXPECT_EQ(std::get<ShardedTensor>(*state.Find("w")).data.data, a.data());  // the first piece
+
+  Status s = state.Add(Tensor("w", wrong.data(), DType::kI32, {1, 8}, {4, 8}, {1, 0}));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_THAT(s.message(),
+              HasSubstr("tensor 'w': this rank holds pieces of it of dtype F32 and I32"));
+  s = state.Add(Tensor("w", a.data(), DType::kF32, {1, 8}, {5, 8}, {1, 0}));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("global shape [4, 8] and [5, 8]"));
+  s = state.Add(Tensor("step", a.data(), DType::kF32, {8}, {8}, {0}));
+  EXPECT_THAT(s.message(), HasSubstr("duplicate key 'step': it names an object already"));
+  s = state.Add(ShardedObject{"w", {1}, {}});
+  EXPECT_THAT(s.message(), HasSubstr("duplicate key 'w'"));
+  s = state.Add(ShardedObject{"step", {1}, {}});
+  EXPECT_THAT(s.message(), HasSubstr("duplicate key 'step'"));
+  EXPECT_EQ(state.size(), 4u);  // nothing refused was added
+  EXPECT_EQ(state.CountOf("w"), 3u);
+}
+
 }  // namespace
 }  // namespace tessera

@@ -145,29 +145,73 @@ const std::string& EntryKey(const StateEntry& entry) {
 
 Status StateDict::Add(ShardedTensor tensor) {
   TESSERA_RETURN_IF_ERROR(tensor.Validate());
-  if (index_.count(tensor.key)) return InvalidArgument("duplicate key '" + tensor.key + "'");
-  index_.emplace(tensor.key, entries_.size());
-  entries_.emplace_back(std::move(tensor));
-  return Status::Ok();
+  if (const auto it = keys_.find(tensor.key); it != keys_.end()) {
+    const auto* first = std::get_if<ShardedTensor>(&entries_[it->second.first]);
+    if (first == nullptr) {
+      return InvalidArgument("duplicate key '" + tensor.key + "': it names an object already");
+    }
+    // Pieces of one tensor: the same tensor everywhere (the pieces' boxes are checked against
+    // each other when a save or load plans, plan/local_pieces.h).
+    if (first->data.dtype != tensor.data.dtype) {
+      return InvalidArgument("tensor '" + tensor.key + "': this rank holds pieces of it of dtype " +
+                             std::string(DTypeName(first->data.dtype)) + " and " +
+                             std::string(DTypeName(tensor.data.dtype)));
+    }
+    if (first->global_shape != tensor.global_shape) {
+      return InvalidArgument(
+          "tensor '" + tensor.key + "': this rank holds pieces of it of global shape " +
+          ShapeToString(first->global_shape) + " and " + ShapeToString(tensor.global_shape));
+    }
+  }
+  const std::string key = tensor.key;
+  return Insert(key, std::move(tensor));
 }
 
 Status StateDict::Add(ShardedObject object) {
   if (object.key.empty()) return InvalidArgument("an object has an empty key");
   TESSERA_RETURN_IF_ERROR(CheckKeyText(object.key, "object"));
-  if (index_.count(object.key)) return InvalidArgument("duplicate key '" + object.key + "'");
-  index_.emplace(object.key, entries_.size());
-  entries_.emplace_back(std::move(object));
+  if (keys_.count(object.key)) return InvalidArgument("duplicate key '" + object.key + "'");
+  const std::string key = object.key;
+  return Insert(key, std::move(object));
+}
+
+Status StateDict::Insert(const std::string& key, StateEntry entry) {
+  if (entries_.size() >= kNone) {
+    return InvalidArgument("key '" + key + "': a state dict holds at most " +
+                           std::to_string(kNone - 1) + " entries");
+  }
+  const auto index = static_cast<uint32_t>(entries_.size());
+  auto [it, inserted] = keys_.try_emplace(key, KeySlot{index, index, 0});
+  if (!inserted) next_[it->second.last] = index;
+  it->second.last = index;
+  it->second.count += 1;
+  entries_.push_back(std::move(entry));
+  next_.push_back(kNone);
   return Status::Ok();
 }
 
 StateEntry* StateDict::Find(const std::string& key) {
-  auto it = index_.find(key);
-  return it == index_.end() ? nullptr : &entries_[it->second];
+  auto it = keys_.find(key);
+  return it == keys_.end() ? nullptr : &entries_[it->second.first];
 }
 
 const StateEntry* StateDict::Find(const std::string& key) const {
-  auto it = index_.find(key);
-  return it == index_.end() ? nullptr : &entries_[it->second];
+  auto it = keys_.find(key);
+  return it == keys_.end() ? nullptr : &entries_[it->second.first];
+}
+
+size_t StateDict::CountOf(const std::string& key) const {
+  auto it = keys_.find(key);
+  return it == keys_.end() ? 0 : it->second.count;
+}
+
+std::vector<size_t> StateDict::IndicesOf(const std::string& key) const {
+  std::vector<size_t> out;
+  auto it = keys_.find(key);
+  if (it == keys_.end()) return out;
+  out.reserve(it->second.count);
+  for (uint32_t i = it->second.first; i != kNone; i = next_[i]) out.push_back(i);
+  return out;
 }
 
 }  // namespace tessera

@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <numeric>
+#include <string_view>
+#include <unordered_set>
 
 #include "core/dtype_convert.h"
 #include "plan/flat_range.h"
+#include "plan/local_pieces.h"
 
 namespace tessera {
 
@@ -226,8 +229,27 @@ Status PlanTensor(const Metadata& metadata, std::vector<std::unique_ptr<ChunkInd
 
 }  // namespace
 
+namespace {
+
+// Removes repeated keys (a key held in several pieces is listed once), keeping the first of
+// each.
+void RemoveRepeatedKeys(std::vector<std::string>& keys) {
+  std::unordered_set<std::string_view> seen;
+  std::vector<std::string> out;
+  out.reserve(keys.size());
+  for (const std::string& key : keys) {
+    if (seen.insert(key).second) out.push_back(key);  // copied: `seen` views `keys`
+  }
+  keys = std::move(out);
+}
+
+}  // namespace
+
 Result<RankReadPlan> PlanRankReads(const Metadata& metadata, StateDict& state,
                                    const std::string& path, bool skip_missing, bool cast_dtypes) {
+  // Each piece of a key lands in its own memory; pieces that overlap would need one read in two
+  // places.
+  TESSERA_RETURN_IF_ERROR(CheckLocalPiecesDisjoint(state));
   RankReadPlan plan;
   const size_t num_keys = metadata.tensors.size() + metadata.objects.size();
   plan.asked.assign(num_keys, 0);
@@ -252,6 +274,8 @@ Result<RankReadPlan> PlanRankReads(const Metadata& metadata, StateDict& state,
       plan.bytes_needed += info->location.length;
     }
   }
+  RemoveRepeatedKeys(missing);
+  RemoveRepeatedKeys(plan.shape_mismatched_keys);
   if (!missing.empty() && !skip_missing) {
     std::string list;
     for (size_t i = 0; i < missing.size() && i < 10; ++i)

@@ -11,6 +11,7 @@
 
 #include "core/byte_io.h"
 #include "plan/flat_range.h"
+#include "plan/local_pieces.h"
 
 namespace tessera {
 namespace {
@@ -50,14 +51,16 @@ Result<LocalPlan> BuildLocalPlan(const StateDict& state) {
     TESSERA_RETURN_IF_ERROR(tensor.Validate());
     const size_t element_size = DTypeSize(tensor.data.dtype);
     Box local = tensor.LocalBox();
-    auto add = [&](Box box, uint64_t byte_offset) {
+    // `holds_elements` false: an item that holds nothing (num_bytes 0) but tells the
+    // coordinator the tensor's dtype and shape.
+    auto add = [&](Box box, uint64_t byte_offset, bool holds_elements = true) {
       LocalItem item;
       item.key = tensor.key;
       item.kind = ItemKind::kTensor;
       item.dtype = tensor.data.dtype;
       item.partial = tensor.partial;
       item.global_shape = tensor.global_shape;
-      item.num_bytes = static_cast<uint64_t>(box.NumElements()) * element_size;
+      item.num_bytes = holds_elements ? static_cast<uint64_t>(box.NumElements()) * element_size : 0;
       item.box = std::move(box);
       item.replica_id = tensor.replica_id;
       item.entry_index = i;
@@ -72,13 +75,18 @@ Result<LocalPlan> BuildLocalPlan(const StateDict& state) {
     std::vector<FlatPiece> pieces = FlatRangeToBoxes(local, range.begin, range.end);
     if (pieces.empty()) {
       // Holds no element, but still tells the coordinator the tensor's dtype and shape.
-      add(Box(local.offsets, Shape(local.rank(), 0)), 0);
+      // (For a 0-d tensor that box, with no dimensions, still has an element: num_bytes 0
+      // says it holds none.)
+      add(Box(local.offsets, Shape(local.rank(), 0)), 0, /*holds_elements=*/false);
     }
     for (FlatPiece& piece : pieces) {
       add(std::move(piece.box),
           static_cast<uint64_t>(piece.flat_begin - range.begin) * element_size);
     }
   }
+  // Several pieces of a key are items like any others from here on (each written from its own
+  // entry's memory); they only must not overlap.
+  TESSERA_RETURN_IF_ERROR(CheckLocalPiecesDisjoint(state));
   return plan;
 }
 
@@ -299,7 +307,9 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
     sorted.reserve(refs.size());
     const bool empty_tensor = Box::Whole(first.global_shape).empty();
     for (const ItemRef& ref : refs) {
-      if (!item_of(ref).box.empty() || empty_tensor) sorted.push_back(ref);
+      // An item without bytes holds nothing to write: an empty box, or the empty flat range of
+      // a 0-d tensor (whose box, with no dimensions, is never empty).
+      if (item_of(ref).num_bytes > 0 || empty_tensor) sorted.push_back(ref);
     }
     std::sort(sorted.begin(), sorted.end(), [&](const ItemRef& a, const ItemRef& b) {
       const Box& ba = item_of(a).box;

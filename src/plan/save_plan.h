@@ -48,7 +48,9 @@ struct LocalPlan {
   std::vector<LocalItem> items;
 };
 
-// Validates every entry of `state` and lists its items (flat ranges become boxes).
+// Validates every entry of `state` and lists its items (flat ranges become boxes). Several
+// pieces of one key (StateDict takes them) are items of their own, each pointing at its entry's
+// memory; pieces that overlap are an error (plan/local_pieces.h).
 Result<LocalPlan> BuildLocalPlan(const StateDict& state);
 
 // Compact binary encoding (what travels to the coordinator) and its inverse.

@@ -6,7 +6,9 @@
 
 #include "tessera/async_save.h"
 #include "tessera/checkpoint.h"
+#include "tessera/convert.h"
 #include "tessera/fault_injecting_storage.h"
+#include "testing/random_pieces.h"
 #include "workload/model_state.h"
 
 namespace tessera::suite {
@@ -599,6 +601,167 @@ Status RankLocalAndCollectiveSavesAlternate(Comm& comm, const std::string& dir) 
   return save_and_check(5.0f, SaveOptions{});
 }
 
+// ---- several pieces of one key on one rank (issue 21)
+// --------------------------------------------
+
+// One rank's state for random layouts in which it holds several boxes and flat ranges of a key
+// (testing/random_pieces.h), each piece with its own buffer.
+Status BuildPiecesState(const std::vector<RandomTensor>& tensors,
+                        const std::vector<std::vector<std::vector<testing::PieceSpec>>>& layouts,
+                        int layout_rank, bool fill, StateDict& state,
+                        std::vector<std::vector<uint8_t>>& buffers) {
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    for (const testing::PieceSpec& piece : layouts[t][layout_rank]) {
+      buffers.emplace_back(piece.NumElements() * DTypeSize(tensors[t].dtype), uint8_t{0xEE});
+      ShardedTensor tensor = testing::PieceTensor(tensors[t].key, piece, buffers.back().data(),
+                                                  tensors[t].dtype, tensors[t].shape);
+      if (fill) FillPattern(tensor);
+      TESSERA_RETURN_IF_ERROR(state.Add(std::move(tensor)));
+    }
+  }
+  return Status::Ok();
+}
+
+// Saves `state` the way trial `trial` picks: collective (the tessera or the torch_dist format,
+// balanced writes or not), asynchronous (blocking or deferred staging) or rank-local.
+Status SavePiecesAs(Comm& comm, const StateDict& state, const std::string& path, int trial) {
+  SaveOptions options;
+  options.sync = SyncPolicy::kNone;
+  options.balance_writes = trial % 2 == 1;
+  switch (trial % 5) {
+    case 0:
+    case 1: {
+      TESSERA_ASSIGN_OR_RETURN(SaveReport first, Save(state, path, comm, options));
+      // The same layout again: the plan cache serves it.
+      TESSERA_ASSIGN_OR_RETURN(SaveReport second, Save(state, path, comm, options));
+      return Expect(!first.plan_cache_hit && second.plan_cache_hit,
+                    "the second save of an unchanged layout reuses the plan");
+    }
+    case 2:
+      options.format = CheckpointFormat::kTorchDist;
+      return Save(state, path, comm, options).status();
+    case 3: {
+      AsyncSaveOptions async_options;
+      async_options.save = options;
+      async_options.staging = trial % 2 ? StagingMode::kDeferred : StagingMode::kBlocking;
+      async_options.staging_piece_bytes = 4096;  // the least: a piece spans several entries
+      TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle handle, AsyncSave(state, path, comm, async_options));
+      return handle.Wait();
+    }
+    default:
+      options = RankLocal("trial" + std::to_string(trial));
+      options.sync = SyncPolicy::kNone;
+      TESSERA_RETURN_IF_ERROR(Save(state, path, comm, options).status());
+      TESSERA_RETURN_IF_ERROR(comm.Barrier());  // every rank's part is there before any loads
+      if (trial % 10 == 9) {                    // half of them merged into one manifest
+        Status finalized = comm.rank() == 0 ? Finalize(path).status() : Status::Ok();
+        TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, finalized));
+      }
+      return Status::Ok();
+  }
+}
+
+// Random layouts in which ranks hold several boxes and flat ranges of one key (stacked layers
+// with a flat range of each, several local shards, replicas), saved in every way a save can
+// run and loaded into other such layouts, some ranks data-parallel replicas of others (read
+// sharing). Bit-exact, and Verify passes.
+Status SeveralPiecesPerKeyPerRank(Comm& comm, const std::string& dir) {
+  const uint64_t seed = 20260521;
+  std::mt19937_64 rng(seed);  // the same sequence on every rank: they agree on the layouts
+  const int trials = 30;
+  for (int trial = 0; trial < trials; ++trial) {
+    const std::string where = "seed " + std::to_string(seed) + " trial " + std::to_string(trial);
+    std::vector<RandomTensor> tensors(1 + rng() % 3);
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      tensors[t].key = "layers.t" + std::to_string(t);
+      tensors[t].dtype = kPropertyDTypes[rng() % std::size(kPropertyDTypes)];
+      const size_t rank = rng() % 4;
+      for (size_t d = 0; d < rank; ++d) {
+        tensors[t].shape.push_back(1 + static_cast<int64_t>(rng() % (rank <= 2 ? 12 : 5)));
+      }
+    }
+    // Load: `groups` distinct layouts; rank r takes layout r % groups, so the ranks of one group
+    // are data-parallel replicas that need the same bytes.
+    const int groups = 1 + static_cast<int>(rng() % comm.size());
+    std::vector<std::vector<std::vector<testing::PieceSpec>>> save_layout, load_layout;
+    for (const RandomTensor& t : tensors) {
+      save_layout.push_back(testing::RandomPiecesLayout(t.shape, comm.size(), rng, true));
+      load_layout.push_back(testing::RandomPiecesLayout(t.shape, groups, rng, false));
+    }
+    const std::string path = dir + "/pieces" + std::to_string(trial);
+    // Loads the checkpoint at `from` into the load layout and checks every element.
+    auto load_and_check = [&](const std::string& from) -> Status {
+      StateDict loaded;
+      std::vector<std::vector<uint8_t>> load_buffers;
+      TESSERA_RETURN_IF_ERROR(BuildPiecesState(tensors, load_layout, comm.rank() % groups, false,
+                                               loaded, load_buffers));
+      LoadOptions load_options;
+      load_options.verify_checksums = trial % 3 != 2;
+      constexpr ReadSharing kSharing[] = {ReadSharing::kNone, ReadSharing::kAllGather,
+                                          ReadSharing::kBroadcast};
+      load_options.read_sharing = kSharing[trial % 3];
+      load_options.exchange_bytes = 512;  // several rounds
+      TESSERA_RETURN_IF_ERROR(Load(loaded, from, comm, load_options).status());
+      Status check;
+      for (const StateEntry& entry : loaded.entries()) {
+        check = CheckPattern(std::get<ShardedTensor>(entry));
+        if (!check.ok()) break;
+      }
+      return AgreeOnStatus(comm, check);
+    };
+    Status status = [&]() -> Status {
+      StateDict saved;
+      std::vector<std::vector<uint8_t>> save_buffers;
+      TESSERA_RETURN_IF_ERROR(
+          BuildPiecesState(tensors, save_layout, comm.rank(), true, saved, save_buffers));
+      TESSERA_RETURN_IF_ERROR(SavePiecesAs(comm, saved, path, trial));
+      TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, Verify(path).status()));
+      TESSERA_RETURN_IF_ERROR(load_and_check(path));
+      if (trial % 5 != 0) return Status::Ok();
+      // Convert reads a checkpoint saved in pieces like any other.
+      ConvertOptions convert;
+      convert.max_file_bytes = 1024;  // several files
+      TESSERA_RETURN_IF_ERROR(Convert(path, path + "_hf", convert, comm).status());
+      return load_and_check(path + "_hf");
+    }();
+    TESSERA_RETURN_IF_ERROR_CTX(status, where);
+  }
+  return Status::Ok();
+}
+
+// Pieces of one key that overlap on one rank fail the save and the load on every rank, naming
+// the rank, the key and both pieces; the checkpoint saved before stays.
+Status OverlappingPiecesOfOneRankAreRejectedEverywhere(Comm& comm, const std::string& dir) {
+  const int victim = comm.size() - 1;
+  std::vector<float> rows(8, 1.0f), extra(3, 2.0f);
+  const Shape shape = {2 * comm.size(), 4};
+  StateDict state;
+  TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+      "w", TensorView(rows.data(), DType::kF32, {2, 4}), shape, {2 * comm.rank(), 0})));
+  TESSERA_RETURN_IF_ERROR(Save(state, dir + "/ck", comm).status());
+  TESSERA_ASSIGN_OR_RETURN(Metadata before, ReadMetadata(dir + "/ck"));
+  if (comm.rank() == victim) {  // the flat range [1, 4) of its second row, which it holds already
+    TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::FlatShard(
+        "w", TensorView(extra.data(), DType::kF32, {3}), shape, {2 * victim + 1, 0}, {1, 4}, 1)));
+  }
+  const std::string v = std::to_string(2 * victim);
+  const std::string v1 = std::to_string(2 * victim + 1);
+  const std::string v2 = std::to_string(2 * victim + 2);
+  const std::string pieces = "tensor 'w': this rank holds pieces of it that overlap: local box [" +
+                             v + ":" + v2 + ", 0:4] and local box [" + v1 + ":" + v2 +
+                             ", 0:4] flat range [1, 4) share the elements [" + v1 + ":" + v2 +
+                             ", 1:4]";
+  const std::string who = comm.size() > 1 ? "rank " + std::to_string(victim) : "tensor 'w'";
+  TESSERA_RETURN_IF_ERROR(ExpectError(Save(state, dir + "/ck", comm).status(), {who, pieces}));
+  TESSERA_ASSIGN_OR_RETURN(Metadata after, ReadMetadata(dir + "/ck"));
+  TESSERA_RETURN_IF_ERROR(
+      Expect(after.save_id == before.save_id, "the checkpoint saved before the refused one stays"));
+  std::fill(rows.begin(), rows.end(), 0.0f);
+  TESSERA_RETURN_IF_ERROR(ExpectError(Load(state, dir + "/ck", comm).status(), {who, pieces}));
+  return Expect(std::all_of(rows.begin(), rows.end(), [](float x) { return x == 0.0f; }),
+                "a refused load touches no memory");
+}
+
 }  // namespace
 
 const std::vector<MultiRankCase>& MultiRankCases() {
@@ -639,6 +802,9 @@ const std::vector<MultiRankCase>& MultiRankCases() {
       {"RankLocalSaveMissingARankKeepsThePrevious", 2, RankLocalSaveMissingARankKeepsThePrevious},
       {"RankLocalSaveGapIsNamed", 2, RankLocalSaveGapIsNamed},
       {"RankLocalAndCollectiveSavesAlternate", 1, RankLocalAndCollectiveSavesAlternate},
+      {"SeveralPiecesPerKeyPerRank", 1, SeveralPiecesPerKeyPerRank},
+      {"OverlappingPiecesOfOneRankAreRejectedEverywhere", 1,
+       OverlappingPiecesOfOneRankAreRejectedEverywhere},
   };
   return cases;
 }
