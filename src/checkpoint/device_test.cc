@@ -18,6 +18,7 @@
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
+#include "testing/commits.h"
 #include "testing/test_util.h"
 
 namespace tessera {
@@ -372,7 +373,7 @@ TEST_F(DeviceTest, PermutedChunkIntoDeviceMemory) {
   m.tensors[0].chunks[0].storage_order = {1, 0};
   const Bytes manifest = EncodeManifest(m);
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<WritableFile> out,
-                       storage_->NewWritableFile("/mem/perm/" + std::string(kManifestFileName),
+                       storage_->NewWritableFile(testing::CommitPath(*storage_, "/mem/perm"),
                                                  CreateMode::kTruncate));
   ASSERT_OK(out->WriteAt(0, manifest.data(), manifest.size()));
   ASSERT_OK(out->Close());
