@@ -38,6 +38,9 @@ class FaultInjectingStorage : public Storage {
   // True once the planned fault has fired.
   bool fault_fired() const;
 
+  // The base's.
+  StorageCapabilities capabilities() const override;
+
   using Storage::NewWritableFile;
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         CreateMode mode) override;

@@ -127,9 +127,30 @@ enum class CreateMode {
   kTruncate,
 };
 
+// What a Storage can do beyond reading and writing whole files front to back. Callers choose
+// their protocol by these flags (a store without rename commits with Publish).
+struct StorageCapabilities {
+  bool rename = false;             // Rename is atomic
+  bool positional_writes = false;  // WriteAt anywhere, in any order, and files grow in place
+  bool directory_sync = false;     // directories exist, and SyncDir makes their entries durable
+  bool conditional_create = false;  // Publish(kCreateOnly): exactly one racing creator wins
+};
+
+// How Publish treats an existing object of the same name.
+enum class PublishMode { kCreateOnly, kReplace };
+
 class Storage {
  public:
   virtual ~Storage() = default;
+
+  // What this store can do. The default claims nothing.
+  virtual StorageCapabilities capabilities() const;
+  // Makes `bytes` the whole content of `path` atomically: a reader sees the old content or the
+  // new, never a part. kCreateOnly fails with kAlreadyExists when `path` exists (one racing
+  // creator wins); kReplace replaces it. With `sync`, durable on return. The default returns
+  // kUnimplemented.
+  virtual Status Publish(const std::string& path, std::span<const std::byte> bytes,
+                         PublishMode mode, bool sync);
 
   // Opens `path` for writing, created as `mode` says. The parent directory must exist. A new
   // directory entry is durable only after SyncDir(parent).

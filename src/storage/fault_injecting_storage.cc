@@ -184,6 +184,8 @@ Status FaultInjectingStorage::RemoveDir(const std::string& path) {
   return base_->RemoveDir(path);
 }
 
+StorageCapabilities FaultInjectingStorage::capabilities() const { return base_->capabilities(); }
+
 Status FaultInjectingStorage::SyncDir(const std::string& dir) {
   TESSERA_RETURN_IF_ERROR(Check("SyncDir", dir));
   return base_->SyncDir(dir);

@@ -337,6 +337,11 @@ Status MemoryStorage::RemoveDir(const std::string& path) {
   return Status::Ok();
 }
 
+// Publish is not implemented here yet (the commit work adds it), so no conditional_create.
+StorageCapabilities MemoryStorage::capabilities() const {
+  return StorageCapabilities{.rename = true, .positional_writes = true, .directory_sync = true};
+}
+
 Status MemoryStorage::SyncDir(const std::string& dir) {
   const std::string what = "open directory " + dir;
   const std::vector<std::string> comps = Components(dir);

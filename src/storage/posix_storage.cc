@@ -255,6 +255,11 @@ class PosixStorage : public Storage {
     if (options_.max_io_bytes == 0) options_.max_io_bytes = PosixStorageOptions().max_io_bytes;
   }
 
+  // Publish is not implemented here yet (the commit work adds it), so no conditional_create.
+  StorageCapabilities capabilities() const override {
+    return StorageCapabilities{.rename = true, .positional_writes = true, .directory_sync = true};
+  }
+
   using Storage::NewWritableFile;
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         CreateMode mode) override {
