@@ -37,9 +37,33 @@ struct Transfer {
   HttpResponse* response;
   CURL* curl;
   size_t max_body;
+  std::chrono::milliseconds stall_timeout;
   size_t sent = 0;
   bool too_long = false;
+  bool stalled = false;
+  // The stall watchdog: the byte counts last seen and when they last moved.
+  curl_off_t last_up = -1, last_down = -1;
+  std::chrono::steady_clock::time_point last_move = std::chrono::steady_clock::now();
 };
+
+// curl's own low-speed check averages over a window of several seconds, so a request whose
+// body went into the socket buffers at once is declared stalled only seconds late; this one
+// fails a request as soon as no byte has moved either way for stall_timeout.
+int Progress(void* user, curl_off_t, curl_off_t down, curl_off_t, curl_off_t up) {
+  auto* t = static_cast<Transfer*>(user);
+  const auto now = std::chrono::steady_clock::now();
+  if (up != t->last_up || down != t->last_down) {
+    t->last_up = up;
+    t->last_down = down;
+    t->last_move = now;
+    return 0;
+  }
+  if (now - t->last_move > t->stall_timeout) {
+    t->stalled = true;
+    return 1;  // aborts the transfer (CURLE_ABORTED_BY_CALLBACK)
+  }
+  return 0;
+}
 
 size_t ReadBody(char* buffer, size_t size, size_t items, void* user) {
   auto* t = static_cast<Transfer*>(user);
@@ -96,7 +120,8 @@ size_t WriteHeader(char* data, size_t size, size_t items, void* user) {
   return size * items;
 }
 
-TransportError Classify(CURLcode code, bool too_long) {
+TransportError Classify(CURLcode code, bool too_long, bool stalled) {
+  if (stalled) return TransportError::kTimeout;
   switch (code) {
     case CURLE_COULDNT_RESOLVE_HOST:
     case CURLE_COULDNT_RESOLVE_PROXY:
@@ -212,7 +237,8 @@ HttpOutcome HttpClient::Perform(const HttpRequest& request) {
     return outcome;
   }
   curl_easy_reset(curl);  // options only: the handle keeps its open connection
-  Transfer transfer{&request, &outcome.response, curl, options_.max_body_bytes};
+  Transfer transfer{&request, &outcome.response, curl, options_.max_body_bytes,
+                    options_.stall_timeout};
   char error_buffer[CURL_ERROR_SIZE] = {};
 
   curl_slist* headers = nullptr;
@@ -234,9 +260,9 @@ HttpOutcome HttpClient::Perform(const HttpRequest& request) {
   curl_easy_setopt(curl, CURLOPT_UPLOAD_BUFFERSIZE, 2L << 20);
   curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS,
                    static_cast<long>(options_.connect_timeout.count()));
-  curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
-  curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME,
-                   std::max<long>(1, static_cast<long>(options_.stall_timeout.count() / 1000)));
+  curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
+  curl_easy_setopt(curl, CURLOPT_XFERINFOFUNCTION, &Progress);
+  curl_easy_setopt(curl, CURLOPT_XFERINFODATA, &transfer);
   if (options_.request_timeout.count() > 0) {
     curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS,
                      static_cast<long>(options_.request_timeout.count()));
@@ -270,8 +296,12 @@ HttpOutcome HttpClient::Perform(const HttpRequest& request) {
   if (code == CURLE_OK) {
     curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &outcome.response.status);
   } else {
-    outcome.error = Classify(code, transfer.too_long);
+    outcome.error = Classify(code, transfer.too_long, transfer.stalled);
     outcome.error_text = error_buffer[0] != '\0' ? error_buffer : curl_easy_strerror(code);
+    if (transfer.stalled) {
+      outcome.error_text = "no byte moved for " +
+                           std::to_string(options_.stall_timeout.count()) + " ms";
+    }
     if (transfer.too_long) {
       outcome.error_text = "the reply is longer than the " +
                            std::to_string(request.sink.empty() ? options_.max_body_bytes

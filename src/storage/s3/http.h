@@ -78,9 +78,9 @@ class HttpFaultHook {
 
 struct HttpOptions {
   std::chrono::milliseconds connect_timeout{10'000};
-  // A transfer that moves no byte for this long fails with kTimeout (curl's low-speed limit:
-  // whole seconds, at least 1). A stall, not a total, because a part's upload time grows
-  // with its size.
+  // A transfer that moves no byte either way for this long fails with kTimeout (checked by
+  // curl's progress callback, about every second or more often). A stall, not a total,
+  // because a part's upload time grows with its size.
   std::chrono::milliseconds stall_timeout{30'000};
   // A limit on each request's total time; zero: none.
   std::chrono::milliseconds request_timeout{0};
