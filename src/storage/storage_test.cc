@@ -1,5 +1,6 @@
-// One suite for every Storage (posix, memory, fault-injecting with no fault planned), then
-// MemoryStorage's crash model and FaultInjectingStorage's fault plans.
+// One suite for every Storage (posix, memory, fault-injecting with no fault planned, S3 on moto's
+// server), its cases instantiated by capability, then MemoryStorage's crash model and
+// FaultInjectingStorage's fault plans.
 #include <fcntl.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -19,8 +20,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "storage/s3/s3_client.h"
+#include "storage/s3/testing/moto_server.h"
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/memory_storage.h"
+#include "tessera/s3_storage.h"
 #include "tessera/status.h"
 #include "tessera/storage.h"
 
@@ -90,6 +94,7 @@ Result<std::string> ReadFile(Storage& storage, const std::string& path) {
 class StorageEnv {
  public:
   virtual ~StorageEnv() = default;
+  virtual bool ok() const { return true; }
   virtual Storage& storage() = 0;
   const std::string& root() const { return root_; }
 
@@ -146,15 +151,61 @@ class FaultInjectingEnv : public StorageEnv {
   FaultInjectingStorage storage_;
 };
 
+// An S3Storage on moto's server (started by the test, signatures enforced), rooted at a key
+// prefix of its own. Every test must leave no multipart upload behind.
+class S3Env : public StorageEnv {
+ public:
+  S3Env() {
+    Result<s3::testing::MotoServer*> server = s3::testing::SharedMotoServer();
+    if (!server.ok()) {
+      // Loud: the S3 cases fail, they never skip.
+      ADD_FAILURE() << "could not start the S3 test server: " << server.status().ToString();
+      return;
+    }
+    Result<std::shared_ptr<s3::S3Client>> client =
+        s3::S3Client::Create((*server)->ClientOptions());
+    if (!client.ok()) {
+      ADD_FAILURE() << client.status().ToString();
+      return;
+    }
+    storage_ = std::make_shared<S3Storage>(*client, (*server)->bucket());
+    root_ = s3::testing::UniquePrefix();
+  }
+  ~S3Env() override {
+    if (!storage_) return;
+    Result<std::vector<s3::UploadListing::Upload>> uploads =
+        storage_->client().ListMultipartUploads(storage_->bucket(), root_ + "/");
+    EXPECT_TRUE(uploads.ok() && uploads->empty())
+        << "multipart uploads left behind under " << root_;
+  }
+  bool ok() const override { return storage_ != nullptr; }
+  Storage& storage() override { return *storage_; }
+
+ private:
+  std::shared_ptr<S3Storage> storage_;
+};
+
 struct StorageKind {
   std::string name;
   std::function<std::unique_ptr<StorageEnv>()> make;
+  // What the storage claims (checked against capabilities() in SetUp): the cases that need
+  // more are not instantiated for it.
+  StorageCapabilities capabilities;
 };
 void PrintTo(const StorageKind& kind, std::ostream* os) { *os << kind.name; }
 
 class StorageTest : public ::testing::TestWithParam<StorageKind> {
  protected:
-  void SetUp() override { env_ = GetParam().make(); }
+  void SetUp() override {
+    env_ = GetParam().make();
+    ASSERT_TRUE(env_->ok()) << GetParam().name << " storage could not be set up";
+    const StorageCapabilities want = GetParam().capabilities;
+    const StorageCapabilities got = storage().capabilities();
+    ASSERT_TRUE(want.rename == got.rename && want.positional_writes == got.positional_writes &&
+                want.directory_sync == got.directory_sync &&
+                want.conditional_create == got.conditional_create)
+        << GetParam().name << ": capabilities() differ from what the suite selects cases by";
+  }
   void TearDown() override { env_.reset(); }
 
   Storage& storage() { return env_->storage(); }
@@ -163,7 +214,20 @@ class StorageTest : public ::testing::TestWithParam<StorageKind> {
   std::unique_ptr<StorageEnv> env_;
 };
 
-TEST_P(StorageTest, WriteReadRoundTripAtOffsets) {
+// Cases that need more than reading and writing whole files front to back, instantiated for
+// the storages whose capabilities() say they have it:
+//   positional_writes  WriteAt at any offset, in any order, into a file that exists in place
+//                      while it is written (readers see it; removing it keeps it open)
+//   rename             Rename
+//   directory_sync     directories that exist by themselves (empty ones too), a parent that
+//                      must exist, SyncDir that checks what it syncs
+//   conditional_create Publish
+class PositionalWritesStorageTest : public StorageTest {};
+class RenameStorageTest : public StorageTest {};
+class DirectoryStorageTest : public StorageTest {};
+class PublishStorageTest : public StorageTest {};
+
+TEST_P(PositionalWritesStorageTest, WriteReadRoundTripAtOffsets) {
   const std::string path = Path("f");
   STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
   EXPECT_EQ(w->path(), path);
@@ -208,7 +272,7 @@ TEST_P(StorageTest, LargeWriteAndReadCrossMaxIoBytes) {
   EXPECT_TRUE(std::equal(part.begin(), part.end(), data.begin() + mid));
 }
 
-TEST_P(StorageTest, SparseOutOfOrderWritesZeroFillGaps) {
+TEST_P(PositionalWritesStorageTest, SparseOutOfOrderWritesZeroFillGaps) {
   const std::string path = Path("sparse");
   STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
   STORAGE_ASSERT_OK(w->WriteAt(100, "tail", 4));
@@ -243,7 +307,7 @@ TEST_P(StorageTest, ReadPastEndIsDataLossNamingPathAndSize) {
   STORAGE_EXPECT_OK(r->ReadAt(10, buf, 0));
 }
 
-TEST_P(StorageTest, ReaderSizeIsSizeAtOpen) {
+TEST_P(PositionalWritesStorageTest, ReaderSizeIsSizeAtOpen) {
   const std::string path = Path("grows");
   STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
   STORAGE_ASSERT_OK(w->WriteAt(0, "abcd", 4));
@@ -256,7 +320,7 @@ TEST_P(StorageTest, ReaderSizeIsSizeAtOpen) {
   EXPECT_EQ(r2->size(), 8u);
 }
 
-TEST_P(StorageTest, ReadOfFileTruncatedAfterOpenIsDataLoss) {
+TEST_P(PositionalWritesStorageTest, ReadOfFileTruncatedAfterOpenIsDataLoss) {
   const std::string path = Path("trunc");
   STORAGE_ASSERT_OK(WriteFile(storage(), path, std::string(100, 'x')));
   STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
@@ -292,7 +356,7 @@ TEST_P(StorageTest, TruncateModeTruncatesExistingFile) {
 
 // Issue 11, item 5: the default, exclusive creation, refuses every name that exists: an error
 // naming it, and the existing file untouched.
-TEST_P(StorageTest, ExclusiveCreateRefusesAnExistingFileOrDirectory) {
+TEST_P(StorageTest, ExclusiveCreateRefusesAnExistingFile) {
   const std::string path = Path("taken");
   STORAGE_ASSERT_OK(WriteFile(storage(), path, "precious"));
   for (const CreateMode* mode : {static_cast<const CreateMode*>(nullptr), &kExclusiveMode}) {
@@ -303,7 +367,9 @@ TEST_P(StorageTest, ExclusiveCreateRefusesAnExistingFileOrDirectory) {
   }
   STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
   EXPECT_EQ(got, "precious");
+}
 
+TEST_P(DirectoryStorageTest, ExclusiveCreateRefusesADirectory) {
   const std::string dir = Path("dir");
   STORAGE_ASSERT_OK(storage().CreateDirs(dir));
   auto w = storage().NewWritableFile(dir);
@@ -313,7 +379,7 @@ TEST_P(StorageTest, ExclusiveCreateRefusesAnExistingFileOrDirectory) {
   EXPECT_EQ(type, FileType::kDirectory);
 }
 
-TEST_P(StorageTest, MissingPathsAreNotFound) {
+TEST_P(DirectoryStorageTest, MissingPathsAreNotFound) {
   const std::string missing = Path("missing");
   auto r = storage().NewReadableFile(missing);
   ASSERT_FALSE(r.ok());
@@ -343,7 +409,7 @@ TEST_P(StorageTest, MissingPathsAreNotFound) {
   EXPECT_EQ(storage().SyncDir(missing).code(), StatusCode::kNotFound);
 }
 
-TEST_P(StorageTest, CreateDirsIsNestedAndIdempotent) {
+TEST_P(DirectoryStorageTest, CreateDirsIsNestedAndIdempotent) {
   const std::string deep = Path("a/b/c");
   STORAGE_ASSERT_OK(storage().CreateDirs(deep));
   STORAGE_ASSERT_OK(storage().CreateDirs(deep));
@@ -360,7 +426,7 @@ TEST_P(StorageTest, CreateDirsIsNestedAndIdempotent) {
   EXPECT_THAT(empty, ElementsAre("f"));
 }
 
-TEST_P(StorageTest, CreateDirsThroughAFileFails) {
+TEST_P(DirectoryStorageTest, CreateDirsThroughAFileFails) {
   STORAGE_ASSERT_OK(WriteFile(storage(), Path("file"), "x"));
   const Status over = storage().CreateDirs(Path("file"));
   EXPECT_EQ(over.code(), StatusCode::kIOError) << over.ToString();
@@ -388,6 +454,7 @@ TEST_P(StorageTest, ListDirIsSortedWithoutDotEntries) {
     STORAGE_ASSERT_OK(WriteFile(storage(), Path(name), name));
   }
   STORAGE_ASSERT_OK(storage().CreateDirs(Path("d")));
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("d/in"), "x"));  // a directory everywhere
   STORAGE_ASSIGN_OR_FAIL(auto names, storage().ListDir(env_->root()));
   EXPECT_THAT(names, ElementsAre("B", "a", "b", "c10", "c2", "d"));
   // A file is not a directory.
@@ -396,7 +463,7 @@ TEST_P(StorageTest, ListDirIsSortedWithoutDotEntries) {
   EXPECT_EQ(of_file.status().code(), StatusCode::kIOError) << of_file.status().ToString();
 }
 
-TEST_P(StorageTest, RenameReplacesTheTarget) {
+TEST_P(RenameStorageTest, RenameReplacesTheTarget) {
   const std::string target = Path("manifest");
   const std::string tmp = Path("manifest.tmp");
   STORAGE_ASSERT_OK(WriteFile(storage(), target, "old"));
@@ -411,7 +478,7 @@ TEST_P(StorageTest, RenameReplacesTheTarget) {
   EXPECT_THAT(names, ElementsAre("manifest"));
 }
 
-TEST_P(StorageTest, RenameMovesADirectoryWithItsContents) {
+TEST_P(RenameStorageTest, RenameMovesADirectoryWithItsContents) {
   STORAGE_ASSERT_OK(storage().CreateDirs(Path("src/sub")));
   STORAGE_ASSERT_OK(WriteFile(storage(), Path("src/sub/f"), "payload"));
   STORAGE_ASSERT_OK(storage().Rename(Path("src"), Path("dst")));
@@ -432,10 +499,11 @@ TEST_P(StorageTest, RemoveDeletesAFileButNotADirectory) {
   EXPECT_EQ(storage().Remove(Path("gone")).code(), StatusCode::kNotFound);
 
   STORAGE_ASSERT_OK(storage().CreateDirs(Path("dir")));
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("dir/f"), "z"));  // a directory everywhere
   EXPECT_EQ(storage().Remove(Path("dir")).code(), StatusCode::kIOError);
 }
 
-TEST_P(StorageTest, RemoveDirRemovesOnlyAnEmptyDirectory) {
+TEST_P(DirectoryStorageTest, RemoveDirRemovesOnlyAnEmptyDirectory) {
   STORAGE_ASSERT_OK(storage().CreateDirs(Path("full")));
   STORAGE_ASSERT_OK(WriteFile(storage(), Path("full/f"), "x"));
   const Status not_empty = storage().RemoveDir(Path("full"));
@@ -460,7 +528,7 @@ TEST_P(StorageTest, DuplicateSlashesAndDotsNameTheSameFile) {
   EXPECT_THAT(names, ElementsAre("x"));
 }
 
-TEST_P(StorageTest, OpenWritableFileFollowsItsInodeAcrossRename) {
+TEST_P(RenameStorageTest, OpenWritableFileFollowsItsInodeAcrossRename) {
   const std::string tmp = Path("f.tmp");
   const std::string final_path = Path("f");
   STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(tmp));
@@ -475,7 +543,7 @@ TEST_P(StorageTest, OpenWritableFileFollowsItsInodeAcrossRename) {
   EXPECT_EQ(tmp_type, FileType::kNotFound);
 }
 
-TEST_P(StorageTest, OpenFilesKeepWorkingAfterRemove) {
+TEST_P(PositionalWritesStorageTest, OpenFilesKeepWorkingAfterRemove) {
   const std::string path = Path("unlinked");
   STORAGE_ASSERT_OK(WriteFile(storage(), path, "still here"));
   STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
@@ -502,13 +570,13 @@ TEST_P(StorageTest, CloseIsIdempotentAndLaterWritesFail) {
   EXPECT_EQ(got, "x");
 }
 
-TEST_P(StorageTest, SyncDirOfAFileFails) {
+TEST_P(DirectoryStorageTest, SyncDirOfAFileFails) {
   STORAGE_ASSERT_OK(WriteFile(storage(), Path("f"), "x"));
   STORAGE_EXPECT_OK(storage().SyncDir(env_->root()));
   EXPECT_EQ(storage().SyncDir(Path("f")).code(), StatusCode::kIOError);
 }
 
-TEST_P(StorageTest, ConcurrentWriteAtOfDisjointRanges) {
+TEST_P(PositionalWritesStorageTest, ConcurrentWriteAtOfDisjointRanges) {
   constexpr int kThreads = 8;
   constexpr int kBlocksPerThread = 16;
   constexpr size_t kBlock = kPosixMaxIoBytes + 999;  // each write is split on posix
@@ -540,7 +608,7 @@ TEST_P(StorageTest, ConcurrentWriteAtOfDisjointRanges) {
   EXPECT_TRUE(back == data) << "concurrent writes lost or misplaced bytes";
 }
 
-TEST_P(StorageTest, ConcurrentFileCreationInOneDirectory) {
+TEST_P(RenameStorageTest, ConcurrentFileCreationInOneDirectory) {
   constexpr int kThreads = 4;
   constexpr int kFilesPerThread = 25;
   std::vector<Status> results(kThreads);
@@ -652,14 +720,95 @@ TEST_P(StorageTest, MapShowsTheBytesOfReadAtOrIsUnimplemented) {
   EXPECT_EQ(std::memcmp(kept.bytes().data(), data.data() + 100, 200), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllStorages, StorageTest,
-    ::testing::Values(
-        StorageKind{"Posix", [] { return std::unique_ptr<StorageEnv>(new PosixEnv()); }},
-        StorageKind{"Memory", [] { return std::unique_ptr<StorageEnv>(new MemoryEnv()); }},
-        StorageKind{"FaultInjecting",
-                    [] { return std::unique_ptr<StorageEnv>(new FaultInjectingEnv()); }}),
-    [](const ::testing::TestParamInfo<StorageKind>& info) { return info.param.name; });
+// ---- Publish (storages with conditional_create) -----------------------------------------
+
+std::span<const std::byte> AsBytes(const std::string& s) {
+  return std::as_bytes(std::span<const char>(s.data(), s.size()));
+}
+
+TEST_P(PublishStorageTest, CreateOnlyPublishesOnceAndReplaceReplaces) {
+  const std::string path = Path("index");
+  STORAGE_ASSERT_OK(storage().CreateDirs(env_->root()));
+  STORAGE_ASSERT_OK(storage().Publish(path, AsBytes("first"), PublishMode::kCreateOnly, true));
+  const Status again = storage().Publish(path, AsBytes("second"), PublishMode::kCreateOnly, true);
+  EXPECT_EQ(again.code(), StatusCode::kAlreadyExists) << again.ToString();
+  EXPECT_THAT(again.message(), HasSubstr(path));
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
+  EXPECT_EQ(got, "first");
+  STORAGE_ASSERT_OK(storage().Publish(path, AsBytes("replaced"), PublishMode::kReplace, true));
+  STORAGE_ASSIGN_OR_FAIL(got, ReadFile(storage(), path));
+  EXPECT_EQ(got, "replaced");
+  STORAGE_ASSERT_OK(storage().Publish(Path("empty"), {}, PublishMode::kCreateOnly, false));
+  STORAGE_ASSIGN_OR_FAIL(got, ReadFile(storage(), Path("empty")));
+  EXPECT_EQ(got, "");
+}
+
+TEST_P(PublishStorageTest, RacingCreatorsHaveOneWinner) {
+  STORAGE_ASSERT_OK(storage().CreateDirs(env_->root()));
+  const std::string path = Path("seq_000001");
+  constexpr int kRacers = 6;
+  std::vector<Status> results(kRacers);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRacers; ++i) {
+    threads.emplace_back([&, i] {
+      results[i] = storage().Publish(path, AsBytes("writer " + std::to_string(i)),
+                                     PublishMode::kCreateOnly, true);
+    });
+  }
+  for (auto& t : threads) t.join();
+  int winners = 0;
+  std::string winner;
+  for (int i = 0; i < kRacers; ++i) {
+    if (results[i].ok()) {
+      ++winners;
+      winner = "writer " + std::to_string(i);
+    } else {
+      EXPECT_EQ(results[i].code(), StatusCode::kAlreadyExists) << results[i].ToString();
+    }
+  }
+  EXPECT_EQ(winners, 1);
+  STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
+  EXPECT_EQ(got, winner);
+}
+
+// ---- instantiation by capability -----------------------------------------------------------
+
+std::vector<StorageKind> AllKinds() {
+  const StorageCapabilities posix_like{
+      .rename = true, .positional_writes = true, .directory_sync = true};
+  return {
+      {"Posix", [] { return std::unique_ptr<StorageEnv>(new PosixEnv()); }, posix_like},
+      {"Memory", [] { return std::unique_ptr<StorageEnv>(new MemoryEnv()); }, posix_like},
+      {"FaultInjecting", [] { return std::unique_ptr<StorageEnv>(new FaultInjectingEnv()); },
+       posix_like},
+      {"S3", [] { return std::unique_ptr<StorageEnv>(new S3Env()); },
+       StorageCapabilities{.conditional_create = true}},
+  };
+}
+
+std::vector<StorageKind> KindsWith(bool StorageCapabilities::*capability) {
+  std::vector<StorageKind> kinds;
+  for (StorageKind& kind : AllKinds()) {
+    if (capability == nullptr || kind.capabilities.*capability) kinds.push_back(std::move(kind));
+  }
+  return kinds;
+}
+
+std::string KindName(const ::testing::TestParamInfo<StorageKind>& info) { return info.param.name; }
+
+INSTANTIATE_TEST_SUITE_P(AllStorages, StorageTest, ::testing::ValuesIn(KindsWith(nullptr)),
+                         KindName);
+INSTANTIATE_TEST_SUITE_P(AllStorages, PositionalWritesStorageTest,
+                         ::testing::ValuesIn(KindsWith(&StorageCapabilities::positional_writes)),
+                         KindName);
+INSTANTIATE_TEST_SUITE_P(AllStorages, RenameStorageTest,
+                         ::testing::ValuesIn(KindsWith(&StorageCapabilities::rename)), KindName);
+INSTANTIATE_TEST_SUITE_P(AllStorages, DirectoryStorageTest,
+                         ::testing::ValuesIn(KindsWith(&StorageCapabilities::directory_sync)),
+                         KindName);
+INSTANTIATE_TEST_SUITE_P(AllStorages, PublishStorageTest,
+                         ::testing::ValuesIn(KindsWith(&StorageCapabilities::conditional_create)),
+                         KindName);
 
 // ---- JoinPath and posix specifics ----------------------------------------------------------
 

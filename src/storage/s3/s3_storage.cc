@@ -37,6 +37,7 @@ class S3WritableFile : public WritableFile {
 
   Status Sync() override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return FailedPrecondition("sync " + path_ + " after Close");
     if (published_) return Status::Ok();
     TESSERA_RETURN_IF_ERROR(Writable("sync"));
     return PublishLocked();
