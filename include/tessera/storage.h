@@ -130,9 +130,9 @@ enum class CreateMode {
 // What a Storage can do beyond reading and writing whole files front to back. Callers choose
 // their protocol by these flags (a store without rename commits with Publish).
 struct StorageCapabilities {
-  bool rename = false;             // Rename is atomic
-  bool positional_writes = false;  // WriteAt anywhere, in any order, and files grow in place
-  bool directory_sync = false;     // directories exist, and SyncDir makes their entries durable
+  bool rename = false;              // Rename is atomic
+  bool positional_writes = false;   // WriteAt anywhere, in any order, and files grow in place
+  bool directory_sync = false;      // directories exist, and SyncDir makes their entries durable
   bool conditional_create = false;  // Publish(kCreateOnly): exactly one racing creator wins
 };
 

@@ -41,7 +41,8 @@ std::string Expand(const std::string& s, const s3::GetEnv& getenv) {
       ++begin;
     } else {
       end = begin;
-      while (end < s.size() && (std::isalnum(static_cast<unsigned char>(s[end])) || s[end] == '_')) {
+      while (end < s.size() &&
+             (std::isalnum(static_cast<unsigned char>(s[end])) || s[end] == '_')) {
         ++end;
       }
     }
@@ -162,8 +163,10 @@ Result<MscProfile> FindMscProfile(const std::string& name, const std::string& co
     if (path.empty()) {
       std::string searched;
       for (const std::string& c : candidates) searched += (searched.empty() ? "" : ", ") + c;
-      return NotFound("msc://" + name + "/...: no multi-storage-client config found (set "
-                      "MSC_CONFIG; searched " + searched + ")");
+      return NotFound("msc://" + name +
+                      "/...: no multi-storage-client config found (set "
+                      "MSC_CONFIG; searched " +
+                      searched + ")");
     }
   } else if (!Exists(path)) {
     return NotFound("MSC config " + path + " does not exist");

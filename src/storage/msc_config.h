@@ -25,7 +25,7 @@ namespace tessera {
 
 struct MscProfile {
   std::string name;
-  std::string config_file;  // where it was found
+  std::string config_file;    // where it was found
   std::string provider_type;  // storage_provider.type: "s3", "file", "azure", ...
   // storage_provider.options, scalars only, nested maps flattened with '.':
   // {"base_path": "bucket/prefix", "s3.addressing_style": "path", ...}

@@ -5,8 +5,8 @@ namespace tessera {
 
 StorageCapabilities Storage::capabilities() const { return StorageCapabilities{}; }
 
-Status Storage::Publish(const std::string& path, std::span<const std::byte> bytes,
-                        PublishMode mode, bool sync) {
+Status Storage::Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
+                        bool sync) {
   (void)bytes;
   (void)mode;
   (void)sync;

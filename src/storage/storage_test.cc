@@ -162,8 +162,7 @@ class S3Env : public StorageEnv {
       ADD_FAILURE() << "could not start the S3 test server: " << server.status().ToString();
       return;
     }
-    Result<std::shared_ptr<s3::S3Client>> client =
-        s3::S3Client::Create((*server)->ClientOptions());
+    Result<std::shared_ptr<s3::S3Client>> client = s3::S3Client::Create((*server)->ClientOptions());
     if (!client.ok()) {
       ADD_FAILURE() << client.status().ToString();
       return;

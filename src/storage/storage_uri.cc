@@ -35,8 +35,9 @@ std::pair<std::string, std::string> SplitBucket(const std::string& rest) {
 Status CheckBucketName(const std::string& bucket, const std::string& uri) {
   if (bucket.empty()) return InvalidArgument("'" + uri + "' names no bucket (s3://bucket/path)");
   for (char c : bucket) {
-    if (!(std::islower(static_cast<unsigned char>(c)) || std::isdigit(static_cast<unsigned char>(c)) ||
-          c == '-' || c == '.' || c == '_' || std::isupper(static_cast<unsigned char>(c)))) {
+    if (!(std::islower(static_cast<unsigned char>(c)) ||
+          std::isdigit(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_' ||
+          std::isupper(static_cast<unsigned char>(c)))) {
       return InvalidArgument("'" + uri + "': '" + bucket + "' is not a bucket name");
     }
   }
@@ -65,7 +66,8 @@ Result<Location> OpenFile(const std::string& uri) {
 Result<uint64_t> ParseBytes(const std::string& s, const std::string& what) {
   char* end = nullptr;
   const unsigned long long v = std::strtoull(s.c_str(), &end, 10);
-  if (s.empty() || *end != '\0') return InvalidArgument(what + " '" + s + "' is not a whole number");
+  if (s.empty() || *end != '\0')
+    return InvalidArgument(what + " '" + s + "' is not a whole number");
   return static_cast<uint64_t>(v);
 }
 
@@ -114,9 +116,10 @@ Status ApplyMscS3Profile(const MscProfile& p, S3StorageOptions& options, std::st
   options.session_token = cred("session_token");
   if (options.access_key_id.empty() || options.secret_access_key.empty() ||
       options.access_key_id.starts_with("$") || options.secret_access_key.starts_with("$")) {
-    return InvalidArgument(where + ": S3Credentials needs access_key and secret_key (an unset "
-                           "environment variable stays unexpanded: '" + options.access_key_id +
-                           "')");
+    return InvalidArgument(where +
+                           ": S3Credentials needs access_key and secret_key (an unset "
+                           "environment variable stays unexpanded: '" +
+                           options.access_key_id + "')");
   }
   return Status::Ok();
 }
@@ -172,8 +175,10 @@ Result<std::pair<std::shared_ptr<Storage>, std::string>> OpenStorage(
     return OpenS3(bucket, path, options.s3, uri);
   }
   if (scheme == "msc") return OpenMsc(uri, options);
-  return Unimplemented("'" + uri + "': tessera opens plain paths and file://, s3:// and msc:// "
-                       "URIs, not " + scheme + "://");
+  return Unimplemented("'" + uri +
+                       "': tessera opens plain paths and file://, s3:// and msc:// "
+                       "URIs, not " +
+                       scheme + "://");
 }
 
 Result<std::pair<std::shared_ptr<Storage>, std::string>> OpenStorage(const std::string& uri) {

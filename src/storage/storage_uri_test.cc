@@ -61,10 +61,10 @@ class StorageUriTest : public ::testing::Test {
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
     // Nothing of this machine's own AWS or MSC settings.
-    for (const char* v : {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                          "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_REGION",
-                          "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                          "MSC_CONFIG", "XDG_CONFIG_HOME"}) {
+    for (const char* v :
+         {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+          "AWS_DEFAULT_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",
+          "AWS_ENDPOINT_URL_S3", "MSC_CONFIG", "XDG_CONFIG_HOME"}) {
       env_.Unset(v);
     }
     env_.Set("HOME", dir_);
@@ -75,7 +75,8 @@ class StorageUriTest : public ::testing::Test {
   // The moto server and its credentials in the environment, as a user would set them.
   s3::testing::MotoServer* UseMoto() {
     Result<s3::testing::MotoServer*> server = s3::testing::SharedMotoServer();
-    EXPECT_TRUE(server.ok()) << "could not start the S3 test server: " << server.status().ToString();
+    EXPECT_TRUE(server.ok()) << "could not start the S3 test server: "
+                             << server.status().ToString();
     if (!server.ok()) return nullptr;
     env_.Set("AWS_ACCESS_KEY_ID", (*server)->credentials().access_key_id);
     env_.Set("AWS_SECRET_ACCESS_KEY", (*server)->credentials().secret_access_key);
@@ -92,10 +93,12 @@ class StorageUriTest : public ::testing::Test {
 };
 
 TEST_F(StorageUriTest, PlainPathsAndFileUris) {
-  for (const auto& [uri, path] : std::vector<std::pair<std::string, std::string>>{
-           {"/ckpt/step1", "/ckpt/step1"}, {"relative/dir", "relative/dir"},
-           {"file:///ckpt/x", "/ckpt/x"}, {"file://localhost/ckpt/y", "/ckpt/y"},
-           {"dir:with:colons", "dir:with:colons"}}) {
+  for (const auto& [uri, path] :
+       std::vector<std::pair<std::string, std::string>>{{"/ckpt/step1", "/ckpt/step1"},
+                                                        {"relative/dir", "relative/dir"},
+                                                        {"file:///ckpt/x", "/ckpt/x"},
+                                                        {"file://localhost/ckpt/y", "/ckpt/y"},
+                                                        {"dir:with:colons", "dir:with:colons"}}) {
     auto opened = OpenStorage(uri);
     ASSERT_TRUE(opened.ok()) << uri << ": " << opened.status().ToString();
     EXPECT_EQ(opened->second, path) << uri;
@@ -117,8 +120,9 @@ TEST_F(StorageUriTest, S3UrisUseTheAwsEnvironment) {
   auto& [storage, path] = *opened;
   EXPECT_EQ(path, prefix + "/ckpt/step100");
   EXPECT_TRUE(storage->capabilities().conditional_create);
-  ASSERT_TRUE(storage->Publish(JoinPath(path, "manifest"), AsBytes("m"), PublishMode::kCreateOnly,
-                               true).ok());
+  ASSERT_TRUE(
+      storage->Publish(JoinPath(path, "manifest"), AsBytes("m"), PublishMode::kCreateOnly, true)
+          .ok());
   auto names = storage->ListDir(path);
   ASSERT_TRUE(names.ok()) << names.status().ToString();
   EXPECT_THAT(*names, ::testing::ElementsAre("manifest"));
@@ -140,28 +144,34 @@ TEST_F(StorageUriTest, MscS3ProfileWithStaticCredentials) {
   env_.Unset("AWS_SECRET_ACCESS_KEY");
   env_.Unset("AWS_ENDPOINT_URL");
   const std::string prefix = s3::testing::UniquePrefix();
-  WriteConfig("msc.yaml", "profiles:\n"
-                          "  train:\n"
-                          "    storage_provider:\n"
-                          "      type: s3\n"
-                          "      options:\n"
-                          "        base_path: " + server->bucket() + "/" + prefix + "\n"
-                          "        endpoint_url: " + server->endpoint() + "\n"
-                          "        region_name: us-east-1\n"
-                          "        multipart_chunksize: 5242880\n"
-                          "        s3:\n"
-                          "          addressing_style: path\n"
-                          "    credentials_provider:\n"
-                          "      type: S3Credentials\n"
-                          "      options:\n"
-                          "        access_key: ${TEST_MSC_KEY}\n"
-                          "        secret_key: $TEST_MSC_SECRET\n");
+  WriteConfig("msc.yaml",
+              "profiles:\n"
+              "  train:\n"
+              "    storage_provider:\n"
+              "      type: s3\n"
+              "      options:\n"
+              "        base_path: " +
+                  server->bucket() + "/" + prefix +
+                  "\n"
+                  "        endpoint_url: " +
+                  server->endpoint() +
+                  "\n"
+                  "        region_name: us-east-1\n"
+                  "        multipart_chunksize: 5242880\n"
+                  "        s3:\n"
+                  "          addressing_style: path\n"
+                  "    credentials_provider:\n"
+                  "      type: S3Credentials\n"
+                  "      options:\n"
+                  "        access_key: ${TEST_MSC_KEY}\n"
+                  "        secret_key: $TEST_MSC_SECRET\n");
   env_.Set("MSC_CONFIG", dir_ + "/msc.yaml");
   auto opened = OpenStorage("msc://train/ckpt/iter_0000100");
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   auto& [storage, path] = *opened;
   EXPECT_EQ(path, prefix + "/ckpt/iter_0000100");
-  ASSERT_TRUE(storage->Publish(JoinPath(path, "m"), AsBytes("x"), PublishMode::kReplace, true).ok());
+  ASSERT_TRUE(
+      storage->Publish(JoinPath(path, "m"), AsBytes("x"), PublishMode::kReplace, true).ok());
   auto* s3 = dynamic_cast<S3Storage*>(storage.get());
   ASSERT_NE(s3, nullptr);
   EXPECT_EQ(s3->bucket(), server->bucket());
@@ -170,17 +180,19 @@ TEST_F(StorageUriTest, MscS3ProfileWithStaticCredentials) {
 }
 
 TEST_F(StorageUriTest, MscConfigErrorsNameTheProfileAndProvider) {
-  WriteConfig("msc.yaml", "include:\n  - more.yaml\n"
-                          "profiles:\n"
-                          "  blob:\n    storage_provider:\n      type: azure\n"
-                          "      options:\n        base_path: c\n"
-                          "  ais:\n    storage_provider:\n      type: s3\n"
-                          "      options:\n        base_path: b\n"
-                          "    credentials_provider:\n      type: AISCredentials\n"
-                          "  local:\n    storage_provider:\n      type: file\n"
-                          "      options:\n        base_path: /data/ckpts\n");
-  WriteConfig("more.yaml", "profiles:\n  extra:\n    storage_provider:\n      type: file\n"
-                           "      options:\n        base_path: /extra\n");
+  WriteConfig("msc.yaml",
+              "include:\n  - more.yaml\n"
+              "profiles:\n"
+              "  blob:\n    storage_provider:\n      type: azure\n"
+              "      options:\n        base_path: c\n"
+              "  ais:\n    storage_provider:\n      type: s3\n"
+              "      options:\n        base_path: b\n"
+              "    credentials_provider:\n      type: AISCredentials\n"
+              "  local:\n    storage_provider:\n      type: file\n"
+              "      options:\n        base_path: /data/ckpts\n");
+  WriteConfig("more.yaml",
+              "profiles:\n  extra:\n    storage_provider:\n      type: file\n"
+              "      options:\n        base_path: /extra\n");
   env_.Set("MSC_CONFIG", dir_ + "/msc.yaml");
   const Status azure = OpenStorage("msc://blob/x").status();
   EXPECT_EQ(azure.code(), StatusCode::kUnimplemented);

@@ -24,8 +24,8 @@ std::string ToLower(std::string_view s) {
 
 std::string_view Trim(std::string_view s) {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r' ||
-                        s.back() == '\n')) {
+  while (!s.empty() &&
+         (s.back() == ' ' || s.back() == '\t' || s.back() == '\r' || s.back() == '\n')) {
     s.remove_suffix(1);
   }
   return s;
@@ -77,8 +77,7 @@ size_t ReadBody(char* buffer, size_t size, size_t items, void* user) {
 // curl rewinds the body when it resends on a fresh connection.
 int SeekBody(void* user, curl_off_t offset, int origin) {
   auto* t = static_cast<Transfer*>(user);
-  if (origin != SEEK_SET || offset < 0 ||
-      static_cast<uint64_t>(offset) > t->request->body.size()) {
+  if (origin != SEEK_SET || offset < 0 || static_cast<uint64_t>(offset) > t->request->body.size()) {
     return CURL_SEEKFUNC_CANTSEEK;
   }
   t->sent = static_cast<size_t>(offset);
@@ -264,19 +263,18 @@ HttpOutcome HttpClient::Perform(const HttpRequest& request) {
   curl_easy_setopt(curl, CURLOPT_XFERINFOFUNCTION, &Progress);
   curl_easy_setopt(curl, CURLOPT_XFERINFODATA, &transfer);
   if (options_.request_timeout.count() > 0) {
-    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS,
-                     static_cast<long>(options_.request_timeout.count()));
+    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, static_cast<long>(options_.request_timeout.count()));
   }
   curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, options_.verify_tls ? 1L : 0L);
   curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, options_.verify_tls ? 2L : 0L);
-  if (!options_.ca_bundle.empty()) curl_easy_setopt(curl, CURLOPT_CAINFO, options_.ca_bundle.c_str());
+  if (!options_.ca_bundle.empty())
+    curl_easy_setopt(curl, CURLOPT_CAINFO, options_.ca_bundle.c_str());
 
   if (request.method == "HEAD") {
     curl_easy_setopt(curl, CURLOPT_NOBODY, 1L);
   } else if (request.method == "PUT" || request.method == "POST") {
     curl_easy_setopt(curl, CURLOPT_UPLOAD, 1L);
-    curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE,
-                     static_cast<curl_off_t>(request.body.size()));
+    curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(request.body.size()));
     curl_easy_setopt(curl, CURLOPT_READFUNCTION, &ReadBody);
     curl_easy_setopt(curl, CURLOPT_READDATA, &transfer);
     curl_easy_setopt(curl, CURLOPT_SEEKFUNCTION, &SeekBody);
@@ -299,14 +297,14 @@ HttpOutcome HttpClient::Perform(const HttpRequest& request) {
     outcome.error = Classify(code, transfer.too_long, transfer.stalled);
     outcome.error_text = error_buffer[0] != '\0' ? error_buffer : curl_easy_strerror(code);
     if (transfer.stalled) {
-      outcome.error_text = "no byte moved for " +
-                           std::to_string(options_.stall_timeout.count()) + " ms";
+      outcome.error_text =
+          "no byte moved for " + std::to_string(options_.stall_timeout.count()) + " ms";
     }
     if (transfer.too_long) {
-      outcome.error_text = "the reply is longer than the " +
-                           std::to_string(request.sink.empty() ? options_.max_body_bytes
-                                                               : request.sink.size()) +
-                           " bytes expected";
+      outcome.error_text =
+          "the reply is longer than the " +
+          std::to_string(request.sink.empty() ? options_.max_body_bytes : request.sink.size()) +
+          " bytes expected";
     }
     // Nothing of the request left this machine: the server cannot have acted on it.
     outcome.maybe_sent = request_size > 0 && outcome.error != TransportError::kConnect;

@@ -37,11 +37,16 @@ bool RetryableTransport(TransportError e) {
 
 std::string_view TransportName(TransportError e) {
   switch (e) {
-    case TransportError::kConnect: return "could not connect";
-    case TransportError::kTimeout: return "timed out";
-    case TransportError::kReset: return "connection reset";
-    case TransportError::kTooLong: return "reply too long";
-    default: return "transport error";
+    case TransportError::kConnect:
+      return "could not connect";
+    case TransportError::kTimeout:
+      return "timed out";
+    case TransportError::kReset:
+      return "connection reset";
+    case TransportError::kTooLong:
+      return "reply too long";
+    default:
+      return "transport error";
   }
 }
 
@@ -72,10 +77,18 @@ std::string Describe(const S3Call& call) {
 }  // namespace
 
 std::string_view S3OpName(S3Op op) {
-  static constexpr std::string_view kNames[] = {
-      "HeadObject", "GetObject", "PutObject", "ListObjectsV2", "DeleteObject", "DeleteObjects",
-      "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "AbortMultipartUpload",
-      "ListMultipartUploads", "Request"};
+  static constexpr std::string_view kNames[] = {"HeadObject",
+                                                "GetObject",
+                                                "PutObject",
+                                                "ListObjectsV2",
+                                                "DeleteObject",
+                                                "DeleteObjects",
+                                                "CreateMultipartUpload",
+                                                "UploadPart",
+                                                "CompleteMultipartUpload",
+                                                "AbortMultipartUpload",
+                                                "ListMultipartUploads",
+                                                "Request"};
   const auto i = static_cast<size_t>(op);
   return i < std::size(kNames) ? kNames[i] : "Request";
 }
@@ -164,7 +177,8 @@ Result<std::shared_ptr<S3Client>> S3Client::Create(S3ClientOptions options) {
     while (!client->base_path_.empty() && client->base_path_.back() == '/') {
       client->base_path_.pop_back();
     }
-    if (client->authority_.empty() || client->authority_.find_first_of("?#@ ") != std::string::npos) {
+    if (client->authority_.empty() ||
+        client->authority_.find_first_of("?#@ ") != std::string::npos) {
       return InvalidArgument("S3 endpoint URL '" + url + "' has no valid host");
     }
     // The Host header (and so the signature) leaves out a scheme's default port.
@@ -212,16 +226,15 @@ HttpRequest S3Client::BuildRequest(const S3Call& call,
   signable.canonical_uri = path;
   signable.query = call.query;
   signable.payload_hash = sign_payload ? Sha256Hex(call.body) : std::string(kUnsignedPayload);
-  signable.headers = {{"host", host},
-                      {"x-amz-date", amz_date},
-                      {"x-amz-content-sha256", signable.payload_hash}};
+  signable.headers = {
+      {"host", host}, {"x-amz-date", amz_date}, {"x-amz-content-sha256", signable.payload_hash}};
   const Credentials& credentials = options_.config.credentials;
   if (!credentials.session_token.empty()) {
     signable.headers.emplace_back("x-amz-security-token", credentials.session_token);
   }
   for (const auto& header : call.headers) signable.headers.push_back(header);
-  const Signature signature = SignV4(signable, credentials,
-                                     SigningScope{options_.config.region, call.service}, amz_date);
+  const Signature signature =
+      SignV4(signable, credentials, SigningScope{options_.config.region, call.service}, amz_date);
 
   HttpRequest request;
   request.method = call.method;
@@ -312,11 +325,13 @@ Status S3Client::Check(const S3Call& call, const S3CallResult& r) const {
     } else if (code == "RequestTimeTooSkewed") {
       hint = "this machine's clock is off by more than 15 minutes";
     } else if (code.empty()) {
-      hint = "access denied (a HEAD reply carries no error code: wrong credentials or no "
-             "permission; access key id '" + credentials.access_key_id + "' from " + source + ")";
+      hint =
+          "access denied (a HEAD reply carries no error code: wrong credentials or no "
+          "permission; access key id '" +
+          credentials.access_key_id + "' from " + source + ")";
     } else {
-      hint = "access key id '" + credentials.access_key_id + "' (from " + source +
-             ") may not do this";
+      hint =
+          "access key id '" + credentials.access_key_id + "' (from " + source + ") may not do this";
     }
   } else if (status == 404) {
     sc = StatusCode::kNotFound;

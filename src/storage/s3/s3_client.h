@@ -42,7 +42,7 @@ namespace tessera::s3 {
 struct RetryPolicy {
   int max_attempts = 10;  // tries of one request, the first included
   std::chrono::milliseconds base_delay{50};
-  std::chrono::milliseconds max_delay{5'000};  // the cap of one backoff
+  std::chrono::milliseconds max_delay{5'000};    // the cap of one backoff
   std::chrono::milliseconds max_total{120'000};  // one request's tries and waits together
 };
 
@@ -74,8 +74,19 @@ struct S3ClientOptions {
 
 // Counters of what the client sent, for tests and benchmarks.
 enum class S3Op {
-  kHead, kGet, kPut, kList, kDelete, kDeleteObjects, kCreateMultipart, kUploadPart,
-  kCompleteMultipart, kAbortMultipart, kListMultipart, kOther, kCount,
+  kHead,
+  kGet,
+  kPut,
+  kList,
+  kDelete,
+  kDeleteObjects,
+  kCreateMultipart,
+  kUploadPart,
+  kCompleteMultipart,
+  kAbortMultipart,
+  kListMultipart,
+  kOther,
+  kCount,
 };
 std::string_view S3OpName(S3Op op);
 

@@ -19,8 +19,8 @@
 namespace tessera::s3 {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::FaultProxy;
+using ::testing::HasSubstr;
 using testing::MotoServer;
 using testing::Pattern;
 using testing::ScriptedFaults;
@@ -29,13 +29,15 @@ using testing::UniquePrefix;
 using Action = HttpFaultHook::Action;
 using Decision = HttpFaultHook::Decision;
 
-#define S3_ASSERT_OK(expr)                                               \
-  do {                                                                   \
-    const ::tessera::Status _s = ::tessera::internal::GetStatus(expr);  \
-    ASSERT_TRUE(_s.ok()) << #expr << ": " << _s.ToString();             \
+#define S3_ASSERT_OK(expr)                                             \
+  do {                                                                 \
+    const ::tessera::Status _s = ::tessera::internal::GetStatus(expr); \
+    ASSERT_TRUE(_s.ok()) << #expr << ": " << _s.ToString();            \
   } while (0)
 
-uint64_t Requests(const S3Client& c, S3Op op) { return c.stats().requests[static_cast<size_t>(op)]; }
+uint64_t Requests(const S3Client& c, S3Op op) {
+  return c.stats().requests[static_cast<size_t>(op)];
+}
 
 std::span<const std::byte> Span(const std::vector<std::byte>& v) { return v; }
 
@@ -44,7 +46,8 @@ class S3ClientTest : public ::testing::Test {
   void SetUp() override {
     Result<MotoServer*> server = SharedMotoServer();
     // No skipping: a missing server fails every S3 test, loudly.
-    ASSERT_TRUE(server.ok()) << "could not start the S3 test server: " << server.status().ToString();
+    ASSERT_TRUE(server.ok()) << "could not start the S3 test server: "
+                             << server.status().ToString();
     server_ = *server;
     bucket_ = server_->bucket();
     prefix_ = UniquePrefix() + "/";
@@ -106,7 +109,8 @@ TEST_F(S3ClientTest, ServerEnforcesSignaturesAndAWrongSecretFailsAtOnce) {
 }
 
 TEST_F(S3ClientTest, AnUnknownAccessKeyFailsAtOnce) {
-  auto bad = NewClient([](S3ClientOptions& o) { o.config.credentials.access_key_id = "AKIDUNKNOWN"; });
+  auto bad =
+      NewClient([](S3ClientOptions& o) { o.config.credentials.access_key_id = "AKIDUNKNOWN"; });
   const Result<ListPage> page = bad->ListObjectsPage(bucket_, prefix_, "/", "");
   ASSERT_FALSE(page.ok());
   EXPECT_THAT(page.status().message(), HasSubstr("HTTP 403 InvalidAccessKeyId"));
@@ -129,13 +133,13 @@ TEST_F(S3ClientTest, AccessDeniedIsClearAndNotRetried) {
   // moto enforces IAM policies: a user without any policy is denied.
   auto setup = NewClient();
   S3Call create{.op = S3Op::kOther, .method = "POST", .service = "iam"};
-  const std::string body = "Action=CreateUser&UserName=nobody-" + UniquePrefix() +
-                           "&Version=2010-05-08";
+  const std::string body =
+      "Action=CreateUser&UserName=nobody-" + UniquePrefix() + "&Version=2010-05-08";
   create.body = std::as_bytes(std::span<const char>(body.data(), body.size()));
   create.headers = {{"Content-Type", "application/x-www-form-urlencoded"}};
   S3_ASSERT_OK(setup->Execute(create).status);
-  const std::string user = body.substr(body.find("UserName=") + 9,
-                                       body.find("&Version") - body.find("UserName=") - 9);
+  const std::string user =
+      body.substr(body.find("UserName=") + 9, body.find("&Version") - body.find("UserName=") - 9);
   const std::string key_body = "Action=CreateAccessKey&UserName=" + user + "&Version=2010-05-08";
   create.body = std::as_bytes(std::span<const char>(key_body.data(), key_body.size()));
   S3CallResult made = setup->Execute(create);
@@ -158,25 +162,45 @@ TEST_F(S3ClientTest, AccessDeniedIsClearAndNotRetried) {
 // keys with spaces and escapes, queries, ranges, conditional headers, a session token.
 TEST_F(S3ClientTest, BotocoreComputesTheSameSignatures) {
   auto client = NewClient([](S3ClientOptions& o) {
-    o.config.credentials = Credentials{"AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
-                                       "session/token+="};
+    o.config.credentials =
+        Credentials{"AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", "session/token+="};
     o.config.region = "eu-west-3";
     o.config.endpoint_url = "https://objects.example.com:9443/base";
   });
   const std::string body = "<Delete><Object><Key>a</Key></Object></Delete>";
   const auto bytes = std::as_bytes(std::span<const char>(body.data(), body.size()));
   std::vector<S3Call> calls = {
-      {.op = S3Op::kGet, .method = "GET", .bucket = "b", .key = "dir/a b+c%d~e=f.safetensors",
+      {.op = S3Op::kGet,
+       .method = "GET",
+       .bucket = "b",
+       .key = "dir/a b+c%d~e=f.safetensors",
        .headers = {{"Range", "bytes=10-19"}, {"If-Match", "\"abc\""}}},
-      {.op = S3Op::kPut, .method = "PUT", .bucket = "b", .key = "x/\xc3\xa9t\xc3\xa9 (1).bin",
-       .headers = {{"If-None-Match", "*"}, {"x-amz-checksum-crc32c", "AAAAAA=="}}, .body = bytes},
-      {.op = S3Op::kList, .method = "GET", .bucket = "b",
-       .query = {{"list-type", "2"}, {"prefix", "ckpt/step 1/"}, {"delimiter", "/"},
-                 {"continuation-token", "a+b/c=="}, {"encoding-type", "url"}}},
-      {.op = S3Op::kUploadPart, .method = "PUT", .bucket = "b", .key = "k",
-       .query = {{"partNumber", "7"}, {"uploadId", "x~y/z"}}, .body = bytes},
-      {.op = S3Op::kDeleteObjects, .method = "POST", .bucket = "b", .query = {{"delete", ""}},
-       .headers = {{"Content-Type", "application/xml"}}, .body = bytes},
+      {.op = S3Op::kPut,
+       .method = "PUT",
+       .bucket = "b",
+       .key = "x/\xc3\xa9t\xc3\xa9 (1).bin",
+       .headers = {{"If-None-Match", "*"}, {"x-amz-checksum-crc32c", "AAAAAA=="}},
+       .body = bytes},
+      {.op = S3Op::kList,
+       .method = "GET",
+       .bucket = "b",
+       .query = {{"list-type", "2"},
+                 {"prefix", "ckpt/step 1/"},
+                 {"delimiter", "/"},
+                 {"continuation-token", "a+b/c=="},
+                 {"encoding-type", "url"}}},
+      {.op = S3Op::kUploadPart,
+       .method = "PUT",
+       .bucket = "b",
+       .key = "k",
+       .query = {{"partNumber", "7"}, {"uploadId", "x~y/z"}},
+       .body = bytes},
+      {.op = S3Op::kDeleteObjects,
+       .method = "POST",
+       .bucket = "b",
+       .query = {{"delete", ""}},
+       .headers = {{"Content-Type", "application/xml"}},
+       .body = bytes},
   };
   nlohmann::json requests = nlohmann::json::array();
   std::vector<std::string> ours;
@@ -193,9 +217,11 @@ TEST_F(S3ClientTest, BotocoreComputesTheSameSignatures) {
       }
     }
     ours.push_back(authorization.substr(authorization.find("Signature=") + 10));
-    requests.push_back({{"method", r.method}, {"url", r.url}, {"headers", headers},
-                        {"body", std::string(reinterpret_cast<const char*>(r.body.data()),
-                                             r.body.size())}});
+    requests.push_back(
+        {{"method", r.method},
+         {"url", r.url},
+         {"headers", headers},
+         {"body", std::string(reinterpret_cast<const char*>(r.body.data()), r.body.size())}});
   }
   const std::string script = R"(
 import json, sys
@@ -264,7 +290,8 @@ TEST_F(S3ClientTest, CreateOnlyPutHasExactlyOneWinner) {
   std::vector<Status> results(kRacers);
   std::vector<std::thread> threads;
   for (int i = 0; i < kRacers; ++i) {
-    threads.emplace_back([&, i] { results[i] = client_->PutObject(bucket_, key, contents[i], true); });
+    threads.emplace_back(
+        [&, i] { results[i] = client_->PutObject(bucket_, key, contents[i], true); });
   }
   for (auto& t : threads) t.join();
   int winner = -1;
@@ -285,10 +312,11 @@ TEST_F(S3ClientTest, CreateOnlyPutHasExactlyOneWinner) {
 }
 
 TEST_F(S3ClientTest, ListingPaginatesAndDecodesKeys) {
-  const std::vector<std::string> names = {"a", "b c", "d+e", "f%20g", "\xc3\xa9t\xc3\xa9",
-                                          "sub/x", "sub/y", "sub2/z/deep", "h&i<j>"};
+  const std::vector<std::string> names = {
+      "a", "b c", "d+e", "f%20g", "\xc3\xa9t\xc3\xa9", "sub/x", "sub/y", "sub2/z/deep", "h&i<j>"};
   const std::vector<std::byte> one = Pattern(1, 5);
-  for (const std::string& n : names) S3_ASSERT_OK(client_->PutObject(bucket_, prefix_ + n, one, false));
+  for (const std::string& n : names)
+    S3_ASSERT_OK(client_->PutObject(bucket_, prefix_ + n, one, false));
   Result<ListResult> all = client_->ListObjects(bucket_, prefix_, "");
   ASSERT_TRUE(all.ok()) << all.status().ToString();
   std::vector<std::string> keys;
@@ -304,8 +332,7 @@ TEST_F(S3ClientTest, ListingPaginatesAndDecodesKeys) {
   Result<ListResult> level = client_->ListObjects(bucket_, prefix_, "/");
   ASSERT_TRUE(level.ok());
   EXPECT_EQ(level->objects.size(), 6u);
-  EXPECT_THAT(level->common_prefixes,
-              ::testing::ElementsAre(prefix_ + "sub/", prefix_ + "sub2/"));
+  EXPECT_THAT(level->common_prefixes, ::testing::ElementsAre(prefix_ + "sub/", prefix_ + "sub2/"));
   EXPECT_EQ(Requests(*client_, S3Op::kList), 1u);
 
   // Paginated: 3 a page.
@@ -344,7 +371,8 @@ TEST_F(S3ClientTest, DeleteObjectsInBatchesOfAThousand) {
   Result<ListResult> left = client_->ListObjects(bucket_, prefix_, "");
   ASSERT_TRUE(left.ok());
   EXPECT_TRUE(left->objects.empty());
-  S3_ASSERT_OK(client_->DeleteObject(bucket_, prefix_ + "never-existed"));  // S3's idempotent DELETE
+  S3_ASSERT_OK(
+      client_->DeleteObject(bucket_, prefix_ + "never-existed"));  // S3's idempotent DELETE
 }
 
 // ---- multipart -----------------------------------------------------------------------------
@@ -401,14 +429,14 @@ TEST_F(S3ClientTest, AWriterDestroyedUnfinishedPublishesNothing) {
 // ---- faults --------------------------------------------------------------------------------
 
 TEST_F(S3ClientTest, SlowDownBurstsAreRetriedWithBackoff) {
-  auto faults = std::make_shared<ScriptedFaults>([](const HttpRequest&, const std::string& kind,
-                                                    int nth) {
-    // The first three tries of every request of these kinds are throttled.
-    if ((kind == "PutObject" || kind == "UploadPart" || kind == "GetObject") && nth % 4 < 3) {
-      return testing::S3ErrorReply(503, "SlowDown");
-    }
-    return Decision{};
-  });
+  auto faults =
+      std::make_shared<ScriptedFaults>([](const HttpRequest&, const std::string& kind, int nth) {
+        // The first three tries of every request of these kinds are throttled.
+        if ((kind == "PutObject" || kind == "UploadPart" || kind == "GetObject") && nth % 4 < 3) {
+          return testing::S3ErrorReply(503, "SlowDown");
+        }
+        return Decision{};
+      });
   auto client = NewClient([&](S3ClientOptions& o) { o.http.fault_hook = faults; });
   const std::string key = prefix_ + "throttled";
   const std::vector<std::byte> data = Pattern(100, 11);
@@ -420,9 +448,10 @@ TEST_F(S3ClientTest, SlowDownBurstsAreRetriedWithBackoff) {
 }
 
 TEST_F(S3ClientTest, RetriesAreBoundedThenTheErrorNamesEverything) {
-  auto faults = std::make_shared<ScriptedFaults>([](const HttpRequest&, const std::string& kind, int) {
-    return kind == "UploadPart" ? testing::S3ErrorReply(503, "SlowDown") : Decision{};
-  });
+  auto faults =
+      std::make_shared<ScriptedFaults>([](const HttpRequest&, const std::string& kind, int) {
+        return kind == "UploadPart" ? testing::S3ErrorReply(503, "SlowDown") : Decision{};
+      });
   auto client = NewClient([&](S3ClientOptions& o) {
     o.http.fault_hook = faults;
     o.retry.max_attempts = 4;
@@ -467,13 +496,13 @@ TEST_F(S3ClientTest, RetriesStopAtTheTimeBudget) {
 }
 
 TEST_F(S3ClientTest, APartThatKeepsFailingAbortsTheUpload) {
-  auto faults = std::make_shared<ScriptedFaults>([](const HttpRequest& r, const std::string& kind,
-                                                    int) {
-    if (kind == "UploadPart" && r.url.find("partNumber=2&") != std::string::npos) {
-      return testing::S3ErrorReply(500, "InternalError");
-    }
-    return Decision{};
-  });
+  auto faults =
+      std::make_shared<ScriptedFaults>([](const HttpRequest& r, const std::string& kind, int) {
+        if (kind == "UploadPart" && r.url.find("partNumber=2&") != std::string::npos) {
+          return testing::S3ErrorReply(500, "InternalError");
+        }
+        return Decision{};
+      });
   auto client = NewClient([&](S3ClientOptions& o) {
     o.http.fault_hook = faults;
     o.retry.max_attempts = 3;
@@ -493,10 +522,10 @@ TEST_F(S3ClientTest, APartThatKeepsFailingAbortsTheUpload) {
 // A create-only PUT whose reply is lost: the retry meets its own object (412) and recognises
 // it by its checksum; a different object is still kAlreadyExists.
 TEST_F(S3ClientTest, ALostReplyToACreateOnlyPutIsRecognisedAsOurs) {
-  auto faults = std::make_shared<ScriptedFaults>([](const HttpRequest&, const std::string& kind,
-                                                    int nth) {
-    return kind == "PutObject" && nth == 0 ? Decision{Action::kResetAfterSend} : Decision{};
-  });
+  auto faults =
+      std::make_shared<ScriptedFaults>([](const HttpRequest&, const std::string& kind, int nth) {
+        return kind == "PutObject" && nth == 0 ? Decision{Action::kResetAfterSend} : Decision{};
+      });
   auto client = NewClient([&](S3ClientOptions& o) { o.http.fault_hook = faults; });
   const std::string key = prefix_ + "lost-reply";
   const std::vector<std::byte> data = Pattern(5000, 14);
@@ -507,11 +536,11 @@ TEST_F(S3ClientTest, ALostReplyToACreateOnlyPutIsRecognisedAsOurs) {
 }
 
 TEST_F(S3ClientTest, ALostReplyToACreateOnlyCompletionIsRecognisedAsOurs) {
-  auto faults = std::make_shared<ScriptedFaults>([](const HttpRequest&, const std::string& kind,
-                                                    int nth) {
-    return kind == "CompleteMultipartUpload" && nth == 0 ? Decision{Action::kResetAfterSend}
-                                                         : Decision{};
-  });
+  auto faults =
+      std::make_shared<ScriptedFaults>([](const HttpRequest&, const std::string& kind, int nth) {
+        return kind == "CompleteMultipartUpload" && nth == 0 ? Decision{Action::kResetAfterSend}
+                                                             : Decision{};
+      });
   auto client = NewClient([&](S3ClientOptions& o) { o.http.fault_hook = faults; });
   const std::string key = prefix_ + "lost-complete";
   const std::vector<std::byte> data = Pattern(12u << 20, 16);
@@ -526,11 +555,11 @@ TEST_F(S3ClientTest, ALostReplyToACreateOnlyCompletionIsRecognisedAsOurs) {
 // upload it left is found and aborted by the cleanup.
 TEST_F(S3ClientTest, ACrashBetweenPartsAndCompletionLeavesNoObject) {
   std::atomic<bool> crashed{false};
-  auto faults = std::make_shared<ScriptedFaults>([&](const HttpRequest&, const std::string& kind,
-                                                     int) {
-    if (kind == "CompleteMultipartUpload") crashed = true;
-    return crashed ? Decision{Action::kReset} : Decision{};  // nothing leaves a dead process
-  });
+  auto faults =
+      std::make_shared<ScriptedFaults>([&](const HttpRequest&, const std::string& kind, int) {
+        if (kind == "CompleteMultipartUpload") crashed = true;
+        return crashed ? Decision{Action::kReset} : Decision{};  // nothing leaves a dead process
+      });
   auto client = NewClient([&](S3ClientOptions& o) {
     o.http.fault_hook = faults;
     o.retry.max_attempts = 2;
@@ -561,7 +590,8 @@ TEST_F(S3ClientTest, ACrashBetweenPartsAndCompletionLeavesNoObject) {
 TEST_F(S3ClientTest, AConnectionResetInsideAPartIsRetried) {
   Result<std::unique_ptr<FaultProxy>> proxy = FaultProxy::Start(server_->port());
   ASSERT_TRUE(proxy.ok()) << proxy.status().ToString();
-  auto client = NewClient([&](S3ClientOptions& o) { o.config.endpoint_url = (*proxy)->endpoint(); });
+  auto client =
+      NewClient([&](S3ClientOptions& o) { o.config.endpoint_url = (*proxy)->endpoint(); });
   const std::string key = prefix_ + "reset";
   const std::vector<std::byte> data = Pattern(12u << 20, 18);
   (*proxy)->ResetAfterClientBytes(7u << 20);  // inside the second part's body
@@ -641,7 +671,8 @@ TEST(S3ClientOptionsTest, PartSizesAndEndpointsAreChecked) {
   Result<std::shared_ptr<S3Client>> c = S3Client::Create(o);
   ASSERT_TRUE(c.ok());
   EXPECT_EQ((*c)->BuildRequest(S3Call{.method = "GET", .bucket = "b", .key = "k"},
-                               std::chrono::system_clock::now()).url,
+                               std::chrono::system_clock::now())
+                .url,
             "https://minio.local/b/k");
   // Parts double every 1000 so that 10,000 parts hold large objects.
   EXPECT_EQ((*c)->PartBytes(1), 8u << 20);
@@ -654,10 +685,12 @@ TEST(S3ClientOptionsTest, PartSizesAndEndpointsAreChecked) {
   c = S3Client::Create(o);
   ASSERT_TRUE(c.ok());
   EXPECT_EQ((*c)->BuildRequest(S3Call{.method = "GET", .bucket = "my-bucket", .key = "k"},
-                               std::chrono::system_clock::now()).url,
+                               std::chrono::system_clock::now())
+                .url,
             "https://my-bucket.s3.eu-west-1.amazonaws.com/k");
   EXPECT_EQ((*c)->BuildRequest(S3Call{.method = "GET", .bucket = "my.dotted.bucket", .key = "k"},
-                               std::chrono::system_clock::now()).url,
+                               std::chrono::system_clock::now())
+                .url,
             "https://s3.eu-west-1.amazonaws.com/my.dotted.bucket/k");
 }
 

@@ -64,8 +64,8 @@ struct Files {
 
 Result<Files> ReadFiles(const GetEnv& getenv) {
   Files files;
-  files.credentials_path = ExpandHome(
-      Var(getenv, "AWS_SHARED_CREDENTIALS_FILE").value_or("~/.aws/credentials"), getenv);
+  files.credentials_path =
+      ExpandHome(Var(getenv, "AWS_SHARED_CREDENTIALS_FILE").value_or("~/.aws/credentials"), getenv);
   files.config_path = ExpandHome(Var(getenv, "AWS_CONFIG_FILE").value_or("~/.aws/config"), getenv);
   for (auto [path, ini] : {std::pair{&files.credentials_path, &files.credentials},
                            std::pair{&files.config_path, &files.config}}) {
@@ -78,7 +78,7 @@ Result<Files> ReadFiles(const GetEnv& getenv) {
 
 // The profile's section of the config file ("default" or "profile NAME"), or null.
 const std::map<std::string, std::string>* ConfigSection(const Files& files,
-                                                       const std::string& profile) {
+                                                        const std::string& profile) {
   auto it = files.config.find("profile " + profile);
   if (it == files.config.end() && profile == "default") it = files.config.find("default");
   return it == files.config.end() ? nullptr : &it->second;
@@ -118,8 +118,8 @@ Result<std::optional<Credentials>> CredentialsFrom(const std::map<std::string, s
   return std::optional<Credentials>(Credentials{id, secret, Get(s, "aws_session_token")});
 }
 
-Status ResolveCredentials(const S3Overrides& overrides, const GetEnv& getenv,
-                          const Files& files, bool explicit_profile, S3Config& config) {
+Status ResolveCredentials(const S3Overrides& overrides, const GetEnv& getenv, const Files& files,
+                          bool explicit_profile, S3Config& config) {
   if (overrides.credentials) {
     config.credentials = *overrides.credentials;
     config.credentials_source = "the caller";
@@ -161,13 +161,14 @@ Status ResolveCredentials(const S3Overrides& overrides, const GetEnv& getenv,
   }
   return FailedPrecondition(
       "no AWS credentials found for S3: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or give "
-      "profile '" + profile + "' aws_access_key_id and aws_secret_access_key in " +
-      files.credentials_path + " or " + files.config_path +
+      "profile '" +
+      profile + "' aws_access_key_id and aws_secret_access_key in " + files.credentials_path +
+      " or " + files.config_path +
       " (instance metadata, SSO and credential_process are not supported)");
 }
 
-std::string ResolveEndpoint(const S3Overrides& overrides, const GetEnv& getenv,
-                            const Files& files, const std::map<std::string, std::string>* section) {
+std::string ResolveEndpoint(const S3Overrides& overrides, const GetEnv& getenv, const Files& files,
+                            const std::map<std::string, std::string>* section) {
   if (!overrides.endpoint_url.empty()) return overrides.endpoint_url;
   if (Lower(Var(getenv, "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS").value_or("")) == "true") return "";
   for (const char* name : {"AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"}) {
@@ -239,19 +240,18 @@ Result<IniFile> ParseAwsIni(const std::string& text, const std::string& file_nam
 Result<S3Config> ResolveS3Config(const S3Overrides& overrides, const GetEnv& getenv) {
   S3Config config;
   const bool explicit_profile = !overrides.profile.empty();
-  config.profile = explicit_profile ? overrides.profile
-                                    : Var(getenv, "AWS_PROFILE")
-                                          .value_or(Var(getenv, "AWS_DEFAULT_PROFILE")
-                                                        .value_or("default"));
+  config.profile = explicit_profile
+                       ? overrides.profile
+                       : Var(getenv, "AWS_PROFILE")
+                             .value_or(Var(getenv, "AWS_DEFAULT_PROFILE").value_or("default"));
   TESSERA_ASSIGN_OR_RETURN(Files files, ReadFiles(getenv));
   const auto* section = ConfigSection(files, config.profile);
   if (explicit_profile && section == nullptr &&
       files.credentials.find(config.profile) == files.credentials.end()) {
-    return NotFound("AWS profile '" + config.profile + "' is in neither " +
-                    files.credentials_path + " nor " + files.config_path);
+    return NotFound("AWS profile '" + config.profile + "' is in neither " + files.credentials_path +
+                    " nor " + files.config_path);
   }
-  TESSERA_RETURN_IF_ERROR(
-      ResolveCredentials(overrides, getenv, files, explicit_profile, config));
+  TESSERA_RETURN_IF_ERROR(ResolveCredentials(overrides, getenv, files, explicit_profile, config));
 
   config.region = overrides.region;
   for (const char* name : {"AWS_REGION", "AWS_DEFAULT_REGION"}) {

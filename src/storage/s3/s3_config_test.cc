@@ -45,7 +45,8 @@ TEST_F(S3ConfigTest, EnvironmentCredentialsComeFirst) {
   env_["AWS_ACCESS_KEY_ID"] = "AKIDENV";
   env_["AWS_SECRET_ACCESS_KEY"] = "secret-env";
   env_["AWS_SESSION_TOKEN"] = "token";
-  WriteFile(".aws/credentials", "[default]\naws_access_key_id = AKIDFILE\naws_secret_access_key = f\n");
+  WriteFile(".aws/credentials",
+            "[default]\naws_access_key_id = AKIDFILE\naws_secret_access_key = f\n");
   Result<S3Config> c = Resolve();
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->credentials.access_key_id, "AKIDENV");
@@ -100,7 +101,8 @@ TEST_F(S3ConfigTest, ProfilesFromTheCredentialsAndConfigFiles) {
 TEST_F(S3ConfigTest, AnExplicitProfileIgnoresEnvironmentCredentials) {
   env_["AWS_ACCESS_KEY_ID"] = "AKIDENV";
   env_["AWS_SECRET_ACCESS_KEY"] = "e";
-  WriteFile(".aws/credentials", "[train]\naws_access_key_id = AKIDTRAIN\naws_secret_access_key = t\n");
+  WriteFile(".aws/credentials",
+            "[train]\naws_access_key_id = AKIDTRAIN\naws_secret_access_key = t\n");
   Result<S3Config> c = Resolve(S3Overrides{.profile = "train"});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->credentials.access_key_id, "AKIDTRAIN");
@@ -148,8 +150,9 @@ TEST_F(S3ConfigTest, RegionAndEndpointPrecedence) {
 }
 
 TEST_F(S3ConfigTest, UnsupportedAndMissingCredentialsAreNamed) {
-  WriteFile(".aws/config", "[profile sso]\nsso_session = corp\nregion = us-east-1\n"
-                           "[profile role]\nrole_arn = arn:aws:iam::1:role/x\n");
+  WriteFile(".aws/config",
+            "[profile sso]\nsso_session = corp\nregion = us-east-1\n"
+            "[profile role]\nrole_arn = arn:aws:iam::1:role/x\n");
   env_["AWS_PROFILE"] = "role";
   Result<S3Config> c = Resolve();
   EXPECT_EQ(c.status().code(), StatusCode::kUnimplemented);

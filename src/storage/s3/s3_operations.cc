@@ -120,7 +120,8 @@ Status S3Client::GetRange(const std::string& bucket, const std::string& key, uin
     if ((r.response.status != 206 && !whole) || r.response.body_bytes != into.size()) {
       return DataLoss(Uri(bucket, key) + " bytes " + std::to_string(at) + "-" +
                       std::to_string(last) + ": HTTP " + std::to_string(r.response.status) +
-                      " with " + std::to_string(r.response.body_bytes) + " bytes (object shorter "
+                      " with " + std::to_string(r.response.body_bytes) +
+                      " bytes (object shorter "
                       "than when opened; truncated?)");
     }
     return Status::Ok();
@@ -135,7 +136,8 @@ Status S3Client::GetRange(const std::string& bucket, const std::string& key, uin
   for (size_t i = 1; i < count; ++i) {
     pool_->Submit([&, i] {
       const uint64_t begin = i * chunk;
-      statuses[i] = one(offset + begin, dst.subspan(begin, std::min<uint64_t>(chunk, dst.size() - begin)));
+      statuses[i] =
+          one(offset + begin, dst.subspan(begin, std::min<uint64_t>(chunk, dst.size() - begin)));
       done.CountDown();
     });
   }
@@ -165,8 +167,8 @@ Status S3Client::PutObject(const std::string& bucket, const std::string& key,
     if (there.ok() && there->size == bytes.size() &&
         (there->checksum_crc32c.empty()
              ? Unquote(there->etag) ==
-                   Md5Hex(std::span<const uint8_t>(
-                       reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()))
+                   Md5Hex(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()),
+                                                   bytes.size()))
              : there->checksum_crc32c == crc)) {
       return Status::Ok();
     }
@@ -185,8 +187,8 @@ Status S3Client::DeleteObjects(const std::string& bucket, const std::vector<std:
     const std::vector<std::string> batch(keys.begin() + begin,
                                          keys.begin() + std::min(keys.size(), begin + 1000));
     const std::string body = DeleteObjectsBody(batch);
-    S3Call call{.op = S3Op::kDeleteObjects, .method = "POST", .bucket = bucket,
-                .body = AsBytes(body)};
+    S3Call call{
+        .op = S3Op::kDeleteObjects, .method = "POST", .bucket = bucket, .body = AsBytes(body)};
     call.query = {{"delete", ""}};
     // S3 requires Content-MD5 or a checksum on this request.
     call.headers = {{"Content-Type", "application/xml"},
@@ -197,8 +199,8 @@ Status S3Client::DeleteObjects(const std::string& bucket, const std::vector<std:
     TESSERA_ASSIGN_OR_RETURN(std::vector<DeleteError> errors, ParseDeleteResult(r.response.body));
     if (!errors.empty()) {
       return IOError("S3 DeleteObjects: " + Uri(bucket, errors[0].key) + ": " + errors[0].code +
-                     ": " + errors[0].message + " (" + std::to_string(errors.size()) +
-                     " keys of " + std::to_string(batch.size()) + " not deleted)");
+                     ": " + errors[0].message + " (" + std::to_string(errors.size()) + " keys of " +
+                     std::to_string(batch.size()) + " not deleted)");
     }
   }
   return Status::Ok();
@@ -208,10 +210,13 @@ Result<ListPage> S3Client::ListObjectsPage(const std::string& bucket, const std:
                                            const std::string& delimiter,
                                            const std::string& continuation_token, int max_keys) {
   S3Call call{.op = S3Op::kList, .method = "GET", .bucket = bucket};
-  call.query = {{"list-type", "2"}, {"encoding-type", "url"},
-                {"max-keys", std::to_string(max_keys)}, {"prefix", prefix}};
+  call.query = {{"list-type", "2"},
+                {"encoding-type", "url"},
+                {"max-keys", std::to_string(max_keys)},
+                {"prefix", prefix}};
   if (!delimiter.empty()) call.query.emplace_back("delimiter", delimiter);
-  if (!continuation_token.empty()) call.query.emplace_back("continuation-token", continuation_token);
+  if (!continuation_token.empty())
+    call.query.emplace_back("continuation-token", continuation_token);
   S3CallResult r = Execute(call);
   if (!r.status.ok()) {
     return r.status.WithContext("listing " + Uri(bucket, prefix) + "*");
@@ -254,8 +259,8 @@ Result<CompletedPart> S3Client::UploadPart(const std::string& bucket, const std:
                                            std::span<const std::byte> bytes,
                                            uint64_t object_offset) {
   CompletedPart part{.number = number, .checksum_crc32c = Crc32cBase64(Crc32c(bytes))};
-  S3Call call{.op = S3Op::kUploadPart, .method = "PUT", .bucket = bucket, .key = key,
-              .body = bytes};
+  S3Call call{
+      .op = S3Op::kUploadPart, .method = "PUT", .bucket = bucket, .key = key, .body = bytes};
   call.query = {{"partNumber", std::to_string(number)}, {"uploadId", upload_id}};
   if (!bytes.empty()) call.range = std::pair{object_offset, object_offset + bytes.size() - 1};
   call.headers = {{"x-amz-checksum-crc32c", part.checksum_crc32c},
@@ -276,7 +281,10 @@ Status S3Client::CompleteMultipartUpload(const std::string& bucket, const std::s
                                          const std::vector<CompletedPart>& parts, bool create_only,
                                          uint64_t size) {
   const std::string body = CompleteMultipartUploadBody(parts);
-  S3Call call{.op = S3Op::kCompleteMultipart, .method = "POST", .bucket = bucket, .key = key,
+  S3Call call{.op = S3Op::kCompleteMultipart,
+              .method = "POST",
+              .bucket = bucket,
+              .key = key,
               .body = AsBytes(body)};
   call.query = {{"uploadId", upload_id}};
   // Without it the server may not read the body at all (moto answers 500).
@@ -372,9 +380,10 @@ Result<int> S3Client::AbortIncompleteUploads(const std::string& bucket, const st
 Status S3Client::CreateBucket(const std::string& bucket) {
   std::string body;
   if (options_.config.region != "us-east-1") {
-    body = "<CreateBucketConfiguration xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">"
-           "<LocationConstraint>" + options_.config.region +
-           "</LocationConstraint></CreateBucketConfiguration>";
+    body =
+        "<CreateBucketConfiguration xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">"
+        "<LocationConstraint>" +
+        options_.config.region + "</LocationConstraint></CreateBucketConfiguration>";
   }
   S3Call call{.op = S3Op::kOther, .method = "PUT", .bucket = bucket, .body = AsBytes(body)};
   return Execute(call).status;

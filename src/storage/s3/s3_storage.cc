@@ -27,8 +27,8 @@ class S3WritableFile : public WritableFile {
     if (offset != writer_.size()) {
       return Unimplemented("write to " + path_ + " at offset " + std::to_string(offset) +
                            ": objects on S3 are written front to back and the next byte is at "
-                           "offset " + std::to_string(writer_.size()) +
-                           " (S3 has no positional writes)");
+                           "offset " +
+                           std::to_string(writer_.size()) + " (S3 has no positional writes)");
     }
     failed_ = writer_.Append(std::span<const std::byte>(static_cast<const std::byte*>(data), n))
                   .WithContext("writing " + path_);
@@ -162,8 +162,8 @@ Result<std::shared_ptr<S3Storage>> S3Storage::Open(const S3StorageOptions& optio
     if (options.access_key_id.empty() || options.secret_access_key.empty()) {
       return InvalidArgument("S3 storage: give both access_key_id and secret_access_key");
     }
-    overrides.credentials = s3::Credentials{options.access_key_id, options.secret_access_key,
-                                            options.session_token};
+    overrides.credentials =
+        s3::Credentials{options.access_key_id, options.secret_access_key, options.session_token};
   }
   if (!options.addressing_style.empty()) {
     bool ok = false;
@@ -243,8 +243,7 @@ Result<std::unique_ptr<WritableFile>> S3Storage::NewWritableFile(const std::stri
     }
     TESSERA_RETURN_IF_ERROR_CTX(CheckBucket(), "open " + path + " for writing");
   }
-  return std::unique_ptr<WritableFile>(
-      new S3WritableFile(client_, bucket_, key, path, exclusive));
+  return std::unique_ptr<WritableFile>(new S3WritableFile(client_, bucket_, key, path, exclusive));
 }
 
 Result<std::unique_ptr<ReadableFile>> S3Storage::NewReadableFile(const std::string& path) {

@@ -16,15 +16,15 @@
 namespace tessera {
 namespace {
 
+using s3::testing::Pattern;
+using s3::testing::ScriptedFaults;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
-using s3::testing::Pattern;
-using s3::testing::ScriptedFaults;
 using Decision = s3::HttpFaultHook::Decision;
 
-#define S3S_ASSERT_OK(expr)                                             \
-  do {                                                                  \
+#define S3S_ASSERT_OK(expr)                                            \
+  do {                                                                 \
     const ::tessera::Status _s = ::tessera::internal::GetStatus(expr); \
     ASSERT_TRUE(_s.ok()) << #expr << ": " << _s.ToString();            \
   } while (0)
@@ -33,7 +33,8 @@ class S3StorageTest : public ::testing::Test {
  protected:
   void SetUp() override {
     Result<s3::testing::MotoServer*> server = s3::testing::SharedMotoServer();
-    ASSERT_TRUE(server.ok()) << "could not start the S3 test server: " << server.status().ToString();
+    ASSERT_TRUE(server.ok()) << "could not start the S3 test server: "
+                             << server.status().ToString();
     server_ = *server;
     root_ = s3::testing::UniquePrefix();
     storage_ = NewStorage();
@@ -245,7 +246,7 @@ TEST_F(S3StorageTest, DirectoriesAreKeyPrefixes) {
   EXPECT_EQ(TypeOf(Path("d/sub")), FileType::kDirectory);
   EXPECT_EQ(TypeOf(Path("a")), FileType::kFile);
   EXPECT_EQ(TypeOf(Path("d/su")), FileType::kNotFound);  // a prefix, not a path component
-  EXPECT_EQ(TypeOf(""), FileType::kDirectory);            // the bucket
+  EXPECT_EQ(TypeOf(""), FileType::kDirectory);           // the bucket
 
   EXPECT_EQ(storage_->Remove(Path("d/sub")).code(), StatusCode::kIOError);
   EXPECT_EQ(storage_->Remove(Path("d/nope")).code(), StatusCode::kNotFound);
@@ -265,8 +266,9 @@ TEST_F(S3StorageTest, ListingsPageThroughManyEntries) {
     threads.emplace_back([&, t] {
       const std::vector<std::byte> one = Pattern(1, 8);
       for (int i = t; i < kFiles; i += 4) {
-        if (!storage_->Publish(Path("many/f" + std::to_string(i)), one, PublishMode::kCreateOnly,
-                               false).ok()) {
+        if (!storage_
+                 ->Publish(Path("many/f" + std::to_string(i)), one, PublishMode::kCreateOnly, false)
+                 .ok()) {
           ++failures;
         }
       }
@@ -295,12 +297,12 @@ TEST_F(S3StorageTest, AMissingBucketIsNamed) {
 // Throttling through the Storage interface: the file is written and read as if nothing
 // happened, and the retries show in the counters.
 TEST_F(S3StorageTest, ThrottledWritesAndReadsSucceed) {
-  auto faults = std::make_shared<ScriptedFaults>([](const s3::HttpRequest&,
-                                                    const std::string& kind, int nth) {
-    const bool data = kind == "UploadPart" || kind == "GetObject" || kind == "PutObject" ||
-                      kind == "CompleteMultipartUpload";
-    return data && nth % 3 != 2 ? s3::testing::S3ErrorReply(503, "SlowDown") : Decision{};
-  });
+  auto faults = std::make_shared<ScriptedFaults>(
+      [](const s3::HttpRequest&, const std::string& kind, int nth) {
+        const bool data = kind == "UploadPart" || kind == "GetObject" || kind == "PutObject" ||
+                          kind == "CompleteMultipartUpload";
+        return data && nth % 3 != 2 ? s3::testing::S3ErrorReply(503, "SlowDown") : Decision{};
+      });
   auto storage = NewStorage(faults);
   const std::vector<std::byte> data = Pattern(11u << 20, 9);
   S3S_ASSERT_OK(Write(*storage, Path("throttled"), data));
@@ -314,11 +316,11 @@ TEST_F(S3StorageTest, ThrottledWritesAndReadsSucceed) {
 // lost): no object is visible, listings show nothing, and the cleanup finds the upload.
 TEST_F(S3StorageTest, ACrashBeforeTheCompletionLeavesNoVisibleObject) {
   std::atomic<bool> dead{false};
-  auto faults = std::make_shared<ScriptedFaults>([&](const s3::HttpRequest&,
-                                                     const std::string& kind, int) {
-    if (kind == "CompleteMultipartUpload") dead = true;
-    return dead ? Decision{s3::HttpFaultHook::Action::kReset} : Decision{};
-  });
+  auto faults =
+      std::make_shared<ScriptedFaults>([&](const s3::HttpRequest&, const std::string& kind, int) {
+        if (kind == "CompleteMultipartUpload") dead = true;
+        return dead ? Decision{s3::HttpFaultHook::Action::kReset} : Decision{};
+      });
   auto storage = NewStorage(faults, /*max_attempts=*/2);
   const std::string path = Path("ckpt/data_0.safetensors");
   const Status s = Write(*storage, path, Pattern(11u << 20, 10));
@@ -338,12 +340,12 @@ TEST_F(S3StorageTest, ACrashBeforeTheCompletionLeavesNoVisibleObject) {
 // A part that fails for good: the write or the close fails naming the path, and the upload
 // is aborted.
 TEST_F(S3StorageTest, AFailedPartFailsTheFileAndAbortsItsUpload) {
-  auto faults = std::make_shared<ScriptedFaults>([](const s3::HttpRequest& r,
-                                                    const std::string& kind, int) {
-    return kind == "UploadPart" && r.url.find("partNumber=1&") != std::string::npos
-               ? s3::testing::S3ErrorReply(500, "InternalError")
-               : Decision{};
-  });
+  auto faults =
+      std::make_shared<ScriptedFaults>([](const s3::HttpRequest& r, const std::string& kind, int) {
+        return kind == "UploadPart" && r.url.find("partNumber=1&") != std::string::npos
+                   ? s3::testing::S3ErrorReply(500, "InternalError")
+                   : Decision{};
+      });
   auto storage = NewStorage(faults, /*max_attempts=*/2);
   const std::string path = Path("failing");
   auto w = storage->NewWritableFile(path);

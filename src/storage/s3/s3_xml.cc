@@ -41,12 +41,23 @@ Result<uint64_t> ParseSize(const std::string& s, const std::string& key) {
 void AppendEscaped(std::string& out, std::string_view s) {
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&apos;"; break;
-      default: out.push_back(c);
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&apos;";
+        break;
+      default:
+        out.push_back(c);
     }
   }
 }
@@ -151,8 +162,8 @@ Result<UploadListing> ParseListMultipartUploads(std::string_view body) {
   TESSERA_ASSIGN_OR_RETURN(pugi::xml_node root, Parse(doc, body, "ListMultipartUploadsResult"));
   UploadListing listing;
   for (pugi::xml_node u : root.children("Upload")) {
-    listing.uploads.push_back(UploadListing::Upload{UrlDecode(Text(u, "Key")),
-                                                    Text(u, "UploadId"), Text(u, "Initiated")});
+    listing.uploads.push_back(UploadListing::Upload{UrlDecode(Text(u, "Key")), Text(u, "UploadId"),
+                                                    Text(u, "Initiated")});
   }
   listing.truncated = IsTrue(root, "IsTruncated");
   listing.next_key_marker = UrlDecode(Text(root, "NextKeyMarker"));

@@ -20,7 +20,8 @@ TEST(S3XmlTest, ErrorBodies) {
   EXPECT_EQ(e.request_id, "4442587FB7D0A2F9");
   EXPECT_EQ(ParseErrorBody("").code, "");
   EXPECT_EQ(ParseErrorBody("<html>502 Bad Gateway</html>").code, "");
-  EXPECT_EQ(ParseErrorBody("<ErrorResponse><Error><Code>X</Code></Error></ErrorResponse>").code, "X");
+  EXPECT_EQ(ParseErrorBody("<ErrorResponse><Error><Code>X</Code></Error></ErrorResponse>").code,
+            "X");
 }
 
 TEST(S3XmlTest, ListObjectsV2WithUrlEncodedKeys) {
@@ -63,7 +64,8 @@ TEST(S3XmlTest, MalformedListingsAreDataLoss) {
 
 TEST(S3XmlTest, MultipartReplies) {
   Result<std::string> id = ParseInitiateMultipartUpload(
-      "<InitiateMultipartUploadResult><Bucket>b</Bucket><Key>k</Key><UploadId>VXBsb2FkIElE</UploadId>"
+      "<InitiateMultipartUploadResult><Bucket>b</Bucket><Key>k</Key><UploadId>VXBsb2FkIElE</"
+      "UploadId>"
       "</InitiateMultipartUploadResult>");
   ASSERT_TRUE(id.ok());
   EXPECT_EQ(*id, "VXBsb2FkIElE");
@@ -78,22 +80,25 @@ TEST(S3XmlTest, MultipartReplies) {
   EXPECT_TRUE(done->error.code.empty());
   // S3 can answer 200 with an error document when the completion fails late.
   Result<CompleteResult> late = ParseCompleteMultipartUpload(
-      "<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>");
+      "<Error><Code>InternalError</Code><Message>We encountered an internal "
+      "error.</Message></Error>");
   ASSERT_TRUE(late.ok());
   EXPECT_EQ(late->error.code, "InternalError");
 
   Result<UploadListing> uploads = ParseListMultipartUploads(
       "<ListMultipartUploadsResult><IsTruncated>true</IsTruncated>"
       "<NextKeyMarker>a%2Fb</NextKeyMarker><NextUploadIdMarker>u2</NextUploadIdMarker>"
-      "<Upload><Key>a%2Fb</Key><UploadId>u2</UploadId><Initiated>2010-11-10T20:48:33.000Z</Initiated>"
+      "<Upload><Key>a%2Fb</Key><UploadId>u2</UploadId><Initiated>2010-11-10T20:48:33.000Z</"
+      "Initiated>"
       "</Upload></ListMultipartUploadsResult>");
   ASSERT_TRUE(uploads.ok());
   ASSERT_EQ(uploads->uploads.size(), 1u);
   EXPECT_EQ(uploads->uploads[0].key, "a/b");
   EXPECT_EQ(uploads->next_key_marker, "a/b");
-  EXPECT_EQ(ParseListMultipartUploads(
-                "<ListMultipartUploadsResult><IsTruncated>true</IsTruncated></ListMultipartUploadsResult>")
-                .status().code(),
+  EXPECT_EQ(ParseListMultipartUploads("<ListMultipartUploadsResult><IsTruncated>true</"
+                                      "IsTruncated></ListMultipartUploadsResult>")
+                .status()
+                .code(),
             StatusCode::kDataLoss);
 }
 
@@ -121,7 +126,7 @@ TEST(S3XmlTest, RequestBodiesEscapeKeysAndEtags) {
 
 TEST(S3XmlTest, UrlDecode) {
   EXPECT_EQ(UrlDecode("a%20b+c%2Fd"), "a b c/d");
-  EXPECT_EQ(UrlDecode("100%"), "100%");   // a lone '%' stays
+  EXPECT_EQ(UrlDecode("100%"), "100%");    // a lone '%' stays
   EXPECT_EQ(UrlDecode("%zz%4"), "%zz%4");  // so do bad escapes
 }
 

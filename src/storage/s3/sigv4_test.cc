@@ -29,40 +29,51 @@ TEST(SigV4Test, AwsTestSuiteVectors) {
     const char* signature;
   };
   const Case cases[] = {
-      {"get-vanilla", "GET", {}, "5fa00fa31553b73ebf1942676e86291e8372ff2a2260956d9b8aae1d763fbf31"},
+      {"get-vanilla",
+       "GET",
+       {},
+       "5fa00fa31553b73ebf1942676e86291e8372ff2a2260956d9b8aae1d763fbf31"},
       {"get-vanilla-query-order-key-case",
        "GET",
        {{"Param2", "value2"}, {"Param1", "value1"}},
        "b97d918cfa904a5beff61c982a1b6f458b799221646efd99d3219ec94cdf2500"},
-      {"post-vanilla", "POST", {}, "5da7c1a2acd57cee7505fc6676e4e544621c30862966e37dddb68e92efbe5d6b"},
+      {"post-vanilla",
+       "POST",
+       {},
+       "5da7c1a2acd57cee7505fc6676e4e544621c30862966e37dddb68e92efbe5d6b"},
   };
   for (const Case& c : cases) {
-    SignableRequest r{.method = c.method, .canonical_uri = "/", .query = c.query,
-                      .headers = {{"Host", "example.amazonaws.com"},
-                                  {"X-Amz-Date", "20150830T123600Z"}},
-                      .payload_hash = kEmptySha256};
+    SignableRequest r{
+        .method = c.method,
+        .canonical_uri = "/",
+        .query = c.query,
+        .headers = {{"Host", "example.amazonaws.com"}, {"X-Amz-Date", "20150830T123600Z"}},
+        .payload_hash = kEmptySha256};
     const Signature s = SignV4(r, kSuite, {"us-east-1", "service"}, "20150830T123600Z");
     EXPECT_EQ(s.signature, c.signature) << c.name;
     EXPECT_EQ(s.authorization,
               "AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20150830/us-east-1/service/aws4_request, "
-              "SignedHeaders=host;x-amz-date, Signature=" + std::string(c.signature))
+              "SignedHeaders=host;x-amz-date, Signature=" +
+                  std::string(c.signature))
         << c.name;
   }
 }
 
 TEST(SigV4Test, S3DocumentationGetObject) {
-  SignableRequest r{.method = "GET", .canonical_uri = "/test.txt",
+  SignableRequest r{.method = "GET",
+                    .canonical_uri = "/test.txt",
                     .headers = {{"Host", "examplebucket.s3.amazonaws.com"},
                                 {"Range", "bytes=0-9"},
                                 {"x-amz-content-sha256", kEmptySha256},
                                 {"x-amz-date", "20130524T000000Z"}},
                     .payload_hash = kEmptySha256};
   const Signature s = SignV4(r, kS3Doc, {"us-east-1", "s3"}, "20130524T000000Z");
-  EXPECT_EQ(s.canonical_request,
-            "GET\n/test.txt\n\nhost:examplebucket.s3.amazonaws.com\nrange:bytes=0-9\n"
-            "x-amz-content-sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855\n"
-            "x-amz-date:20130524T000000Z\n\nhost;range;x-amz-content-sha256;x-amz-date\n"
-            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(
+      s.canonical_request,
+      "GET\n/test.txt\n\nhost:examplebucket.s3.amazonaws.com\nrange:bytes=0-9\n"
+      "x-amz-content-sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855\n"
+      "x-amz-date:20130524T000000Z\n\nhost;range;x-amz-content-sha256;x-amz-date\n"
+      "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
   EXPECT_EQ(s.string_to_sign,
             "AWS4-HMAC-SHA256\n20130524T000000Z\n20130524/us-east-1/s3/aws4_request\n"
             "7344ae5b7ee6c3e7e6b0fe0640412a37625d1fbfff95c48bbb2dc43964946972");
@@ -102,7 +113,9 @@ TEST(SigV4Test, S3DocumentationBucketRequests) {
        "34b48302e7b5fa45bde8084f4b7868a86f0a534bc59db6670ed5711ef69dc6f7"},
   };
   for (const Case& c : cases) {
-    SignableRequest r{.method = "GET", .canonical_uri = "/", .query = c.query,
+    SignableRequest r{.method = "GET",
+                      .canonical_uri = "/",
+                      .query = c.query,
                       .headers = {{"Host", "examplebucket.s3.amazonaws.com"},
                                   {"x-amz-content-sha256", kEmptySha256},
                                   {"x-amz-date", "20130524T000000Z"}},
@@ -126,9 +139,12 @@ TEST(SigV4Test, CanonicalQuerySortsEncodedNamesThenValues) {
 }
 
 TEST(SigV4Test, HeadersAreLowerCasedTrimmedAndRepeatedNamesJoined) {
-  SignableRequest r{.method = "GET", .canonical_uri = "/",
-                    .headers = {{"Host", "h"}, {"X-Amz-Meta-A", "  one   two  "},
-                                {"x-amz-meta-a", "three"}, {"X-Amz-Date", "20150830T123600Z"}},
+  SignableRequest r{.method = "GET",
+                    .canonical_uri = "/",
+                    .headers = {{"Host", "h"},
+                                {"X-Amz-Meta-A", "  one   two  "},
+                                {"x-amz-meta-a", "three"},
+                                {"X-Amz-Date", "20150830T123600Z"}},
                     .payload_hash = kEmptySha256};
   const Signature s = SignV4(r, kSuite, {"us-east-1", "service"}, "20150830T123600Z");
   EXPECT_NE(s.canonical_request.find("x-amz-meta-a:one two,three\n"), std::string::npos)

@@ -71,7 +71,8 @@ std::string Tail(const std::string& path) {
 // One IAM query-protocol call (form-encoded POST, signed for service "iam").
 Result<std::string> Iam(S3Client& client, const std::string& params) {
   const std::string body = params + "&Version=2010-05-08";
-  S3Call call{.op = S3Op::kOther, .method = "POST",
+  S3Call call{.op = S3Op::kOther,
+              .method = "POST",
               .body = std::as_bytes(std::span<const char>(body.data(), body.size()))};
   call.service = "iam";
   call.headers = {{"Content-Type", "application/x-www-form-urlencoded; charset=utf-8"}};
@@ -110,8 +111,8 @@ Result<std::unique_ptr<MotoServer>> MotoServer::Start() {
 
 Status MotoServer::Launch() {
   TESSERA_ASSIGN_OR_RETURN(port_, FreePort());
-  log_path_ = "/tmp/tessera_moto_" + std::to_string(::getpid()) + "_" + std::to_string(port_) +
-              ".log";
+  log_path_ =
+      "/tmp/tessera_moto_" + std::to_string(::getpid()) + "_" + std::to_string(port_) + ".log";
   // Everything the child needs is built before fork: after it only async-signal-safe calls.
   const std::string python = TestPython();
   const std::string port = std::to_string(port_);
@@ -123,8 +124,8 @@ Status MotoServer::Launch() {
   std::vector<char*> envp;
   for (std::string& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
-  const char* argv[] = {python.c_str(), "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                        port.c_str(), nullptr};
+  const char* argv[] = {python.c_str(), "-m", "moto.server", "-H",
+                        "127.0.0.1",    "-p", port.c_str(),  nullptr};
   const int log = ::open(log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (log < 0) return IOErrorFromErrno("creating " + log_path_, errno);
   const pid_t parent = ::getpid();
@@ -168,10 +169,13 @@ Status MotoServer::Provision() {
   // them, only with MOTO_IAM_LOAD_MANAGED_POLICIES=true).
   const std::string policy =
       R"({"Version":"2012-10-17","Statement":[{"Effect":"Allow","Action":"*","Resource":"*"}]})";
-  TESSERA_RETURN_IF_ERROR(Iam(*client, "Action=PutUserPolicy&UserName=tessera&PolicyName=all"
-                                       "&PolicyDocument=" + UriEncode(policy, false))
+  TESSERA_RETURN_IF_ERROR(Iam(*client,
+                              "Action=PutUserPolicy&UserName=tessera&PolicyName=all"
+                              "&PolicyDocument=" +
+                                  UriEncode(policy, false))
                               .status());
-  TESSERA_ASSIGN_OR_RETURN(std::string reply, Iam(*client, "Action=CreateAccessKey&UserName=tessera"));
+  TESSERA_ASSIGN_OR_RETURN(std::string reply,
+                           Iam(*client, "Action=CreateAccessKey&UserName=tessera"));
   pugi::xml_document doc;
   doc.load_buffer(reply.data(), reply.size());
   const pugi::xml_node key =

@@ -58,10 +58,10 @@ int ScriptedFaults::count(const std::string& kind) const {
 }
 
 HttpFaultHook::Decision S3ErrorReply(long status, const std::string& code) {
-  return HttpFaultHook::Decision{
-      HttpFaultHook::Action::kRespond, status,
-      "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>" + code +
-          "</Code><Message>injected " + code + "</Message><RequestId>fault</RequestId></Error>"};
+  return HttpFaultHook::Decision{HttpFaultHook::Action::kRespond, status,
+                                 "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>" + code +
+                                     "</Code><Message>injected " + code +
+                                     "</Message><RequestId>fault</RequestId></Error>"};
 }
 
 std::vector<std::byte> Pattern(size_t n, uint32_t seed) {

@@ -18,8 +18,8 @@ namespace tessera::s3::testing {
 // of its kind (RequestKind) came before. Counts every request it sees.
 class ScriptedFaults : public HttpFaultHook {
  public:
-  using Script = std::function<Decision(const HttpRequest& request, const std::string& kind,
-                                        int nth_of_kind)>;
+  using Script =
+      std::function<Decision(const HttpRequest& request, const std::string& kind, int nth_of_kind)>;
   explicit ScriptedFaults(Script script = nullptr) : script_(std::move(script)) {}
 
   void Set(Script script) {
