@@ -39,8 +39,6 @@ uint64_t Requests(const S3Client& c, S3Op op) {
   return c.stats().requests[static_cast<size_t>(op)];
 }
 
-std::span<const std::byte> Span(const std::vector<std::byte>& v) { return v; }
-
 class S3ClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
