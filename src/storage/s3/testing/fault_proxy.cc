@@ -11,23 +11,25 @@
 
 namespace tessera::s3::testing {
 
+// The two sockets of one proxied connection. Its pumps stop it with Shutdown, which wakes
+// both and keeps the descriptors open; they are closed when the last pump lets go, so that no
+// pump ever reads or writes a descriptor number the kernel has handed to a newer connection.
 struct FaultProxy::Connection {
   int client = -1;
   int server = -1;
-  std::mutex mu;
-  bool closed = false;
+  std::atomic<bool> stopped{false};
 
-  // Closes both ends; with `reset`, the client sees RST (SO_LINGER 0), not an orderly close.
-  void Close(bool reset) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (closed) return;
-    closed = true;
+  // With `reset`, the client's socket closes with RST (SO_LINGER 0), not an orderly FIN.
+  void Shutdown(bool reset) {
+    if (stopped.exchange(true)) return;
     if (reset) {
       linger l{1, 0};
       ::setsockopt(client, SOL_SOCKET, SO_LINGER, &l, sizeof(l));
     }
     ::shutdown(client, SHUT_RDWR);
     ::shutdown(server, SHUT_RDWR);
+  }
+  ~Connection() {
     ::close(client);
     ::close(server);
   }
@@ -62,7 +64,9 @@ FaultProxy::~FaultProxy() {
   std::vector<std::thread> pumps;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& c : connections_) c->Close(false);
+    for (auto& weak : connections_) {
+      if (auto c = weak.lock()) c->Shutdown(false);
+    }
     pumps.swap(pumps_);
   }
   for (std::thread& t : pumps) t.join();
@@ -132,7 +136,7 @@ void FaultProxy::Pump(std::shared_ptr<Connection> c, bool from_client) {
     while (done < static_cast<size_t>(n)) {
       const ssize_t w = ::send(out, buffer + done, static_cast<size_t>(n) - done, MSG_NOSIGNAL);
       if (w <= 0) {
-        c->Close(false);
+        c->Shutdown(false);
         return;
       }
       done += static_cast<size_t>(w);
@@ -146,11 +150,11 @@ void FaultProxy::Pump(std::shared_ptr<Connection> c, bool from_client) {
     if (total >= at && fault_at_.compare_exchange_strong(at, ~uint64_t{0})) {
       faults_fired_.fetch_add(1);
       if (fault_kind_.load() == 2) std::this_thread::sleep_for(stall_);
-      c->Close(true);
+      c->Shutdown(true);
       return;
     }
   }
-  c->Close(false);
+  c->Shutdown(false);
 }
 
 }  // namespace tessera::s3::testing

@@ -56,7 +56,7 @@ class FaultProxy {
   std::atomic<bool> stopping_{false};
   std::thread acceptor_;
   std::mutex mu_;
-  std::vector<std::shared_ptr<Connection>> connections_;
+  std::vector<std::weak_ptr<Connection>> connections_;
   std::vector<std::thread> pumps_;
   // The planned fault: at client byte `fault_at_` (absolute), of kind `fault_kind_`.
   std::atomic<uint64_t> fault_at_{~uint64_t{0}};
