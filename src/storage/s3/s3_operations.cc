@@ -2,6 +2,7 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
+#include <charconv>
 #include <ctime>
 #include <thread>
 
@@ -86,12 +87,9 @@ Result<ObjectInfo> S3Client::HeadObject(const std::string& bucket, const std::st
   if (length == nullptr) {
     return DataLoss(Uri(bucket, key) + ": the HEAD reply has no Content-Length");
   }
-  {
-    char* end = nullptr;
-    info.size = std::strtoull(length->c_str(), &end, 10);
-    if (end == length->c_str() || *end != '\0') {
-      return DataLoss(Uri(bucket, key) + ": Content-Length '" + *length + "' is not a number");
-    }
+  const char* end = length->data() + length->size();
+  if (length->empty() || std::from_chars(length->data(), end, info.size).ptr != end) {
+    return DataLoss(Uri(bucket, key) + ": Content-Length '" + *length + "' is not a byte count");
   }
   if (const std::string* etag = r.response.Header("etag")) info.etag = *etag;
   if (const std::string* crc = r.response.Header("x-amz-checksum-crc32c")) {
