@@ -32,6 +32,8 @@ class MemoryStorage : public Storage {
   MemoryStorage();
   ~MemoryStorage() override;
 
+  StorageCapabilities capabilities() const override;
+
   using Storage::NewWritableFile;
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         CreateMode mode) override;

@@ -358,6 +358,14 @@ Status MemoryStorage::RemoveDir(const std::string& path) {
   return Status::Ok();
 }
 
+// Every capability, as POSIX (Publish is Storage's, through RenameNoReplace).
+StorageCapabilities MemoryStorage::capabilities() const {
+  return StorageCapabilities{.rename = true,
+                             .positional_writes = true,
+                             .directory_sync = true,
+                             .conditional_create = true};
+}
+
 Status MemoryStorage::SyncDir(const std::string& dir) {
   const std::string what = "open directory " + dir;
   const std::vector<std::string> comps = Components(dir);

@@ -256,6 +256,15 @@ class PosixStorage : public Storage {
     if (options_.max_io_bytes == 0) options_.max_io_bytes = PosixStorageOptions().max_io_bytes;
   }
 
+  // Every capability: rename(2) and renameat2(RENAME_NOREPLACE) (or link), pwrite, fsync of
+// directories, O_EXCL creation (Publish is Storage's, through RenameNoReplace).
+  StorageCapabilities capabilities() const override {
+    return StorageCapabilities{.rename = true,
+                             .positional_writes = true,
+                             .directory_sync = true,
+                             .conditional_create = true};
+  }
+
   using Storage::NewWritableFile;
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         CreateMode mode) override {

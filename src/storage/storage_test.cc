@@ -1,5 +1,6 @@
-// One suite for every Storage (posix, memory, fault-injecting with no fault planned), then
-// MemoryStorage's crash model and FaultInjectingStorage's fault plans.
+// One suite for every Storage (posix, memory, fault-injecting with no fault planned, S3 on moto's
+// server), its cases instantiated by capability, then MemoryStorage's crash model and
+// FaultInjectingStorage's fault plans.
 #include <fcntl.h>
 #include <stdlib.h>
 #include <signal.h>
@@ -21,6 +22,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#if TESSERA_HAVE_S3
+#include "storage/s3/s3_client.h"
+#include "storage/s3/testing/moto_server.h"
+#include "tessera/s3_storage.h"
+#endif
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/memory_storage.h"
 #include "tessera/status.h"
@@ -93,6 +99,7 @@ Result<std::string> ReadFile(Storage& storage, const std::string& path) {
 class StorageEnv {
  public:
   virtual ~StorageEnv() = default;
+  virtual bool ok() const { return true; }
   virtual Storage& storage() = 0;
   const std::string& root() const { return root_; }
 
@@ -149,15 +156,62 @@ class FaultInjectingEnv : public StorageEnv {
   FaultInjectingStorage storage_;
 };
 
+#if TESSERA_HAVE_S3
+// An S3Storage on moto's server (started by the test, signatures enforced), rooted at a key
+// prefix of its own. Every test must leave no multipart upload behind.
+class S3Env : public StorageEnv {
+ public:
+  S3Env() {
+    Result<s3::testing::MotoServer*> server = s3::testing::SharedMotoServer();
+    if (!server.ok()) {
+      // Loud: the S3 cases fail, they never skip.
+      ADD_FAILURE() << "could not start the S3 test server: " << server.status().ToString();
+      return;
+    }
+    Result<std::shared_ptr<s3::S3Client>> client = s3::S3Client::Create((*server)->ClientOptions());
+    if (!client.ok()) {
+      ADD_FAILURE() << client.status().ToString();
+      return;
+    }
+    storage_ = std::make_shared<S3Storage>(*client, (*server)->bucket());
+    root_ = s3::testing::UniquePrefix();
+  }
+  ~S3Env() override {
+    if (!storage_) return;
+    Result<std::vector<s3::UploadListing::Upload>> uploads =
+        storage_->client().ListMultipartUploads(storage_->bucket(), root_ + "/");
+    EXPECT_TRUE(uploads.ok() && uploads->empty())
+        << "multipart uploads left behind under " << root_;
+  }
+  bool ok() const override { return storage_ != nullptr; }
+  Storage& storage() override { return *storage_; }
+
+ private:
+  std::shared_ptr<S3Storage> storage_;
+};
+#endif  // TESSERA_HAVE_S3
+
 struct StorageKind {
   std::string name;
   std::function<std::unique_ptr<StorageEnv>()> make;
+  // What the storage claims (checked against capabilities() in SetUp): the cases that need
+  // more are not instantiated for it.
+  StorageCapabilities capabilities;
 };
 void PrintTo(const StorageKind& kind, std::ostream* os) { *os << kind.name; }
 
 class StorageTest : public ::testing::TestWithParam<StorageKind> {
  protected:
-  void SetUp() override { env_ = GetParam().make(); }
+  void SetUp() override {
+    env_ = GetParam().make();
+    ASSERT_TRUE(env_->ok()) << GetParam().name << " storage could not be set up";
+    const StorageCapabilities want = GetParam().capabilities;
+    const StorageCapabilities got = storage().capabilities();
+    ASSERT_TRUE(want.rename == got.rename && want.positional_writes == got.positional_writes &&
+                want.directory_sync == got.directory_sync &&
+                want.conditional_create == got.conditional_create)
+        << GetParam().name << ": capabilities() differ from what the suite selects cases by";
+  }
   void TearDown() override { env_.reset(); }
 
   Storage& storage() { return env_->storage(); }
@@ -166,7 +220,20 @@ class StorageTest : public ::testing::TestWithParam<StorageKind> {
   std::unique_ptr<StorageEnv> env_;
 };
 
-TEST_P(StorageTest, WriteReadRoundTripAtOffsets) {
+// Cases that need more than reading and writing whole files front to back, instantiated for
+// the storages whose capabilities() say they have it:
+//   positional_writes  WriteAt at any offset, in any order, into a file that exists in place
+//                      while it is written (readers see it; removing it keeps it open)
+//   rename             Rename
+//   directory_sync     directories that exist by themselves (empty ones too), a parent that
+//                      must exist, SyncDir that checks what it syncs
+//   conditional_create Publish
+class PositionalWritesStorageTest : public StorageTest {};
+class RenameStorageTest : public StorageTest {};
+class DirectoryStorageTest : public StorageTest {};
+class PublishStorageTest : public StorageTest {};
+
+TEST_P(PositionalWritesStorageTest, WriteReadRoundTripAtOffsets) {
   const std::string path = Path("f");
   STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
   EXPECT_EQ(w->path(), path);
@@ -211,7 +278,7 @@ TEST_P(StorageTest, LargeWriteAndReadCrossMaxIoBytes) {
   EXPECT_TRUE(std::equal(part.begin(), part.end(), data.begin() + mid));
 }
 
-TEST_P(StorageTest, SparseOutOfOrderWritesZeroFillGaps) {
+TEST_P(PositionalWritesStorageTest, SparseOutOfOrderWritesZeroFillGaps) {
   const std::string path = Path("sparse");
   STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
   STORAGE_ASSERT_OK(w->WriteAt(100, "tail", 4));
@@ -246,7 +313,7 @@ TEST_P(StorageTest, ReadPastEndIsDataLossNamingPathAndSize) {
   STORAGE_EXPECT_OK(r->ReadAt(10, buf, 0));
 }
 
-TEST_P(StorageTest, ReaderSizeIsSizeAtOpen) {
+TEST_P(PositionalWritesStorageTest, ReaderSizeIsSizeAtOpen) {
   const std::string path = Path("grows");
   STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(path));
   STORAGE_ASSERT_OK(w->WriteAt(0, "abcd", 4));
@@ -259,7 +326,7 @@ TEST_P(StorageTest, ReaderSizeIsSizeAtOpen) {
   EXPECT_EQ(r2->size(), 8u);
 }
 
-TEST_P(StorageTest, ReadOfFileTruncatedAfterOpenIsDataLoss) {
+TEST_P(PositionalWritesStorageTest, ReadOfFileTruncatedAfterOpenIsDataLoss) {
   const std::string path = Path("trunc");
   STORAGE_ASSERT_OK(WriteFile(storage(), path, std::string(100, 'x')));
   STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
@@ -295,7 +362,7 @@ TEST_P(StorageTest, TruncateModeTruncatesExistingFile) {
 
 // Issue 11, item 5: the default, exclusive creation, refuses every name that exists: an error
 // naming it, and the existing file untouched.
-TEST_P(StorageTest, ExclusiveCreateRefusesAnExistingFileOrDirectory) {
+TEST_P(StorageTest, ExclusiveCreateRefusesAnExistingFile) {
   const std::string path = Path("taken");
   STORAGE_ASSERT_OK(WriteFile(storage(), path, "precious"));
   for (const CreateMode* mode : {static_cast<const CreateMode*>(nullptr), &kExclusiveMode}) {
@@ -306,7 +373,9 @@ TEST_P(StorageTest, ExclusiveCreateRefusesAnExistingFileOrDirectory) {
   }
   STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
   EXPECT_EQ(got, "precious");
+}
 
+TEST_P(DirectoryStorageTest, ExclusiveCreateRefusesADirectory) {
   const std::string dir = Path("dir");
   STORAGE_ASSERT_OK(storage().CreateDirs(dir));
   auto w = storage().NewWritableFile(dir);
@@ -316,7 +385,7 @@ TEST_P(StorageTest, ExclusiveCreateRefusesAnExistingFileOrDirectory) {
   EXPECT_EQ(type, FileType::kDirectory);
 }
 
-TEST_P(StorageTest, MissingPathsAreNotFound) {
+TEST_P(DirectoryStorageTest, MissingPathsAreNotFound) {
   const std::string missing = Path("missing");
   auto r = storage().NewReadableFile(missing);
   ASSERT_FALSE(r.ok());
@@ -346,7 +415,7 @@ TEST_P(StorageTest, MissingPathsAreNotFound) {
   EXPECT_EQ(storage().SyncDir(missing).code(), StatusCode::kNotFound);
 }
 
-TEST_P(StorageTest, CreateDirsIsNestedAndIdempotent) {
+TEST_P(DirectoryStorageTest, CreateDirsIsNestedAndIdempotent) {
   const std::string deep = Path("a/b/c");
   STORAGE_ASSERT_OK(storage().CreateDirs(deep));
   STORAGE_ASSERT_OK(storage().CreateDirs(deep));
@@ -363,7 +432,7 @@ TEST_P(StorageTest, CreateDirsIsNestedAndIdempotent) {
   EXPECT_THAT(empty, ElementsAre("f"));
 }
 
-TEST_P(StorageTest, CreateDirsThroughAFileFails) {
+TEST_P(DirectoryStorageTest, CreateDirsThroughAFileFails) {
   STORAGE_ASSERT_OK(WriteFile(storage(), Path("file"), "x"));
   const Status over = storage().CreateDirs(Path("file"));
   EXPECT_EQ(over.code(), StatusCode::kIOError) << over.ToString();
@@ -391,6 +460,7 @@ TEST_P(StorageTest, ListDirIsSortedWithoutDotEntries) {
     STORAGE_ASSERT_OK(WriteFile(storage(), Path(name), name));
   }
   STORAGE_ASSERT_OK(storage().CreateDirs(Path("d")));
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("d/in"), "x"));  // a directory everywhere
   STORAGE_ASSIGN_OR_FAIL(auto names, storage().ListDir(env_->root()));
   EXPECT_THAT(names, ElementsAre("B", "a", "b", "c10", "c2", "d"));
   // A file is not a directory.
@@ -399,7 +469,7 @@ TEST_P(StorageTest, ListDirIsSortedWithoutDotEntries) {
   EXPECT_EQ(of_file.status().code(), StatusCode::kIOError) << of_file.status().ToString();
 }
 
-TEST_P(StorageTest, RenameReplacesTheTarget) {
+TEST_P(RenameStorageTest, RenameReplacesTheTarget) {
   const std::string target = Path("manifest");
   const std::string tmp = Path("manifest.tmp");
   STORAGE_ASSERT_OK(WriteFile(storage(), target, "old"));
@@ -414,7 +484,7 @@ TEST_P(StorageTest, RenameReplacesTheTarget) {
   EXPECT_THAT(names, ElementsAre("manifest"));
 }
 
-TEST_P(StorageTest, RenameMovesADirectoryWithItsContents) {
+TEST_P(RenameStorageTest, RenameMovesADirectoryWithItsContents) {
   STORAGE_ASSERT_OK(storage().CreateDirs(Path("src/sub")));
   STORAGE_ASSERT_OK(WriteFile(storage(), Path("src/sub/f"), "payload"));
   STORAGE_ASSERT_OK(storage().Rename(Path("src"), Path("dst")));
@@ -435,10 +505,11 @@ TEST_P(StorageTest, RemoveDeletesAFileButNotADirectory) {
   EXPECT_EQ(storage().Remove(Path("gone")).code(), StatusCode::kNotFound);
 
   STORAGE_ASSERT_OK(storage().CreateDirs(Path("dir")));
+  STORAGE_ASSERT_OK(WriteFile(storage(), Path("dir/f"), "z"));  // a directory everywhere
   EXPECT_EQ(storage().Remove(Path("dir")).code(), StatusCode::kIOError);
 }
 
-TEST_P(StorageTest, RemoveDirRemovesOnlyAnEmptyDirectory) {
+TEST_P(DirectoryStorageTest, RemoveDirRemovesOnlyAnEmptyDirectory) {
   STORAGE_ASSERT_OK(storage().CreateDirs(Path("full")));
   STORAGE_ASSERT_OK(WriteFile(storage(), Path("full/f"), "x"));
   const Status not_empty = storage().RemoveDir(Path("full"));
@@ -463,7 +534,7 @@ TEST_P(StorageTest, DuplicateSlashesAndDotsNameTheSameFile) {
   EXPECT_THAT(names, ElementsAre("x"));
 }
 
-TEST_P(StorageTest, OpenWritableFileFollowsItsInodeAcrossRename) {
+TEST_P(RenameStorageTest, OpenWritableFileFollowsItsInodeAcrossRename) {
   const std::string tmp = Path("f.tmp");
   const std::string final_path = Path("f");
   STORAGE_ASSIGN_OR_FAIL(auto w, storage().NewWritableFile(tmp));
@@ -478,7 +549,7 @@ TEST_P(StorageTest, OpenWritableFileFollowsItsInodeAcrossRename) {
   EXPECT_EQ(tmp_type, FileType::kNotFound);
 }
 
-TEST_P(StorageTest, OpenFilesKeepWorkingAfterRemove) {
+TEST_P(PositionalWritesStorageTest, OpenFilesKeepWorkingAfterRemove) {
   const std::string path = Path("unlinked");
   STORAGE_ASSERT_OK(WriteFile(storage(), path, "still here"));
   STORAGE_ASSIGN_OR_FAIL(auto r, storage().NewReadableFile(path));
@@ -505,13 +576,13 @@ TEST_P(StorageTest, CloseIsIdempotentAndLaterWritesFail) {
   EXPECT_EQ(got, "x");
 }
 
-TEST_P(StorageTest, SyncDirOfAFileFails) {
+TEST_P(DirectoryStorageTest, SyncDirOfAFileFails) {
   STORAGE_ASSERT_OK(WriteFile(storage(), Path("f"), "x"));
   STORAGE_EXPECT_OK(storage().SyncDir(env_->root()));
   EXPECT_EQ(storage().SyncDir(Path("f")).code(), StatusCode::kIOError);
 }
 
-TEST_P(StorageTest, ConcurrentWriteAtOfDisjointRanges) {
+TEST_P(PositionalWritesStorageTest, ConcurrentWriteAtOfDisjointRanges) {
   constexpr int kThreads = 8;
   constexpr int kBlocksPerThread = 16;
   constexpr size_t kBlock = kPosixMaxIoBytes + 999;  // each write is split on posix
@@ -543,7 +614,7 @@ TEST_P(StorageTest, ConcurrentWriteAtOfDisjointRanges) {
   EXPECT_TRUE(back == data) << "concurrent writes lost or misplaced bytes";
 }
 
-TEST_P(StorageTest, ConcurrentFileCreationInOneDirectory) {
+TEST_P(RenameStorageTest, ConcurrentFileCreationInOneDirectory) {
   constexpr int kThreads = 4;
   constexpr int kFilesPerThread = 25;
   std::vector<Status> results(kThreads);
@@ -655,7 +726,7 @@ TEST_P(StorageTest, MapShowsTheBytesOfReadAtOrIsUnimplemented) {
   EXPECT_EQ(std::memcmp(kept.bytes().data(), data.data() + 100, 200), 0);
 }
 
-// ---- Publish: the one commit operation -------------------------------------------------------
+// ---- Publish: the one commit operation (stores with conditional_create) ---------------------
 
 std::span<const std::byte> AsBytes(const std::string& s) {
   return std::as_bytes(std::span(s.data(), s.size()));
@@ -672,15 +743,18 @@ std::vector<std::string> Temporaries(Storage& storage, const std::string& dir) {
   return out;
 }
 
-TEST_P(StorageTest, CapabilitiesOfTheFileSystemLikeStores) {
+// A store claims exactly the capabilities the suite instantiates it with (so no case that its
+// capabilities select is left out, and none it cannot pass is run).
+TEST_P(StorageTest, CapabilitiesAreTheOnesDeclared) {
   const StorageCapabilities c = storage().capabilities();
-  EXPECT_TRUE(c.rename);
-  EXPECT_TRUE(c.positional_writes);
-  EXPECT_TRUE(c.directory_sync);
-  EXPECT_TRUE(c.conditional_create);
+  const StorageCapabilities& want = GetParam().capabilities;
+  EXPECT_EQ(c.rename, want.rename);
+  EXPECT_EQ(c.positional_writes, want.positional_writes);
+  EXPECT_EQ(c.directory_sync, want.directory_sync);
+  EXPECT_EQ(c.conditional_create, want.conditional_create);
 }
 
-TEST_P(StorageTest, PublishCreateOnlyCreatesOnceAndRefusesAnExistingName) {
+TEST_P(PublishStorageTest, CreateOnlyCreatesOnceAndRefusesAnExistingName) {
   const std::string path = Path("index");
   for (bool sync : {true, false}) {
     SCOPED_TRACE(sync ? "sync" : "no sync");
@@ -697,7 +771,7 @@ TEST_P(StorageTest, PublishCreateOnlyCreatesOnceAndRefusesAnExistingName) {
   }
 }
 
-TEST_P(StorageTest, PublishReplaceReplacesWholeAndCreatesWhenMissing) {
+TEST_P(PublishStorageTest, ReplaceReplacesWholeAndCreatesWhenMissing) {
   const std::string path = Path("pointer");
   STORAGE_ASSERT_OK(storage().Publish(path, AsBytes("one"), PublishMode::kReplace, true));
   STORAGE_ASSERT_OK(
@@ -712,7 +786,7 @@ TEST_P(StorageTest, PublishReplaceReplacesWholeAndCreatesWhenMissing) {
 }
 
 // What a killed attempt left (its temporary, synced or not) never blocks a later Publish.
-TEST_P(StorageTest, PublishIsNotBlockedByTheTemporaryOfAKilledAttempt) {
+TEST_P(RenameStorageTest, PublishIsNotBlockedByTheTemporaryOfAKilledAttempt) {
   const std::string path = Path("marker");
   const std::string leftover = PublishTemporaryName(path);
   STORAGE_ASSERT_OK(WriteFile(storage(), leftover, "half"));
@@ -727,7 +801,7 @@ TEST_P(StorageTest, PublishIsNotBlockedByTheTemporaryOfAKilledAttempt) {
 }
 
 // Of several threads creating one name at once, exactly one wins and its bytes are the file.
-TEST_P(StorageTest, PublishCreateOnlyRacingCreatorsExactlyOneWins) {
+TEST_P(PublishStorageTest, CreateOnlyRacingCreatorsExactlyOneWins) {
   constexpr int kThreads = 6;
   for (int round = 0; round < 10; ++round) {
     const std::string path = Path("seq." + std::to_string(round));
@@ -756,7 +830,7 @@ TEST_P(StorageTest, PublishCreateOnlyRacingCreatorsExactlyOneWins) {
   EXPECT_THAT(Temporaries(storage(), env_->root()), IsEmpty());
 }
 
-TEST_P(StorageTest, RenameNoReplaceMovesOnlyOntoAFreeName) {
+TEST_P(RenameStorageTest, RenameNoReplaceMovesOnlyOntoAFreeName) {
   STORAGE_ASSERT_OK(WriteFile(storage(), Path("a"), "A"));
   STORAGE_ASSERT_OK(WriteFile(storage(), Path("b"), "B"));
   const Status taken = storage().RenameNoReplace(Path("a"), Path("b"));
@@ -769,14 +843,48 @@ TEST_P(StorageTest, RenameNoReplaceMovesOnlyOntoAFreeName) {
   EXPECT_EQ(storage().RenameNoReplace(Path("a"), Path("d")).code(), StatusCode::kNotFound);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllStorages, StorageTest,
-    ::testing::Values(
-        StorageKind{"Posix", [] { return std::unique_ptr<StorageEnv>(new PosixEnv()); }},
-        StorageKind{"Memory", [] { return std::unique_ptr<StorageEnv>(new MemoryEnv()); }},
-        StorageKind{"FaultInjecting",
-                    [] { return std::unique_ptr<StorageEnv>(new FaultInjectingEnv()); }}),
-    [](const ::testing::TestParamInfo<StorageKind>& info) { return info.param.name; });
+// ---- instantiation by capability -----------------------------------------------------------
+
+std::vector<StorageKind> AllKinds() {
+  const StorageCapabilities posix_like{.rename = true,
+                                       .positional_writes = true,
+                                       .directory_sync = true,
+                                       .conditional_create = true};
+  return {
+      {"Posix", [] { return std::unique_ptr<StorageEnv>(new PosixEnv()); }, posix_like},
+      {"Memory", [] { return std::unique_ptr<StorageEnv>(new MemoryEnv()); }, posix_like},
+      {"FaultInjecting", [] { return std::unique_ptr<StorageEnv>(new FaultInjectingEnv()); },
+       posix_like},
+#if TESSERA_HAVE_S3
+      {"S3", [] { return std::unique_ptr<StorageEnv>(new S3Env()); },
+       StorageCapabilities{.conditional_create = true}},
+#endif
+  };
+}
+
+std::vector<StorageKind> KindsWith(bool StorageCapabilities::*capability) {
+  std::vector<StorageKind> kinds;
+  for (StorageKind& kind : AllKinds()) {
+    if (capability == nullptr || kind.capabilities.*capability) kinds.push_back(std::move(kind));
+  }
+  return kinds;
+}
+
+std::string KindName(const ::testing::TestParamInfo<StorageKind>& info) { return info.param.name; }
+
+INSTANTIATE_TEST_SUITE_P(AllStorages, StorageTest, ::testing::ValuesIn(KindsWith(nullptr)),
+                         KindName);
+INSTANTIATE_TEST_SUITE_P(AllStorages, PositionalWritesStorageTest,
+                         ::testing::ValuesIn(KindsWith(&StorageCapabilities::positional_writes)),
+                         KindName);
+INSTANTIATE_TEST_SUITE_P(AllStorages, RenameStorageTest,
+                         ::testing::ValuesIn(KindsWith(&StorageCapabilities::rename)), KindName);
+INSTANTIATE_TEST_SUITE_P(AllStorages, DirectoryStorageTest,
+                         ::testing::ValuesIn(KindsWith(&StorageCapabilities::directory_sync)),
+                         KindName);
+INSTANTIATE_TEST_SUITE_P(AllStorages, PublishStorageTest,
+                         ::testing::ValuesIn(KindsWith(&StorageCapabilities::conditional_create)),
+                         KindName);
 
 // ---- JoinPath and posix specifics ----------------------------------------------------------
 

@@ -1,0 +1,204 @@
+#include "tessera/storage_uri.h"
+
+#include <cctype>
+
+#if TESSERA_HAVE_S3
+#include "storage/msc_config.h"
+#endif
+
+namespace tessera {
+namespace {
+
+using Location = std::pair<std::shared_ptr<Storage>, std::string>;
+
+// "s3" for "s3://..."; "" for a plain path (no "scheme://" prefix).
+std::string SchemeOf(const std::string& uri) {
+  const size_t sep = uri.find("://");
+  if (sep == std::string::npos || sep == 0) return "";
+  for (size_t i = 0; i < sep; ++i) {
+    const char c = uri[i];
+    const bool ok = std::isalpha(static_cast<unsigned char>(c)) ||
+                    (i > 0 && (std::isdigit(static_cast<unsigned char>(c)) || c == '+' ||
+                               c == '-' || c == '.'));
+    if (!ok) return "";
+  }
+  std::string scheme = uri.substr(0, sep);
+  for (char& c : scheme) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return scheme;
+}
+
+#if TESSERA_HAVE_S3
+// "bucket/some/prefix" -> {"bucket", "some/prefix"}.
+std::pair<std::string, std::string> SplitBucket(const std::string& rest) {
+  const size_t slash = rest.find('/');
+  if (slash == std::string::npos) return {rest, ""};
+  return {rest.substr(0, slash), S3Storage::KeyOf(rest.substr(slash + 1))};
+}
+
+Status CheckBucketName(const std::string& bucket, const std::string& uri) {
+  if (bucket.empty()) return InvalidArgument("'" + uri + "' names no bucket (s3://bucket/path)");
+  for (char c : bucket) {
+    if (!(std::islower(static_cast<unsigned char>(c)) ||
+          std::isdigit(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_' ||
+          std::isupper(static_cast<unsigned char>(c)))) {
+      return InvalidArgument("'" + uri + "': '" + bucket + "' is not a bucket name");
+    }
+  }
+  return Status::Ok();
+}
+
+Result<Location> OpenS3(const std::string& bucket, const std::string& path,
+                        const S3StorageOptions& base, const std::string& uri) {
+  TESSERA_RETURN_IF_ERROR(CheckBucketName(bucket, uri));
+  S3StorageOptions options = base;
+  options.bucket = bucket;
+  Result<std::shared_ptr<S3Storage>> storage = S3Storage::Open(options);
+  if (!storage.ok()) return storage.status().WithContext("opening " + uri);
+  return Location(*storage, path);
+}
+
+Result<Location> OpenFile(const std::string& uri) {
+  std::string path = uri.substr(7);  // "file://"
+  if (path.starts_with("localhost/")) path = path.substr(9);
+  if (!path.starts_with("/")) {
+    return InvalidArgument("'" + uri + "': a file URI takes an absolute path (file:///dir)");
+  }
+  return Location(NewPosixStorage(), path);
+}
+
+Result<uint64_t> ParseBytes(const std::string& s, const std::string& what) {
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(s.c_str(), &end, 10);
+  if (s.empty() || *end != '\0')
+    return InvalidArgument(what + " '" + s + "' is not a whole number");
+  return static_cast<uint64_t>(v);
+}
+
+// An MSC S3 profile's settings over `options` (the names are boto3's, as MSC passes them on).
+Status ApplyMscS3Profile(const MscProfile& p, S3StorageOptions& options, std::string& base_path) {
+  const std::string where = "MSC profile '" + p.name + "' in " + p.config_file;
+  auto get = [&](const std::string& key) {
+    auto it = p.options.find(key);
+    return it == p.options.end() ? std::string() : it->second;
+  };
+  base_path = get("base_path");
+  if (!get("endpoint_url").empty()) options.endpoint_url = get("endpoint_url");
+  if (!get("region_name").empty()) options.region = get("region_name");
+  if (!get("profile_name").empty()) options.profile = get("profile_name");
+  if (!get("s3.addressing_style").empty()) options.addressing_style = get("s3.addressing_style");
+  if (const std::string verify = get("verify"); !verify.empty()) {
+    if (verify == "false" || verify == "False") {
+      options.verify_tls = false;
+    } else if (verify != "true" && verify != "True") {
+      options.ca_bundle = verify;  // a CA bundle's path
+    }
+  }
+  if (const std::string v = get("multipart_chunksize"); !v.empty()) {
+    TESSERA_ASSIGN_OR_RETURN(options.part_bytes, ParseBytes(v, where + ": multipart_chunksize"));
+  }
+  if (const std::string v = get("max_concurrency"); !v.empty()) {
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t n, ParseBytes(v, where + ": max_concurrency"));
+    options.max_concurrency = static_cast<size_t>(std::max<uint64_t>(1, n));
+  }
+  if (const std::string v = get("retries.max_attempts"); !v.empty()) {
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t n, ParseBytes(v, where + ": retries.max_attempts"));
+    options.max_attempts = static_cast<int>(std::max<uint64_t>(1, n));
+  }
+  if (p.credentials_type.empty()) return Status::Ok();  // the AWS default chain
+  if (p.credentials_type != "S3Credentials") {
+    return Unimplemented(where + " uses credentials provider '" + p.credentials_type +
+                         "'; tessera reads S3Credentials (access_key, secret_key, session_token) "
+                         "or, without a credentials_provider, the AWS environment and profiles");
+  }
+  auto cred = [&](const std::string& key) {
+    auto it = p.credentials_options.find(key);
+    return it == p.credentials_options.end() ? std::string() : it->second;
+  };
+  options.access_key_id = cred("access_key");
+  options.secret_access_key = cred("secret_key");
+  options.session_token = cred("session_token");
+  if (options.access_key_id.empty() || options.secret_access_key.empty() ||
+      options.access_key_id.starts_with("$") || options.secret_access_key.starts_with("$")) {
+    return InvalidArgument(where +
+                           ": S3Credentials needs access_key and secret_key (an unset "
+                           "environment variable stays unexpanded: '" +
+                           options.access_key_id + "')");
+  }
+  return Status::Ok();
+}
+
+Result<Location> OpenMsc(const std::string& uri, const OpenStorageOptions& options) {
+  const std::string rest = uri.substr(6);  // "msc://"
+  const size_t slash = rest.find('/');
+  const std::string name = rest.substr(0, slash);
+  const std::string path = slash == std::string::npos ? "" : rest.substr(slash + 1);
+  if (name.empty()) return InvalidArgument("'" + uri + "' names no profile (msc://profile/path)");
+  Result<MscProfile> found = FindMscProfile(name, options.msc_config);
+  if (!found.ok()) {
+    // MSC's implicit profile for the local file system.
+    if (name == "__filesystem__" && found.status().code() == StatusCode::kNotFound) {
+      return Location(NewPosixStorage(), "/" + path);
+    }
+    return found.status().WithContext("opening " + uri);
+  }
+  const MscProfile& profile = *found;
+  const std::string& type = profile.provider_type;
+  if (type == "file") {
+    auto it = profile.options.find("base_path");
+    const std::string base = it == profile.options.end() ? "/" : it->second;
+    return Location(NewPosixStorage(), JoinPath(base, path));
+  }
+  if (type != "s3" && type != "s8k" && type != "gcs_s3") {
+    return Unimplemented("opening " + uri + ": MSC profile '" + name + "' (in " +
+                         profile.config_file + ") uses storage provider '" + type +
+                         "', which tessera cannot open; it opens S3 profiles (types s3, s8k, "
+                         "gcs_s3) and file profiles");
+  }
+  S3StorageOptions s3 = options.s3;
+  std::string base_path;
+  TESSERA_RETURN_IF_ERROR_CTX(ApplyMscS3Profile(profile, s3, base_path), "opening " + uri);
+  auto [bucket, prefix] = SplitBucket(base_path);
+  if (bucket.empty()) {
+    return InvalidArgument("opening " + uri + ": MSC profile '" + name + "' in " +
+                           profile.config_file + " has no base_path (bucket[/prefix])");
+  }
+  return OpenS3(bucket, S3Storage::KeyOf(prefix + "/" + path), s3, uri);
+}
+
+#else
+// Built without the S3 Storage (TESSERA_WITH_S3 off).
+Result<Location> WithoutS3(const std::string& uri) {
+  return Unimplemented("cannot open '" + uri +
+                       "': this tessera was built without its S3 Storage (CMake option "
+                       "TESSERA_WITH_S3; it needs libcurl, OpenSSL, pugixml and yaml-cpp)");
+}
+#endif  // TESSERA_HAVE_S3
+
+}  // namespace
+
+Result<std::pair<std::shared_ptr<Storage>, std::string>> OpenStorage(
+    const std::string& uri, const OpenStorageOptions& options) {
+  if (uri.empty()) return InvalidArgument("an empty path or URI");
+  const std::string scheme = SchemeOf(uri);
+  if (scheme.empty()) return Location(NewPosixStorage(), uri);
+  if (scheme == "file") return OpenFile(uri);
+#if TESSERA_HAVE_S3
+  if (scheme == "s3") {
+    auto [bucket, path] = SplitBucket(uri.substr(5));
+    return OpenS3(bucket, path, options.s3, uri);
+  }
+  if (scheme == "msc") return OpenMsc(uri, options);
+#else
+  if (scheme == "s3" || scheme == "msc") return WithoutS3(uri);
+#endif
+  return Unimplemented("'" + uri +
+                       "': tessera opens plain paths and file://, s3:// and msc:// "
+                       "URIs, not " +
+                       scheme + "://");
+}
+
+Result<std::pair<std::shared_ptr<Storage>, std::string>> OpenStorage(const std::string& uri) {
+  return OpenStorage(uri, OpenStorageOptions{});
+}
+
+}  // namespace tessera
