@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "core/utf8.h"
+#include "format/bounded_json.h"
 #include "format/checkpoint_index.h"
 #include "format/torch_dist/pickle.h"
 #include "tessera/checkpoint.h"
@@ -173,8 +174,8 @@ std::string ObjectValueText(const std::vector<uint8_t>& bytes, ObjectEncoding en
     case ObjectEncoding::kPickle:
       return PickledScalar(bytes);
     case ObjectEncoding::kJson: {
-      nlohmann::json doc = nlohmann::json::parse(raw, nullptr, /*allow_exceptions=*/false);
-      return doc.is_discarded() ? "" : doc.dump();
+      Result<nlohmann::json> doc = ParseBoundedJson(raw, "object");
+      return doc.ok() ? doc->dump() : "";
     }
     case ObjectEncoding::kBytes: {
       const std::string text = PlainText(raw);
@@ -223,8 +224,10 @@ struct PythonStructure {
 
 PythonStructure ParseStructure(const std::string& text) {
   PythonStructure out;
-  nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded() || !doc.is_object() || !doc.contains("root")) return out;
+  Result<nlohmann::json> parsed = ParseBoundedJson(text, "structure");
+  if (!parsed.ok()) return out;
+  nlohmann::json& doc = *parsed;
+  if (!doc.is_object() || !doc.contains("root")) return out;
   out.parsed = true;
   std::vector<const nlohmann::json*> stack = {&doc["root"]};
   while (!stack.empty()) {

@@ -108,6 +108,21 @@ def test_megatron_checkpoint(fixtures):
     assert loaded["optimizer.param_groups/shard_0_1"] == [{"lr": 0.1}]
 
 
+def test_deeply_nested_megatron_metadata_json_is_a_tessera_error(fixtures, tmp_path):
+    # Issue 22, defect 7: a metadata.json nested 100,000 deep raised RecursionError out of
+    # load_all; now a CorruptCheckpointError naming the object (the file) and what is wrong.
+    import shutil
+    path = str(tmp_path / "megatron")
+    shutil.copytree(os.path.join(fixtures, "megatron"), path)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        f.write("[" * 100000 + "]" * 100000)
+    with pytest.raises(tessera.CorruptCheckpointError,
+                       match=r"object 'metadata.json'.*nested too deeply"):
+        tessera.load_all(path)
+    # objects="bytes" never parses it.
+    assert tessera.load_all(path, objects="bytes")["metadata.json"].startswith(b"[[[")
+
+
 def test_load_gives_objects_back_as_torch_load_does(fixtures):
     # As torch's load_state_dict: an object entry (any placeholder but bytes) becomes the value
     # torch.load gives for its item; a bytes placeholder receives the stored bytes.

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "format/bounded_json.h"
+#include "format/manifest_internal.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_dtype.h"
 
@@ -115,6 +117,14 @@ Status AddNdReformulated(const DcpMetadata& dcp, const DcpTensor& t,
                          const std::vector<int64_t>& original, TensorInfo& info, FileTable& files,
                          Metadata& m, const std::string& source) {
   const size_t rank = original.size();
+  // Before anything else: FlatRangeBoxes recurses once per dimension and every box it makes
+  // copies `rank` offsets, so the rank is bounded first (a shape of 30,000 dimensions once
+  // overflowed the stack).
+  if (rank > manifest_internal::kMaxRank) {
+    return DataLoss(source + ": key '" + t.fqn + "': its N-D reformulated original shape has " +
+                    std::to_string(rank) + " dimensions, more than the " +
+                    std::to_string(manifest_internal::kMaxRank) + " a tensor may have");
+  }
   const std::string where =
       source + ": key '" + t.fqn + "' (N-D reformulated from " + ShapeText(original) + ")";
   if (t.size.size() != rank + 1) {
@@ -124,13 +134,20 @@ Status AddNdReformulated(const DcpMetadata& dcp, const DcpTensor& t,
   std::vector<int64_t> local(rank);
   int64_t local_elements = 1;
   for (size_t d = 0; d < rank; ++d) {
+    if (original[d] < 0) {
+      return DataLoss(where + ": dimension " + std::to_string(d) + " is negative");
+    }
     if (t.size[d] <= 0 || original[d] % t.size[d] != 0) {
       return DataLoss(where + ": dimension " + std::to_string(d) + " of " +
                       std::to_string(original[d]) + " is not split into " +
                       std::to_string(t.size[d]) + " equal fragments");
     }
     local[d] = original[d] / t.size[d];
-    local_elements *= local[d];
+    // Every product below (strides, flat offsets) is at most this count: checked once here.
+    if (__builtin_mul_overflow(local_elements, local[d], &local_elements)) {
+      return DataLoss(where + ": fragments of shape " + ShapeText(local) +
+                      " have more elements than an int64 holds");
+    }
   }
   if (local_elements != t.size[rank]) {
     return DataLoss(where + ": fragments of shape " + ShapeText(local) + " have " +
@@ -475,9 +492,9 @@ std::set<std::string> NdReformulatedKeys(const Metadata& metadata) {
   std::set<std::string> keys;
   auto it = metadata.user_metadata.find(kNdReformulatedKeys);
   if (it == metadata.user_metadata.end()) return keys;
-  const nlohmann::json list = nlohmann::json::parse(it->second, nullptr, false);
-  if (!list.is_array()) return keys;
-  for (const nlohmann::json& key : list) {
+  const Result<nlohmann::json> list = ParseBoundedJson(it->second, kNdReformulatedKeys);
+  if (!list.ok() || !list->is_array()) return keys;
+  for (const nlohmann::json& key : *list) {
     if (key.is_string()) keys.insert(key.get<std::string>());
   }
   return keys;

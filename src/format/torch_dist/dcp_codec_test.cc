@@ -185,5 +185,40 @@ TEST(DcpToMetadataTest, NdReformulatedShapeMustMatchTheFragments) {
   EXPECT_THAT(m.status().message(), HasSubstr("key 'w' (N-D reformulated from (4, 4))"));
 }
 
+// Issue 22, defect 7: an original shape of 30,000 dimensions once recursed 30,000 deep (and
+// copied O(N^2) offsets) before anything checked the rank; now refused at once, naming the key
+// and the limit.
+TEST(DcpToMetadataTest, NdReformulatedShapeOfTooManyDimensionsIsRefusedFirst) {
+  constexpr size_t kRank = 30000;
+  DcpMetadata dcp;
+  std::vector<int64_t> size(kRank, 1), offsets(kRank + 1, 0), sizes(kRank + 1, 1);
+  size.push_back(2);  // each fragment's 2 elements; the chunk holds the first
+  AddTensor(dcp, "w", size, {{offsets, sizes}});
+  dcp.mcore_data.push_back(DcpMcoreEntry{"w", std::vector<int64_t>(kRank, 1)});
+  dcp.mcore_data.back().nd_reformulated_orig_global_shape->back() = 2;
+  Result<Metadata> m = DcpToMetadata(dcp, Sizes(dcp), "ckpt/.metadata");
+  EXPECT_EQ(m.status().code(), StatusCode::kDataLoss);
+  EXPECT_THAT(m.status().message(), HasSubstr("ckpt/.metadata: key 'w'"));
+  EXPECT_THAT(m.status().message(), HasSubstr("30000 dimensions, more than the 64"));
+}
+
+// Issue 22, defect 7: fragment shapes whose element count overflows int64 (signed overflow,
+// caught by UBSan) are refused, naming the key.
+TEST(DcpToMetadataTest, NdReformulatedElementCountOverflowIsRefused) {
+  const int64_t big = int64_t{1} << 40;
+  DcpMetadata dcp;
+  AddTensor(dcp, "w", {1, 1, 1, 64}, {{{0, 0, 0, 0}, {1, 1, 1, 64}}});
+  dcp.mcore_data.push_back(DcpMcoreEntry{"w", std::vector<int64_t>{big, big, 4}});
+  Result<Metadata> m = DcpToMetadata(dcp, Sizes(dcp), "ckpt/.metadata");
+  EXPECT_EQ(m.status().code(), StatusCode::kDataLoss);
+  EXPECT_THAT(m.status().message(), HasSubstr("key 'w'"));
+  EXPECT_THAT(m.status().message(), HasSubstr("more elements than an int64 holds"));
+  // Negative dimensions of the original shape are refused too.
+  dcp.mcore_data.back().nd_reformulated_orig_global_shape = std::vector<int64_t>{-1, -1, -64};
+  m = DcpToMetadata(dcp, Sizes(dcp), "ckpt/.metadata");
+  EXPECT_EQ(m.status().code(), StatusCode::kDataLoss);
+  EXPECT_THAT(m.status().message(), HasSubstr("negative"));
+}
+
 }  // namespace
 }  // namespace tessera::torch_dist
