@@ -56,6 +56,35 @@ class FileTable {
   std::map<std::string, uint32_t> index_;
 };
 
+// The memory of the Metadata being built, counted against DcpExpansionBudget (dcp_metadata.h):
+// DcpMetadata is bounded by the size of the .metadata already, but an N-D reformulated chunk
+// becomes up to 2N-1 boxes of N dimensions each here.
+class MetadataBudget {
+ public:
+  MetadataBudget(const std::string& source, uint64_t metadata_bytes)
+      : source_(source),
+        metadata_bytes_(metadata_bytes),
+        limit_(DcpExpansionBudget(metadata_bytes)) {}
+
+  // Charges a chunk of `rank` dimensions of `key`.
+  Status Chunk(const std::string& key, size_t rank) {
+    used_ += sizeof(ChunkInfo) + 16 * rank;
+    if (used_ <= limit_) [[likely]]
+      return Status::Ok();
+    return DataLoss(source_ + ": key '" + key + "': the index this .metadata describes takes " +
+                    "more than " + std::to_string(limit_) + " bytes of memory (" +
+                    std::to_string(kDcpExpansionFactor) + " times its " +
+                    std::to_string(metadata_bytes_) + " bytes, plus " +
+                    std::to_string(kDcpExpansionFloor >> 20) + " MiB)");
+  }
+
+ private:
+  const std::string& source_;
+  const uint64_t metadata_bytes_;
+  const uint64_t limit_;
+  uint64_t used_ = 0;
+};
+
 // The location of storage entry `s` (a whole item), checked against its file. `what()` names
 // the item's owner in errors (built only then: a .metadata may hold millions of items).
 template <typename What>
@@ -115,7 +144,7 @@ void FlatRangeBoxes(const std::vector<int64_t>& sizes, size_t dim, std::vector<i
 // The original tensor of a DCP tensor `t` Megatron reformulated from global shape `original`.
 Status AddNdReformulated(const DcpMetadata& dcp, const DcpTensor& t,
                          const std::vector<int64_t>& original, TensorInfo& info, FileTable& files,
-                         Metadata& m, const std::string& source) {
+                         Metadata& m, MetadataBudget& budget, const std::string& source) {
   const size_t rank = original.size();
   // Before anything else: FlatRangeBoxes recurses once per dimension and every box it makes
   // copies `rank` offsets, so the rank is bounded first (a shape of 30,000 dimensions once
@@ -165,8 +194,11 @@ Status AddNdReformulated(const DcpMetadata& dcp, const DcpTensor& t,
                              ItemLocation(dcp.storage[c.storage], files, m, what, source));
     const int64_t start = c.offsets[rank];
     std::vector<int64_t> prefix;
+    Status status;
     FlatRangeBoxes(local, 0, prefix, 0, start, start + c.sizes[rank],
                    [&](std::vector<int64_t> offsets, std::vector<int64_t> sizes, int64_t flat) {
+                     if (status.ok()) status = budget.Chunk(t.fqn, rank);
+                     if (!status.ok()) return;
                      for (size_t d = 0; d < rank; ++d) offsets[d] += c.offsets[d] * local[d];
                      ChunkInfo chunk;
                      chunk.box = Box(std::move(offsets), std::move(sizes));
@@ -175,13 +207,14 @@ Status AddNdReformulated(const DcpMetadata& dcp, const DcpTensor& t,
                      chunk.payload_offset = static_cast<uint64_t>(flat - start) * element_size;
                      info.chunks.push_back(std::move(chunk));
                    });
+    TESSERA_RETURN_IF_ERROR(status);
   }
   return Status::Ok();
 }
 
 // `original`: the global shape Megatron reformulated the tensor from (mcore_data), or null.
 Status AddTensor(const DcpMetadata& dcp, const DcpTensor& t, const std::vector<int64_t>* original,
-                 FileTable& files, Metadata& m, const std::string& source) {
+                 FileTable& files, Metadata& m, MetadataBudget& budget, const std::string& source) {
   TensorInfo info;
   info.key = t.fqn;
   Result<DType> dtype = DTypeFromTorchName(t.torch_dtype);
@@ -190,7 +223,7 @@ Status AddTensor(const DcpMetadata& dcp, const DcpTensor& t, const std::vector<i
   }
   info.dtype = *dtype;
   if (original) {
-    TESSERA_RETURN_IF_ERROR(AddNdReformulated(dcp, t, *original, info, files, m, source));
+    TESSERA_RETURN_IF_ERROR(AddNdReformulated(dcp, t, *original, info, files, m, budget, source));
     m.tensors.push_back(std::move(info));
     return Status::Ok();
   }
@@ -199,6 +232,7 @@ Status AddTensor(const DcpMetadata& dcp, const DcpTensor& t, const std::vector<i
   info.chunks.reserve(t.chunks.size());
   for (const DcpChunk& c : t.chunks) {
     auto what = [&] { return "key '" + t.fqn + "' chunk at " + ShapeText(c.offsets); };
+    TESSERA_RETURN_IF_ERROR(budget.Chunk(t.fqn, c.offsets.size()));
     if (c.storage >= dcp.storage.size()) [[unlikely]] {
       return DataLoss(source + ": " + what() + " has no storage_data entry");
     }
@@ -260,7 +294,8 @@ Status AddMegatronFiles(Storage& storage, const std::string& dir,
 
 Result<Metadata> DcpToMetadata(const DcpMetadata& dcp,
                                const std::map<std::string, uint64_t>& file_sizes,
-                               const std::string& source) {
+                               const std::string& source, uint64_t metadata_bytes) {
+  MetadataBudget budget(source, metadata_bytes);
   Metadata m;
   m.format = CheckpointFormat::kTorchDist;
   m.checksum = ChecksumKind::kNone;
@@ -282,8 +317,9 @@ Result<Metadata> DcpToMetadata(const DcpMetadata& dcp,
   m.tensors.reserve(dcp.tensors.size());
   for (const DcpTensor& t : dcp.tensors) {
     auto original = reformulated.find(t.fqn);
-    TESSERA_RETURN_IF_ERROR(AddTensor(
-        dcp, t, original == reformulated.end() ? nullptr : original->second, files, m, source));
+    TESSERA_RETURN_IF_ERROR(AddTensor(dcp, t,
+                                      original == reformulated.end() ? nullptr : original->second,
+                                      files, m, budget, source));
   }
   for (const DcpBytes& b : dcp.bytes) {
     auto what = [&] { return "object '" + b.fqn + "'"; };
@@ -315,6 +351,7 @@ Result<Metadata> ReadDcpDirectory(Storage& storage, const std::string& dir,
     const std::string& message = dcp.status().message();
     return DataLoss(message.starts_with(path) ? message : path + ": " + message);
   }
+  const uint64_t metadata_bytes = bytes.size();
   bytes = {};
   // The size of every data file the .metadata names, each opened once.
   std::map<std::string, uint64_t> sizes;
@@ -331,7 +368,7 @@ Result<Metadata> ReadDcpDirectory(Storage& storage, const std::string& dir,
     }
     sizes[s.relative_path] = (*data)->size();
   }
-  TESSERA_ASSIGN_OR_RETURN(Metadata m, DcpToMetadata(*dcp, sizes, path));
+  TESSERA_ASSIGN_OR_RETURN(Metadata m, DcpToMetadata(*dcp, sizes, path, metadata_bytes));
   TESSERA_RETURN_IF_ERROR(AddMegatronFiles(storage, dir, names, m));
   TESSERA_RETURN_IF_ERROR(SortByKey(m.objects, path));
   return m;

@@ -250,6 +250,10 @@ class PickleParser {
       : data_(bytes.data()), size_(bytes.size()), source_(source), t_(*tree) {}
 
   Status Run();
+  // Makes Run stop (with an error) when it creates node `id`; found_at() is then the offset of
+  // the opcode that did.
+  void StopAtNode(uint32_t id) { stop_at_node_ = id; }
+  std::optional<uint64_t> found_at() const { return found_at_; }
 
  private:
   using Node = PickleTree::Node;
@@ -290,6 +294,10 @@ class PickleParser {
   // Nodes.
   Result<uint32_t> NewNode(Node n) {
     if (t_.nodes_.size() >= kNoIndex - 1) return Fail("too many nodes");
+    if (t_.nodes_.size() == stop_at_node_) {
+      found_at_ = op_offset_;
+      return Fail("stopped at the node looked for");
+    }
     t_.nodes_.push_back(n);
     return static_cast<uint32_t>(t_.nodes_.size() - 1);
   }
@@ -395,6 +403,8 @@ class PickleParser {
   std::vector<uint32_t> memo_;                       // index -> node id, kNoIndex when unset
   std::unordered_map<uint64_t, uint32_t> memo_far_;  // indices beyond memo_'s bound
   uint64_t memo_count_ = 0;                          // distinct indices set (MEMOIZE's next)
+  uint64_t stop_at_node_ = kNoIndex;
+  std::optional<uint64_t> found_at_;
 };
 
 Result<std::string_view> PickleParser::Line() {
@@ -951,6 +961,15 @@ Result<PickleTree> ParsePickle(std::vector<uint8_t>&& bytes, std::string_view so
   PickleParser parser(tree.owned_, source, &tree);
   TESSERA_RETURN_IF_ERROR(parser.Run());
   return tree;
+}
+
+std::optional<uint64_t> PickleTree::OffsetOf(const PickleValue& value) const {
+  if (value.id() < kFirstFreeId || value.id() >= nodes_.size()) return std::nullopt;
+  PickleTree scratch;
+  PickleParser parser(std::span<const uint8_t>(data_, end_offset_), source_, &scratch);
+  parser.StopAtNode(value.id());
+  (void)parser.Run();  // stops with an error at the node
+  return parser.found_at();
 }
 
 // ---- accessors ------------------------------------------------------------------------------

@@ -146,6 +146,10 @@ class PickleTree {
   uint64_t end_offset() const { return end_offset_; }
   size_t node_count() const { return nodes_.size(); }
   const std::string& source() const { return source_; }
+  // The offset of the opcode that created `value` (for error messages: found by parsing the
+  // input again up to that node, with the memory of a parse at most); nullopt for the shared
+  // constants (None, bools, the empty tuple, ints 0..255).
+  std::optional<uint64_t> OffsetOf(const PickleValue& value) const;
 
  private:
   friend class PickleValue;
