@@ -132,8 +132,8 @@ struct DcpMetadata {
 // (its memo), but every use of that value is a copy in DcpMetadata (and in the Metadata made
 // from it): without this bound a 1 MB file could ask for 100 GB. Real files take a few times
 // their size (each chunk is written out; only class names and fqn strings are shared).
-inline constexpr uint64_t kDcpExpansionFactor = 64;
-inline constexpr uint64_t kDcpExpansionFloor = uint64_t{64} << 20;
+inline constexpr uint64_t kDcpExpansionFactor = 32;
+inline constexpr uint64_t kDcpExpansionFloor = uint64_t{16} << 20;
 uint64_t DcpExpansionBudget(uint64_t input_bytes);
 
 // Reads a .metadata pickle. `source` (the file path) prefixes every error. Errors (kDataLoss)
