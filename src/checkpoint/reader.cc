@@ -265,7 +265,7 @@ Status CheckCastAlignment(const Metadata& metadata, const std::vector<ReadRun>& 
 
 Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& metadata,
                     const std::vector<ReadRun>& runs, const LoadOptions& options,
-                    LoadReport& report, ProgressMeter* progress) {
+                    LoadReport& report, DataFileHeaders* headers, ProgressMeter* progress) {
   if (runs.empty()) return Status::Ok();
   TESSERA_RETURN_IF_ERROR(CheckCastAlignment(metadata, runs, options));
   std::vector<UnitRead> units;
@@ -279,10 +279,25 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
     for (uint32_t s = unit.segments_begin; unit.direct && s < unit.segments_end; ++s) {
       total += segments[s].length;
     }
-    if (files[unit.file_index]) continue;
-    TESSERA_ASSIGN_OR_RETURN(files[unit.file_index],
-                             OpenDataFile(storage, dir, metadata, unit.file_index,
-                                          DescribeChunk(metadata, unit.tensor, unit.chunk)));
+    if (!files[unit.file_index]) {
+      TESSERA_ASSIGN_OR_RETURN(files[unit.file_index],
+                               OpenDataFile(storage, dir, metadata, unit.file_index,
+                                            DescribeChunk(metadata, unit.tensor, unit.chunk)));
+    }
+  }
+  // What Verify checks of each file read from: its header describes every chunk read.
+  if (headers != nullptr && HasSafetensorsDataFiles(metadata.format)) {
+    for (size_t i = 0; i < units.size(); ++i) {
+      const UnitRead& unit = units[i];
+      if (i > 0 && units[i - 1].tensor == unit.tensor && units[i - 1].chunk == unit.chunk) {
+        continue;  // blocks of one chunk come one after another
+      }
+      const TensorInfo& t = metadata.tensors[unit.tensor];
+      const ChunkInfo& c = t.chunks[unit.chunk];
+      TESSERA_RETURN_IF_ERROR(headers->Check(*files[unit.file_index], unit.file_index, c.location,
+                                             t.dtype, c.box.sizes,
+                                             DescribeChunk(metadata, unit.tensor, unit.chunk)));
+    }
   }
   // Contiguous slices of the (file, offset)-sorted units, of about equal bytes, one per
   // thread: each thread reads sequentially.
@@ -323,7 +338,7 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
 
 Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Metadata& metadata,
                              const std::vector<PermutedCopy>& copies, const LoadOptions& options,
-                             LoadReport& report) {
+                             LoadReport& report, DataFileHeaders* headers) {
   std::vector<std::byte> chunk_bytes;
   for (const PermutedCopy& copy : copies) {
     const TensorInfo& tensor = metadata.tensors[copy.tensor];
@@ -332,7 +347,8 @@ Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Met
     chunk_bytes.resize(chunk.location.length);
     ReadRun whole{chunk.location.file_index, chunk.location.offset, chunk.location.length,
                   chunk_bytes.data(),        copy.tensor,           copy.chunk};
-    TESSERA_RETURN_IF_ERROR(ExecuteReads(storage, dir, metadata, {whole}, options, report));
+    TESSERA_RETURN_IF_ERROR(
+        ExecuteReads(storage, dir, metadata, {whole}, options, report, headers));
     // Strides of the stored layout, in elements, per global dimension.
     const size_t rank = chunk.box.rank();
     std::vector<int64_t> stride(rank, 0);
@@ -370,10 +386,15 @@ Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Met
 
 Status ReadObject(Storage& storage, const std::string& dir, const Metadata& metadata,
                   const ObjectInfo& object, const LoadOptions& options, std::vector<uint8_t>& out,
-                  LoadReport& report) {
+                  LoadReport& report, DataFileHeaders* headers) {
   const std::string what = "object '" + object.key + "'";
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file,
                            OpenDataFile(storage, dir, metadata, object.location.file_index, what));
+  if (headers != nullptr && HasSafetensorsDataFiles(metadata.format)) {
+    TESSERA_RETURN_IF_ERROR(
+        headers->Check(*file, object.location.file_index, object.location, DType::kU8,
+                       Shape{static_cast<int64_t>(object.location.length)}, what));
+  }
   std::vector<uint8_t> bytes(object.location.length);
   TESSERA_RETURN_IF_ERROR_CTX(file->ReadAt(object.location.offset, bytes.data(), bytes.size()),
                               "reading " + what);

@@ -110,21 +110,6 @@ Status CheckBytes(const ReadableFile& file, const ExpectedChecksums& expected,
   return Status::Ok();
 }
 
-// The data file's safetensors header must list the entry the manifest points at.
-Status CheckEntry(const std::multimap<uint64_t, const SafetensorsEntry*>& by_offset,
-                  const ByteLocation& where, DType dtype, const Shape& shape,
-                  const std::string& what, const std::string& path) {
-  auto [begin, end] = by_offset.equal_range(where.offset);
-  for (auto it = begin; it != end; ++it) {  // zero-byte entries may share an offset
-    const SafetensorsEntry& e = *it->second;
-    if (e.end - e.begin == where.length && e.dtype == dtype && e.shape == shape) {
-      return Status::Ok();
-    }
-  }
-  return DataLoss("the safetensors header of " + path + " does not describe " + what +
-                  " at offset " + std::to_string(where.offset) + " as the manifest does");
-}
-
 }  // namespace
 
 Result<VerifyReport> Verify(const std::string& path, std::shared_ptr<Storage> storage) {
@@ -149,8 +134,10 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
   // must be sound and hold the dtype and shape the index says.
   TESSERA_RETURN_IF_ERROR(
       CheckWrappedItems(*storage, root, metadata, options.num_threads, /*bytes_read=*/nullptr));
-  // tessera's and Hugging Face's data files are safetensors files whose headers must agree.
-  const bool safetensors_files = metadata.format != CheckpointFormat::kTorchDist;
+  // tessera's and Hugging Face's data files are safetensors files whose headers must agree with
+  // the index: checked by the same code as every load's (DataFileHeaders), of every piece here.
+  const bool safetensors_files = HasSafetensorsDataFiles(metadata.format);
+  DataFileHeaders headers;
   // What each file holds, in file order, so every file is opened once and read sequentially.
   struct Piece {
     ByteLocation where;
@@ -184,18 +171,13 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
     const std::string needed_by = list.empty() ? "no chunk" : list.front().what;
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file,
                              OpenDataFile(*storage, root, metadata, f, needed_by));
-    std::multimap<uint64_t, const SafetensorsEntry*> by_offset;
-    SafetensorsHeader header;
-    if (safetensors_files) {
-      TESSERA_ASSIGN_OR_RETURN(header, ReadSafetensorsHeader(*file));
-      for (const SafetensorsEntry& e : header.entries) {
-        by_offset.emplace(header.data_start + e.begin, &e);
-      }
+    if (safetensors_files && list.empty()) {  // a file of no chunk: its header still parses
+      TESSERA_RETURN_IF_ERROR(ReadSafetensorsHeader(*file).status());
     }
     for (const Piece& piece : list) {
       if (safetensors_files) {
         TESSERA_RETURN_IF_ERROR(
-            CheckEntry(by_offset, piece.where, piece.dtype, piece.shape, piece.what, file->path()));
+            headers.Check(*file, f, piece.where, piece.dtype, piece.shape, piece.what));
       }
       if (report.checksums) {
         const ExpectedChecksums expected{&piece.where, piece.blocks, metadata.checksum_block_bytes};

@@ -449,4 +449,33 @@ Result<SafetensorsHeader> ReadSafetensorsHeader(const ReadableFile& file) {
   return header;
 }
 
+Status DataFileHeaders::Check(const ReadableFile& file, uint32_t file_index,
+                              const ByteLocation& where, DType dtype, const Shape& shape,
+                              const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_ptr<Parsed>& parsed = files_[file_index];
+  if (!parsed) {
+    parsed = std::make_unique<Parsed>();
+    Result<SafetensorsHeader> header = ReadSafetensorsHeader(file);
+    if (header.ok()) {
+      parsed->header = *std::move(header);
+      for (const SafetensorsEntry& e : parsed->header.entries) {
+        parsed->by_offset.emplace(parsed->header.data_start + e.begin, &e);
+      }
+    } else {
+      parsed->status = header.status();
+    }
+  }
+  TESSERA_RETURN_IF_ERROR(parsed->status);
+  auto [begin, end] = parsed->by_offset.equal_range(where.offset);
+  for (auto it = begin; it != end; ++it) {  // zero-byte entries may share an offset
+    const SafetensorsEntry& e = *it->second;
+    if (e.end - e.begin == where.length && e.dtype == dtype && e.shape == shape) {
+      return Status::Ok();
+    }
+  }
+  return DataLoss("the safetensors header of " + file.path() + " does not describe " + what +
+                  " at offset " + std::to_string(where.offset) + " as the manifest does");
+}
+
 }  // namespace tessera
