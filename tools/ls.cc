@@ -199,7 +199,11 @@ std::optional<Found> Examine(const fs::path& dir, const std::vector<Entry>& file
   return found;
 }
 
-// Every checkpoint under `root`; a checkpoint's own subdirectories are not searched.
+// Every checkpoint under `root`. The subdirectories of a tessera or DCP checkpoint are not
+// searched (none of its files lie there). Those of a directory of .safetensors files are: any
+// such file makes the directory a Hugging Face checkpoint, a stray one included, and the
+// Trainer keeps checkpoint-N/ subdirectories beside its final model (issue 22: a stray file
+// once hid every checkpoint below it).
 std::vector<Found> Search(const fs::path& root) {
   std::vector<Found> all;
   std::vector<fs::path> todo = {root};
@@ -211,8 +215,9 @@ std::vector<Found> Search(const fs::path& root) {
     ListDir(dir, files, subdirs);
     if (std::optional<Found> found = Examine(dir, files)) {
       found->path = dir == root ? "." : fs::relative(dir, root).string();
+      const bool search_on = found->format == "safetensors";
       all.push_back(std::move(*found));
-      continue;
+      if (!search_on) continue;
     }
     todo.insert(todo.end(), subdirs.begin(), subdirs.end());
   }

@@ -178,6 +178,23 @@ msg="$("$tessera" ls "$work/nothing" 2>&1)"; rc=$?
 [ $rc -eq 1 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "does not exist"
 check "ls of a missing directory: one line, exit 1" $?
 
+# Issue 22, defect 15: a stray .safetensors file in the searched folder made `ls` print only
+# "." and hid every checkpoint below it. A Hugging Face directory is listed and searched on
+# (the Trainer keeps checkpoint-N/ subdirectories beside the final model).
+mkdir -p "$work/stray/trainer/checkpoint-500"
+cp "$work/runs/hf/model.safetensors" "$work/stray/stray.safetensors"
+cp -r "$work/runs/a" "$work/stray/run_a"
+cp "$work/runs/hf/model.safetensors" "$work/stray/trainer/model.safetensors"
+cp "$work/runs/hf/model.safetensors" "$work/stray/trainer/checkpoint-500/model.safetensors"
+"$tessera" ls --json "$work/stray" > "$work/stray.json"
+$python - "$work/stray.json" <<'PY'
+import json, sys
+found = {c["path"]: c["format"] for c in json.load(open(sys.argv[1]))["checkpoints"]}
+assert found == {".": "safetensors", "run_a": "tessera", "trainer": "safetensors",
+                 "trainer/checkpoint-500": "safetensors"}, found
+PY
+check "ls: a stray .safetensors file hides no checkpoint below it; HF directories are searched on" $?
+
 # ---- diff ----------------------------------------------------------------------------------
 "$tessera" diff "$work/runs/step100" "$work/runs/step100" > /dev/null; rc=$?
 [ $rc -eq 0 ]; check "diff of a checkpoint with itself: exit 0" $?
