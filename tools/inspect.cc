@@ -21,6 +21,7 @@
 #include "format/torch_dist/pickle.h"
 #include "tessera/checkpoint.h"
 #include "tools/commands.h"
+#include "tools/json_output.h"
 #include "tools/progress.h"
 #include "tools/text.h"
 
@@ -487,20 +488,10 @@ bool Selected(const std::string& key, const std::vector<std::string>& globs) {
                      [&](const std::string& g) { return fnmatch(g.c_str(), key.c_str(), 0) == 0; });
 }
 
-int PrintJson(const std::string& path, const Metadata& m, const std::vector<bool>& shown,
-              const std::map<std::string, std::string>& values,
-              const std::map<std::string, ObjectEncoding>& encodings) {
-  // JSON strings hold Unicode text: refuse (naming the string) rather than abort inside the
-  // JSON library or print silently altered names.
-  Status text = CheckMetadataIsUtf8(m, JoinPath(path, "tessera.manifest"));
-  if (text.ok() && !IsValidUtf8(path)) {
-    text = InvalidArgument("the path " + QuoteBytes(path) + " is not valid UTF-8");
-  }
-  if (!text.ok()) {
-    return Fail(Status(text.code(), text.message() +
-                                        "; JSON cannot hold it (`tessera inspect` without "
-                                        "--json shows it escaped)"));
-  }
+int PrintInspectJson(const std::string& path, const Metadata& m, const std::vector<bool>& shown,
+                     const std::map<std::string, std::string>& values,
+                     const std::map<std::string, ObjectEncoding>& encodings) {
+  // Strings that are not UTF-8 (a corrupt or foreign index) print as PrintJson documents.
   nlohmann::json doc;
   doc["path"] = path;
   doc["format"] = CheckpointFormatName(m.format);
@@ -539,7 +530,7 @@ int PrintJson(const std::string& path, const Metadata& m, const std::vector<bool
   }
   auto& files = doc["files"] = nlohmann::json::array();
   for (const FileInfo& f : m.files) files.push_back({{"name", f.name}, {"bytes", f.size}});
-  std::cout << doc.dump(2) << "\n";
+  PrintJson(std::move(doc));
   return 0;
 }
 
@@ -559,7 +550,7 @@ int RunInspect(const InspectOptions& options) {
   const std::map<std::string, ObjectEncoding> encodings = EffectiveEncodings(m);
   const std::map<std::string, std::string> values =
       SmallObjectValues(options.path, m, shown, encodings);
-  if (options.json) return PrintJson(options.path, m, shown, values, encodings);
+  if (options.json) return PrintInspectJson(options.path, m, shown, values, encodings);
 
   const Printer print{static_cast<size_t>(std::max(OutputWidth(), 20))};
   PrintSummary(options.path, m, index->rank_local, print);

@@ -264,6 +264,53 @@ msg="$("$tessera" rm-keys "$work/copy" 2>&1)"; rc=$?
 [ $rc -ne 0 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "^tessera: error: .*--prefix"
 check "a command line that does not parse: one line naming what is missing" $?
 
+# ---- --json and text that is not UTF-8 (issue 22, defects 9 and 10) -------------------------
+# Every JSON document prints, whatever bytes its strings hold: a string that is not UTF-8 comes
+# out with U+FFFD in place of each bad byte, and "non_utf8" lists it by JSON Pointer with its
+# exact bytes escaped (tools/json_output.h). Before: each of these aborted (rc 134) after the
+# work was done.
+json_check() {  # json_check FILE POINTER BYTES: valid JSON whose non_utf8 lists POINTER as BYTES
+  $python - "$@" <<'PY'
+import json, sys
+raw = open(sys.argv[1], "rb").read()
+doc = json.loads(raw.decode("utf-8"))  # strict UTF-8: fails on any byte that is not
+entries = {e["pointer"]: e["bytes"] for e in doc["non_utf8"]}
+assert entries.get(sys.argv[2]) == sys.argv[3], (sys.argv[2], doc["non_utf8"])
+PY
+}
+cp -r "$work/runs/a" "$work/nu_rm"
+"$tessera" rm-keys "$work/nu_rm" --prefix $'opt\xff' --json > "$work/nu_rm.json"; rc=$?
+[ $rc -eq 0 ] && json_check "$work/nu_rm.json" /prefixes/0/prefix 'opt\xff'
+check "rm-keys --json with a prefix that is not UTF-8 prints JSON" $?
+"$tessera" convert "$work/runs/a" "$work/nu_dst_"$'\xff' --to safetensors --json --no-sync \
+  > "$work/nu_convert.json"; rc=$?
+[ $rc -eq 0 ] && json_check "$work/nu_convert.json" /destination "$work/nu_dst_\\xff"
+check "convert --json to a destination that is not UTF-8 prints JSON" $?
+# A PyTorch DCP checkpoint whose object key is not UTF-8 (its .metadata patched in place: the
+# pickle's strings are length-prefixed), converted to safetensors, which skips objects.
+"$tessera" convert "$work/runs/a" "$work/nu_dcp" --to torch_dist --no-sync > /dev/null
+$python - "$work/nu_dcp/.metadata" <<'PY'
+import sys
+data = open(sys.argv[1], "rb").read()
+assert b"optimizer.step" in data
+open(sys.argv[1], "wb").write(data.replace(b"optimizer.step", b"optimizer.st\xff\xfe"))
+PY
+"$tessera" convert "$work/nu_dcp" "$work/nu_dcp_hf" --to safetensors --json --no-sync \
+  > "$work/nu_dcp.json"; rc=$?
+[ $rc -eq 0 ] && json_check "$work/nu_dcp.json" /skipped_objects/0 'optimizer.st\xff\xfe'
+check "convert --json of a DCP checkpoint with an object key that is not UTF-8 prints JSON" $?
+mkdir -p "$work/nu_ls/run_"$'\xff'
+cp -r "$work/runs/a" "$work/nu_ls/run_"$'\xff'/ckpt
+"$tessera" ls --json "$work/nu_ls" > "$work/nu_ls.json"; rc=$?
+[ $rc -eq 0 ] && json_check "$work/nu_ls.json" /checkpoints/0/path 'run_\xff/ckpt'
+check "ls --json of a directory whose name is not UTF-8 prints JSON" $?
+"$tessera" inspect --json "$work/nu_dcp" > "$work/nu_inspect.json"; rc=$?
+[ $rc -eq 0 ] && json_check "$work/nu_inspect.json" /objects/0/key 'optimizer.st\xff\xfe'
+check "inspect --json of a checkpoint whose key is not UTF-8 prints JSON" $?
+"$tessera" diff --json "$work/nu_dcp" "$work/nu_dcp" > "$work/nu_diff.json"; rc=$?
+[ $rc -eq 0 ] && $python -c 'import json,sys; json.loads(open(sys.argv[1],"rb").read().decode())' "$work/nu_diff.json"
+check "diff --json of checkpoints with a key that is not UTF-8 prints JSON" $?
+
 # ---- rank-local saves and finalize ---------------------------------------------------------
 "$tessera" demo --out "$work/rl" --size 8MiB --no-sync --rank-local --save-layout tp2,dp2 \
   --load-layout tp4,dp1 > "$work/rl.out" 2>&1
