@@ -28,7 +28,9 @@
 namespace tessera::tools {
 
 int Fail(const Status& status) {
-  std::fprintf(stderr, "tessera: error: %s\n", status.ToString().c_str());
+  // One line, whatever the message holds: a key's or a path's control characters (a hostile
+  // checkpoint's terminal escapes) are printed \xNN, as the tables print them.
+  std::fprintf(stderr, "tessera: error: %s\n", EscapeControlCharacters(status.ToString()).c_str());
   return 1;
 }
 

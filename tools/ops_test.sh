@@ -311,6 +311,30 @@ check "inspect --json of a checkpoint whose key is not UTF-8 prints JSON" $?
 [ $rc -eq 0 ] && $python -c 'import json,sys; json.loads(open(sys.argv[1],"rb").read().decode())' "$work/nu_diff.json"
 check "diff --json of checkpoints with a key that is not UTF-8 prints JSON" $?
 
+# Defect 10: error lines carry no control character raw (a hostile key's or path's escape
+# sequences), escaped \xNN as the tables escape them.
+msg="$("$tessera" verify "$work/no_such_"$'\x1b]0;pwned\x07\x1b[2J' 2>&1)"; rc=$?
+[ $rc -ne 0 ] && ! printf '%s' "$msg" | grep -q $'\x1b' && printf '%s' "$msg" | grep -qF 'no_such_\x1b]0;pwned\x07\x1b[2J'
+check "an error naming a path with escape sequences prints them escaped" $?
+if [ $have_python -eq 1 ]; then
+$python - "$work/hostile" <<'PY'
+import sys
+import numpy as np
+import tessera
+tessera.save({"w\x1b]0;pwned\x07\x1b[31m": np.arange(1024, dtype=np.float32)}, sys.argv[1])
+PY
+data="$(ls "$work/hostile"/*.safetensors | head -n 1)"
+$python - "$data" <<'PY'
+import sys
+data = bytearray(open(sys.argv[1], "rb").read())
+data[-100] ^= 0x10  # a byte of the tensor's elements: a checksum mismatch naming the key
+open(sys.argv[1], "wb").write(bytes(data))
+PY
+msg="$("$tessera" verify "$work/hostile" 2>&1)"; rc=$?
+[ $rc -ne 0 ] && ! printf '%s' "$msg" | grep -q $'\x1b' && printf '%s' "$msg" | grep -qF "key 'w\x1b]0;pwned\x07\x1b[31m'"
+check "an error naming a hostile key prints its escape sequences escaped" $?
+fi
+
 # ---- rank-local saves and finalize ---------------------------------------------------------
 "$tessera" demo --out "$work/rl" --size 8MiB --no-sync --rank-local --save-layout tp2,dp2 \
   --load-layout tp4,dp1 > "$work/rl.out" 2>&1

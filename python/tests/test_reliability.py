@@ -97,6 +97,27 @@ def test_cli_inspect_json_escapes_non_utf8_and_text_escapes_it(cli, non_utf8):
         assert "caf\u00e9".encode() in text.stdout or what == "metadata"
 
 
+def test_exception_texts_escape_control_characters(ckpt):
+    # Issue 22, defect 10: a hostile key's terminal escape sequences reached exception texts
+    # raw (the tables escaped them). Now every tessera exception's text has them as \\xNN.
+    key = "w\x1b]0;pwned\x07\x1b[31m"
+    tessera.save({key: np.arange(1024, dtype=np.float32)}, ckpt)
+    data = [os.path.join(ckpt, f) for f in os.listdir(ckpt) if f.endswith(".safetensors")][0]
+    raw = bytearray(open(data, "rb").read())
+    raw[-100] ^= 0x10
+    open(data, "wb").write(bytes(raw))
+    for call in (lambda: tessera.verify(ckpt), lambda: tessera.load_all(ckpt)):
+        with pytest.raises(tessera.CorruptCheckpointError) as info:
+            call()
+        text = str(info.value)
+        assert "\x1b" not in text and "\x07" not in text, repr(text)
+        assert "w\\x1b]0;pwned\\x07\\x1b[31m" in text, text
+    # Raised by the Python layer itself: the same.
+    with pytest.raises(tessera.InvalidArgumentError) as info:
+        tessera.load({"\x1b[2Jx": np.zeros(2)}, ckpt)
+    assert "\x1b" not in str(info.value) and "\\x1b[2Jx" in str(info.value)
+
+
 # ---- item 9 ----------------------------------------------------------------------------------
 
 class _Boom:
