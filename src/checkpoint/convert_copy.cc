@@ -294,7 +294,7 @@ Status CopyPiece(SourceFiles& files, const CheckpointIndex& index, uint32_t tens
     if (!src.ok()) return src.status();
     if (HasSafetensorsDataFiles(metadata.format)) {  // what Verify and loads check of the file
       TESSERA_RETURN_IF_ERROR(index.headers->Check(**src, c.location.file_index, c.location,
-                                                   t.dtype, c.box.sizes, what));
+                                                   t.dtype, StoredShape(c), what));
     }
     Status status;
     if (verify) {

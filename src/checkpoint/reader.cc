@@ -295,7 +295,7 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
       const TensorInfo& t = metadata.tensors[unit.tensor];
       const ChunkInfo& c = t.chunks[unit.chunk];
       TESSERA_RETURN_IF_ERROR(headers->Check(*files[unit.file_index], unit.file_index, c.location,
-                                             t.dtype, c.box.sizes,
+                                             t.dtype, StoredShape(c),
                                              DescribeChunk(metadata, unit.tensor, unit.chunk)));
     }
   }

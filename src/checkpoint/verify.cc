@@ -154,7 +154,7 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
       pieces[chunk.location.file_index].push_back(
           {chunk.location, &chunk.block_checksums,
            "key '" + tensor.key + "' chunk " + std::to_string(c) + " " + chunk.box.ToString(),
-           tensor.dtype, chunk.box.sizes});
+           tensor.dtype, StoredShape(chunk)});
     }
   }
   for (const ObjectInfo& object : metadata.objects) {

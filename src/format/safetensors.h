@@ -67,6 +67,17 @@ inline bool HasSafetensorsDataFiles(CheckpointFormat format) {
   return format != CheckpointFormat::kTorchDist;
 }
 
+// The shape of the array a chunk's bytes hold: its box's sizes, in storage_order when it has
+// one (a chunk stored transposed is the row-major array of its sizes permuted).
+inline Shape StoredShape(const ChunkInfo& chunk) {
+  if (chunk.storage_order.empty()) return chunk.box.sizes;
+  Shape shape;
+  for (uint8_t d : chunk.storage_order) {
+    shape.push_back(d < chunk.box.sizes.size() ? chunk.box.sizes[d] : -1);
+  }
+  return shape;
+}
+
 // The header of each data file of one checkpoint, read once, when first needed, and kept for
 // the checks of later reads. Thread-safe.
 class DataFileHeaders {
