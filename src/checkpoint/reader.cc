@@ -8,6 +8,8 @@
 #include "core/dtype_convert.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
+#include "format/torch_dist/crc32.h"
+#include "format/torch_dist/torch_zip.h"
 
 namespace tessera {
 namespace {
@@ -23,6 +25,33 @@ std::string Hex(uint64_t v) {
   char buf[19];
   std::snprintf(buf, sizeof(buf), "%016" PRIx64, v);
   return buf;
+}
+
+// The checksum of a unit's bytes, of the kind the index says: XXH3-64 (tessera), or CRC-32
+// (the zip records of a PyTorch DCP checkpoint's items, ChecksumKind::kCrc32).
+class UnitChecksum {
+ public:
+  explicit UnitChecksum(ChecksumKind kind) : crc_(kind == ChecksumKind::kCrc32) {}
+  void Update(const void* data, size_t n) {
+    if (crc_) {
+      crc32_ = torch_dist::Crc32(data, n, crc32_);
+    } else {
+      xxh3_.Update(data, n);
+    }
+  }
+  uint64_t Digest() const { return crc_ ? crc32_ : xxh3_.Digest(); }
+
+ private:
+  bool crc_;
+  uint32_t crc32_ = 0;
+  ChecksumStream xxh3_;
+};
+
+// Whether `chunk` has a checksum to check: every chunk of a checksummed index, but a DCP chunk
+// that is only part of its zip record (ChecksumKind::kCrc32).
+bool HasChecksum(const Metadata& metadata, const ChunkInfo& chunk) {
+  if (metadata.checksum == ChecksumKind::kNone) return false;
+  return metadata.checksum != ChecksumKind::kCrc32 || chunk.location.checksum < kUncheckedCrc32;
 }
 
 std::string DescribeChunk(const Metadata& metadata, uint32_t tensor, uint32_t chunk) {
@@ -140,7 +169,7 @@ void PlanUnitReads(const Metadata& metadata, const std::vector<ReadRun>& runs,
         read.file_index = run.file_index;
         read.tensor = run.tensor;
         read.chunk = run.chunk;
-        read.check = verify;
+        read.check = verify && HasChecksum(metadata, chunk);
         read.offset = verify ? chunk_units.Begin(unit) : at;
         read.length = verify ? chunk_units.Length(unit) : n;
         read.checksum = verify ? chunk_units.Checksum(unit) : 0;
@@ -175,6 +204,16 @@ void PlanUnitReads(const Metadata& metadata, const std::vector<ReadRun>& runs,
 std::string ChecksumMismatch(const std::string& dir, const Metadata& metadata, const UnitRead& unit,
                              uint64_t actual) {
   const ChunkInfo& chunk = metadata.tensors[unit.tensor].chunks[unit.chunk];
+  if (metadata.checksum == ChecksumKind::kCrc32) {
+    char crcs[64];
+    std::snprintf(crcs, sizeof(crcs),
+                  "its zip record says %08" PRIx64 ", the bytes give %08" PRIx64, unit.checksum,
+                  actual);
+    return "CRC-32 mismatch in " + DescribeChunk(metadata, unit.tensor, unit.chunk) +
+           " (the elements of a PyTorch DCP item) of file " +
+           JoinPath(dir, metadata.files[unit.file_index].name) + " at offset " +
+           std::to_string(unit.offset) + ": " + crcs;
+  }
   std::string where = "checksum mismatch in " + DescribeChunk(metadata, unit.tensor, unit.chunk);
   if (unit.length != chunk.location.length) {
     where += " (block of " + std::to_string(unit.length) + " bytes at chunk byte " +
@@ -190,7 +229,7 @@ Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata
                 std::vector<std::byte>& buffer, uint64_t& bytes_read, uint64_t& calls,
                 ProgressMeter* progress) {
   auto context = [&] { return "reading " + DescribeChunk(metadata, unit.tensor, unit.chunk); };
-  ChecksumStream checksum;
+  UnitChecksum checksum(metadata.checksum);
   if (unit.direct) {
     // In pieces, each checksummed right after it is read, while it is in cache. Through
     // pread, not a mapping (ReadableFile::Map): copying out of a mapping and hashing the copy
@@ -398,7 +437,15 @@ Status ReadObject(Storage& storage, const std::string& dir, const Metadata& meta
   std::vector<uint8_t> bytes(object.location.length);
   TESSERA_RETURN_IF_ERROR_CTX(file->ReadAt(object.location.offset, bytes.data(), bytes.size()),
                               "reading " + what);
-  if (options.verify_checksums && metadata.checksum != ChecksumKind::kNone) {
+  if (options.verify_checksums && metadata.format == CheckpointFormat::kTorchDist &&
+      object.encoding == ObjectEncoding::kTorchSave) {
+    // A torch.save item: the CRC-32 of every zip record (issue 22).
+    TESSERA_RETURN_IF_ERROR(torch_dist::CheckTorchItemRecords(
+        bytes,
+        JoinPath(dir, metadata.files[object.location.file_index].name) + " item at " +
+            std::to_string(object.location.offset) + " (" + what + ")",
+        nullptr));
+  } else if (options.verify_checksums && metadata.checksum == ChecksumKind::kXxh3_64) {
     uint64_t actual = Checksum(bytes.data(), bytes.size());
     if (actual != object.location.checksum) {
       return DataLoss("checksum mismatch in " + what + " of file " +

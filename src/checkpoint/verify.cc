@@ -129,11 +129,19 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
   const std::string& root = index.root;
   VerifyReport report;
   report.format = metadata.format;
-  report.checksums = metadata.checksum != ChecksumKind::kNone;
-  // Wrapped chunks (PyTorch DCP items, which have no checksums): every item's zip structure
-  // must be sound and hold the dtype and shape the index says.
+  // tessera's own checksums (XXH3-64 of every chunk and block), checked file by file below.
+  const bool checksummed = metadata.checksum != ChecksumKind::kNone;
+  report.checksums = checksummed;
+  // Wrapped chunks (PyTorch DCP items, whose only checksums are their zip records' CRC-32s):
+  // every item's zip structure must be sound and hold the dtype and shape the index says.
   TESSERA_RETURN_IF_ERROR(
       CheckWrappedItems(*storage, root, metadata, options.num_threads, /*bytes_read=*/nullptr));
+  // Their bytes: every zip record carries a CRC-32 (issue 22), all checked.
+  if (metadata.format == CheckpointFormat::kTorchDist) {
+    TESSERA_RETURN_IF_ERROR(CheckWrappedItemRecords(*storage, root, metadata, options.num_threads,
+                                                    &report.bytes_checked));
+    report.checksums = true;
+  }
   // tessera's and Hugging Face's data files are safetensors files whose headers must agree with
   // the index: checked by the same code as every load's (DataFileHeaders), of every piece here.
   const bool safetensors_files = HasSafetensorsDataFiles(metadata.format);
@@ -179,7 +187,7 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
         TESSERA_RETURN_IF_ERROR(
             headers.Check(*file, f, piece.where, piece.dtype, piece.shape, piece.what));
       }
-      if (report.checksums) {
+      if (checksummed) {
         const ExpectedChecksums expected{&piece.where, piece.blocks, metadata.checksum_block_bytes};
         TESSERA_RETURN_IF_ERROR(
             CheckBytes(*file, expected, piece.what, buffer, file_report, progress));
@@ -201,7 +209,7 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
   };
   uint64_t to_check = 0;
   for (const std::vector<Piece>& list : pieces) {
-    for (const Piece& piece : list) to_check += report.checksums ? piece.where.length : 0;
+    for (const Piece& piece : list) to_check += checksummed ? piece.where.length : 0;
   }
   progress.set_total(to_check);
   const size_t num_threads = std::min<size_t>(static_cast<size_t>(options.num_threads), num_files);

@@ -386,9 +386,12 @@ Status ResolveFlattened(const TorchTensorItem& item, const std::string& what, Ch
     return DataLoss(what + " holds " + Num(range->second) + " bytes of elements; the .metadata " +
                     "puts " + Num(bytes) + " of them at byte " + Num(chunk.payload_offset));
   }
-  chunk.location =
-      ByteLocation{chunk.location.file_index,
-                   chunk.location.offset + range->first + chunk.payload_offset, bytes, 0};
+  // The whole record, or a part of it (then unchecked, see ChecksumKind::kCrc32).
+  const bool whole =
+      range->first + chunk.payload_offset == item.data_offset && bytes == item.data_size;
+  chunk.location = ByteLocation{chunk.location.file_index,
+                                chunk.location.offset + range->first + chunk.payload_offset, bytes,
+                                whole ? item.data_crc32 : kUncheckedCrc32};
   chunk.encoding = ChunkEncoding::kRaw;
   chunk.payload_offset = 0;
   chunk.storage_order.clear();
@@ -442,7 +445,11 @@ Status ResolveWithItem(const TorchTensorItem& item, const ReadableFile& file,
     return DataLoss(what + ": payload offset " + Num(chunk.payload_offset) +
                     " puts the elements past the item's end");
   }
-  chunk.location = ByteLocation{item_at.file_index, item_at.offset + start, bytes, 0};
+  // The record's CRC-32 when the chunk's bytes are all of it (torch writes every tensor with a
+  // storage of its own size); else unchecked (ChecksumKind::kCrc32).
+  const bool whole = start == item.data_offset && bytes == item.data_size;
+  chunk.location = ByteLocation{item_at.file_index, item_at.offset + start, bytes,
+                                whole ? item.data_crc32 : kUncheckedCrc32};
   chunk.encoding = ChunkEncoding::kRaw;
   chunk.payload_offset = 0;
   chunk.storage_order.clear();
