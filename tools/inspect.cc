@@ -617,15 +617,17 @@ int RunVerify(const std::string& path, int threads, ProgressMode progress) {
     std::printf(
         "verified %s (%s): structure only, the format has no checksums: %llu chunks in %d "
         "files, every header consistent, every tensor covered exactly\n",
-        path.c_str(), CheckpointFormatName(report->format),
+        Printable(path).c_str(), CheckpointFormatName(report->format),
         static_cast<unsigned long long>(report->chunks_checked), report->files_checked);
     return 0;
   }
-  std::printf(
-      "verified %s: %llu chunks, %s in %d files; checksums match, every tensor covered "
-      "exactly\n",
-      path.c_str(), static_cast<unsigned long long>(report->chunks_checked),
-      FormatBytes(report->bytes_checked).c_str(), report->files_checked);
+  // PyTorch DCP: the CRC-32 of every zip record of every item (issue 22).
+  const bool crc = report->format == CheckpointFormat::kTorchDist;
+  std::printf("verified %s%s: %llu chunks, %s in %d files; %s, every tensor covered exactly\n",
+              Printable(path).c_str(), crc ? " (torch_dist)" : "",
+              static_cast<unsigned long long>(report->chunks_checked),
+              FormatBytes(report->bytes_checked).c_str(), report->files_checked,
+              crc ? "the CRC-32 of every zip record matches" : "checksums match");
   return 0;
 }
 
