@@ -458,19 +458,24 @@ Status DataFileHeaders::Check(const ReadableFile& file, uint32_t file_index,
     parsed = std::make_unique<Parsed>();
     Result<SafetensorsHeader> header = ReadSafetensorsHeader(file);
     if (header.ok()) {
-      parsed->header = *std::move(header);
-      for (const SafetensorsEntry& e : parsed->header.entries) {
-        parsed->by_offset.emplace(parsed->header.data_start + e.begin, &e);
+      parsed->entries.reserve(header->entries.size());
+      for (SafetensorsEntry& e : header->entries) {
+        parsed->entries.push_back(
+            {header->data_start + e.begin, e.end - e.begin, e.dtype, std::move(e.shape)});
       }
+      std::stable_sort(parsed->entries.begin(), parsed->entries.end(),
+                       [](const Entry& a, const Entry& b) { return a.offset < b.offset; });
     } else {
       parsed->status = header.status();
     }
   }
   TESSERA_RETURN_IF_ERROR(parsed->status);
-  auto [begin, end] = parsed->by_offset.equal_range(where.offset);
-  for (auto it = begin; it != end; ++it) {  // zero-byte entries may share an offset
-    const SafetensorsEntry& e = *it->second;
-    if (e.end - e.begin == where.length && e.dtype == dtype && e.shape == shape) {
+  auto it = std::lower_bound(
+      parsed->entries.begin(), parsed->entries.end(), where.offset,
+      [](const Entry& e, uint64_t offset) { return e.offset < offset; });
+  for (; it != parsed->entries.end() && it->offset == where.offset; ++it) {
+    // Zero-byte entries may share an offset.
+    if (it->length == where.length && it->dtype == dtype && it->shape == shape) {
       return Status::Ok();
     }
   }

@@ -90,10 +90,17 @@ class DataFileHeaders {
                DType dtype, const Shape& shape, const std::string& what);
 
  private:
+  // What the checks need of an entry (not its name: a load may keep the headers of every file
+  // of a checkpoint of millions of chunks).
+  struct Entry {
+    uint64_t offset;  // absolute
+    uint64_t length;
+    DType dtype;
+    Shape shape;
+  };
   struct Parsed {
-    Status status;  // of reading the header
-    SafetensorsHeader header;
-    std::multimap<uint64_t, const SafetensorsEntry*> by_offset;  // absolute offset -> entry
+    Status status;               // of reading the header
+    std::vector<Entry> entries;  // sorted by offset
   };
   std::mutex mu_;
   std::map<uint32_t, std::unique_ptr<Parsed>> files_;

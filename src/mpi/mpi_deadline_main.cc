@@ -12,8 +12,9 @@
 //                      fails at once with the same status.
 //   two_late           (4 ranks or more) ranks 2 and 3 come late: the message names both.
 //   slow_but_in_time   a rank 0.3 s late with a 1 s deadline: the collective just completes.
-//   frozen_mid_bcast   (issue 22) rank 1 freezes 3 s right after starting its part of a 64 MiB
-//   frozen_mid_allgather  Broadcast from rank 0 (of a 16 MiB-per-rank AllGather): the ranks
+//   frozen_mid_bcast   (issue 22) root 0 of a 64 MiB Broadcast freezes 3 s right before sending
+//   frozen_mid_allgather  (rank 1 right after starting its part of a 16 MiB-per-rank AllGather),
+//                      every rank having entered the collective: the ranks
 //                      still waiting for the transfer at the deadline return kDeadlineExceeded
 //                      then; a rank whose part completed earlier returns OK and learns it at
 //                      its next collective; the frozen rank when it wakes; one message
@@ -116,22 +117,24 @@ void ExpectGiveUp(const std::string& name, const std::vector<int>& late, const s
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-// Runs `call` on every rank; rank `frozen` freezes kLate (sleeping, calling no MPI) right after
-// it starts the first operation of the collective's data transfer named `mpi_call`. A rank still
+// Runs `call` on every rank; rank `frozen` freezes kLate (sleeping, calling no MPI) right before
+// (or, `after_start`, right after) it starts the first operation of the collective's data
+// transfer named `mpi_call`, every rank having entered the collective. A rank still
 // waiting for the transfer when the deadline passes returns kDeadlineExceeded then (within a
 // margin), saying the transfer was given up mid-way; a rank whose part completed before returns
 // OK, and its next collective returns that status at once; the frozen rank returns it when it
 // wakes. The message is the same everywhere, and the communicator is aborted after.
 void ExpectGiveUpMidTransfer(const std::string& name, int frozen, const std::string& mpi_call,
-                             const std::function<Status(Comm&)>& call) {
+                             bool after_start, const std::function<Status(Comm&)>& call) {
   std::unique_ptr<Comm> comm = FreshComm();
   const bool is_frozen = comm->rank() == frozen;
   if (is_frozen) {
-    mpi_internal::SetDataPhaseHookForTesting([mpi_call](std::string_view started) {
-      if (started != mpi_call) return;
-      mpi_internal::SetDataPhaseHookForTesting(nullptr);
-      std::this_thread::sleep_for(kLate);
-    });
+    mpi_internal::SetDataPhaseHookForTesting(
+        [mpi_call, after_start](std::string_view what, bool started) {
+          if (what != mpi_call || started != after_start) return;
+          mpi_internal::SetDataPhaseHookForTesting(nullptr);
+          std::this_thread::sleep_for(kLate);
+        });
   }
   const Clock::time_point start = Clock::now();
   const Status status = call(*comm);
@@ -222,12 +225,15 @@ int Main() {
     });
   }
 
-  // Rank 1 forwards what root 0 sends (Open MPI pipelines a large broadcast along a chain).
-  ExpectGiveUpMidTransfer("frozen_mid_bcast", 1, "MPI_Ibcast", [](Comm& comm) {
+  // The root stops before it sends (after the header: every rank is in the Broadcast); rank 1
+  // stops right after starting its part of an AllGather, whose every rank needs every other's.
+  // (Which ranks a stalled broadcast holds up depends on Open MPI's algorithm: a stalled
+  // forwarder may be bypassed.)
+  ExpectGiveUpMidTransfer("frozen_mid_bcast", 0, "MPI_Ibcast", false, [](Comm& comm) {
     Bytes data(comm.rank() == 0 ? size_t{64} << 20 : 0, 0x5A);
     return comm.Broadcast(&data, 0);
   });
-  ExpectGiveUpMidTransfer("frozen_mid_allgather", 1, "MPI_Iallgatherv", [](Comm& comm) {
+  ExpectGiveUpMidTransfer("frozen_mid_allgather", 1, "MPI_Iallgatherv", true, [](Comm& comm) {
     std::vector<Bytes> received;
     return comm.AllGather(Bytes(size_t{16} << 20, static_cast<uint8_t>(comm.rank())), &received);
   });

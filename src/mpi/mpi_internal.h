@@ -40,12 +40,13 @@ struct Rounds {
   }
 };
 
-// Test seam: when set, MpiComm calls it on this process right after starting each operation of
-// a collective's data transfer (after the header, before waiting for the operation), with the
-// MPI call's name. tessera_mpi_deadline_test freezes a rank there (sleeping, calling no MPI),
-// which stands for a process stopped (SIGSTOP, a debugger, swapping) in the middle of a
-// transfer. Not thread-safe: set it before the collectives it is meant for.
-using DataPhaseHook = std::function<void(std::string_view call)>;
+// Test seam: when set, MpiComm calls it on this process twice for each operation of a
+// collective's data transfer (after the header): right before starting it (`started` false) and
+// right after (true, before waiting for it), with the MPI call's name. tessera_mpi_deadline_test
+// freezes a rank there (sleeping, calling no MPI), which stands for a process stopped (SIGSTOP,
+// a debugger, swapping) in the middle of a collective. Not thread-safe: set it before the
+// collectives it is meant for.
+using DataPhaseHook = std::function<void(std::string_view call, bool started)>;
 void SetDataPhaseHookForTesting(DataPhaseHook hook);
 
 }  // namespace tessera::mpi_internal
