@@ -15,6 +15,7 @@
 #include "tessera/async_save.h"
 #include "tessera/local_comm.h"
 #include "tools/commands.h"
+#include "tools/json_output.h"
 #include "workload/model_state.h"
 
 namespace tessera::tools {
@@ -230,7 +231,7 @@ int RunBenchAsync(const BenchAsyncOptions& o) {
   out["rss_after_all_saves_bytes"] = rss_after_all;
   out["rss_growth_after_100_saves_bytes"] =
       static_cast<int64_t>(rss_after_all) - static_cast<int64_t>(rss_after_2);
-  std::printf("%s\n", out.dump(2).c_str());
+  PrintJson(std::move(out));
   return 0;
 }
 

@@ -27,6 +27,7 @@
 #include "tessera/convert.h"
 #include "tessera/local_comm.h"
 #include "tools/commands.h"
+#include "tools/json_output.h"
 #include "workload/model_state.h"
 
 namespace tessera::tools {
@@ -303,7 +304,7 @@ void AddBenchConvertCommand(CLI::App& bench, int* exit_code) {
       *exit_code = Fail(out.status());
       return;
     }
-    std::printf("%s\n", out->dump(2).c_str());
+    PrintJson(std::move(*out));
     *exit_code = 0;
   });
 }

@@ -62,6 +62,7 @@
 #include "tessera/checkpoint.h"
 #include "tessera/local_comm.h"
 #include "tools/commands.h"
+#include "tools/json_output.h"
 #include "tools/memory.h"
 #include "tools/ranks.h"
 #include "workload/model_state.h"
@@ -631,7 +632,7 @@ int RunBenchIo(const BenchIoOptions& options) {
   out["page_cache_dropped_before_reads"] = o.drop_caches;
   out["checked"] = res.checked;
   out["dir"] = run_dir + " (removed)";
-  std::printf("%s\n", out.dump(2).c_str());
+  PrintJson(std::move(out));
   return 0;
 }
 

@@ -21,6 +21,7 @@
 #include "plan/plan_exchange.h"
 #include "plan/save_plan.h"
 #include "tools/commands.h"
+#include "tools/json_output.h"
 #include "tools/memory.h"
 
 namespace tessera::tools {
@@ -215,7 +216,7 @@ int RunBenchPlan(const BenchPlanOptions& o) {
   out["load_plan_seconds"] = load_plan_max;
   out["load_plan_ranks_sampled"] = o.sampled_load_ranks;
   out["load_read_runs_per_rank"] = runs_sampled / o.sampled_load_ranks;
-  std::printf("%s\n", out.dump(2).c_str());
+  PrintJson(std::move(out));
   return 0;
 }
 

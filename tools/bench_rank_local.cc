@@ -11,6 +11,7 @@
 
 #include "tessera/checkpoint.h"
 #include "tools/commands.h"
+#include "tools/json_output.h"
 #include "tools/ranks.h"
 #include "workload/model_state.h"
 
@@ -147,7 +148,7 @@ int RunBenchRankLocal(const BenchRankLocalOptions& o) {
   j["rank_local_over_collective_uncached"] = Median(t.rank_local) / Median(t.collective_uncached);
   j["read_metadata_collective_seconds"] = Median(t.read_collective);
   j["read_metadata_rank_local_seconds"] = Median(t.read_rank_local);
-  std::printf("%s\n", j.dump(2).c_str());
+  PrintJson(std::move(j));
   return 0;
 }
 

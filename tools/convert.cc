@@ -11,6 +11,7 @@
 #include "core/dtype_convert.h"
 #include "tessera/convert.h"
 #include "tools/commands.h"
+#include "tools/json_output.h"
 #include "tools/progress.h"
 #include "tools/ranks.h"
 
@@ -46,7 +47,7 @@ void PrintReport(const ConvertCliOptions& cli, const ConvertReport& report, bool
                           {"total_bytes", report.total_bytes},
                           {"files", report.files},
                           {"skipped_objects", report.skipped_objects}};
-    std::printf("%s\n", doc.dump(2).c_str());
+    PrintJson(std::move(doc));
     return;
   }
   std::printf("converted %s (%s) to %s (%s): %llu tensors%s, %s in %zu files\n", cli.src.c_str(),

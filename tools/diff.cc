@@ -16,9 +16,9 @@
 #include <optional>
 #include <set>
 
-#include "core/utf8.h"
 #include "tessera/checkpoint.h"
 #include "tools/commands.h"
+#include "tools/json_output.h"
 #include "tools/text.h"
 
 namespace tessera::tools {
@@ -424,7 +424,7 @@ nlohmann::json SideJson(const Side& s) {
   return j;
 }
 
-void PrintJson(const std::string& path_a, const std::string& path_b, const DiffResult& r) {
+void PrintDiffJson(const std::string& path_a, const std::string& path_b, const DiffResult& r) {
   nlohmann::json doc;
   doc["a"] = path_a;
   doc["b"] = path_b;
@@ -453,7 +453,7 @@ void PrintJson(const std::string& path_a, const std::string& path_b, const DiffR
   }
   doc["keys_compared"] = r.tensors_compared + r.objects_compared;
   doc["chunks_equal_by_checksum"] = r.chunks_skipped;
-  std::cout << doc.dump(2) << "\n";
+  PrintJson(std::move(doc));
 }
 
 // Exit codes: 0 identical, 1 different, 2 error.
@@ -469,20 +469,10 @@ int RunDiff(const std::string& a, const std::string& b, bool values, bool json) 
   if (!ma.ok()) return Error(ma.status());
   Result<Metadata> mb = ReadMetadata(b);
   if (!mb.ok()) return Error(mb.status());
-  if (json) {
-    for (const auto& [m, path] : {std::pair{&*ma, &a}, std::pair{&*mb, &b}}) {
-      Status text = CheckMetadataIsUtf8(*m, *path);
-      if (text.ok() && !IsValidUtf8(*path)) text = InvalidArgument("the path is not valid UTF-8");
-      if (!text.ok()) {
-        return Error(Status(text.code(), text.message() + "; JSON cannot hold it (`tessera diff` "
-                                                          "without --json shows it escaped)"));
-      }
-    }
-  }
   Result<DiffResult> r = Compare(a, *ma, b, *mb, values);
   if (!r.ok()) return Error(r.status().WithContext("comparing values"));
   if (json) {
-    PrintJson(a, b, *r);
+    PrintDiffJson(a, b, *r);
   } else {
     PrintText(a, *ma, b, *mb, *r);
   }

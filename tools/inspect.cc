@@ -17,17 +17,21 @@
 
 #include "core/utf8.h"
 #include "format/manifest.h"
+#include "format/bounded_json.h"
 #include "format/checkpoint_index.h"
 #include "format/torch_dist/pickle.h"
 #include "tessera/checkpoint.h"
 #include "tools/commands.h"
+#include "tools/json_output.h"
 #include "tools/progress.h"
 #include "tools/text.h"
 
 namespace tessera::tools {
 
 int Fail(const Status& status) {
-  std::fprintf(stderr, "tessera: error: %s\n", status.ToString().c_str());
+  // One line, whatever the message holds: a key's or a path's control characters (a hostile
+  // checkpoint's terminal escapes) are printed \xNN, as the tables print them.
+  std::fprintf(stderr, "tessera: error: %s\n", EscapeControlCharacters(status.ToString()).c_str());
   return 1;
 }
 
@@ -174,8 +178,8 @@ std::string ObjectValueText(const std::vector<uint8_t>& bytes, ObjectEncoding en
     case ObjectEncoding::kPickle:
       return PickledScalar(bytes);
     case ObjectEncoding::kJson: {
-      nlohmann::json doc = nlohmann::json::parse(raw, nullptr, /*allow_exceptions=*/false);
-      return doc.is_discarded() ? "" : doc.dump();
+      Result<nlohmann::json> doc = ParseBoundedJson(raw, "object");
+      return doc.ok() ? doc->dump() : "";
     }
     case ObjectEncoding::kBytes: {
       const std::string text = PlainText(raw);
@@ -224,8 +228,10 @@ struct PythonStructure {
 
 PythonStructure ParseStructure(const std::string& text) {
   PythonStructure out;
-  nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded() || !doc.is_object() || !doc.contains("root")) return out;
+  Result<nlohmann::json> parsed = ParseBoundedJson(text, "structure");
+  if (!parsed.ok()) return out;
+  nlohmann::json& doc = *parsed;
+  if (!doc.is_object() || !doc.contains("root")) return out;
   out.parsed = true;
   std::vector<const nlohmann::json*> stack = {&doc["root"]};
   while (!stack.empty()) {
@@ -485,26 +491,17 @@ bool Selected(const std::string& key, const std::vector<std::string>& globs) {
                      [&](const std::string& g) { return fnmatch(g.c_str(), key.c_str(), 0) == 0; });
 }
 
-int PrintJson(const std::string& path, const Metadata& m, const std::vector<bool>& shown,
-              const std::map<std::string, std::string>& values,
-              const std::map<std::string, ObjectEncoding>& encodings) {
-  // JSON strings hold Unicode text: refuse (naming the string) rather than abort inside the
-  // JSON library or print silently altered names.
-  Status text = CheckMetadataIsUtf8(m, JoinPath(path, CommitName(m.commit_seq)));
-  if (text.ok() && !IsValidUtf8(path)) {
-    text = InvalidArgument("the path " + QuoteBytes(path) + " is not valid UTF-8");
-  }
-  if (!text.ok()) {
-    return Fail(Status(text.code(), text.message() +
-                                        "; JSON cannot hold it (`tessera inspect` without "
-                                        "--json shows it escaped)"));
-  }
+int PrintInspectJson(const std::string& path, const Metadata& m, const std::vector<bool>& shown,
+                     const std::map<std::string, std::string>& values,
+                     const std::map<std::string, ObjectEncoding>& encodings) {
+  // Strings that are not UTF-8 (a corrupt or foreign index) print as PrintJson documents.
   nlohmann::json doc;
   doc["path"] = path;
   doc["format"] = CheckpointFormatName(m.format);
   doc["checksums"] = m.checksum != ChecksumKind::kNone;
   doc["format_version"] = m.format_version;
   doc["save_id"] = m.save_id;
+  doc["commit"] = m.commit_seq;  // the directory's commit number (format version 3; 0 before)
   doc["num_ranks"] = m.num_ranks;
   doc["save_time_unix_ms"] = m.save_time_unix_ms;
   doc["total_bytes"] = m.TotalTensorBytes();
@@ -537,7 +534,7 @@ int PrintJson(const std::string& path, const Metadata& m, const std::vector<bool
   }
   auto& files = doc["files"] = nlohmann::json::array();
   for (const FileInfo& f : m.files) files.push_back({{"name", f.name}, {"bytes", f.size}});
-  std::cout << doc.dump(2) << "\n";
+  PrintJson(std::move(doc));
   return 0;
 }
 
@@ -557,7 +554,7 @@ int RunInspect(const InspectOptions& options) {
   const std::map<std::string, ObjectEncoding> encodings = EffectiveEncodings(m);
   const std::map<std::string, std::string> values =
       SmallObjectValues(options.path, m, shown, encodings);
-  if (options.json) return PrintJson(options.path, m, shown, values, encodings);
+  if (options.json) return PrintInspectJson(options.path, m, shown, values, encodings);
 
   const Printer print{static_cast<size_t>(std::max(OutputWidth(), 20))};
   PrintSummary(options.path, m, index->rank_local, print);
@@ -622,15 +619,17 @@ int RunVerify(const std::string& path, int threads, ProgressMode progress) {
     std::printf(
         "verified %s (%s): structure only, the format has no checksums: %llu chunks in %d "
         "files, every header consistent, every tensor covered exactly\n",
-        path.c_str(), CheckpointFormatName(report->format),
+        Printable(path).c_str(), CheckpointFormatName(report->format),
         static_cast<unsigned long long>(report->chunks_checked), report->files_checked);
     return 0;
   }
-  std::printf(
-      "verified %s: %llu chunks, %s in %d files; checksums match, every tensor covered "
-      "exactly\n",
-      path.c_str(), static_cast<unsigned long long>(report->chunks_checked),
-      FormatBytes(report->bytes_checked).c_str(), report->files_checked);
+  // PyTorch DCP: the CRC-32 of every zip record of every item (issue 22).
+  const bool crc = report->format == CheckpointFormat::kTorchDist;
+  std::printf("verified %s%s: %llu chunks, %s in %d files; %s, every tensor covered exactly\n",
+              Printable(path).c_str(), crc ? " (torch_dist)" : "",
+              static_cast<unsigned long long>(report->chunks_checked),
+              FormatBytes(report->bytes_checked).c_str(), report->files_checked,
+              crc ? "the CRC-32 of every zip record matches" : "checksums match");
   return 0;
 }
 

@@ -9,12 +9,12 @@
 #include <optional>
 #include <set>
 
-#include "core/utf8.h"
 #include "format/checkpoint_index.h"
 #include "format/manifest.h"
 #include "format/rank_manifests.h"
 #include "tessera/checkpoint.h"
 #include "tools/commands.h"
+#include "tools/json_output.h"
 #include "tools/text.h"
 
 namespace tessera::tools {
@@ -214,7 +214,11 @@ std::optional<Found> Examine(const fs::path& dir, const std::vector<Entry>& file
   return found;
 }
 
-// Every checkpoint under `root`; a checkpoint's own subdirectories are not searched.
+// Every checkpoint under `root`. The subdirectories of a tessera or DCP checkpoint are not
+// searched (none of its files lie there). Those of a directory of .safetensors files are: any
+// such file makes the directory a Hugging Face checkpoint, a stray one included, and the
+// Trainer keeps checkpoint-N/ subdirectories beside its final model (issue 22: a stray file
+// once hid every checkpoint below it).
 std::vector<Found> Search(const fs::path& root) {
   std::vector<Found> all;
   std::vector<fs::path> todo = {root};
@@ -226,8 +230,9 @@ std::vector<Found> Search(const fs::path& root) {
     ListDir(dir, files, subdirs);
     if (std::optional<Found> found = Examine(dir, files)) {
       found->path = dir == root ? "." : fs::relative(dir, root).string();
+      const bool search_on = found->format == "safetensors";
       all.push_back(std::move(*found));
-      continue;
+      if (!search_on) continue;
     }
     todo.insert(todo.end(), subdirs.begin(), subdirs.end());
   }
@@ -247,14 +252,9 @@ std::string State(const Found& f) {
   return f.committed ? "committed" : "uncommitted (a save that did not finish, or still runs)";
 }
 
-int PrintJson(const std::string& dir, const std::vector<Found>& all) {
+int PrintLsJson(const std::string& dir, const std::vector<Found>& all) {
   nlohmann::json list = nlohmann::json::array();
   for (const Found& f : all) {
-    if (!IsValidUtf8(f.path) || !IsValidUtf8(f.step) || !IsValidUtf8(f.problem)) {
-      return Fail(InvalidArgument("the checkpoint " + QuoteBytes(f.path) +
-                                  " has a name or step that is not valid UTF-8; JSON cannot "
-                                  "hold it (`tessera ls` without --json shows it escaped)"));
-    }
     nlohmann::json item = {{"path", f.path},
                            {"format", f.format},
                            {"step", f.step.empty() ? nlohmann::json() : nlohmann::json(f.step)},
@@ -267,7 +267,7 @@ int PrintJson(const std::string& dir, const std::vector<Found>& all) {
     if (!f.rank_local.empty()) item["rank_local"] = f.rank_local;
     list.push_back(std::move(item));
   }
-  std::cout << nlohmann::json{{"dir", dir}, {"checkpoints", list}}.dump(2) << "\n";
+  PrintJson(nlohmann::json{{"dir", dir}, {"checkpoints", list}});
   return 0;
 }
 
@@ -315,7 +315,7 @@ int RunLs(const std::string& dir, bool json) {
   }
   if (!S_ISDIR(st.st_mode)) return Fail(FailedPrecondition(Printable(dir) + " is not a directory"));
   const std::vector<Found> all = Search(fs::path(dir));
-  if (json) return PrintJson(dir, all);
+  if (json) return PrintLsJson(dir, all);
   if (all.empty()) {
     std::printf("no checkpoints under %s\n", Printable(dir).c_str());
     return 0;

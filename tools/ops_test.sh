@@ -180,6 +180,23 @@ msg="$("$tessera" ls "$work/nothing" 2>&1)"; rc=$?
 [ $rc -eq 1 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "does not exist"
 check "ls of a missing directory: one line, exit 1" $?
 
+# Issue 22, defect 15: a stray .safetensors file in the searched folder made `ls` print only
+# "." and hid every checkpoint below it. A Hugging Face directory is listed and searched on
+# (the Trainer keeps checkpoint-N/ subdirectories beside the final model).
+mkdir -p "$work/stray/trainer/checkpoint-500"
+cp "$work/runs/hf/model.safetensors" "$work/stray/stray.safetensors"
+cp -r "$work/runs/a" "$work/stray/run_a"
+cp "$work/runs/hf/model.safetensors" "$work/stray/trainer/model.safetensors"
+cp "$work/runs/hf/model.safetensors" "$work/stray/trainer/checkpoint-500/model.safetensors"
+"$tessera" ls --json "$work/stray" > "$work/stray.json"
+$python - "$work/stray.json" <<'PY'
+import json, sys
+found = {c["path"]: c["format"] for c in json.load(open(sys.argv[1]))["checkpoints"]}
+assert found == {".": "safetensors", "run_a": "tessera", "trainer": "safetensors",
+                 "trainer/checkpoint-500": "safetensors"}, found
+PY
+check "ls: a stray .safetensors file hides no checkpoint below it; HF directories are searched on" $?
+
 # ---- diff ----------------------------------------------------------------------------------
 "$tessera" diff "$work/runs/step100" "$work/runs/step100" > /dev/null; rc=$?
 [ $rc -eq 0 ]; check "diff of a checkpoint with itself: exit 0" $?
@@ -248,6 +265,77 @@ check "rm-keys of a Hugging Face checkpoint: one line naming the format, exit 1"
 msg="$("$tessera" rm-keys "$work/copy" 2>&1)"; rc=$?
 [ $rc -ne 0 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "^tessera: error: .*--prefix"
 check "a command line that does not parse: one line naming what is missing" $?
+
+# ---- --json and text that is not UTF-8 (issue 22, defects 9 and 10) -------------------------
+# Every JSON document prints, whatever bytes its strings hold: a string that is not UTF-8 comes
+# out with U+FFFD in place of each bad byte, and "non_utf8" lists it by JSON Pointer with its
+# exact bytes escaped (tools/json_output.h). Before: each of these aborted (rc 134) after the
+# work was done.
+json_check() {  # json_check FILE POINTER BYTES: valid JSON whose non_utf8 lists POINTER as BYTES
+  $python - "$@" <<'PY'
+import json, sys
+raw = open(sys.argv[1], "rb").read()
+doc = json.loads(raw.decode("utf-8"))  # strict UTF-8: fails on any byte that is not
+entries = {e["pointer"]: e["bytes"] for e in doc["non_utf8"]}
+assert entries.get(sys.argv[2]) == sys.argv[3], (sys.argv[2], doc["non_utf8"])
+PY
+}
+cp -r "$work/runs/a" "$work/nu_rm"
+"$tessera" rm-keys "$work/nu_rm" --prefix $'opt\xff' --json > "$work/nu_rm.json"; rc=$?
+[ $rc -eq 0 ] && json_check "$work/nu_rm.json" /prefixes/0/prefix 'opt\xff'
+check "rm-keys --json with a prefix that is not UTF-8 prints JSON" $?
+"$tessera" convert "$work/runs/a" "$work/nu_dst_"$'\xff' --to safetensors --json --no-sync \
+  > "$work/nu_convert.json"; rc=$?
+[ $rc -eq 0 ] && json_check "$work/nu_convert.json" /destination "$work/nu_dst_\\xff"
+check "convert --json to a destination that is not UTF-8 prints JSON" $?
+# A PyTorch DCP checkpoint whose object key is not UTF-8 (its .metadata patched in place: the
+# pickle's strings are length-prefixed), converted to safetensors, which skips objects.
+"$tessera" convert "$work/runs/a" "$work/nu_dcp" --to torch_dist --no-sync > /dev/null
+$python - "$work/nu_dcp/.metadata" <<'PY'
+import sys
+data = open(sys.argv[1], "rb").read()
+assert b"optimizer.step" in data
+open(sys.argv[1], "wb").write(data.replace(b"optimizer.step", b"optimizer.st\xff\xfe"))
+PY
+"$tessera" convert "$work/nu_dcp" "$work/nu_dcp_hf" --to safetensors --json --no-sync \
+  > "$work/nu_dcp.json"; rc=$?
+[ $rc -eq 0 ] && json_check "$work/nu_dcp.json" /skipped_objects/0 'optimizer.st\xff\xfe'
+check "convert --json of a DCP checkpoint with an object key that is not UTF-8 prints JSON" $?
+mkdir -p "$work/nu_ls/run_"$'\xff'
+cp -r "$work/runs/a" "$work/nu_ls/run_"$'\xff'/ckpt
+"$tessera" ls --json "$work/nu_ls" > "$work/nu_ls.json"; rc=$?
+[ $rc -eq 0 ] && json_check "$work/nu_ls.json" /checkpoints/0/path 'run_\xff/ckpt'
+check "ls --json of a directory whose name is not UTF-8 prints JSON" $?
+"$tessera" inspect --json "$work/nu_dcp" > "$work/nu_inspect.json"; rc=$?
+[ $rc -eq 0 ] && json_check "$work/nu_inspect.json" /objects/0/key 'optimizer.st\xff\xfe'
+check "inspect --json of a checkpoint whose key is not UTF-8 prints JSON" $?
+"$tessera" diff --json "$work/nu_dcp" "$work/nu_dcp" > "$work/nu_diff.json"; rc=$?
+[ $rc -eq 0 ] && $python -c 'import json,sys; json.loads(open(sys.argv[1],"rb").read().decode())' "$work/nu_diff.json"
+check "diff --json of checkpoints with a key that is not UTF-8 prints JSON" $?
+
+# Defect 10: error lines carry no control character raw (a hostile key's or path's escape
+# sequences), escaped \xNN as the tables escape them.
+msg="$("$tessera" verify "$work/no_such_"$'\x1b]0;pwned\x07\x1b[2J' 2>&1)"; rc=$?
+[ $rc -ne 0 ] && ! printf '%s' "$msg" | grep -q $'\x1b' && printf '%s' "$msg" | grep -qF 'no_such_\x1b]0;pwned\x07\x1b[2J'
+check "an error naming a path with escape sequences prints them escaped" $?
+if [ $have_python -eq 1 ]; then
+$python - "$work/hostile" <<'PY'
+import sys
+import numpy as np
+import tessera
+tessera.save({"w\x1b]0;pwned\x07\x1b[31m": np.arange(1024, dtype=np.float32)}, sys.argv[1])
+PY
+data="$(ls "$work/hostile"/*.safetensors | head -n 1)"
+$python - "$data" <<'PY'
+import sys
+data = bytearray(open(sys.argv[1], "rb").read())
+data[-100] ^= 0x10  # a byte of the tensor's elements: a checksum mismatch naming the key
+open(sys.argv[1], "wb").write(bytes(data))
+PY
+msg="$("$tessera" verify "$work/hostile" 2>&1)"; rc=$?
+[ $rc -ne 0 ] && ! printf '%s' "$msg" | grep -q $'\x1b' && printf '%s' "$msg" | grep -qF "key 'w\x1b]0;pwned\x07\x1b[31m'"
+check "an error naming a hostile key prints its escape sequences escaped" $?
+fi
 
 # ---- rank-local saves and finalize ---------------------------------------------------------
 "$tessera" demo --out "$work/rl" --size 8MiB --no-sync --rank-local --save-layout tp2,dp2 \

@@ -3,10 +3,10 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "core/utf8.h"
 #include "tessera/checkpoint.h"
 #include "tessera/remove_keys.h"
 #include "tools/commands.h"
+#include "tools/json_output.h"
 #include "tools/progress.h"
 #include "tools/text.h"
 
@@ -26,7 +26,7 @@ struct RmKeysOptions {
   ProgressFlags progress;
 };
 
-void PrintJson(const RmKeysOptions& o, const RemoveKeysReport& r) {
+void PrintReportJson(const RmKeysOptions& o, const RemoveKeysReport& r) {
   nlohmann::json doc;
   doc["path"] = o.path;
   doc["dry_run"] = r.dry_run;
@@ -45,7 +45,7 @@ void PrintJson(const RmKeysOptions& o, const RemoveKeysReport& r) {
   doc["bytes_freed"] = r.bytes_before - r.bytes_after;
   doc["bytes_copied"] = r.bytes_copied;
   doc["save_id"] = r.save_id;
-  std::cout << doc.dump(2) << "\n";
+  PrintJson(std::move(doc));
 }
 
 void PrintText(const RmKeysOptions& o, const RemoveKeysReport& r) {
@@ -93,15 +93,7 @@ int RunRmKeys(const RmKeysOptions& o) {
   bar.Finish();
   if (!report.ok()) return Fail(report.status());
   if (o.json) {
-    std::string not_text;
-    for (const std::string& k : report->removed_tensors) not_text = IsValidUtf8(k) ? not_text : k;
-    for (const std::string& k : report->removed_objects) not_text = IsValidUtf8(k) ? not_text : k;
-    if (!not_text.empty() || !IsValidUtf8(o.path)) {
-      return Fail(InvalidArgument("key " + QuoteBytes(not_text) +
-                                  " is not valid UTF-8; JSON cannot hold it (`tessera rm-keys` "
-                                  "without --json shows it escaped)"));
-    }
-    PrintJson(o, *report);
+    PrintReportJson(o, *report);
   } else {
     PrintText(o, *report);
   }

@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <new>
 
+#include "core/utf8.h"
 #include "tools/commands.h"
 
 int main(int argc, char** argv) {
@@ -11,7 +12,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   // A command line that does not parse is one line too, like every other error.
   app.failure_message([](const CLI::App*, const CLI::Error& e) {
-    return "tessera: error: " + std::string(e.what()) + " (--help for usage)\n";
+    return "tessera: error: " + tessera::EscapeControlCharacters(e.what()) +
+           " (--help for usage)\n";
   });
   int exit_code = 0;
   AddInspectCommands(app, &exit_code);

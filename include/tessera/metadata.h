@@ -28,7 +28,13 @@ const char* CheckpointFormatName(CheckpointFormat format);
 enum class ChecksumKind : uint8_t {
   kNone = 0,     // the format has no checksums (PyTorch DCP, Hugging Face)
   kXxh3_64 = 1,  // XXH3-64, seed 0 (tessera)
+  // Never in a manifest, nor in what ReadMetadata returns: the index a load of a PyTorch DCP
+  // checkpoint makes of the items it reads. A chunk that is a whole zip record of its item has
+  // the record's CRC-32 in location.checksum; one that is only part of its record (a view of a
+  // larger storage, a box of an N-D reformulated item) has kUncheckedCrc32 there.
+  kCrc32 = 2,
 };
+inline constexpr uint64_t kUncheckedCrc32 = uint64_t{1} << 32;
 
 // How a chunk's bytes are stored in its location (permanent numbers, as above).
 enum class ChunkEncoding : uint8_t {

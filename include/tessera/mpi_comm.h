@@ -66,6 +66,25 @@
 // when it reaches that collective. The communicator is aborted for every rank that gave up.
 // The header all-reduce given up on cannot be cancelled (MPI has no way to): it stays pending
 // and its small buffers are kept until exit; Open MPI finalises normally with it pending.
+//
+// The deadline holds in the data transfer too (issue 22): once every rank has entered a
+// collective, each of its MPI operations (MPI_Ibcast, MPI_Igatherv, ... one per
+// max_message_bytes round) is waited for at most collective_timeout from its start. A rank
+// whose operation has not completed by then (a peer stopped or crawls mid-transfer: SIGSTOP, a
+// debugger, swapping) gives up on it, tells every other rank (point to point, as above) and
+// returns kDeadlineExceeded "<collective> gave up after waiting T ms for a data transfer of
+// collective #N of this communicator: every rank had entered it, so a rank stopped or slowed
+// down in the middle of its data transfer (MPI does not say which)", the same text on every
+// rank. A rank still in that transfer returns the same status as soon as it hears; a rank whose
+// part of the transfer had completed returns OK from it and that status from its next
+// collective on the communicator, at once; the stalled rank returns it when it runs again. The
+// communicator is then aborted on every rank. An operation given up on stays pending inside MPI:
+// every buffer MPI reads or writes is the Comm's own (a Broadcast's bytes move into one and back,
+// without a copy; other collectives copy the caller's bytes in and out), kept until exit, so
+// nothing the caller owns is touched after the collective returns. After a Broadcast given up on
+// mid-transfer, its `data` is empty. The one step no deadline covers is MPI_Comm_split in Split
+// (MPI has no nonblocking split): a barrier under the deadline comes first, so only a rank that
+// stops between that barrier and its own MPI_Comm_split can hold the others there.
 // A rank that DIES (crash, kill -9, exit without MPI_Finalize) is a different matter: Open
 // MPI's mpirun kills every other process of the job at once ("mpirun noticed that process
 // rank 2 ... exited on signal 9"), so the survivors return nothing; see docs/RELIABILITY.md.
@@ -112,11 +131,11 @@ struct MpiCommOptions {
   // The collective deadline (comm.h): how long a rank waits for its peers to enter a
   // collective. Then the ranks that are waiting agree (point-to-point messages of their own,
   // see "Deadline" above) on the ranks that never came and each returns the same
-  // kDeadlineExceeded naming them; so does a late rank when it arrives. The communicator is
+  // kDeadlineExceeded naming them; so does a late rank when it arrives. Each MPI operation of a
+  // collective's data transfer is held to it too (see "Deadline" above). The communicator is
   // then aborted. Zero or less: wait forever (MPI_Wait, no polling). Every rank must pass the
-  // same value. Default 10 minutes. Costs a poll of MPI_Test and MPI_Iprobe every 50 us at
-  // most while a rank waits to enter a collective (the data transfers after it are waited for
-  // without a deadline: every rank is then known to be there).
+  // same value. Default 10 minutes. Costs polls of MPI_Test and MPI_Iprobe while a rank waits
+  // (every 50 us once a wait has lasted 200 ms; without pause before).
   std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};
 };
 

@@ -26,6 +26,10 @@ e.g. ``"DataLoss"``) and ``status_code`` (its number, see include/tessera/status
 
 Messages speak Python: where the library names a C++ option ("set LoadOptions::missing_keys =
 kSkip"), the exception names the Python argument that sets it ("pass strict=False").
+
+Messages hold no control character raw: a key or a path from a checkpoint may carry terminal
+escape sequences, so control characters (U+0000..U+001F, U+007F..U+009F) appear as ``\\xNN``,
+the bytes of their UTF-8 encoding, as in the library's own messages and the CLI's tables.
 """
 
 import re
@@ -142,6 +146,15 @@ _PYTHON_HINTS = (
 _OPTION_FIELD = re.compile(r"\b(?:Save|Load|AsyncSave|Verify)Options::(\w+)")
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def escape_controls(text):
+    """`text` with every control character as \\xNN (its UTF-8 bytes), as core/utf8.h's
+    EscapeControlCharacters writes them: a message never carries a terminal escape raw."""
+    return _CONTROL.sub(lambda m: "".join(f"\\x{b:02x}" for b in m.group().encode()), text)
+
+
 def python_wording(message):
     """`message` with C++ option names replaced by the Python arguments that set them."""
     for cpp, python in _PYTHON_HINTS:
@@ -181,7 +194,7 @@ def _key_list(keys, limit=5):
 
 def from_status(status_code, code_name, message):
     """The exception (not raised) for a status; called by the extension module."""
-    message = python_wording(message)
+    message = escape_controls(python_wording(message))
     cls = _CLASSES.get(status_code, InternalError)
     if status_code == _NOT_FOUND and _MISSING_KEYS_TEXT in message:
         cls = MissingKeysError

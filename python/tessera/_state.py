@@ -549,11 +549,21 @@ def _torch_load(key, data):
         ) from e
 
 
-def _json_value(key, data):
+def json_from_checkpoint(text, what):
+    """`text`, JSON that a checkpoint holds, parsed. A CorruptCheckpointError naming `what` (the
+    object, the file) when it is not JSON, or nests deeper than Python's parser can go (its
+    RecursionError, e.g. a metadata.json nested 100,000 deep, is never let out)."""
     try:
-        return json.loads(data)
+        return json.loads(text)
+    except RecursionError:
+        raise corrupt_checkpoint(f"{what}: the stored JSON is nested too deeply to parse "
+                                 f"(deeper than Python's recursion limit)") from None
     except ValueError as e:
-        raise invalid_argument(f"object '{key}': the stored bytes are not JSON ({e})") from e
+        raise corrupt_checkpoint(f"{what}: the stored bytes are not JSON ({e})") from None
+
+
+def _json_value(key, data):
+    return json_from_checkpoint(data, f"object '{key}'")
 
 
 def _allocate(info, lib, key=None):
@@ -651,6 +661,8 @@ def _structure(metadata, source):
         return None
     try:
         structure = json.loads(text)
+    except RecursionError:
+        raise _malformed(source, "JSON nested too deeply to parse") from None
     except ValueError as e:
         raise _malformed(source, f"not JSON ({e})") from None
     if not isinstance(structure, dict):

@@ -258,7 +258,8 @@ class _LoadPlan:
         if text is None:
             raise invalid_argument(f"the checkpoint at {path} was not saved by "
                                    "tessera.torch.save_state (use tessera.load)")
-        self.description = description = json.loads(text)
+        self.description = description = _state.json_from_checkpoint(
+            text, f"the checkpoint at {path}: user metadata '{RESUME_KEY}'")
         if description.get("version") != _VERSION:
             raise invalid_argument(f"the checkpoint at {path} holds a tessera.torch state of "
                                    f"version {description.get('version')}; this tessera reads "

@@ -88,18 +88,42 @@ def test_save_refuses_user_metadata_and_keys_that_are_not_utf8(ckpt):
     assert _newest_commit(ckpt) is None
 
 
-def test_cli_inspect_json_refuses_non_utf8_and_text_escapes_it(cli, non_utf8):
-    # Before: `tessera inspect --json` aborted (rc 134) in nlohmann::json.
+def test_cli_inspect_json_escapes_non_utf8_and_text_escapes_it(cli, non_utf8):
+    # Before issue 11: `tessera inspect --json` aborted (rc 134) in nlohmann::json; then it
+    # refused. Since issue 22 every JSON document prints, the bad bytes replaced by U+FFFD and
+    # listed under "non_utf8" with their exact bytes (tools/json_output.h).
     for what, path in non_utf8.items():
         result = subprocess.run([cli, "inspect", "--json", path], capture_output=True,
                                 timeout=60)
-        assert result.returncode == 1, (what, result.returncode, result.stderr)
-        err = result.stderr.decode()
-        assert "DataLoss" in err and "not valid UTF-8" in err and "\\xff" in err, err
+        assert result.returncode == 0, (what, result.returncode, result.stderr)
+        doc = json.loads(result.stdout.decode("utf-8"))
+        escaped = {e["bytes"] for e in doc["non_utf8"]}
+        assert escaped & {"caf\\xff\\xa9", "weight_\\xff\\xa9", "blob_\\xff\\xa9"}, doc["non_utf8"]
         text = subprocess.run([cli, "inspect", path], capture_output=True, timeout=60)
         assert text.returncode == 0, text.stderr
         assert b"\xff" not in text.stdout and b"\\xff" in text.stdout
         assert "caf\u00e9".encode() in text.stdout or what == "metadata"
+
+
+def test_exception_texts_escape_control_characters(ckpt):
+    # Issue 22, defect 10: a hostile key's terminal escape sequences reached exception texts
+    # raw (the tables escaped them). Now every tessera exception's text has them as \\xNN.
+    key = "w\x1b]0;pwned\x07\x1b[31m"
+    tessera.save({key: np.arange(1024, dtype=np.float32)}, ckpt)
+    data = [os.path.join(ckpt, f) for f in os.listdir(ckpt) if f.endswith(".safetensors")][0]
+    raw = bytearray(open(data, "rb").read())
+    raw[-100] ^= 0x10
+    open(data, "wb").write(bytes(raw))
+    for call in (lambda: tessera.verify(ckpt), lambda: tessera.load_all(ckpt)):
+        with pytest.raises(tessera.CorruptCheckpointError) as info:
+            call()
+        text = str(info.value)
+        assert "\x1b" not in text and "\x07" not in text, repr(text)
+        assert "w\\x1b]0;pwned\\x07\\x1b[31m" in text, text
+    # Raised by the Python layer itself: the same.
+    with pytest.raises(tessera.InvalidArgumentError) as info:
+        tessera.load({"\x1b[2Jx": np.zeros(2)}, ckpt)
+    assert "\x1b" not in str(info.value) and "\\x1b[2Jx" in str(info.value)
 
 
 # ---- item 9 ----------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Reading PyTorch DCP checkpoints written by torch 1.13 itself
 (src/checkpoint/testdata/make_dcp_read_fixtures.py): tessera.load_all returns the tensors torch
 saved (strided views included) and the objects as the values saved; tessera.load reshards;
-read_metadata and verify name the format and say there are no checksums; a damaged item is an
-error naming its file."""
+read_metadata names the format (no checksums in the index) and verify checks the CRC-32 of every
+zip record; a damaged item is an error naming its file."""
 
 import json
 import os
@@ -80,8 +80,9 @@ def test_metadata_and_verify(fixtures):
     assert meta.format == "torch_dist" and not meta.checksums
     assert meta.find_object("obj_dict").encoding == "torch_save"
     assert meta.user_metadata["torch_dist.flavor"] == "1.13"
+    # The index has no checksums; the items' zip records carry CRC-32s, which verify checks.
     report = tessera.verify(path)
-    assert not report.checksums
+    assert report.checksums and report.bytes_checked > 0
 
 
 def test_damaged_item_names_its_file(fixtures, tmp_path):
@@ -96,6 +97,30 @@ def test_damaged_item_names_its_file(fixtures, tmp_path):
         tessera.load_all(path)
 
 
+def test_flipped_element_byte_is_a_crc_mismatch(fixtures, tmp_path):
+    # Issue 22: DCP items carry a CRC-32 per zip record; a load that reads a record whole
+    # checks it (before: the flipped byte loaded silently).
+    import shutil
+    path = str(tmp_path / "flipped")
+    shutil.copytree(os.path.join(fixtures, "single"), path)
+    meta = tessera.read_metadata(path)
+    item = os.path.join(path, "__0_0.distcp")  # layer.weight's item: float32 (8, 6)
+    with open(item, "r+b") as f:
+        data = bytearray(f.read())
+        # The data record's local header: its name, then an "FB" field padding to 64 bytes.
+        at = data.find(b"FB", data.find(b"archive/data/0"))
+        assert at > 0
+        start = (at + 4 + 63) // 64 * 64 + 8
+        data[start] ^= 0x40
+        f.seek(0)
+        f.write(data)
+    assert meta.format == "torch_dist"
+    with pytest.raises(tessera.CorruptCheckpointError, match=r"CRC-32 mismatch in key 'layer\.weight'"):
+        tessera.load_all(path)
+    with pytest.raises(tessera.CorruptCheckpointError, match="__0_0.distcp"):
+        tessera.verify(path)
+
+
 def test_megatron_checkpoint(fixtures):
     path = os.path.join(fixtures, "megatron")
     loaded = tessera.load_all(path, tensor_type="torch")
@@ -106,6 +131,21 @@ def test_megatron_checkpoint(fixtures):
     assert loaded["metadata.json"]["sharded_backend"] == "torch_dist"
     assert loaded["common.pt"] == {"iteration": 100, "args": {"tp": 2}}
     assert loaded["optimizer.param_groups/shard_0_1"] == [{"lr": 0.1}]
+
+
+def test_deeply_nested_megatron_metadata_json_is_a_tessera_error(fixtures, tmp_path):
+    # Issue 22, defect 7: a metadata.json nested 100,000 deep raised RecursionError out of
+    # load_all; now a CorruptCheckpointError naming the object (the file) and what is wrong.
+    import shutil
+    path = str(tmp_path / "megatron")
+    shutil.copytree(os.path.join(fixtures, "megatron"), path)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        f.write("[" * 100000 + "]" * 100000)
+    with pytest.raises(tessera.CorruptCheckpointError,
+                       match=r"object 'metadata.json'.*nested too deeply"):
+        tessera.load_all(path)
+    # objects="bytes" never parses it.
+    assert tessera.load_all(path, objects="bytes")["metadata.json"].startswith(b"[[[")
 
 
 def test_load_gives_objects_back_as_torch_load_does(fixtures):

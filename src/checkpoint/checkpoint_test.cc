@@ -9,6 +9,7 @@
 #include <random>
 
 #include "format/manifest.h"
+#include "format/torch_dist/test_util.h"
 #include "tessera/checkpoint.h"
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/local_comm.h"
@@ -486,6 +487,35 @@ TEST(VerifyTest, ThreadsChangeNeitherTheReportNorWhichErrorIsReturned) {
   const Status bad = Verify(path, VerifyOptions{.num_threads = 0}).status();
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.message(), HasSubstr("num_threads"));
+}
+
+// Issue 22, defect 14: a data file's safetensors header (what other readers of the file go
+// by) corrupted: Verify failed on it, a load did not look at it and succeeded. A load now
+// checks what Verify checks of every file it reads from: the header parses, and describes
+// each chunk it reads where the manifest puts it. Every byte of the header, one at a time.
+TEST_F(CorruptionTest, DamagedSafetensorsHeaderFailsTheLoadAsItFailsVerify) {
+  const std::vector<uint8_t> good = torch_dist::testing::ReadFileBytes(data_file_);
+  uint64_t header = 0;
+  for (int i = 0; i < 8; ++i) header |= uint64_t{good[i]} << (8 * i);
+  const std::string json(good.begin() + 8, good.begin() + 8 + header);
+  const uint64_t end = 8 + json.find_last_not_of(' ') + 1;  // the padding after it is spaces
+  int damaged = 0;
+  for (uint64_t at = 0; at < end; ++at) {
+    std::vector<uint8_t> bytes = good;
+    bytes[at] ^= at < 8 ? 0x01 : 0x20;  // a letter changes case, a quote becomes a '\x02'
+    torch_dist::testing::WriteFileBytes(data_file_, bytes);
+    const Status verify = Verify(path_).status();
+    if (verify.ok()) continue;  // e.g. a space that became a NUL... inside a string
+    ++damaged;
+    const Status load = LoadIt();
+    ASSERT_FALSE(load.ok()) << "byte " << at << " damaged (" << verify.ToString()
+                            << ") but the load succeeded";
+    EXPECT_EQ(load.code(), StatusCode::kDataLoss) << load.ToString();
+    EXPECT_THAT(load.message(), HasSubstr(data_file_)) << load.ToString();
+  }
+  EXPECT_GT(damaged, static_cast<int>(end) / 2);
+  torch_dist::testing::WriteFileBytes(data_file_, good);
+  EXPECT_OK(LoadIt());
 }
 
 TEST_F(CorruptionTest, TruncatedAndMissingDataFiles) {

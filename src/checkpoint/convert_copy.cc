@@ -292,6 +292,10 @@ Status CopyPiece(SourceFiles& files, const CheckpointIndex& index, uint32_t tens
     const ChunkInfo& c = t.chunks[span.chunk];
     Result<const ReadableFile*> src = files.Get(c.location.file_index, what);
     if (!src.ok()) return src.status();
+    if (HasSafetensorsDataFiles(metadata.format)) {  // what Verify and loads check of the file
+      TESSERA_RETURN_IF_ERROR(index.headers->Check(**src, c.location.file_index, c.location,
+                                                   t.dtype, StoredShape(c), what));
+    }
     Status status;
     if (verify) {
       status = CopyCheckedSpan(**src, metadata, t, span, out, target, buffer, copied, read);

@@ -82,6 +82,9 @@ void CopyOneLongBlock(Storage& storage, const std::string& dir) {
   CheckpointIndex index;
   index.root = dir;
   Metadata& m = index.metadata;
+  // "data" is no safetensors file (4 bytes of "header"): an index of a format whose data files
+  // have no header for the copy to check (HasSafetensorsDataFiles), as a DCP checkpoint's.
+  m.format = CheckpointFormat::kTorchDist;
   m.checksum = ChecksumKind::kXxh3_64;
   m.checksum_block_bytes = 0;  // one checksum per chunk
   m.files = {FileInfo{"data", bytes.size() + 4}};

@@ -16,6 +16,7 @@
 
 #include "format/torch_dist/test_util.h"
 #include "format/torch_dist/torch_dtype.h"
+#include "format/torch_dist/torch_zip.h"
 #include "tessera/checkpoint.h"
 #include "tessera/convert.h"
 #include "tessera/local_comm.h"
@@ -255,12 +256,15 @@ TEST_F(DcpLoadTest, TwoRankTorchSaveLoadsIntoOneAndThreeRanks) {
   }
 }
 
-TEST_F(DcpLoadTest, VerifyChecksStructureAndSaysThereAreNoChecksums) {
+TEST_F(DcpLoadTest, VerifyChecksStructureAndTheCrcOfEveryZipRecord) {
   ASSERT_OK_AND_ASSIGN(VerifyReport report, Verify(Path("single"), VerifyOptions{}));
   EXPECT_EQ(report.format, CheckpointFormat::kTorchDist);
-  EXPECT_FALSE(report.checksums);
+  EXPECT_TRUE(report.checksums);  // the zip records' CRC-32s (issue 22)
   EXPECT_EQ(report.chunks_checked, 10u);
-  EXPECT_EQ(report.bytes_checked, 0u);
+  // Every record of every item: more than the tensors' elements (data.pkl, version, objects).
+  uint64_t elements = 0;
+  for (const auto& [key, t] : Of("single").tensors) elements += t.bytes.size();
+  EXPECT_GT(report.bytes_checked, elements);
 }
 
 TEST_F(DcpLoadTest, ConvertsToTesseraAndSafetensors) {
@@ -388,6 +392,76 @@ TEST_F(DamagedDcpTest, DamagedZipDirectoryNamesFileAndOffset) {
   Result<VerifyReport> verify = Verify(Dir(), VerifyOptions{});
   ASSERT_FALSE(verify.ok());
   EXPECT_THAT(verify.status().message(), HasSubstr("__0_0.distcp"));
+}
+
+// Issue 22: a flipped byte in a tensor's elements went unnoticed (DCP has no checksums of its
+// own), though every zip record carries a CRC-32. A load that reads a whole record checks it;
+// one that reads part of it does so with verify_partial_chunks (reading it whole); Verify
+// checks every record.
+TEST_F(DamagedDcpTest, AFlippedElementByteIsACrcMismatch) {
+  ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(Dir()));
+  const TensorInfo* w = nullptr;
+  for (const TensorInfo& t : m.tensors) w = t.key == "layer.weight" ? &t : w;
+  ASSERT_NE(w, nullptr);
+  const ByteLocation item_at = w->chunks[0].location;
+  const std::string path = File(m.files[item_at.file_index].name);
+  std::vector<uint8_t> bytes = torch_dist::testing::ReadFileBytes(path);
+  ASSERT_OK_AND_ASSIGN(
+      torch_dist::TorchTensorItem item,
+      torch_dist::ParseTorchTensorItem(
+          std::span<const uint8_t>(bytes).subspan(item_at.offset, item_at.length), "item"));
+  bytes[item_at.offset + item.data_offset + 5] ^= 0x40;
+  torch_dist::testing::WriteFileBytes(path, bytes);
+
+  const Status load = LoadAll();
+  EXPECT_EQ(load.code(), StatusCode::kDataLoss) << load.ToString();
+  EXPECT_THAT(load.message(), HasSubstr("CRC-32 mismatch in key 'layer.weight'"));
+  EXPECT_THAT(load.message(), HasSubstr(path));
+  const Result<VerifyReport> verify = Verify(Dir(), VerifyOptions{});
+  ASSERT_FALSE(verify.ok());
+  EXPECT_THAT(verify.status().message(), HasSubstr(path));
+  EXPECT_THAT(verify.status().message(), HasSubstr("CRC-32"));
+
+  // Rows 0..1 of the (8, 6) tensor: part of the record. Unchecked by default (the bytes read
+  // are not the record); with verify_partial_chunks the record is read whole and checked.
+  const Shape shape = w->global_shape;
+  for (bool partial : {false, true}) {
+    std::vector<uint8_t> out(2 * shape[1] * 4);
+    StateDict state;
+    ASSERT_OK(state.Add(ShardedTensor::Shard(
+        "layer.weight", TensorView(out.data(), DType::kF32, {2, shape[1]}), shape, {0, 0})));
+    LoadOptions options;
+    options.unexpected_keys = KeyPolicy::kSkip;
+    options.verify_partial_chunks = partial;
+    const Status s = Load(state, Dir(), options).status();
+    if (partial) {
+      EXPECT_THAT(s.message(), HasSubstr("CRC-32 mismatch in key 'layer.weight'"));
+    } else {
+      EXPECT_OK(s);
+    }
+  }
+}
+
+// Verify reads every record of every item, objects' too: a flipped byte in a record no load
+// reads (an object's data.pkl is checked when read; here the "version" record) is caught.
+TEST_F(DamagedDcpTest, VerifyChecksEveryRecord) {
+  ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(Dir()));
+  const ByteLocation item_at = m.tensors[0].chunks[0].location;
+  const std::string path = File(m.files[item_at.file_index].name);
+  std::vector<uint8_t> bytes = torch_dist::testing::ReadFileBytes(path);
+  const std::string_view item(reinterpret_cast<const char*>(bytes.data()) + item_at.offset,
+                              item_at.length);
+  // The version record's data "3\n" follows its local header, named ".../version".
+  const size_t name = item.find("/version");
+  ASSERT_NE(name, std::string_view::npos);
+  const size_t data = item.find("3\n", name);
+  ASSERT_NE(data, std::string_view::npos);
+  bytes[item_at.offset + data] = '4';
+  torch_dist::testing::WriteFileBytes(path, bytes);
+  const Result<VerifyReport> verify = Verify(Dir(), VerifyOptions{});
+  ASSERT_FALSE(verify.ok());
+  EXPECT_THAT(verify.status().message(), HasSubstr("version has CRC-32"));
+  EXPECT_THAT(verify.status().message(), HasSubstr(path));
 }
 
 TEST_F(DamagedDcpTest, ItemOfAnotherDtypeIsRefused) {

@@ -364,6 +364,16 @@ TEST(HuggingFaceErrorsTest, IndexProblemsNameTheIndexOrTheShard) {
                   "weight_map[\"a\"] is not a file name string");
   }
   {
+    // Issue 22, defect 7: "metadata" nested 100,000 deep once overflowed the stack of every
+    // reader (a recursive dump of the parsed value). Now refused, naming the index.
+    const std::string dir = make("deep_metadata");
+    write_index(dir, R"({"metadata": {"deep": )" + std::string(100000, '[') +
+                         std::string(100000, ']') +
+                         R"(}, "weight_map": {"a": "model-00001-of-00002.safetensors"}})");
+    ExpectCorrupt(dir, dir + "/model.safetensors.index.json",
+                  "JSON nested more than 1000 levels deep");
+  }
+  {
     const std::string dir = make("escaping");
     write_index(dir, R"({"weight_map": {"a": "../model-00001-of-00002.safetensors"}})");
     ExpectCorrupt(dir, dir + "/model.safetensors.index.json", "contains '/'");

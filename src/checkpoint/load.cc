@@ -170,7 +170,8 @@ Status ExchangeWithinGroup(Comm& comm, const ReadAssignment& assignment,
 // rank's run list. COLLECTIVE over `comm`; within a group every rank returns the same status.
 Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const Metadata& metadata,
                   const std::vector<ReadRun>& all_runs, const LoadOptions& options,
-                  LoadReport& report, ProgressMeter& progress, DeviceUploads* uploads) {
+                  LoadReport& report, DataFileHeaders* headers, ProgressMeter& progress,
+                  DeviceUploads* uploads) {
   std::vector<ReadRun> runs, own;
   for (const ReadRun& run : all_runs) (run.flat ? own : runs).push_back(run);
   const Bytes keys = EncodeRunKeys(runs);
@@ -187,7 +188,8 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Comm> group_comm, comm.Split(members[0], comm.rank()));
   Comm& group = *group_comm;
   if (group.size() == 1) {
-    return ExecuteReads(storage, path, metadata, all_runs, options, report, &progress, uploads);
+    return ExecuteReads(storage, path, metadata, all_runs, options, report, headers, &progress,
+                        uploads);
   }
   TESSERA_ASSIGN_OR_RETURN(std::vector<RunKey> my_keys, DecodeRunKeys(keys));
   const ReadAssignment assignment = AssignIdenticalReads(my_keys, group.size());
@@ -211,7 +213,8 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
                                         : a.file_offset < b.file_offset;
   });
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(
-      group, ExecuteReads(storage, path, metadata, to_read, options, report, &progress, uploads)));
+      group, ExecuteReads(storage, path, metadata, to_read, options, report, headers, &progress,
+                          uploads)));
   return AgreeOnStatus(
       group, ExchangeWithinGroup(group, assignment, destinations, options, report, progress));
 }
@@ -289,15 +292,16 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, plan_status));
   const RankReadPlan& plan = *planned;
   ProgressMeter progress(options.progress, plan.bytes_needed);
+  DataFileHeaders* headers = index.headers.get();
   // ReadShared is collective and fails alike on every rank; ExecuteReads is local.
   Status read_status = options.read_sharing != ReadSharing::kNone && comm.size() > 1
                            ? ReadShared(comm, storage, root, metadata, plan.runs, options, report,
-                                        progress, uploads.get())
+                                        headers, progress, uploads.get())
                            : ExecuteReads(storage, root, metadata, plan.runs, options, report,
-                                          &progress, uploads.get());
+                                          headers, &progress, uploads.get());
   if (read_status.ok()) {
     read_status = ExecutePermutedCopies(storage, root, metadata, plan.permuted, options, report,
-                                        uploads.get());
+                                        headers, uploads.get());
     for (const PermutedCopy& copy : plan.permuted) {
       const DType dtype = copy.cast ? copy.cast->to : metadata.tensors[copy.tensor].dtype;
       progress.Add(copy.part.NumElements() * DTypeSize(dtype));
@@ -306,8 +310,8 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
   }
   for (const ObjectRead& read : plan.objects) {
     if (!read_status.ok()) break;
-    read_status =
-        ReadObject(storage, root, metadata, *read.info, options, read.destination->data, report);
+    read_status = ReadObject(storage, root, metadata, *read.info, options, read.destination->data,
+                             report, headers);
     read.destination->encoding = read.info->encoding;
     progress.Add(read.info->location.length);
   }

@@ -8,6 +8,8 @@
 #include "core/dtype_convert.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
+#include "format/torch_dist/crc32.h"
+#include "format/torch_dist/torch_zip.h"
 
 namespace tessera {
 namespace {
@@ -23,6 +25,33 @@ std::string Hex(uint64_t v) {
   char buf[19];
   std::snprintf(buf, sizeof(buf), "%016" PRIx64, v);
   return buf;
+}
+
+// The checksum of a unit's bytes, of the kind the index says: XXH3-64 (tessera), or CRC-32
+// (the zip records of a PyTorch DCP checkpoint's items, ChecksumKind::kCrc32).
+class UnitChecksum {
+ public:
+  explicit UnitChecksum(ChecksumKind kind) : crc_(kind == ChecksumKind::kCrc32) {}
+  void Update(const void* data, size_t n) {
+    if (crc_) {
+      crc32_ = torch_dist::Crc32(data, n, crc32_);
+    } else {
+      xxh3_.Update(data, n);
+    }
+  }
+  uint64_t Digest() const { return crc_ ? crc32_ : xxh3_.Digest(); }
+
+ private:
+  bool crc_;
+  uint32_t crc32_ = 0;
+  ChecksumStream xxh3_;
+};
+
+// Whether `chunk` has a checksum to check: every chunk of a checksummed index, but a DCP chunk
+// that is only part of its zip record (ChecksumKind::kCrc32).
+bool HasChecksum(const Metadata& metadata, const ChunkInfo& chunk) {
+  if (metadata.checksum == ChecksumKind::kNone) return false;
+  return metadata.checksum != ChecksumKind::kCrc32 || chunk.location.checksum < kUncheckedCrc32;
 }
 
 std::string DescribeChunk(const Metadata& metadata, uint32_t tensor, uint32_t chunk) {
@@ -181,7 +210,7 @@ void PlanUnitReads(const Metadata& metadata, const std::vector<ReadRun>& runs,
         read.file_index = run.file_index;
         read.tensor = run.tensor;
         read.chunk = run.chunk;
-        read.check = verify;
+        read.check = verify && HasChecksum(metadata, chunk);
         read.offset = verify ? chunk_units.Begin(unit) : at;
         read.length = verify ? chunk_units.Length(unit) : n;
         read.checksum = verify ? chunk_units.Checksum(unit) : 0;
@@ -216,6 +245,16 @@ void PlanUnitReads(const Metadata& metadata, const std::vector<ReadRun>& runs,
 std::string ChecksumMismatch(const std::string& dir, const Metadata& metadata, const UnitRead& unit,
                              uint64_t actual) {
   const ChunkInfo& chunk = metadata.tensors[unit.tensor].chunks[unit.chunk];
+  if (metadata.checksum == ChecksumKind::kCrc32) {
+    char crcs[64];
+    std::snprintf(crcs, sizeof(crcs),
+                  "its zip record says %08" PRIx64 ", the bytes give %08" PRIx64, unit.checksum,
+                  actual);
+    return "CRC-32 mismatch in " + DescribeChunk(metadata, unit.tensor, unit.chunk) +
+           " (the elements of a PyTorch DCP item) of file " +
+           JoinPath(dir, metadata.files[unit.file_index].name) + " at offset " +
+           std::to_string(unit.offset) + ": " + crcs;
+  }
   std::string where = "checksum mismatch in " + DescribeChunk(metadata, unit.tensor, unit.chunk);
   if (unit.length != chunk.location.length) {
     where += " (block of " + std::to_string(unit.length) + " bytes at chunk byte " +
@@ -231,7 +270,7 @@ Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata
                 std::vector<std::byte>& buffer, const Placer& placer, uint64_t& bytes_read,
                 uint64_t& calls, ProgressMeter* progress) {
   auto context = [&] { return "reading " + DescribeChunk(metadata, unit.tensor, unit.chunk); };
-  ChecksumStream checksum;
+  UnitChecksum checksum(metadata.checksum);
   if (unit.direct) {
     // In pieces, each checksummed right after it is read, while it is in cache. Through
     // pread, not a mapping (ReadableFile::Map): copying out of a mapping and hashing the copy
@@ -314,7 +353,8 @@ Status CheckCastAlignment(const Metadata& metadata, const std::vector<ReadRun>& 
 
 Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& metadata,
                     const std::vector<ReadRun>& runs, const LoadOptions& options,
-                    LoadReport& report, ProgressMeter* progress, DeviceUploads* uploads) {
+                    LoadReport& report, DataFileHeaders* headers, ProgressMeter* progress,
+                    DeviceUploads* uploads) {
   if (runs.empty()) return Status::Ok();
   TESSERA_RETURN_IF_ERROR(CheckCastAlignment(metadata, runs, options));
   std::vector<UnitRead> units;
@@ -328,10 +368,25 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
     for (uint32_t s = unit.segments_begin; unit.direct && s < unit.segments_end; ++s) {
       total += segments[s].length;
     }
-    if (files[unit.file_index]) continue;
-    TESSERA_ASSIGN_OR_RETURN(files[unit.file_index],
-                             OpenDataFile(storage, dir, metadata, unit.file_index,
-                                          DescribeChunk(metadata, unit.tensor, unit.chunk)));
+    if (!files[unit.file_index]) {
+      TESSERA_ASSIGN_OR_RETURN(files[unit.file_index],
+                               OpenDataFile(storage, dir, metadata, unit.file_index,
+                                            DescribeChunk(metadata, unit.tensor, unit.chunk)));
+    }
+  }
+  // What Verify checks of each file read from: its header describes every chunk read.
+  if (headers != nullptr && HasSafetensorsDataFiles(metadata.format)) {
+    for (size_t i = 0; i < units.size(); ++i) {
+      const UnitRead& unit = units[i];
+      if (i > 0 && units[i - 1].tensor == unit.tensor && units[i - 1].chunk == unit.chunk) {
+        continue;  // blocks of one chunk come one after another
+      }
+      const TensorInfo& t = metadata.tensors[unit.tensor];
+      const ChunkInfo& c = t.chunks[unit.chunk];
+      TESSERA_RETURN_IF_ERROR(headers->Check(*files[unit.file_index], unit.file_index, c.location,
+                                             t.dtype, StoredShape(c),
+                                             DescribeChunk(metadata, unit.tensor, unit.chunk)));
+    }
   }
   // Contiguous slices of the (file, offset)-sorted units, of about equal bytes, one per
   // thread: each thread reads sequentially.
@@ -375,7 +430,8 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
 
 Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Metadata& metadata,
                              const std::vector<PermutedCopy>& copies, const LoadOptions& options,
-                             LoadReport& report, DeviceUploads* uploads) {
+                             LoadReport& report, DataFileHeaders* headers,
+                             DeviceUploads* uploads) {
   std::vector<std::byte> chunk_bytes;
   DeviceSink sink(uploads);  // appends while destinations are contiguous
   const Placer placer{uploads, &sink};
@@ -386,7 +442,8 @@ Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Met
     chunk_bytes.resize(chunk.location.length);
     ReadRun whole{chunk.location.file_index, chunk.location.offset, chunk.location.length,
                   chunk_bytes.data(),        copy.tensor,           copy.chunk};
-    TESSERA_RETURN_IF_ERROR(ExecuteReads(storage, dir, metadata, {whole}, options, report));
+    TESSERA_RETURN_IF_ERROR(
+        ExecuteReads(storage, dir, metadata, {whole}, options, report, headers));
     // Strides of the stored layout, in elements, per global dimension.
     const size_t rank = chunk.box.rank();
     std::vector<int64_t> stride(rank, 0);
@@ -420,14 +477,27 @@ Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Met
 
 Status ReadObject(Storage& storage, const std::string& dir, const Metadata& metadata,
                   const ObjectInfo& object, const LoadOptions& options, std::vector<uint8_t>& out,
-                  LoadReport& report) {
+                  LoadReport& report, DataFileHeaders* headers) {
   const std::string what = "object '" + object.key + "'";
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file,
                            OpenDataFile(storage, dir, metadata, object.location.file_index, what));
+  if (headers != nullptr && HasSafetensorsDataFiles(metadata.format)) {
+    TESSERA_RETURN_IF_ERROR(
+        headers->Check(*file, object.location.file_index, object.location, DType::kU8,
+                       Shape{static_cast<int64_t>(object.location.length)}, what));
+  }
   std::vector<uint8_t> bytes(object.location.length);
   TESSERA_RETURN_IF_ERROR_CTX(file->ReadAt(object.location.offset, bytes.data(), bytes.size()),
                               "reading " + what);
-  if (options.verify_checksums && metadata.checksum != ChecksumKind::kNone) {
+  if (options.verify_checksums && metadata.format == CheckpointFormat::kTorchDist &&
+      object.encoding == ObjectEncoding::kTorchSave) {
+    // A torch.save item: the CRC-32 of every zip record (issue 22).
+    TESSERA_RETURN_IF_ERROR(torch_dist::CheckTorchItemRecords(
+        bytes,
+        JoinPath(dir, metadata.files[object.location.file_index].name) + " item at " +
+            std::to_string(object.location.offset) + " (" + what + ")",
+        nullptr));
+  } else if (options.verify_checksums && metadata.checksum == ChecksumKind::kXxh3_64) {
     uint64_t actual = Checksum(bytes.data(), bytes.size());
     if (actual != object.location.checksum) {
       return DataLoss("checksum mismatch in " + what + " of file " +

@@ -110,21 +110,6 @@ Status CheckBytes(const ReadableFile& file, const ExpectedChecksums& expected,
   return Status::Ok();
 }
 
-// The data file's safetensors header must list the entry the manifest points at.
-Status CheckEntry(const std::multimap<uint64_t, const SafetensorsEntry*>& by_offset,
-                  const ByteLocation& where, DType dtype, const Shape& shape,
-                  const std::string& what, const std::string& path) {
-  auto [begin, end] = by_offset.equal_range(where.offset);
-  for (auto it = begin; it != end; ++it) {  // zero-byte entries may share an offset
-    const SafetensorsEntry& e = *it->second;
-    if (e.end - e.begin == where.length && e.dtype == dtype && e.shape == shape) {
-      return Status::Ok();
-    }
-  }
-  return DataLoss("the safetensors header of " + path + " does not describe " + what +
-                  " at offset " + std::to_string(where.offset) + " as the manifest does");
-}
-
 }  // namespace
 
 Result<VerifyReport> Verify(const std::string& path, std::shared_ptr<Storage> storage) {
@@ -144,13 +129,23 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
   const std::string& root = index.root;
   VerifyReport report;
   report.format = metadata.format;
-  report.checksums = metadata.checksum != ChecksumKind::kNone;
-  // Wrapped chunks (PyTorch DCP items, which have no checksums): every item's zip structure
-  // must be sound and hold the dtype and shape the index says.
+  // tessera's own checksums (XXH3-64 of every chunk and block), checked file by file below.
+  const bool checksummed = metadata.checksum != ChecksumKind::kNone;
+  report.checksums = checksummed;
+  // Wrapped chunks (PyTorch DCP items, whose only checksums are their zip records' CRC-32s):
+  // every item's zip structure must be sound and hold the dtype and shape the index says.
   TESSERA_RETURN_IF_ERROR(
       CheckWrappedItems(*storage, root, metadata, options.num_threads, /*bytes_read=*/nullptr));
-  // tessera's and Hugging Face's data files are safetensors files whose headers must agree.
-  const bool safetensors_files = metadata.format != CheckpointFormat::kTorchDist;
+  // Their bytes: every zip record carries a CRC-32 (issue 22), all checked.
+  if (metadata.format == CheckpointFormat::kTorchDist) {
+    TESSERA_RETURN_IF_ERROR(CheckWrappedItemRecords(*storage, root, metadata, options.num_threads,
+                                                    &report.bytes_checked));
+    report.checksums = true;
+  }
+  // tessera's and Hugging Face's data files are safetensors files whose headers must agree with
+  // the index: checked by the same code as every load's (DataFileHeaders), of every piece here.
+  const bool safetensors_files = HasSafetensorsDataFiles(metadata.format);
+  DataFileHeaders headers;
   // What each file holds, in file order, so every file is opened once and read sequentially.
   struct Piece {
     ByteLocation where;
@@ -167,7 +162,7 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
       pieces[chunk.location.file_index].push_back(
           {chunk.location, &chunk.block_checksums,
            "key '" + tensor.key + "' chunk " + std::to_string(c) + " " + chunk.box.ToString(),
-           tensor.dtype, chunk.box.sizes});
+           tensor.dtype, StoredShape(chunk)});
     }
   }
   for (const ObjectInfo& object : metadata.objects) {
@@ -184,20 +179,15 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
     const std::string needed_by = list.empty() ? "no chunk" : list.front().what;
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file,
                              OpenDataFile(*storage, root, metadata, f, needed_by));
-    std::multimap<uint64_t, const SafetensorsEntry*> by_offset;
-    SafetensorsHeader header;
-    if (safetensors_files) {
-      TESSERA_ASSIGN_OR_RETURN(header, ReadSafetensorsHeader(*file));
-      for (const SafetensorsEntry& e : header.entries) {
-        by_offset.emplace(header.data_start + e.begin, &e);
-      }
+    if (safetensors_files && list.empty()) {  // a file of no chunk: its header still parses
+      TESSERA_RETURN_IF_ERROR(ReadSafetensorsHeader(*file).status());
     }
     for (const Piece& piece : list) {
       if (safetensors_files) {
         TESSERA_RETURN_IF_ERROR(
-            CheckEntry(by_offset, piece.where, piece.dtype, piece.shape, piece.what, file->path()));
+            headers.Check(*file, f, piece.where, piece.dtype, piece.shape, piece.what));
       }
-      if (report.checksums) {
+      if (checksummed) {
         const ExpectedChecksums expected{&piece.where, piece.blocks, metadata.checksum_block_bytes};
         TESSERA_RETURN_IF_ERROR(
             CheckBytes(*file, expected, piece.what, buffer, file_report, progress));
@@ -219,7 +209,7 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
   };
   uint64_t to_check = 0;
   for (const std::vector<Piece>& list : pieces) {
-    for (const Piece& piece : list) to_check += report.checksums ? piece.where.length : 0;
+    for (const Piece& piece : list) to_check += checksummed ? piece.where.length : 0;
   }
   progress.set_total(to_check);
   const size_t num_threads = std::min<size_t>(static_cast<size_t>(options.num_threads), num_files);

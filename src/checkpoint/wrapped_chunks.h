@@ -43,6 +43,13 @@ Result<RankReadPlan> PlanRankReadsResolving(Storage& storage, const std::string&
 Status CheckWrappedItems(Storage& storage, const std::string& root, const Metadata& metadata,
                          int num_threads, uint64_t* bytes_read);
 
+// Verify's check of the bytes of a torch_dist checkpoint's items: the CRC-32 of every zip record
+// of every item (tensor chunks' and torch.save objects'), each item once, `num_threads` files at
+// a time, each read in offset order. Adds the records' bytes to `bytes_checked`. Errors name
+// the file, the item's offset and the record.
+Status CheckWrappedItemRecords(Storage& storage, const std::string& root, const Metadata& metadata,
+                               int num_threads, uint64_t* bytes_checked);
+
 }  // namespace tessera
 
 #endif  // TESSERA_CHECKPOINT_WRAPPED_CHUNKS_H_

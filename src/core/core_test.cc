@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "core/utf8.h"
 #include "tessera/box.h"
 #include "tessera/state_dict.h"
 #include "testing/test_util.h"
@@ -139,6 +140,25 @@ TEST(StateDictTest, SeveralPiecesOfOneKeyAreEntriesOfTheirOwn) {
   EXPECT_THAT(s.message(), HasSubstr("duplicate key 'step'"));
   EXPECT_EQ(state.size(), 4u);  // nothing refused was added
   EXPECT_EQ(state.CountOf("w"), 3u);
+}
+
+// Issue 22, defect 10: what puts text from a checkpoint into a one-line message.
+TEST(Utf8Test, EscapeControlCharactersKeepsTextAndEscapesControls) {
+  EXPECT_EQ(EscapeControlCharacters("layer.0.w\xc3\xa9 /a/b"), "layer.0.w\xc3\xa9 /a/b");
+  EXPECT_EQ(EscapeControlCharacters("k\x1b]0;pwned\x07\x1b[2J"), "k\\x1b]0;pwned\\x07\\x1b[2J");
+  EXPECT_EQ(EscapeControlCharacters("a\nb\tc\x7f"), "a\\x0ab\\x09c\\x7f");
+  EXPECT_EQ(EscapeControlCharacters("csi\xc2\x9b"), "csi\\xc2\\x9b");  // U+009B, a C1 control
+  EXPECT_EQ(EscapeControlCharacters("bad\xff\xc3"), "bad\\xff\\xc3");  // not UTF-8
+  const std::string once = EscapeControlCharacters("x\x1by\xfe");
+  EXPECT_EQ(EscapeControlCharacters(once), once);
+}
+
+TEST(Utf8Test, ReplaceInvalidUtf8) {
+  EXPECT_EQ(ReplaceInvalidUtf8("caf\xc3\xa9"), "caf\xc3\xa9");
+  EXPECT_EQ(ReplaceInvalidUtf8("ckpt-\xff\xfe"), "ckpt-\xef\xbf\xbd\xef\xbf\xbd");
+  EXPECT_EQ(ReplaceInvalidUtf8("\xed\xa0\x80"),
+            "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd");  // surrogate
+  EXPECT_TRUE(IsValidUtf8(ReplaceInvalidUtf8("\xc3")));
 }
 
 }  // namespace

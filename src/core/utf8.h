@@ -19,6 +19,17 @@ bool IsValidUtf8(std::string_view s);
 // characters) print as one unambiguous line.
 std::string QuoteBytes(std::string_view s);
 
+// `s` with every byte that is not part of a well-formed UTF-8 sequence (IsValidUtf8's rules)
+// replaced by U+FFFD: valid UTF-8, readable, not reversible (QuoteBytes is).
+std::string ReplaceInvalidUtf8(std::string_view s);
+
+// `s` for a one-line message (an error, an exception's text): UTF-8 text as it is, except that
+// control characters (U+0000..U+001F, U+007F, and U+0080..U+009F, which terminals also obey)
+// and bytes that are not part of well-formed UTF-8 become \xNN, byte by byte, as QuoteBytes
+// writes them. A hostile key's escape sequences ("\x1b]0;...", "\x1b[2J") never reach a
+// terminal raw. Idempotent.
+std::string EscapeControlCharacters(std::string_view s);
+
 // OK when every string of `metadata` (user metadata keys and values, tensor and object keys,
 // file names) is valid UTF-8; else kDataLoss "<source>: <what> "<escaped>" is not valid
 // UTF-8 ...". tessera writes UTF-8 only; a manifest holding other bytes is corrupt or foreign,

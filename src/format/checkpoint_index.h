@@ -4,8 +4,10 @@
 #ifndef TESSERA_FORMAT_CHECKPOINT_INDEX_H_
 #define TESSERA_FORMAT_CHECKPOINT_INDEX_H_
 
+#include <memory>
 #include <string>
 
+#include "format/safetensors.h"
 #include "tessera/metadata.h"
 #include "tessera/status.h"
 #include "tessera/storage.h"
@@ -18,6 +20,9 @@ struct CheckpointIndex {
   // The checkpoint is a rank-local save: the merge of its rank manifests (Finalize writes it
   // as one manifest). metadata.commit_seq is then its reference's number.
   bool rank_local = false;
+  // The data files' safetensors headers, read by the loads of this index as they need them
+  // (HasSafetensorsDataFiles), shared by its copies.
+  std::shared_ptr<DataFileHeaders> headers = std::make_shared<DataFileHeaders>();
 };
 
 // Detects the format of `path` and reads its index:

@@ -38,6 +38,11 @@ using mpi_internal::Rounds;
 
 // ---- process-wide state ------------------------------------------------------------------
 
+mpi_internal::DataPhaseHook& TestHook() {
+  static mpi_internal::DataPhaseHook hook;
+  return hook;
+}
+
 std::atomic<int> g_provided_thread_level{-1};  // recorded when tessera initialised MPI
 std::atomic<bool> g_initialized_by_tessera{false};
 
@@ -134,7 +139,17 @@ std::string ReduceOpName(int64_t op) {
 // this rank (every later collective returns the same status without communicating). A rank
 // never starts a collective's data phase after a NOTICE for it without the leader's "proceed",
 // so no data transfer is ever left half done.
-enum Control : int64_t { kNotice = 1, kPresent = 2, kVerdict = 3 };
+// Data transfers (issue 22): once every rank has entered a collective (its header completed),
+// each of its data operations (MPI_Ibcast, MPI_Igatherv, ...) is waited for under the same
+// deadline, measured from the start of that operation. A rank whose operation has not completed
+// by then gives up on it: the operation stays pending inside MPI with every buffer it uses
+// (heap memory of tessera's, never the caller's) kept until exit, the rank sends
+//   ABANDON(seq)  "I gave up on collective #seq in the middle of its data transfer"
+// to every other rank and returns kDeadlineExceeded; a rank that hears it returns the same
+// status from whatever wait of this communicator it is in (that transfer, a later header), or
+// at its next collective. No rank can tell which peer stalled a transfer (MPI does not say), so
+// the message names the collective, not a rank, and reads the same on every rank.
+enum Control : int64_t { kNotice = 1, kPresent = 2, kVerdict = 3, kAbandon = 4 };
 constexpr int kControlTag = 0x7e55;  // < 32767, the smallest MPI_TAG_UB MPI allows
 
 using Clock = std::chrono::steady_clock;
@@ -381,9 +396,7 @@ class MpiComm final : public Comm {
     SetPair(h, kRoot, root);
     h[kMaxCount] = local.ok() && rank_ == root ? static_cast<int64_t>(data->size()) : -1;
     TESSERA_ASSIGN_OR_RETURN(Agreed agreed, Begin(Kind::kBroadcast, h, local));
-    const int64_t size = agreed.max_count;
-    if (rank_ != root) data->resize(size);
-    return BcastData(data->data(), size, root, kOp);
+    return BcastBytes(data, agreed.max_count, root, kOp);
   }
 
   // The root's layout of round `k` of a Gather or Scatter: piece[r] bytes of rank r at
@@ -414,31 +427,45 @@ class MpiComm final : public Comm {
     std::vector<Bytes> out(is_root ? size_ : 0);
     const Rounds rounds = Schedule(agreed);
     if (rounds.rounds > 0) {
-      std::vector<int64_t> counts(is_root ? size_ : 0);
-      TESSERA_RETURN_IF_ERROR(Run("MPI_Igather", kOp, [&](MPI_Request* request) {
-        return MPI_Igather(&mine, 1, MPI_INT64_T, counts.data(), 1, MPI_INT64_T, root, comm_,
-                           request);
-      }));
+      // Every buffer MPI touches is the Comm's own (see kAbandon).
+      auto mine_out = std::make_shared<int64_t>(mine);
+      auto counts = std::make_shared<std::vector<int64_t>>(is_root ? size_ : 0);
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Igather", kOp,
+                                  [&](MPI_Request* request) {
+                                    return MPI_Igather(mine_out.get(), 1, MPI_INT64_T,
+                                                       counts->data(), 1, MPI_INT64_T, root, comm_,
+                                                       request);
+                                  },
+                                  {mine_out, counts}));
       for (int r = 0; is_root && r < size_; ++r) {
-        if (r != rank_) out[r].resize(counts[r]);
+        if (r != rank_) out[r].resize((*counts)[r]);
       }
-      std::vector<int> piece(is_root ? size_ : 0), displs(is_root ? size_ : 0);
-      Bytes staging;
       for (int64_t k = 0; k < rounds.rounds; ++k) {
+        auto piece = std::make_shared<std::vector<int>>(is_root ? size_ : 0);
+        auto displs = std::make_shared<std::vector<int>>(is_root ? size_ : 0);
+        auto staging = std::make_shared<Bytes>();
         if (is_root) {
           // The root's own bytes stay put (MPI_IN_PLACE, count 0); it copies them below.
-          staging.resize(RootRound(rounds, counts, k, piece, displs));
+          staging->resize(RootRound(rounds, *counts, k, *piece, *displs));
+        } else {
+          const uint8_t* from = send.data() + rounds.Begin(mine, k);
+          staging->assign(from, from + rounds.Size(mine, k));
         }
-        const void* sendbuf = is_root ? MPI_IN_PLACE : send.data() + rounds.Begin(mine, k);
-        const int sendcount = is_root ? 0 : static_cast<int>(rounds.Size(mine, k));
-        TESSERA_RETURN_IF_ERROR(Run("MPI_Igatherv", kOp, [&](MPI_Request* request) {
-          return MPI_Igatherv(sendbuf, sendcount, MPI_BYTE, staging.data(), piece.data(),
-                              displs.data(), MPI_BYTE, root, comm_, request);
-        }));
+        TESSERA_RETURN_IF_ERROR(Run(
+            "MPI_Igatherv", kOp,
+            [&](MPI_Request* request) {
+              return is_root
+                         ? MPI_Igatherv(MPI_IN_PLACE, 0, MPI_BYTE, staging->data(), piece->data(),
+                                        displs->data(), MPI_BYTE, root, comm_, request)
+                         : MPI_Igatherv(staging->data(), static_cast<int>(staging->size()),
+                                        MPI_BYTE, nullptr, nullptr, nullptr, MPI_BYTE, root, comm_,
+                                        request);
+            },
+            {staging, piece, displs}));
         for (int r = 0; is_root && r < size_; ++r) {
-          if (piece[r] > 0) {
-            std::memcpy(out[r].data() + rounds.Begin(counts[r], k), staging.data() + displs[r],
-                        piece[r]);
+          if ((*piece)[r] > 0) {
+            std::memcpy(out[r].data() + rounds.Begin((*counts)[r], k),
+                        staging->data() + (*displs)[r], (*piece)[r]);
           }
         }
       }
@@ -461,32 +488,42 @@ class MpiComm final : public Comm {
     std::vector<Bytes> out(size_);
     const Rounds rounds = Schedule(agreed);
     if (rounds.rounds > 0) {
-      std::vector<int64_t> counts(size_);
-      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallgather", kOp, [&](MPI_Request* request) {
-        return MPI_Iallgather(&mine, 1, MPI_INT64_T, counts.data(), 1, MPI_INT64_T, comm_, request);
-      }));
+      auto mine_out = std::make_shared<int64_t>(mine);
+      auto counts = std::make_shared<std::vector<int64_t>>(size_);
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallgather", kOp,
+                                  [&](MPI_Request* request) {
+                                    return MPI_Iallgather(mine_out.get(), 1, MPI_INT64_T,
+                                                          counts->data(), 1, MPI_INT64_T, comm_,
+                                                          request);
+                                  },
+                                  {mine_out, counts}));
       for (int r = 0; r < size_; ++r) {
-        if (r != rank_) out[r].resize(counts[r]);
+        if (r != rank_) out[r].resize((*counts)[r]);
       }
-      std::vector<int> piece(size_), displs(size_);
-      Bytes staging;
       for (int64_t k = 0; k < rounds.rounds; ++k) {
+        auto piece = std::make_shared<std::vector<int>>(size_);
+        auto displs = std::make_shared<std::vector<int>>(size_);
         int64_t total = 0;
         for (int r = 0; r < size_; ++r) {
-          piece[r] = static_cast<int>(rounds.Size(counts[r], k));
-          displs[r] = static_cast<int>(total);
-          total += piece[r];
+          (*piece)[r] = static_cast<int>(rounds.Size((*counts)[r], k));
+          (*displs)[r] = static_cast<int>(total);
+          total += (*piece)[r];
         }
-        staging.resize(total);
-        TESSERA_RETURN_IF_ERROR(Run("MPI_Iallgatherv", kOp, [&](MPI_Request* request) {
-          return MPI_Iallgatherv(send.data() + rounds.Begin(mine, k), piece[rank_], MPI_BYTE,
-                                 staging.data(), piece.data(), displs.data(), MPI_BYTE, comm_,
-                                 request);
-        }));
+        // This rank's piece goes in place: MPI reads it from the staging buffer.
+        auto staging = std::make_shared<Bytes>(total);
+        std::memcpy(staging->data() + (*displs)[rank_], send.data() + rounds.Begin(mine, k),
+                    (*piece)[rank_]);
+        TESSERA_RETURN_IF_ERROR(Run("MPI_Iallgatherv", kOp,
+                                    [&](MPI_Request* request) {
+                                      return MPI_Iallgatherv(
+                                          MPI_IN_PLACE, 0, MPI_BYTE, staging->data(), piece->data(),
+                                          displs->data(), MPI_BYTE, comm_, request);
+                                    },
+                                    {staging, piece, displs}));
         for (int r = 0; r < size_; ++r) {
-          if (r != rank_ && piece[r] > 0) {
-            std::memcpy(out[r].data() + rounds.Begin(counts[r], k), staging.data() + displs[r],
-                        piece[r]);
+          if (r != rank_ && (*piece)[r] > 0) {
+            std::memcpy(out[r].data() + rounds.Begin((*counts)[r], k),
+                        staging->data() + (*displs)[r], (*piece)[r]);
           }
         }
       }
@@ -516,40 +553,48 @@ class MpiComm final : public Comm {
       }
     }
     TESSERA_ASSIGN_OR_RETURN(Agreed agreed, Begin(Kind::kScatter, h, local));
-    Bytes out;
+    auto out = std::make_shared<Bytes>();
     const Rounds rounds = Schedule(agreed);
     if (rounds.rounds > 0) {
-      std::vector<int64_t> counts(is_root ? size_ : 0);
-      for (int r = 0; is_root && r < size_; ++r) counts[r] = static_cast<int64_t>(send[r].size());
-      int64_t mine = 0;
-      TESSERA_RETURN_IF_ERROR(Run("MPI_Iscatter", kOp, [&](MPI_Request* request) {
-        return MPI_Iscatter(counts.data(), 1, MPI_INT64_T, &mine, 1, MPI_INT64_T, root, comm_,
-                            request);
-      }));
-      if (!is_root) out.resize(mine);
-      std::vector<int> piece(is_root ? size_ : 0), displs(is_root ? size_ : 0);
-      Bytes staging;
+      auto counts = std::make_shared<std::vector<int64_t>>(is_root ? size_ : 0);
+      for (int r = 0; is_root && r < size_; ++r)
+        (*counts)[r] = static_cast<int64_t>(send[r].size());
+      auto mine = std::make_shared<int64_t>(0);
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Iscatter", kOp,
+                                  [&](MPI_Request* request) {
+                                    return MPI_Iscatter(counts->data(), 1, MPI_INT64_T, mine.get(),
+                                                        1, MPI_INT64_T, root, comm_, request);
+                                  },
+                                  {counts, mine}));
+      if (!is_root) out->resize(*mine);
       for (int64_t k = 0; k < rounds.rounds; ++k) {
+        auto piece = std::make_shared<std::vector<int>>(is_root ? size_ : 0);
+        auto displs = std::make_shared<std::vector<int>>(is_root ? size_ : 0);
+        auto staging = std::make_shared<Bytes>();
         if (is_root) {
           // The root keeps its own buffer (MPI_IN_PLACE, count 0) and copies it below.
-          staging.resize(RootRound(rounds, counts, k, piece, displs));
+          staging->resize(RootRound(rounds, *counts, k, *piece, *displs));
           for (int r = 0; r < size_; ++r) {
-            if (piece[r] > 0) {
-              std::memcpy(staging.data() + displs[r], send[r].data() + rounds.Begin(counts[r], k),
-                          piece[r]);
+            if ((*piece)[r] > 0) {
+              std::memcpy(staging->data() + (*displs)[r],
+                          send[r].data() + rounds.Begin((*counts)[r], k), (*piece)[r]);
             }
           }
         }
-        void* recvbuf = is_root ? MPI_IN_PLACE : out.data() + rounds.Begin(mine, k);
-        const int recvcount = is_root ? 0 : static_cast<int>(rounds.Size(mine, k));
-        TESSERA_RETURN_IF_ERROR(Run("MPI_Iscatterv", kOp, [&](MPI_Request* request) {
-          return MPI_Iscatterv(staging.data(), piece.data(), displs.data(), MPI_BYTE, recvbuf,
-                               recvcount, MPI_BYTE, root, comm_, request);
-        }));
+        const int64_t at = is_root ? 0 : rounds.Begin(*mine, k);
+        const int recvcount = is_root ? 0 : static_cast<int>(rounds.Size(*mine, k));
+        TESSERA_RETURN_IF_ERROR(Run("MPI_Iscatterv", kOp,
+                                    [&](MPI_Request* request) {
+                                      return MPI_Iscatterv(
+                                          staging->data(), piece->data(), displs->data(), MPI_BYTE,
+                                          is_root ? MPI_IN_PLACE : out->data() + at, recvcount,
+                                          MPI_BYTE, root, comm_, request);
+                                    },
+                                    {staging, piece, displs, out}));
       }
     }
-    if (is_root) out = send[rank_];
-    *received = std::move(out);
+    if (is_root) *out = send[rank_];
+    *received = std::move(*out);
     return Status::Ok();
   }
 
@@ -566,16 +611,21 @@ class MpiComm final : public Comm {
     TESSERA_ASSIGN_OR_RETURN(Agreed agreed, Begin(Kind::kAllReduce, h, local));
     if (agreed.value_min != agreed.value_max) {
       // Every rank is here: find who differs from rank 0, for the message.
-      std::vector<int64_t> counts(size_);
-      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallgather", kOp, [&](MPI_Request* request) {
-        return MPI_Iallgather(&count, 1, MPI_INT64_T, counts.data(), 1, MPI_INT64_T, comm_,
-                              request);
-      }));
+      auto mine = std::make_shared<int64_t>(count);
+      auto counts = std::make_shared<std::vector<int64_t>>(size_);
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallgather", kOp,
+                                  [&](MPI_Request* request) {
+                                    return MPI_Iallgather(mine.get(), 1, MPI_INT64_T,
+                                                          counts->data(), 1, MPI_INT64_T, comm_,
+                                                          request);
+                                  },
+                                  {mine, counts}));
       int other = 1;
-      while (other < size_ - 1 && counts[other] == counts[0]) ++other;
+      while (other < size_ - 1 && (*counts)[other] == (*counts)[0]) ++other;
       return FailEverywhere(InvalidArgument(Where(kOp) + ": rank " + std::to_string(other) +
-                                            " passed " + std::to_string(counts[other]) +
-                                            " values, rank 0 passed " + std::to_string(counts[0])));
+                                            " passed " + std::to_string((*counts)[other]) +
+                                            " values, rank 0 passed " +
+                                            std::to_string((*counts)[0])));
     }
     if (agreed.op_min != agreed.op_max) {
       return FailEverywhere(InvalidArgument(Where(kOp) + ": the ranks passed different ops, " +
@@ -588,9 +638,16 @@ class MpiComm final : public Comm {
     const int64_t chunk = settings_->options.max_message_bytes / int64_t{sizeof(int64_t)};
     for (int64_t begin = 0; begin < count; begin += chunk) {
       const int n = static_cast<int>(std::min(chunk, count - begin));
-      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallreduce", kOp, [&](MPI_Request* request) {
-        return MPI_Iallreduce(MPI_IN_PLACE, values.data() + begin, n, type, mpi_op, comm_, request);
-      }));
+      // The Comm's own copy (see kAbandon): the caller's span may be gone if this is given up.
+      auto part = std::make_shared<std::vector<int64_t>>(values.begin() + begin,
+                                                         values.begin() + begin + n);
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallreduce", kOp,
+                                  [&](MPI_Request* request) {
+                                    return MPI_Iallreduce(MPI_IN_PLACE, part->data(), n, type,
+                                                          mpi_op, comm_, request);
+                                  },
+                                  {part}));
+      std::copy(part->begin(), part->end(), values.begin() + begin);
     }
     return Status::Ok();
   }
@@ -603,15 +660,26 @@ class MpiComm final : public Comm {
     int mpi_color = color;
     if (agreed.value_min < 0) {
       // MPI colors must be non-negative: number the distinct colors 0, 1, ...
-      std::vector<int64_t> colors(size_);
-      const int64_t mine = color;
-      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallgather", kOp, [&](MPI_Request* request) {
-        return MPI_Iallgather(&mine, 1, MPI_INT64_T, colors.data(), 1, MPI_INT64_T, comm_, request);
-      }));
-      std::sort(colors.begin(), colors.end());
-      colors.erase(std::unique(colors.begin(), colors.end()), colors.end());
-      mpi_color =
-          static_cast<int>(std::lower_bound(colors.begin(), colors.end(), mine) - colors.begin());
+      auto colors = std::make_shared<std::vector<int64_t>>(size_);
+      auto mine = std::make_shared<int64_t>(color);
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Iallgather", kOp,
+                                  [&](MPI_Request* request) {
+                                    return MPI_Iallgather(mine.get(), 1, MPI_INT64_T,
+                                                          colors->data(), 1, MPI_INT64_T, comm_,
+                                                          request);
+                                  },
+                                  {mine, colors}));
+      std::sort(colors->begin(), colors->end());
+      colors->erase(std::unique(colors->begin(), colors->end()), colors->end());
+      mpi_color = static_cast<int>(std::lower_bound(colors->begin(), colors->end(), *mine) -
+                                   colors->begin());
+    }
+    // MPI has no nonblocking split. Under a deadline, a barrier the deadline covers first: every
+    // rank is then at the split, and only a rank that stops between the two can hold the others
+    // in MPI_Comm_split.
+    if (settings_->options.collective_timeout.count() > 0) {
+      TESSERA_RETURN_IF_ERROR(Run(
+          "MPI_Ibarrier", kOp, [&](MPI_Request* request) { return MPI_Ibarrier(comm_, request); }));
     }
     MPI_Comm child = MPI_COMM_NULL;
     int rc;
@@ -668,6 +736,7 @@ class MpiComm final : public Comm {
     h[kNegFailedRank] = failed ? -static_cast<int64_t>(rank_) : INT64_MIN;
     Header result{};
     const uint64_t seq = entered_++;
+    current_ = kind;
     if (settings_->options.collective_timeout.count() > 0) {
       TESSERA_RETURN_IF_ERROR(ExchangeHeaderWithDeadline(kind, seq, h, result));
     } else {
@@ -725,16 +794,24 @@ class MpiComm final : public Comm {
     return error;
   }
 
-  // Runs one nonblocking MPI operation to completion. `start(&request)` starts it.
+  // Runs one nonblocking MPI operation of a collective (the header without a deadline, or a data
+  // transfer) to completion. `start(&request)` starts it; `buffers` are every buffer it reads or
+  // writes (the Comm's own: see kAbandon), kept until exit if it is given up on.
   template <typename Start>
-  Status Run(std::string_view call, std::string_view op, Start&& start) {
+  Status Run(std::string_view call, std::string_view op, Start&& start,
+             std::initializer_list<std::shared_ptr<void>> buffers = {}) {
     MPI_Request request = MPI_REQUEST_NULL;
     int rc;
+    if (TestHook()) TestHook()(call, false);
     {
       MaybeLock lock(serialized());
       rc = start(&request);
     }
     if (rc != MPI_SUCCESS) return Failed(rc, call, op);
+    if (TestHook()) TestHook()(call, true);
+    if (settings_->options.collective_timeout.count() > 0) {
+      return AwaitTransfer(request, call, op, buffers);
+    }
     if (!serialized()) {
       rc = MPI_Wait(&request, MPI_STATUS_IGNORE);
     } else {
@@ -747,15 +824,74 @@ class MpiComm final : public Comm {
           rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
         }
         if (rc != MPI_SUCCESS || done) break;
-        if (polls < 100) {
-          std::this_thread::yield();
-        } else {
-          std::this_thread::sleep_for(std::chrono::microseconds(50));
-        }
+        Pause(polls);
       }
     }
     if (rc != MPI_SUCCESS) return Failed(rc, call, op);
     return Status::Ok();
+  }
+
+  static void Pause(int polls) {
+    if (polls < 100) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  // Waits for data operation `request` of the collective this rank is in (#entered_ - 1) under
+  // the deadline (see kAbandon): returns OK when it completes; kDeadlineExceeded when
+  // collective_timeout passes first, or when a peer gave up on a transfer of this communicator.
+  // Then the operation stays pending inside MPI, `buffers` are kept until exit, the peers are
+  // told, and the communicator is aborted for this rank.
+  Status AwaitTransfer(MPI_Request& request, std::string_view call, std::string_view op,
+                       std::initializer_list<std::shared_ptr<void>> buffers) {
+    const std::chrono::milliseconds timeout = settings_->options.collective_timeout;
+    const Clock::time_point start = Clock::now();
+    const uint64_t seq = entered_ - 1;
+    for (uint64_t polls = 0;; ++polls) {
+      int completed = 0, rc;
+      {
+        MaybeLock lock(serialized());
+        rc = MPI_Test(&request, &completed, MPI_STATUS_IGNORE);
+      }
+      if (rc != MPI_SUCCESS) return Failed(rc, "MPI_Test", op);
+      // MPI progresses a transfer only inside its calls: test it without pause, as MPI_Wait
+      // would, and look at the control messages and the clock every 16th time only.
+      if (!completed && polls % 16 != 0) {
+        std::this_thread::yield();
+        continue;
+      }
+      TESSERA_RETURN_IF_ERROR(DrainControl(op));
+      if (completed) {
+        // Done with this part, but a peer that gave up meanwhile has made the outcome one of
+        // failure for every rank: say so now rather than at the next collective.
+        if (!abandoned_.ok()) state_->Agree(abandoned_);
+        return abandoned_;
+      }
+      Status give_up = abandoned_;
+      if (give_up.ok() && Clock::now() - start >= timeout) {
+        give_up = Abandoned(current_, timeout, seq);
+        SendToAll(
+            {kAbandon, static_cast<int64_t>(seq), static_cast<int64_t>(current_), timeout.count()});
+      }
+      if (!give_up.ok()) {
+        for (const std::shared_ptr<void>& buffer : buffers) KeepUntilExit(buffer);
+        state_->Agree(give_up);
+        return give_up;
+      }
+      std::this_thread::yield();
+    }
+  }
+
+  // The status of a transfer given up on, the same text on every rank.
+  static Status Abandoned(Kind kind, std::chrono::milliseconds timeout, uint64_t seq) {
+    return DeadlineExceeded(
+        KindName(static_cast<int64_t>(kind)) + " gave up after waiting " +
+        std::to_string(timeout.count()) + " ms for a data transfer of collective #" +
+        std::to_string(seq) +
+        " of this communicator: every rank had entered it, so a rank stopped or slowed down in "
+        "the middle of its data transfer (MPI does not say which)");
   }
 
   // ---- the collective deadline (see the comment at Control) ----------------------------------
@@ -772,6 +908,7 @@ class MpiComm final : public Comm {
     // NOTICEs of this collective that arrived before this rank entered it: answer them now.
     for (int r : noticed_[seq]) Send(r, {kPresent, static_cast<int64_t>(seq)});
     Status status = DrainControl(op);
+    if (status.ok()) status = abandoned_;  // a peer gave up on an earlier transfer
     if (status.ok() && verdicts_.count(seq) && verdicts_[seq].give_up) {
       status = verdicts_[seq].status;  // a late rank: its peers gave up on this collective
     }
@@ -820,6 +957,7 @@ class MpiComm final : public Comm {
       }
       // After the test: a NOTICE sent before the completion is seen before acting on it.
       TESSERA_RETURN_IF_ERROR(DrainControl(op));
+      if (!abandoned_.ok()) return abandoned_;  // a peer gave up on an earlier transfer
       const Clock::time_point now = Clock::now();
       int leader = leading ? rank_ : -1;
       if (auto it = noticed_.find(seq); it != noticed_.end() && !it->second.empty()) {
@@ -940,6 +1078,12 @@ class MpiComm final : public Comm {
       case kPresent:
         present_[seq].insert(from);
         break;
+      case kAbandon:
+        if (abandoned_.ok() && message.size() >= 4) {
+          abandoned_ =
+              Abandoned(static_cast<Kind>(message[2]), std::chrono::milliseconds(message[3]), seq);
+        }
+        break;
       case kVerdict: {
         Verdict verdict;
         verdict.give_up = message.size() >= 5 && message[2] != 0;
@@ -985,25 +1129,40 @@ class MpiComm final : public Comm {
     if (rc == MPI_SUCCESS) sends_.emplace_back(request, std::move(buffer));
   }
 
-  Status BcastData(uint8_t* data, int64_t size, int root, std::string_view op) {
+  // Broadcasts `*data` (`size` bytes) from `root`, in calls of at most max_message_bytes. The
+  // bytes move into a buffer of the Comm's own (see kAbandon) and back, never copied; a
+  // transfer given up on keeps that buffer and leaves `*data` empty.
+  Status BcastBytes(Bytes* data, int64_t size, int root, std::string_view op) {
+    auto owned = std::make_shared<Bytes>(std::move(*data));
+    if (rank_ != root) owned->resize(size);
     const int64_t chunk = settings_->options.max_message_bytes;
     for (int64_t begin = 0; begin < size; begin += chunk) {
       const int n = static_cast<int>(std::min(chunk, size - begin));
-      TESSERA_RETURN_IF_ERROR(Run("MPI_Ibcast", op, [&](MPI_Request* request) {
-        return MPI_Ibcast(data + begin, n, MPI_BYTE, root, comm_, request);
-      }));
+      Status status =
+          Run("MPI_Ibcast", op,
+              [&](MPI_Request* request) {
+                return MPI_Ibcast(owned->data() + begin, n, MPI_BYTE, root, comm_, request);
+              },
+              {owned});
+      if (!status.ok()) {
+        if (owned.use_count() == 1) *data = std::move(*owned);  // not kept: MPI is done with it
+        return status;
+      }
     }
+    *data = std::move(*owned);
     return Status::Ok();
   }
 
   // Broadcasts `*bytes` from `root`: its size, then its data.
   Status BcastSized(Bytes* bytes, int root, std::string_view op) {
-    int64_t size = static_cast<int64_t>(bytes->size());
-    TESSERA_RETURN_IF_ERROR(Run("MPI_Ibcast", op, [&](MPI_Request* request) {
-      return MPI_Ibcast(&size, 1, MPI_INT64_T, root, comm_, request);
-    }));
-    if (rank_ != root) bytes->resize(size);
-    return BcastData(bytes->data(), size, root, op);
+    auto size = std::make_shared<int64_t>(static_cast<int64_t>(bytes->size()));
+    TESSERA_RETURN_IF_ERROR(Run("MPI_Ibcast", op,
+                                [&](MPI_Request* request) {
+                                  return MPI_Ibcast(size.get(), 1, MPI_INT64_T, root, comm_,
+                                                    request);
+                                },
+                                {size}));
+    return BcastBytes(bytes, *size, root, op);
   }
 
   MPI_Comm comm_;
@@ -1012,7 +1171,9 @@ class MpiComm final : public Comm {
   const std::shared_ptr<const Settings> settings_;
   const std::shared_ptr<AbortState> state_ = std::make_shared<AbortState>();
   // The collective deadline's state (used by the one thread that uses this Comm).
-  uint64_t entered_ = 0;  // collectives this rank has entered: #0 .. #entered_-1
+  uint64_t entered_ = 0;           // collectives this rank has entered: #0 .. #entered_-1
+  Kind current_ = Kind::kBarrier;  // the kind of #entered_-1
+  Status abandoned_;               // a transfer some rank gave up on (kAbandon), once heard of
   std::map<uint64_t, std::set<int>> noticed_;  // collective -> ranks whose deadline passed in it
   std::map<uint64_t, std::set<int>> present_;  // collective -> ranks that answered this rank
   std::map<uint64_t, Verdict> verdicts_;       // collective -> the leader's verdict
@@ -1023,6 +1184,8 @@ class MpiComm final : public Comm {
 }  // namespace
 
 namespace mpi_internal {
+
+void SetDataPhaseHookForTesting(DataPhaseHook hook) { TestHook() = std::move(hook); }
 
 namespace {
 

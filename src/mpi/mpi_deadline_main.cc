@@ -12,18 +12,29 @@
 //                      fails at once with the same status.
 //   two_late           (4 ranks or more) ranks 2 and 3 come late: the message names both.
 //   slow_but_in_time   a rank 0.3 s late with a 1 s deadline: the collective just completes.
+//   frozen_mid_bcast   (issue 22) root 0 of a 64 MiB Broadcast freezes 3 s right before sending
+//   frozen_mid_allgather  (rank 1 right after starting its part of a 16 MiB-per-rank AllGather),
+//                      every rank having entered the collective: the ranks
+//                      still waiting for the transfer at the deadline return kDeadlineExceeded
+//                      then; a rank whose part completed earlier returns OK and learns it at
+//                      its next collective; the frozen rank when it wakes; one message
+//                      everywhere. Before: they waited in MPI_Wait until the frozen rank woke
+//                      (25 s and more with a 3 s deadline).
 // Prints "[ OK ] case" or "[FAILED] case: why" per rank and case; exits 1 on every rank when
 // any check failed on any rank.
 #include <mpi.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "mpi/mpi_internal.h"
 #include "tessera/checkpoint.h"
 #include "tessera/mpi_comm.h"
 
@@ -106,6 +117,69 @@ void ExpectGiveUp(const std::string& name, const std::vector<int>& late, const s
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// Runs `call` on every rank; rank `frozen` freezes kLate (sleeping, calling no MPI) right before
+// (or, `after_start`, right after) it starts the first operation of the collective's data
+// transfer named `mpi_call`, every rank having entered the collective. A rank still
+// waiting for the transfer when the deadline passes returns kDeadlineExceeded then (within a
+// margin), saying the transfer was given up mid-way; a rank whose part completed before returns
+// OK, and its next collective returns that status at once; the frozen rank returns it when it
+// wakes. The message is the same everywhere, and the communicator is aborted after.
+void ExpectGiveUpMidTransfer(const std::string& name, int frozen, const std::string& mpi_call,
+                             bool after_start, const std::function<Status(Comm&)>& call) {
+  std::unique_ptr<Comm> comm = FreshComm();
+  const bool is_frozen = comm->rank() == frozen;
+  if (is_frozen) {
+    mpi_internal::SetDataPhaseHookForTesting(
+        [mpi_call, after_start](std::string_view what, bool started) {
+          if (what != mpi_call || started != after_start) return;
+          mpi_internal::SetDataPhaseHookForTesting(nullptr);
+          std::this_thread::sleep_for(kLate);
+        });
+  }
+  const Clock::time_point start = Clock::now();
+  const Status status = call(*comm);
+  const auto waited = Clock::now() - start;
+  if (is_frozen) mpi_internal::SetDataPhaseHookForTesting(nullptr);
+  const Clock::time_point next_start = Clock::now();
+  const Status after = comm->Barrier();
+  const auto waited_after = Clock::now() - next_start;
+  const std::string ms = std::to_string(waited / std::chrono::milliseconds(1)) + " ms";
+  if (status.ok()) {
+    Check(!is_frozen && waited < kTimeout, name, "returned OK after the deadline: " + ms);
+    Check(waited_after < kTimeout + std::chrono::milliseconds(1500), name,
+          "the next collective was not told at once");
+  } else {
+    Check(status.code() == StatusCode::kDeadlineExceeded, name, "status " + status.ToString());
+    if (is_frozen) {
+      Check(waited >= kLate && waited < kLate + std::chrono::milliseconds(2000), name,
+            "the frozen rank returned after " + ms);
+    } else {
+      Check(waited >= kTimeout && waited < kTimeout + std::chrono::milliseconds(1500), name,
+            "gave up after " + ms + ", not at the deadline");
+    }
+    Check(waited_after < std::chrono::milliseconds(200), name, "not aborted after");
+  }
+  const Status& told = status.ok() ? after : status;
+  Check(told.code() == StatusCode::kDeadlineExceeded, name, "told " + told.ToString());
+  Check(told.message().find("in the middle of its data transfer") != std::string::npos, name,
+        "message does not say where it gave up: " + told.message());
+  Check(after.code() == StatusCode::kDeadlineExceeded && after.message() == told.message(), name,
+        "not aborted after: " + after.ToString());
+  const std::vector<std::string> all = AllMessages(told.message());
+  for (const std::string& m : all) {
+    Check(m == all[0], name, "ranks disagree: '" + m + "' vs '" + all[0] + "'");
+  }
+  // The deadline held: some rank that was not frozen gave up at it.
+  int gave_up = !is_frozen && !status.ok() ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &gave_up, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  Check(gave_up > 0, name, "no rank waited for the frozen one: the case tests nothing");
+  if (comm->rank() == 0 && told.code() == StatusCode::kDeadlineExceeded) {
+    std::printf("[ OK ] %s: %s\n", name.c_str(), told.ToString().c_str());
+    std::fflush(stdout);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 std::string SharedTempDir() {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -149,6 +223,19 @@ int Main() {
       return comm.AllReduce(v, ReduceOp::kSum);
     });
   }
+
+  // The root stops before it sends (after the header: every rank is in the Broadcast); rank 1
+  // stops right after starting its part of an AllGather, whose every rank needs every other's.
+  // (Which ranks a stalled broadcast holds up depends on Open MPI's algorithm: a stalled
+  // forwarder may be bypassed.)
+  ExpectGiveUpMidTransfer("frozen_mid_bcast", 0, "MPI_Ibcast", false, [](Comm& comm) {
+    Bytes data(comm.rank() == 0 ? size_t{64} << 20 : 0, 0x5A);
+    return comm.Broadcast(&data, 0);
+  });
+  ExpectGiveUpMidTransfer("frozen_mid_allgather", 1, "MPI_Iallgatherv", true, [](Comm& comm) {
+    std::vector<Bytes> received;
+    return comm.AllGather(Bytes(size_t{16} << 20, static_cast<uint8_t>(comm.rank())), &received);
+  });
 
   {
     std::unique_ptr<Comm> comm = FreshComm();

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <string_view>
 
 #include "tessera/status.h"
@@ -38,6 +39,15 @@ struct Rounds {
     return std::min(count, (round + 1) * quota) - Begin(count, round);
   }
 };
+
+// Test seam: when set, MpiComm calls it on this process twice for each operation of a
+// collective's data transfer (after the header): right before starting it (`started` false) and
+// right after (true, before waiting for it), with the MPI call's name. tessera_mpi_deadline_test
+// freezes a rank there (sleeping, calling no MPI), which stands for a process stopped (SIGSTOP,
+// a debugger, swapping) in the middle of a collective. Not thread-safe: set it before the
+// collectives it is meant for.
+using DataPhaseHook = std::function<void(std::string_view call, bool started)>;
+void SetDataPhaseHookForTesting(DataPhaseHook hook);
 
 }  // namespace tessera::mpi_internal
 

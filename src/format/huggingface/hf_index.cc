@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "format/bounded_json.h"
 #include "format/manifest.h"
 #include "format/safetensors.h"
 
@@ -96,10 +97,8 @@ Result<std::map<std::string, std::set<std::string>>> ReadWeightMap(Storage& stor
   }
   std::string text(file->size(), '\0');
   TESSERA_RETURN_IF_ERROR(file->ReadAt(0, text.data(), text.size()));
-  const nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded() || !doc.is_object()) {
-    return DataLoss(path + " is not a JSON object (invalid JSON)");
-  }
+  TESSERA_ASSIGN_OR_RETURN(const nlohmann::json doc, ParseBoundedJson(text, path));
+  if (!doc.is_object()) return DataLoss(path + " is not a JSON object");
   const auto weight_map = doc.find("weight_map");
   if (weight_map == doc.end() || !weight_map->is_object()) {
     return DataLoss(path + " has no \"weight_map\" object");

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "format/bounded_json.h"
+#include "format/manifest_internal.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_dtype.h"
 
@@ -52,6 +54,35 @@ class FileTable {
   const std::map<std::string, uint64_t>& sizes_;
   const std::string& source_;
   std::map<std::string, uint32_t> index_;
+};
+
+// The memory of the Metadata being built, counted against DcpExpansionBudget (dcp_metadata.h):
+// DcpMetadata is bounded by the size of the .metadata already, but an N-D reformulated chunk
+// becomes up to 2N-1 boxes of N dimensions each here.
+class MetadataBudget {
+ public:
+  MetadataBudget(const std::string& source, uint64_t metadata_bytes)
+      : source_(source),
+        metadata_bytes_(metadata_bytes),
+        limit_(DcpExpansionBudget(metadata_bytes)) {}
+
+  // Charges a chunk of `rank` dimensions of `key`.
+  Status Chunk(const std::string& key, size_t rank) {
+    used_ += sizeof(ChunkInfo) + 16 * rank;
+    if (used_ <= limit_) [[likely]]
+      return Status::Ok();
+    return DataLoss(source_ + ": key '" + key + "': the index this .metadata describes takes " +
+                    "more than " + std::to_string(limit_) + " bytes of memory (" +
+                    std::to_string(kDcpExpansionFactor) + " times its " +
+                    std::to_string(metadata_bytes_) + " bytes, plus " +
+                    std::to_string(kDcpExpansionFloor >> 20) + " MiB)");
+  }
+
+ private:
+  const std::string& source_;
+  const uint64_t metadata_bytes_;
+  const uint64_t limit_;
+  uint64_t used_ = 0;
 };
 
 // The location of storage entry `s` (a whole item), checked against its file. `what()` names
@@ -113,8 +144,16 @@ void FlatRangeBoxes(const std::vector<int64_t>& sizes, size_t dim, std::vector<i
 // The original tensor of a DCP tensor `t` Megatron reformulated from global shape `original`.
 Status AddNdReformulated(const DcpMetadata& dcp, const DcpTensor& t,
                          const std::vector<int64_t>& original, TensorInfo& info, FileTable& files,
-                         Metadata& m, const std::string& source) {
+                         Metadata& m, MetadataBudget& budget, const std::string& source) {
   const size_t rank = original.size();
+  // Before anything else: FlatRangeBoxes recurses once per dimension and every box it makes
+  // copies `rank` offsets, so the rank is bounded first (a shape of 30,000 dimensions once
+  // overflowed the stack).
+  if (rank > manifest_internal::kMaxRank) {
+    return DataLoss(source + ": key '" + t.fqn + "': its N-D reformulated original shape has " +
+                    std::to_string(rank) + " dimensions, more than the " +
+                    std::to_string(manifest_internal::kMaxRank) + " a tensor may have");
+  }
   const std::string where =
       source + ": key '" + t.fqn + "' (N-D reformulated from " + ShapeText(original) + ")";
   if (t.size.size() != rank + 1) {
@@ -124,13 +163,20 @@ Status AddNdReformulated(const DcpMetadata& dcp, const DcpTensor& t,
   std::vector<int64_t> local(rank);
   int64_t local_elements = 1;
   for (size_t d = 0; d < rank; ++d) {
+    if (original[d] < 0) {
+      return DataLoss(where + ": dimension " + std::to_string(d) + " is negative");
+    }
     if (t.size[d] <= 0 || original[d] % t.size[d] != 0) {
       return DataLoss(where + ": dimension " + std::to_string(d) + " of " +
                       std::to_string(original[d]) + " is not split into " +
                       std::to_string(t.size[d]) + " equal fragments");
     }
     local[d] = original[d] / t.size[d];
-    local_elements *= local[d];
+    // Every product below (strides, flat offsets) is at most this count: checked once here.
+    if (__builtin_mul_overflow(local_elements, local[d], &local_elements)) {
+      return DataLoss(where + ": fragments of shape " + ShapeText(local) +
+                      " have more elements than an int64 holds");
+    }
   }
   if (local_elements != t.size[rank]) {
     return DataLoss(where + ": fragments of shape " + ShapeText(local) + " have " +
@@ -148,8 +194,11 @@ Status AddNdReformulated(const DcpMetadata& dcp, const DcpTensor& t,
                              ItemLocation(dcp.storage[c.storage], files, m, what, source));
     const int64_t start = c.offsets[rank];
     std::vector<int64_t> prefix;
+    Status status;
     FlatRangeBoxes(local, 0, prefix, 0, start, start + c.sizes[rank],
                    [&](std::vector<int64_t> offsets, std::vector<int64_t> sizes, int64_t flat) {
+                     if (status.ok()) status = budget.Chunk(t.fqn, rank);
+                     if (!status.ok()) return;
                      for (size_t d = 0; d < rank; ++d) offsets[d] += c.offsets[d] * local[d];
                      ChunkInfo chunk;
                      chunk.box = Box(std::move(offsets), std::move(sizes));
@@ -158,13 +207,14 @@ Status AddNdReformulated(const DcpMetadata& dcp, const DcpTensor& t,
                      chunk.payload_offset = static_cast<uint64_t>(flat - start) * element_size;
                      info.chunks.push_back(std::move(chunk));
                    });
+    TESSERA_RETURN_IF_ERROR(status);
   }
   return Status::Ok();
 }
 
 // `original`: the global shape Megatron reformulated the tensor from (mcore_data), or null.
 Status AddTensor(const DcpMetadata& dcp, const DcpTensor& t, const std::vector<int64_t>* original,
-                 FileTable& files, Metadata& m, const std::string& source) {
+                 FileTable& files, Metadata& m, MetadataBudget& budget, const std::string& source) {
   TensorInfo info;
   info.key = t.fqn;
   Result<DType> dtype = DTypeFromTorchName(t.torch_dtype);
@@ -173,7 +223,7 @@ Status AddTensor(const DcpMetadata& dcp, const DcpTensor& t, const std::vector<i
   }
   info.dtype = *dtype;
   if (original) {
-    TESSERA_RETURN_IF_ERROR(AddNdReformulated(dcp, t, *original, info, files, m, source));
+    TESSERA_RETURN_IF_ERROR(AddNdReformulated(dcp, t, *original, info, files, m, budget, source));
     m.tensors.push_back(std::move(info));
     return Status::Ok();
   }
@@ -182,6 +232,7 @@ Status AddTensor(const DcpMetadata& dcp, const DcpTensor& t, const std::vector<i
   info.chunks.reserve(t.chunks.size());
   for (const DcpChunk& c : t.chunks) {
     auto what = [&] { return "key '" + t.fqn + "' chunk at " + ShapeText(c.offsets); };
+    TESSERA_RETURN_IF_ERROR(budget.Chunk(t.fqn, c.offsets.size()));
     if (c.storage >= dcp.storage.size()) [[unlikely]] {
       return DataLoss(source + ": " + what() + " has no storage_data entry");
     }
@@ -243,7 +294,8 @@ Status AddMegatronFiles(Storage& storage, const std::string& dir,
 
 Result<Metadata> DcpToMetadata(const DcpMetadata& dcp,
                                const std::map<std::string, uint64_t>& file_sizes,
-                               const std::string& source) {
+                               const std::string& source, uint64_t metadata_bytes) {
+  MetadataBudget budget(source, metadata_bytes);
   Metadata m;
   m.format = CheckpointFormat::kTorchDist;
   m.checksum = ChecksumKind::kNone;
@@ -265,8 +317,9 @@ Result<Metadata> DcpToMetadata(const DcpMetadata& dcp,
   m.tensors.reserve(dcp.tensors.size());
   for (const DcpTensor& t : dcp.tensors) {
     auto original = reformulated.find(t.fqn);
-    TESSERA_RETURN_IF_ERROR(AddTensor(
-        dcp, t, original == reformulated.end() ? nullptr : original->second, files, m, source));
+    TESSERA_RETURN_IF_ERROR(AddTensor(dcp, t,
+                                      original == reformulated.end() ? nullptr : original->second,
+                                      files, m, budget, source));
   }
   for (const DcpBytes& b : dcp.bytes) {
     auto what = [&] { return "object '" + b.fqn + "'"; };
@@ -298,6 +351,7 @@ Result<Metadata> ReadDcpDirectory(Storage& storage, const std::string& dir,
     const std::string& message = dcp.status().message();
     return DataLoss(message.starts_with(path) ? message : path + ": " + message);
   }
+  const uint64_t metadata_bytes = bytes.size();
   bytes = {};
   // The size of every data file the .metadata names, each opened once.
   std::map<std::string, uint64_t> sizes;
@@ -314,7 +368,7 @@ Result<Metadata> ReadDcpDirectory(Storage& storage, const std::string& dir,
     }
     sizes[s.relative_path] = (*data)->size();
   }
-  TESSERA_ASSIGN_OR_RETURN(Metadata m, DcpToMetadata(*dcp, sizes, path));
+  TESSERA_ASSIGN_OR_RETURN(Metadata m, DcpToMetadata(*dcp, sizes, path, metadata_bytes));
   TESSERA_RETURN_IF_ERROR(AddMegatronFiles(storage, dir, names, m));
   TESSERA_RETURN_IF_ERROR(SortByKey(m.objects, path));
   return m;
@@ -332,9 +386,12 @@ Status ResolveFlattened(const TorchTensorItem& item, const std::string& what, Ch
     return DataLoss(what + " holds " + Num(range->second) + " bytes of elements; the .metadata " +
                     "puts " + Num(bytes) + " of them at byte " + Num(chunk.payload_offset));
   }
-  chunk.location =
-      ByteLocation{chunk.location.file_index,
-                   chunk.location.offset + range->first + chunk.payload_offset, bytes, 0};
+  // The whole record, or a part of it (then unchecked, see ChecksumKind::kCrc32).
+  const bool whole =
+      range->first + chunk.payload_offset == item.data_offset && bytes == item.data_size;
+  chunk.location = ByteLocation{chunk.location.file_index,
+                                chunk.location.offset + range->first + chunk.payload_offset, bytes,
+                                whole ? item.data_crc32 : kUncheckedCrc32};
   chunk.encoding = ChunkEncoding::kRaw;
   chunk.payload_offset = 0;
   chunk.storage_order.clear();
@@ -388,7 +445,11 @@ Status ResolveWithItem(const TorchTensorItem& item, const ReadableFile& file,
     return DataLoss(what + ": payload offset " + Num(chunk.payload_offset) +
                     " puts the elements past the item's end");
   }
-  chunk.location = ByteLocation{item_at.file_index, item_at.offset + start, bytes, 0};
+  // The record's CRC-32 when the chunk's bytes are all of it (torch writes every tensor with a
+  // storage of its own size); else unchecked (ChecksumKind::kCrc32).
+  const bool whole = start == item.data_offset && bytes == item.data_size;
+  chunk.location = ByteLocation{item_at.file_index, item_at.offset + start, bytes,
+                                whole ? item.data_crc32 : kUncheckedCrc32};
   chunk.encoding = ChunkEncoding::kRaw;
   chunk.payload_offset = 0;
   chunk.storage_order.clear();
@@ -475,9 +536,9 @@ std::set<std::string> NdReformulatedKeys(const Metadata& metadata) {
   std::set<std::string> keys;
   auto it = metadata.user_metadata.find(kNdReformulatedKeys);
   if (it == metadata.user_metadata.end()) return keys;
-  const nlohmann::json list = nlohmann::json::parse(it->second, nullptr, false);
-  if (!list.is_array()) return keys;
-  for (const nlohmann::json& key : list) {
+  const Result<nlohmann::json> list = ParseBoundedJson(it->second, kNdReformulatedKeys);
+  if (!list.ok() || !list->is_array()) return keys;
+  for (const nlohmann::json& key : *list) {
     if (key.is_string()) keys.insert(key.get<std::string>());
   }
   return keys;

@@ -53,11 +53,13 @@ inline constexpr uint64_t kMaxDcpMetadataBytes = uint64_t{4} << 30;
 // Turns a parsed .metadata into Metadata. `file_sizes` maps every data file the .metadata
 // names to its size in bytes (a file missing from it is an error naming it). `source` (the
 // .metadata's path) prefixes errors (kDataLoss): a dtype tessera lacks (complex), an item
-// outside its file, a chunk whose item is too small for its elements. Tensors and objects come
-// out sorted by key; no I/O.
+// outside its file, a chunk whose item is too small for its elements, and a Metadata that would
+// take more than DcpExpansionBudget(metadata_bytes) bytes (`metadata_bytes`: the size of the
+// .metadata; an N-D reformulated chunk becomes up to 2N-1 boxes). Tensors and objects come out
+// sorted by key; no I/O.
 Result<Metadata> DcpToMetadata(const DcpMetadata& dcp,
                                const std::map<std::string, uint64_t>& file_sizes,
-                               const std::string& source);
+                               const std::string& source, uint64_t metadata_bytes);
 
 // Reads the DCP checkpoint in `dir` (whose sorted listing is `names`; it holds `.metadata`):
 // the .metadata, the size of every data file it names, Megatron's metadata.json and common.pt

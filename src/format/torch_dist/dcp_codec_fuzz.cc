@@ -22,7 +22,7 @@ void FuzzMetadata(std::span<const uint8_t> bytes) {
   if (!dcp.ok()) return;
   std::map<std::string, uint64_t> sizes;
   for (const torch_dist::DcpStorage& s : dcp->storage) sizes[s.relative_path] = 1u << 20;
-  auto m = torch_dist::DcpToMetadata(*dcp, sizes, "fuzz/.metadata");
+  auto m = torch_dist::DcpToMetadata(*dcp, sizes, "fuzz/.metadata", bytes.size());
   if (!m.ok()) return;
   for (const TensorInfo& t : m->tensors) {
     for (const ChunkInfo& c : t.chunks) {

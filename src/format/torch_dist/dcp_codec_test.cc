@@ -18,7 +18,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr uint64_t kItem = 4096;  // every synthetic item's length
+constexpr uint64_t kItem = 4096;           // every synthetic item's length
+constexpr uint64_t kMetadataBytes = 1000;  // the size of the .metadata they came from
 
 // A tensor of `size` whose chunks are `boxes` ({offsets, sizes}), each an item of kItem bytes
 // in file "f.distcp", one after another.
@@ -49,7 +50,7 @@ TEST(DcpToMetadataTest, TensorsAndObjectsBecomeItems) {
   dcp.storage.push_back(DcpStorage{"obj", std::nullopt, std::nullopt, "g.distcp", 10, 300});
   auto sizes = Sizes(dcp);
   sizes["g.distcp"] = 310;
-  ASSERT_OK_AND_ASSIGN(Metadata m, DcpToMetadata(dcp, sizes, "ckpt/.metadata"));
+  ASSERT_OK_AND_ASSIGN(Metadata m, DcpToMetadata(dcp, sizes, "ckpt/.metadata", kMetadataBytes));
   EXPECT_EQ(m.format, CheckpointFormat::kTorchDist);
   EXPECT_EQ(m.checksum, ChecksumKind::kNone);
   EXPECT_EQ(m.user_metadata.at("torch_dist.flavor"), "1.13");
@@ -72,19 +73,19 @@ TEST(DcpToMetadataTest, ErrorsNameTheFile) {
   AddTensor(dcp, "w", {4}, {{{0}, {4}}});
   auto sizes = Sizes(dcp);
   sizes["f.distcp"] = kItem - 1;  // truncated
-  Result<Metadata> m = DcpToMetadata(dcp, sizes, "ckpt/.metadata");
+  Result<Metadata> m = DcpToMetadata(dcp, sizes, "ckpt/.metadata", kMetadataBytes);
   EXPECT_EQ(m.status().code(), StatusCode::kDataLoss);
   EXPECT_THAT(m.status().message(), HasSubstr("f.distcp"));
   EXPECT_THAT(m.status().message(), HasSubstr("key 'w'"));
-  m = DcpToMetadata(dcp, {}, "ckpt/.metadata");
+  m = DcpToMetadata(dcp, {}, "ckpt/.metadata", kMetadataBytes);
   EXPECT_THAT(m.status().message(), HasSubstr("'f.distcp', which is missing"));
   DcpMetadata complex;
   AddTensor(complex, "c", {2}, {{{0}, {2}}}, "complex64");
-  m = DcpToMetadata(complex, Sizes(complex), "ckpt/.metadata");
+  m = DcpToMetadata(complex, Sizes(complex), "ckpt/.metadata", kMetadataBytes);
   EXPECT_THAT(m.status().message(), HasSubstr("key 'c'"));
   DcpMetadata small;
   AddTensor(small, "big", {2000}, {{{0}, {2000}}});  // 8000 bytes of elements in 4096
-  m = DcpToMetadata(small, Sizes(small), "ckpt/.metadata");
+  m = DcpToMetadata(small, Sizes(small), "ckpt/.metadata", kMetadataBytes);
   EXPECT_THAT(m.status().message(), HasSubstr("fewer than its 8000 bytes of elements"));
 }
 
@@ -139,7 +140,8 @@ TEST(DcpToMetadataTest, NdReformulatedTensorsMapEveryElementOnce) {
     AddTensor(dcp, "w", size, boxes);
     dcp.has_mcore_data = true;
     dcp.mcore_data.push_back(DcpMcoreEntry{"w", original});
-    ASSERT_OK_AND_ASSIGN(Metadata m, DcpToMetadata(dcp, Sizes(dcp), "ckpt/.metadata"));
+    ASSERT_OK_AND_ASSIGN(Metadata m,
+                         DcpToMetadata(dcp, Sizes(dcp), "ckpt/.metadata", kMetadataBytes));
     EXPECT_EQ(NdReformulatedKeys(m), std::set<std::string>{"w"});
     ASSERT_EQ(m.tensors.size(), 1u);
     EXPECT_EQ(m.tensors[0].global_shape, original);
@@ -180,9 +182,72 @@ TEST(DcpToMetadataTest, NdReformulatedShapeMustMatchTheFragments) {
   DcpMetadata dcp;
   AddTensor(dcp, "w", {2, 6}, {{{0, 0}, {1, 6}}, {{1, 0}, {1, 6}}});
   dcp.mcore_data.push_back(DcpMcoreEntry{"w", std::vector<int64_t>{4, 4}});  // 2x4 per fragment
-  Result<Metadata> m = DcpToMetadata(dcp, Sizes(dcp), "ckpt/.metadata");
+  Result<Metadata> m = DcpToMetadata(dcp, Sizes(dcp), "ckpt/.metadata", kMetadataBytes);
   EXPECT_EQ(m.status().code(), StatusCode::kDataLoss);
   EXPECT_THAT(m.status().message(), HasSubstr("key 'w' (N-D reformulated from (4, 4))"));
+}
+
+// Issue 22, defect 7: an original shape of 30,000 dimensions once recursed 30,000 deep (and
+// copied O(N^2) offsets) before anything checked the rank; now refused at once, naming the key
+// and the limit.
+TEST(DcpToMetadataTest, NdReformulatedShapeOfTooManyDimensionsIsRefusedFirst) {
+  constexpr size_t kRank = 30000;
+  DcpMetadata dcp;
+  std::vector<int64_t> size(kRank, 1), offsets(kRank + 1, 0), sizes(kRank + 1, 1);
+  size.push_back(2);  // each fragment's 2 elements; the chunk holds the first
+  AddTensor(dcp, "w", size, {{offsets, sizes}});
+  dcp.mcore_data.push_back(DcpMcoreEntry{"w", std::vector<int64_t>(kRank, 1)});
+  dcp.mcore_data.back().nd_reformulated_orig_global_shape->back() = 2;
+  Result<Metadata> m = DcpToMetadata(dcp, Sizes(dcp), "ckpt/.metadata", kMetadataBytes);
+  EXPECT_EQ(m.status().code(), StatusCode::kDataLoss);
+  EXPECT_THAT(m.status().message(), HasSubstr("ckpt/.metadata: key 'w'"));
+  EXPECT_THAT(m.status().message(), HasSubstr("30000 dimensions, more than the 64"));
+}
+
+// Issue 22, defect 7: fragment shapes whose element count overflows int64 (signed overflow,
+// caught by UBSan) are refused, naming the key.
+TEST(DcpToMetadataTest, NdReformulatedElementCountOverflowIsRefused) {
+  const int64_t big = int64_t{1} << 40;
+  DcpMetadata dcp;
+  AddTensor(dcp, "w", {1, 1, 1, 64}, {{{0, 0, 0, 0}, {1, 1, 1, 64}}});
+  dcp.mcore_data.push_back(DcpMcoreEntry{"w", std::vector<int64_t>{big, big, 4}});
+  Result<Metadata> m = DcpToMetadata(dcp, Sizes(dcp), "ckpt/.metadata", kMetadataBytes);
+  EXPECT_EQ(m.status().code(), StatusCode::kDataLoss);
+  EXPECT_THAT(m.status().message(), HasSubstr("key 'w'"));
+  EXPECT_THAT(m.status().message(), HasSubstr("more elements than an int64 holds"));
+  // Negative dimensions of the original shape are refused too.
+  dcp.mcore_data.back().nd_reformulated_orig_global_shape = std::vector<int64_t>{-1, -1, -64};
+  m = DcpToMetadata(dcp, Sizes(dcp), "ckpt/.metadata", kMetadataBytes);
+  EXPECT_EQ(m.status().code(), StatusCode::kDataLoss);
+  EXPECT_THAT(m.status().message(), HasSubstr("negative"));
+}
+
+// Issue 22, defect 6, downstream: an N-D reformulated chunk of N dimensions becomes up to 2N-1
+// boxes of N dimensions each, so the Metadata made from a small .metadata could still be large;
+// it is bounded by the same budget (32 times the .metadata's size, plus 16 MiB).
+TEST(DcpToMetadataTest, NdReformulatedBoxesAreBoundedByTheMetadataSize) {
+  constexpr size_t kRank = 62;  // fragments of 2^62 elements: 2 per dimension
+  const int64_t n = int64_t{1} << kRank;
+  std::vector<int64_t> size(kRank, 1);
+  size.push_back(n);
+  std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> boxes;
+  for (int64_t k = 0; k < 1000; ++k) {  // flat ranges [k + 1, n - k - 1): ~120 boxes each
+    std::vector<int64_t> offsets(kRank, 0), sizes(kRank, 1);
+    offsets.push_back(k + 1);
+    sizes.push_back(n - 2 * k - 2);
+    boxes.push_back({offsets, sizes});
+  }
+  DcpMetadata dcp;
+  AddTensor(dcp, "w", size, boxes, "int8");
+  dcp.mcore_data.push_back(DcpMcoreEntry{"w", std::vector<int64_t>(kRank, 2)});
+  auto sizes = Sizes(dcp);
+  for (DcpStorage& s : dcp.storage) s.length = kItem;  // not checked against the elements here
+  Result<Metadata> m = DcpToMetadata(dcp, sizes, "ckpt/.metadata", kMetadataBytes);
+  EXPECT_EQ(m.status().code(), StatusCode::kDataLoss);
+  EXPECT_THAT(m.status().message(), HasSubstr("ckpt/.metadata: key 'w'"));
+  EXPECT_THAT(m.status().message(), HasSubstr("takes more than 16809216 bytes of memory"));
+  // The same from a .metadata big enough to explain it reads.
+  EXPECT_OK(DcpToMetadata(dcp, sizes, "ckpt/.metadata", 8u << 20).status());
 }
 
 }  // namespace

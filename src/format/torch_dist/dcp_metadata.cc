@@ -35,8 +35,62 @@ Status At(const Status& s, std::string_view where) {
 std::string Quoted(std::string_view s) { return "['" + std::string(s) + "']"; }
 std::string Indexed(size_t i) { return "[" + std::to_string(i) + "]"; }
 
-Result<PickleValue> Required(const PickleValue& obj, std::string_view attr, std::string_view cls) {
-  std::optional<PickleValue> v = obj.Attr(attr);
+// What interpreting may materialise, counted against the size of the pickle (issue 22): a memo
+// reference costs 2 to 5 bytes of the file, but each use of what it names is a copy here (a
+// chunk list referenced by 100,000 keys is 100,000 lists), and each attribute lookup scans its
+// object's state. Every copy (its bytes) and every scan (16 bytes per entry looked at) is
+// charged; past the budget the interpretation stops with an error naming where it was and the
+// offset of the value being copied.
+class Budget {
+ public:
+  Budget(const PickleTree& tree, uint64_t limit) : tree_(tree), limit_(limit) {}
+
+  Status Charge(uint64_t bytes, const PickleValue& from) {
+    used_ += bytes;
+    if (used_ <= limit_) [[likely]]
+      return Status();
+    std::string at;
+    if (std::optional<uint64_t> offset = tree_.OffsetOf(from)) {
+      at = "; stopped while reading the " + std::string(PickleKindName(from.kind())) +
+           " at offset " + std::to_string(*offset);
+    }
+    return InvalidArgument(
+        "the values this .metadata references expand to more than " + std::to_string(limit_) +
+        " bytes when read (" + std::to_string(kDcpExpansionFactor) + " times its " +
+        std::to_string(tree_.end_offset()) + " bytes, plus " +
+        std::to_string(kDcpExpansionFloor >> 20) +
+        " MiB): values it holds once are referenced again and again through the pickle memo, "
+        "and each reference is a copy here" +
+        at);
+  }
+
+ private:
+  const PickleTree& tree_;
+  const uint64_t limit_;
+  uint64_t used_ = 0;
+};
+
+constexpr uint64_t kLookupCost = 16;  // per state entry an attribute lookup scans
+constexpr uint64_t kStringCost = 32;  // a std::string, before its bytes
+constexpr uint64_t kVectorCost = 24;  // a std::vector, before its elements
+
+// The attribute `attr` of object `obj`, charging the scan of its state.
+std::optional<PickleValue> Attr(Budget& b, const PickleValue& obj, std::string_view attr,
+                                Status* status) {
+  if (std::optional<PickleValue> state = obj.state()) {
+    uint64_t entries = state->size();
+    if (state->is(PickleKind::kTuple)) entries = state->item(0).size() + state->item(1).size();
+    *status = b.Charge(kLookupCost * (entries + 1), *state);
+    if (!status->ok()) return std::nullopt;
+  }
+  return obj.Attr(attr);
+}
+
+Result<PickleValue> Required(Budget& b, const PickleValue& obj, std::string_view attr,
+                             std::string_view cls) {
+  Status status;
+  std::optional<PickleValue> v = Attr(b, obj, attr, &status);
+  TESSERA_RETURN_IF_ERROR(status);
   if (!v) {
     return InvalidArgument("missing attribute '" + std::string(attr) + "' of " + std::string(cls));
   }
@@ -44,16 +98,20 @@ Result<PickleValue> Required(const PickleValue& obj, std::string_view attr, std:
 }
 
 // An optional attribute: absent and None are both nullopt.
-std::optional<PickleValue> Optional(const PickleValue& obj, std::string_view attr) {
-  std::optional<PickleValue> v = obj.Attr(attr);
-  if (!v || v->is_none()) return std::nullopt;
+Result<std::optional<PickleValue>> Optional(Budget& b, const PickleValue& obj,
+                                            std::string_view attr) {
+  Status status;
+  std::optional<PickleValue> v = Attr(b, obj, attr, &status);
+  TESSERA_RETURN_IF_ERROR(status);
+  if (!v || v->is_none()) return std::optional<PickleValue>();
   return v;
 }
 
-Result<std::vector<int64_t>> IntSequence(const PickleValue& v) {
+Result<std::vector<int64_t>> IntSequence(Budget& b, const PickleValue& v) {
   if (!v.is(PickleKind::kTuple) && !v.is(PickleKind::kList)) {
     return InvalidArgument("expected a tuple of ints, found " + v.Describe());
   }
+  TESSERA_RETURN_IF_ERROR(b.Charge(kVectorCost + 8 * v.size(), v));
   std::vector<int64_t> out(v.size());
   for (size_t i = 0; i < out.size(); ++i) {
     Result<int64_t> x = v.item(i).AsInt();
@@ -64,32 +122,34 @@ Result<std::vector<int64_t>> IntSequence(const PickleValue& v) {
 }
 
 // torch.Size is pickled as reduce(torch.Size, ((d0, d1, ...),)); a plain tuple is accepted too.
-Result<std::vector<int64_t>> TorchSize(const PickleValue& v) {
+Result<std::vector<int64_t>> TorchSize(Budget& b, const PickleValue& v) {
   if (v.is(PickleKind::kReduce)) {
     if (!v.callable().IsGlobal("torch", "Size") || v.args().size() != 1) {
       return InvalidArgument("expected torch.Size, found " + v.Describe());
     }
-    return IntSequence(v.args().item(0));
+    return IntSequence(b, v.args().item(0));
   }
-  return IntSequence(v);
+  return IntSequence(b, v);
 }
 
-Result<std::string> Str(const PickleValue& v) {
+Result<std::string> Str(Budget& b, const PickleValue& v) {
   TESSERA_ASSIGN_OR_RETURN(std::string_view s, v.AsStr());
+  TESSERA_RETURN_IF_ERROR(b.Charge(kStringCost + s.size(), v));
   return std::string(s);
 }
 
-Result<std::optional<std::string>> OptionalStr(const PickleValue& obj, std::string_view attr) {
-  std::optional<PickleValue> v = Optional(obj, attr);
+Result<std::optional<std::string>> OptionalStr(Budget& b, const PickleValue& obj,
+                                               std::string_view attr) {
+  TESSERA_ASSIGN_OR_RETURN(std::optional<PickleValue> v, Optional(b, obj, attr));
   if (!v) return std::optional<std::string>();
-  Result<std::string> s = Str(*v);
+  Result<std::string> s = Str(b, *v);
   if (!s.ok()) return At(s.status(), attr);
   return std::optional<std::string>(*std::move(s));
 }
 
 class Interpreter {
  public:
-  explicit Interpreter(DcpMetadata* out) : m_(*out) {}
+  Interpreter(DcpMetadata* out, Budget* budget) : m_(*out), b_(*budget) {}
 
   Status Root(const PickleValue& root);
 
@@ -100,10 +160,12 @@ class Interpreter {
   Status StorageData(const PickleValue& dict);
   Status Storage(const PickleValue& index, const PickleValue& info);
   Status PlannerData(const PickleValue& v);
+  Result<std::string> PathLike(const PickleValue& v);
   Status StorageMeta(const PickleValue& v);
   Status McoreData(const PickleValue& v);
 
   DcpMetadata& m_;
+  Budget& b_;
   bool flavor_known_ = false;
 };
 
@@ -126,27 +188,30 @@ Status Interpreter::Root(const PickleValue& root) {
   const std::string cls_name =
       std::string(cls->global_module()) + "." + std::string(cls->global_name());
 
-  TESSERA_ASSIGN_OR_RETURN(PickleValue sdm, Required(root, "state_dict_metadata", cls_name));
+  TESSERA_ASSIGN_OR_RETURN(PickleValue sdm, Required(b_, root, "state_dict_metadata", cls_name));
   TESSERA_RETURN_IF_ERROR(StateDictMetadata(sdm));
-  TESSERA_ASSIGN_OR_RETURN(PickleValue sd, Required(root, "storage_data", cls_name));
+  TESSERA_ASSIGN_OR_RETURN(PickleValue sd, Required(b_, root, "storage_data", cls_name));
   TESSERA_RETURN_IF_ERROR(StorageData(sd));
-  if (std::optional<PickleValue> pd = Optional(root, "planner_data")) {
-    TESSERA_RETURN_IF_ERROR(PlannerData(*pd));
-  }
-  if (std::optional<PickleValue> v = Optional(root, "version")) {
-    Result<std::string> s = Str(*v);
+  TESSERA_ASSIGN_OR_RETURN(std::optional<PickleValue> pd, Optional(b_, root, "planner_data"));
+  if (pd) TESSERA_RETURN_IF_ERROR(PlannerData(*pd));
+  TESSERA_ASSIGN_OR_RETURN(std::optional<PickleValue> v, Optional(b_, root, "version"));
+  if (v) {
+    Result<std::string> s = Str(b_, *v);
     if (!s.ok()) return At(s.status(), "version");
     m_.version = *std::move(s);
   }
-  if (std::optional<PickleValue> sm = Optional(root, "storage_meta")) {
+  TESSERA_ASSIGN_OR_RETURN(std::optional<PickleValue> sm, Optional(b_, root, "storage_meta"));
+  if (sm) {
     Status s = StorageMeta(*sm);
     if (!s.ok()) return At(s, "storage_meta");
   }
-  if (std::optional<PickleValue> md = Optional(root, "mcore_data")) {
+  TESSERA_ASSIGN_OR_RETURN(std::optional<PickleValue> md, Optional(b_, root, "mcore_data"));
+  if (md) {
     Status s = McoreData(*md);
     if (!s.ok()) return At(s, "mcore_data");
   }
-  m_.has_all_local_plans = Optional(root, "all_local_plans").has_value();
+  TESSERA_ASSIGN_OR_RETURN(std::optional<PickleValue> plans, Optional(b_, root, "all_local_plans"));
+  m_.has_all_local_plans = plans.has_value();
   return Status();
 }
 
@@ -156,7 +221,7 @@ Status Interpreter::StateDictMetadata(const PickleValue& dict) {
   }
   const size_t n = dict.size();
   for (size_t i = 0; i < n; ++i) {
-    Result<std::string> fqn = Str(dict.key(i));
+    Result<std::string> fqn = Str(b_, dict.key(i));
     if (!fqn.ok()) return At(fqn.status(), "state_dict_metadata key " + Indexed(i));
     const PickleValue v = dict.value(i);
     const std::optional<PickleValue> cls = v.ObjectClass();
@@ -166,6 +231,7 @@ Status Interpreter::StateDictMetadata(const PickleValue& dict) {
       flavor_known_ = true;
     }
     if (IsDcpObject(v, "BytesStorageMetadata")) {
+      TESSERA_RETURN_IF_ERROR(b_.Charge(sizeof(DcpBytes), v));
       m_.bytes.push_back({*std::move(fqn), kNoDcpStorage});
     } else if (IsDcpObject(v, "TensorStorageMetadata")) {
       const std::string name = *fqn;
@@ -185,17 +251,20 @@ Status Interpreter::Tensor(const PickleValue& tsm, std::string fqn) {
   constexpr std::string_view kCls = "TensorStorageMetadata";
   DcpTensor t;
   t.fqn = std::move(fqn);
-  TESSERA_ASSIGN_OR_RETURN(PickleValue props, Required(tsm, "properties", kCls));
+  TESSERA_RETURN_IF_ERROR(b_.Charge(sizeof(DcpTensor), tsm));
+  TESSERA_ASSIGN_OR_RETURN(PickleValue props, Required(b_, tsm, "properties", kCls));
   Status s = Properties(props, t);
   if (!s.ok()) return At(s, "properties");
-  TESSERA_ASSIGN_OR_RETURN(PickleValue size, Required(tsm, "size", kCls));
-  Result<std::vector<int64_t>> sz = TorchSize(size);
+  TESSERA_ASSIGN_OR_RETURN(PickleValue size, Required(b_, tsm, "size", kCls));
+  Result<std::vector<int64_t>> sz = TorchSize(b_, size);
   if (!sz.ok()) return At(sz.status(), "size");
   t.size = *std::move(sz);
-  TESSERA_ASSIGN_OR_RETURN(PickleValue chunks, Required(tsm, "chunks", kCls));
+  TESSERA_ASSIGN_OR_RETURN(PickleValue chunks, Required(b_, tsm, "chunks", kCls));
   if (!chunks.is(PickleKind::kList) && !chunks.is(PickleKind::kTuple)) {
     return InvalidArgument("chunks: expected a list, found " + chunks.Describe());
   }
+  s = b_.Charge(sizeof(DcpChunk) * chunks.size(), chunks);
+  if (!s.ok()) return At(s, "chunks");
   t.chunks.resize(chunks.size());
   for (size_t i = 0; i < t.chunks.size(); ++i) {
     const PickleValue c = chunks.item(i);
@@ -204,9 +273,9 @@ Status Interpreter::Tensor(const PickleValue& tsm, std::string fqn) {
                              c.Describe());
     }
     for (const char* attr : {"offsets", "sizes"}) {
-      Result<PickleValue> v = Required(c, attr, "ChunkStorageMetadata");
+      Result<PickleValue> v = Required(b_, c, attr, "ChunkStorageMetadata");
       if (!v.ok()) return At(v.status(), "chunks" + Indexed(i));
-      Result<std::vector<int64_t>> box = TorchSize(*v);
+      Result<std::vector<int64_t>> box = TorchSize(b_, *v);
       if (!box.ok()) return At(box.status(), "chunks" + Indexed(i) + "." + attr);
       (attr[0] == 'o' ? t.chunks[i].offsets : t.chunks[i].sizes) = *std::move(box);
     }
@@ -297,16 +366,19 @@ Status Interpreter::Storage(const PickleValue& index, const PickleValue& info) {
     return InvalidArgument("key: expected MetadataIndex, found " + index.Describe());
   }
   DcpStorage s;
-  TESSERA_ASSIGN_OR_RETURN(PickleValue fqn, Required(index, "fqn", "MetadataIndex"));
-  Result<std::string> f = Str(fqn);
+  TESSERA_RETURN_IF_ERROR(b_.Charge(sizeof(DcpStorage), index));
+  TESSERA_ASSIGN_OR_RETURN(PickleValue fqn, Required(b_, index, "fqn", "MetadataIndex"));
+  Result<std::string> f = Str(b_, fqn);
   if (!f.ok()) return At(f.status(), "fqn");
   s.fqn = *std::move(f);
-  if (std::optional<PickleValue> off = Optional(index, "offset")) {
-    Result<std::vector<int64_t>> o = TorchSize(*off);
+  TESSERA_ASSIGN_OR_RETURN(std::optional<PickleValue> off, Optional(b_, index, "offset"));
+  if (off) {
+    Result<std::vector<int64_t>> o = TorchSize(b_, *off);
     if (!o.ok()) return At(o.status(), "MetadataIndex" + Quoted(s.fqn) + ".offset");
     s.offset = *std::move(o);
   }
-  if (std::optional<PickleValue> hint = Optional(index, "index")) {
+  TESSERA_ASSIGN_OR_RETURN(std::optional<PickleValue> hint, Optional(b_, index, "index"));
+  if (hint) {
     Result<int64_t> h = hint->AsInt();
     if (!h.ok()) return At(h.status(), "MetadataIndex" + Quoted(s.fqn) + ".index");
     s.index = *h;
@@ -318,27 +390,30 @@ Status Interpreter::Storage(const PickleValue& index, const PickleValue& info) {
                            info.Describe());
   }
   const std::string where = "_StorageInfo of " + s.fqn;
-  TESSERA_ASSIGN_OR_RETURN(PickleValue path, Required(info, "relative_path", where));
-  Result<std::string> p = Str(path);
+  TESSERA_ASSIGN_OR_RETURN(PickleValue path, Required(b_, info, "relative_path", where));
+  Result<std::string> p = Str(b_, path);
   if (!p.ok()) return At(p.status(), where + ".relative_path");
   s.relative_path = *std::move(p);
   for (const char* attr : {"offset", "length"}) {
-    TESSERA_ASSIGN_OR_RETURN(PickleValue v, Required(info, attr, where));
+    TESSERA_ASSIGN_OR_RETURN(PickleValue v, Required(b_, info, attr, where));
     Result<int64_t> x = v.AsInt();
     if (!x.ok()) return At(x.status(), where + "." + attr);
     if (*x < 0) return InvalidArgument(where + "." + attr + " is negative: " + std::to_string(*x));
     (attr[0] == 'o' ? s.offset_in_file : s.length) = static_cast<uint64_t>(*x);
   }
-  if (std::optional<PickleValue> td = Optional(info, "transform_descriptors")) {
+  TESSERA_ASSIGN_OR_RETURN(std::optional<PickleValue> td,
+                           Optional(b_, info, "transform_descriptors"));
+  if (td) {
     if (!td->is(PickleKind::kList) && !td->is(PickleKind::kTuple)) {
       return InvalidArgument(where + ".transform_descriptors: expected a list, found " +
                              td->Describe());
     }
     if (td->size() > 0) {
       std::string names;
-      for (size_t i = 0; i < td->size(); ++i) {
+      for (size_t i = 0; i < td->size() && i < 8; ++i) {
         names += (i ? ", '" : "'") + std::string(td->item(i).AsStr().value_or("?")) + "'";
       }
+      if (td->size() > 8) names += ", ... (" + std::to_string(td->size()) + ")";
       return InvalidArgument(s.fqn + " is stored with transform_descriptors [" + names +
                              "]: compressed or transformed DCP items are not supported");
     }
@@ -352,16 +427,19 @@ Status Interpreter::PlannerData(const PickleValue& v) {
   m_.planner_data_kind = DcpPlannerData::kOther;
   if (!v.is(PickleKind::kDict)) return Status();
   std::vector<DcpPlannerPath> paths(v.size());
+  TESSERA_RETURN_IF_ERROR(b_.Charge(sizeof(DcpPlannerPath) * paths.size(), v));
   for (size_t i = 0; i < paths.size(); ++i) {
     const PickleValue k = v.key(i), p = v.value(i);
     if (!k.is(PickleKind::kStr) || (!p.is(PickleKind::kTuple) && !p.is(PickleKind::kList))) {
       return Status();
     }
-    paths[i].fqn = std::string(*k.AsStr());
+    TESSERA_ASSIGN_OR_RETURN(paths[i].fqn, Str(b_, k));
+    TESSERA_RETURN_IF_ERROR(b_.Charge(sizeof(DcpPathElement) * p.size(), p));
     for (size_t j = 0; j < p.size(); ++j) {
       const PickleValue e = p.item(j);
       if (e.is(PickleKind::kStr)) {
-        paths[i].path.emplace_back(std::string(*e.AsStr()));
+        TESSERA_ASSIGN_OR_RETURN(std::string element, Str(b_, e));
+        paths[i].path.emplace_back(std::move(element));
       } else if (e.is(PickleKind::kInt)) {
         paths[i].path.emplace_back(*e.AsInt());
       } else {
@@ -375,8 +453,8 @@ Status Interpreter::PlannerData(const PickleValue& v) {
 }
 
 // A pathlib path is reduce(pathlib.PosixPath, (part, part, ...)).
-Result<std::string> PathLike(const PickleValue& v) {
-  if (v.is(PickleKind::kStr)) return Str(v);
+Result<std::string> Interpreter::PathLike(const PickleValue& v) {
+  if (v.is(PickleKind::kStr)) return Str(b_, v);
   const std::optional<PickleValue> cls = v.ObjectClass();
   const bool pathlib =
       cls && (cls->global_module() == "pathlib" || cls->global_module().substr(0, 8) == "pathlib.");
@@ -387,6 +465,7 @@ Result<std::string> PathLike(const PickleValue& v) {
   std::string path;
   for (size_t i = 0; i < parts.size(); ++i) {
     TESSERA_ASSIGN_OR_RETURN(std::string_view part, parts.item(i).AsStr());
+    TESSERA_RETURN_IF_ERROR(b_.Charge(part.size() + 1, parts));
     if (!path.empty() && path.back() != '/') path += '/';
     path += part;
   }
@@ -398,16 +477,18 @@ Status Interpreter::StorageMeta(const PickleValue& v) {
     return InvalidArgument("expected StorageMeta, found " + v.Describe());
   }
   DcpStorageMeta sm;
-  if (std::optional<PickleValue> id = Optional(v, "checkpoint_id")) {
+  TESSERA_ASSIGN_OR_RETURN(std::optional<PickleValue> id, Optional(b_, v, "checkpoint_id"));
+  if (id) {
     Result<std::string> p = PathLike(*id);
     if (!p.ok()) return At(p.status(), "checkpoint_id");
     sm.checkpoint_id = *std::move(p);
   }
-  TESSERA_ASSIGN_OR_RETURN(sm.save_id, OptionalStr(v, "save_id"));
-  TESSERA_ASSIGN_OR_RETURN(sm.load_id, OptionalStr(v, "load_id"));
-  if (std::optional<PickleValue> mods = Optional(v, "modules")) {
+  TESSERA_ASSIGN_OR_RETURN(sm.save_id, OptionalStr(b_, v, "save_id"));
+  TESSERA_ASSIGN_OR_RETURN(sm.load_id, OptionalStr(b_, v, "load_id"));
+  TESSERA_ASSIGN_OR_RETURN(std::optional<PickleValue> mods, Optional(b_, v, "modules"));
+  if (mods) {
     for (size_t i = 0; i < mods->size(); ++i) {
-      Result<std::string> s = Str(mods->item(i));
+      Result<std::string> s = Str(b_, mods->item(i));
       if (!s.ok()) return At(s.status(), "modules" + Indexed(i));
       sm.modules.push_back(*std::move(s));
     }
@@ -421,15 +502,16 @@ Status Interpreter::McoreData(const PickleValue& v) {
   m_.has_mcore_data = true;
   for (size_t i = 0; i < v.size(); ++i) {
     DcpMcoreEntry e;
-    Result<std::string> key = Str(v.key(i));
+    Result<std::string> key = Str(b_, v.key(i));
     if (!key.ok()) return At(key.status(), "key " + Indexed(i));
     e.key = *std::move(key);
     const PickleValue entry = v.value(i);
     if (!entry.is(PickleKind::kDict)) {
       return InvalidArgument(Quoted(e.key) + ": expected a dict, found " + entry.Describe());
     }
+    TESSERA_RETURN_IF_ERROR(b_.Charge(sizeof(DcpMcoreEntry) + kLookupCost * entry.size(), entry));
     if (std::optional<PickleValue> shape = entry.Find("nd_reformulated_orig_global_shape")) {
-      Result<std::vector<int64_t>> s = TorchSize(*shape);
+      Result<std::vector<int64_t>> s = TorchSize(b_, *shape);
       if (!s.ok()) return At(s.status(), Quoted(e.key) + "['nd_reformulated_orig_global_shape']");
       e.nd_reformulated_orig_global_shape = *std::move(s);
     }
@@ -847,9 +929,14 @@ std::string_view DcpFlavorName(DcpFlavor flavor) {
                                         : "torch 2.x (torch.distributed.checkpoint)";
 }
 
+uint64_t DcpExpansionBudget(uint64_t input_bytes) {
+  return kDcpExpansionFactor * input_bytes + kDcpExpansionFloor;
+}
+
 Result<DcpMetadata> InterpretDcpMetadata(const PickleTree& tree) {
   DcpMetadata m;
-  Interpreter interpreter(&m);
+  Budget budget(tree, DcpExpansionBudget(tree.end_offset()));
+  Interpreter interpreter(&m, &budget);
   Status s = interpreter.Root(tree.root());
   if (s.ok()) s = LinkDcpStorage(m, tree.source());
   if (!s.ok()) {

@@ -127,8 +127,19 @@ struct DcpMetadata {
   bool operator==(const DcpMetadata&) const = default;
 };
 
+// What reading a .metadata may materialise, in bytes: kDcpExpansionFactor times the size of the
+// pickle, plus kDcpExpansionFloor. A pickle names a value many times at a few bytes a reference
+// (its memo), but every use of that value is a copy in DcpMetadata (and in the Metadata made
+// from it): without this bound a 1 MB file could ask for 100 GB. Real files take a few times
+// their size (each chunk is written out; only class names and fqn strings are shared).
+inline constexpr uint64_t kDcpExpansionFactor = 32;
+inline constexpr uint64_t kDcpExpansionFloor = uint64_t{16} << 20;
+uint64_t DcpExpansionBudget(uint64_t input_bytes);
+
 // Reads a .metadata pickle. `source` (the file path) prefixes every error. Errors (kDataLoss)
-// name the attribute path ("state_dict_metadata['w'].chunks[2].sizes") and what was found.
+// name the attribute path ("state_dict_metadata['w'].chunks[2].sizes") and what was found; a
+// pickle whose values would take more than DcpExpansionBudget(its size) bytes read (copies of
+// values it references many times) is refused, naming the offset of the value referenced.
 // Calls LinkDcpStorage.
 Result<DcpMetadata> ReadDcpMetadata(std::span<const uint8_t> bytes, std::string_view source);
 Result<DcpMetadata> InterpretDcpMetadata(const PickleTree& tree);

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "format/torch_dist/crc32.h"
+#include "format/torch_dist/pickle_writer.h"
 #include "format/torch_dist/test_util.h"
 #include "format/torch_dist/torch_dtype.h"
 #include "format/torch_dist/torch_zip.h"
@@ -377,6 +378,102 @@ TEST(DcpMetadataTest, ManyChunksStayCompact) {
   ASSERT_OK_AND_ASSIGN(DcpMetadata back, ReadDcpMetadata(bytes, "big"));
   EXPECT_EQ(back.tensors[0].chunks.size(), static_cast<size_t>(n));
   EXPECT_EQ(back.tensors[0].chunks[n - 1].storage, static_cast<size_t>(n - 1));
+}
+
+// ---- memo references (issue 22, defect 6) -------------------------------------------------------
+
+// A torch 2.x .metadata whose state_dict_metadata maps `tensors` keys to ONE
+// TensorStorageMetadata (a memo reference each) holding `chunks` chunks, and whose storage_data
+// is empty. Python would unpickle it into one shared object; read as plain structs, every key
+// would copy the chunks: `tensors` * `chunks` of them from a file of a few bytes per key.
+std::vector<uint8_t> SharedChunkListMetadata(int tensors, int chunks) {
+  constexpr std::string_view kMeta = "torch.distributed.checkpoint.metadata";
+  PickleWriter w(4);
+  auto object = [&](std::string_view name, auto&& fields) {
+    w.GlobalMemo(kMeta, name);
+    w.EmptyTuple();
+    w.NewObj();
+    w.EmptyDict();
+    w.Mark();
+    fields();
+    w.SetItems();
+    w.Build();
+  };
+  auto size = [&](std::vector<int64_t> v) {
+    w.GlobalMemo("torch", "Size");
+    w.IntTuple(v);
+    w.Tuple1();
+    w.Reduce();
+  };
+  object("Metadata", [&] {
+    w.StrMemo("state_dict_metadata");
+    w.EmptyDict();
+    uint32_t shared = 0;
+    for (int i = 0; i < tensors; ++i) {
+      if (i % 1000 == 0) w.Mark();
+      w.Str("t" + std::to_string(i));
+      if (i > 0) {
+        w.Get(shared);
+      } else {
+        object("TensorStorageMetadata", [&] {
+          w.StrMemo("properties");
+          w.GlobalMemo(kMeta, "TensorProperties");
+          w.EmptyTuple();
+          w.NewObj();
+          w.Mark();
+          w.GlobalMemo("torch", "float32");
+          w.GlobalMemo("torch", "strided");
+          w.Bool(false);
+          w.GlobalMemo(kMeta, "_MEM_FORMAT_ENCODING");
+          w.Int(0);
+          w.Tuple1();
+          w.Reduce();
+          w.Bool(false);
+          w.Tuple();
+          w.Build();
+          w.StrMemo("size");
+          size({chunks, 4});
+          w.StrMemo("chunks");
+          w.EmptyList();
+          w.Mark();
+          for (int c = 0; c < chunks; ++c) {
+            object("ChunkStorageMetadata", [&] {
+              w.StrMemo("offsets");
+              size({c, 0});
+              w.StrMemo("sizes");
+              size({1, 4});
+            });
+          }
+          w.Appends();
+        });
+        shared = w.Memoize();
+      }
+      if (i % 1000 == 999 || i == tensors - 1) w.SetItems();
+    }
+    w.StrMemo("storage_data");
+    w.EmptyDict();
+  });
+  w.Stop();
+  return w.Take();
+}
+
+TEST(DcpMetadataTest, MemoReferencesDoNotExpandWithoutBound) {
+  // 2,000 references to a tensor of 2,000 chunks: ~60 KB that would become 4 million chunks
+  // (~500 MB) before this reader bounded what it copies by the size of its input.
+  const std::vector<uint8_t> bytes = SharedChunkListMetadata(2000, 2000);
+  ASSERT_LT(bytes.size(), 100u << 10);
+  const Result<DcpMetadata> m = ReadDcpMetadata(bytes, "ckpt/.metadata");
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kDataLoss);
+  EXPECT_THAT(m.status().message(), HasSubstr("ckpt/.metadata: "));
+  EXPECT_THAT(m.status().message(), HasSubstr("state_dict_metadata['t"));
+  EXPECT_THAT(m.status().message(), HasSubstr("expand to more than"));
+  EXPECT_THAT(m.status().message(), HasSubstr("at offset "));
+  EXPECT_THAT(m.status().message(), HasSubstr("referenced again and again"));
+  // A few references are what real files hold (a shared TensorProperties, the fqn strings):
+  // they read, and fail later for what is really wrong (no storage_data entries here).
+  const Result<DcpMetadata> few = ReadDcpMetadata(SharedChunkListMetadata(3, 2000), "few");
+  EXPECT_THAT(few.status().message(), HasSubstr("has no storage_data entry"));
 }
 
 // ---- torch reads what tessera writes ------------------------------------------------------------

@@ -250,15 +250,19 @@ class PickleParser {
       : data_(bytes.data()), size_(bytes.size()), source_(source), t_(*tree) {}
 
   Status Run();
+  // Makes Run stop (with an error) when it creates node `id`; found_at() is then the offset of
+  // the opcode that did.
+  void StopAtNode(uint32_t id) { stop_at_node_ = id; }
+  std::optional<uint64_t> found_at() const { return found_at_; }
 
  private:
-  using Node = PickleTree::Node;
+  using Payload = PickleTree::Payload;
   static constexpr uint32_t kNoIndex = PickleTree::kNoIndex;
 
   // A run of children of a list/dict/set in children_, linked while parsing; Finalize() makes
-  // every container's children contiguous.
+  // every container's children contiguous. `last`: in a container's first segment, its last.
   struct Segment {
-    uint32_t start, count, next;
+    uint32_t start, count, next, last;
   };
 
   Status Step(uint8_t op);
@@ -288,48 +292,72 @@ class PickleParser {
   Result<std::string_view> Line();  // up to '\n', which is consumed
 
   // Nodes.
-  Result<uint32_t> NewNode(Node n) {
-    if (t_.nodes_.size() >= kNoIndex - 1) return Fail("too many nodes");
-    t_.nodes_.push_back(n);
-    return static_cast<uint32_t>(t_.nodes_.size() - 1);
+  Result<uint32_t> NewNode(PickleKind kind, const Payload& payload) {
+    if (t_.kinds_.size() >= kNoIndex - 1) return Fail("too many nodes");
+    if (t_.kinds_.size() == stop_at_node_) {
+      found_at_ = op_offset_;
+      return Fail("stopped at the node looked for");
+    }
+    t_.kinds_.push_back(static_cast<uint8_t>(kind));
+    t_.payloads_.push_back(payload);
+    return static_cast<uint32_t>(t_.kinds_.size() - 1);
   }
-  static Node Make(PickleKind kind) {
-    Node n;
-    std::memset(&n, 0, sizeof(n));
-    n.kind = kind;
-    return n;
+  static Payload Zero() {
+    Payload p;
+    std::memset(&p, 0, sizeof(p));
+    return p;
   }
   Result<uint32_t> NewInt(int64_t v) {
     if (v >= 0 && v < 256) return kSmallIntBase + static_cast<uint32_t>(v);
-    Node n = Make(PickleKind::kInt);
-    n.i = v;
-    return NewNode(n);
+    Payload p = Zero();
+    p.i = v;
+    return NewNode(PickleKind::kInt, p);
   }
   Result<uint32_t> NewText(PickleKind kind, uint64_t offset, uint64_t length) {
-    Node n = Make(kind);
-    n.a = static_cast<uint32_t>(offset);
-    n.p.count = static_cast<uint32_t>(length);
-    return NewNode(n);
+    Payload p = Zero();
+    p.p.a = static_cast<uint32_t>(offset);
+    p.p.count = static_cast<uint32_t>(length);
+    return NewNode(kind, p);
   }
-  // A node whose children are the given ids, stored contiguously now.
-  Result<uint32_t> NewFixed(PickleKind kind, std::span<const uint32_t> children,
-                            uint32_t extra = kNoIndex) {
-    Node n = Make(kind);
-    n.a = static_cast<uint32_t>(t_.children_.size());
-    n.p.count = static_cast<uint32_t>(children.size());
-    n.p.extra = extra;
-    t_.children_.insert(t_.children_.end(), children.begin(), children.end());
-    return NewNode(n);
+  // A node whose children are the given ids, stored contiguously now; an object (reduce,
+  // newobj) gets one more slot, for the index of its ObjectExtra.
+  Result<uint32_t> NewFixed(PickleKind kind, std::span<const uint32_t> children) {
+    const bool object = kind == PickleKind::kReduce || kind == PickleKind::kNewObj;
+    TESSERA_RETURN_IF_ERROR(RoomForChildren(children.size() + (object ? 1 : 0)));
+    Payload p = Zero();
+    p.p.a = static_cast<uint32_t>(t_.children_.size());
+    p.p.count = static_cast<uint32_t>(children.size());
+    t_.children_.append(children.data(), children.size());
+    if (object) t_.children_.push_back(kNoIndex);
+    return NewNode(kind, p);
+  }
+  // Children are numbered with 32 bits.
+  Status RoomForChildren(uint64_t n) const {
+    if (t_.children_.size() + n < kNoIndex) return Status();
+    return Fail("more than 2^32 container children");
   }
   Result<uint32_t> NewGrowable(PickleKind kind) {
-    Node n = Make(kind);
-    n.a = kNoIndex;        // first segment
-    n.p.count = 0;         // children so far
-    n.p.extra = kNoIndex;  // last segment
-    return NewNode(n);
+    Payload p = Zero();
+    p.p.a = kNoIndex;  // first segment
+    p.p.count = 0;     // children so far
+    return NewNode(kind, p);
+  }
+  // The index in children_ of object `id`'s ObjectExtra slot.
+  size_t ExtraSlot(uint32_t id) const {
+    const Payload& n = t_.payloads_[id];
+    return size_t{n.p.a} + n.p.count;
+  }
+  // Object `id`'s ObjectExtra, created on first use.
+  PickleTree::ObjectExtra& Extra(uint32_t id) {
+    const size_t slot = ExtraSlot(id);
+    if (t_.children_[slot] == kNoIndex) {
+      t_.objects_.push_back({kNoIndex, kNoIndex, kNoIndex});
+      t_.children_[slot] = static_cast<uint32_t>(t_.objects_.size() - 1);
+    }
+    return t_.objects_[t_.children_[slot]];
   }
   // Appends stack_[from..end) to the growable container `id`, then drops them from the stack.
-  void AppendChildren(uint32_t id, size_t from);
+  Status AppendChildren(uint32_t id, size_t from);
   Result<uint32_t> ObjectItems(uint32_t object_id, PickleKind kind);
 
   // The stack.
@@ -347,7 +375,7 @@ class PickleParser {
     if (stack_.size() <= Fence()) return Fail("stack underflow");
     return stack_.back();
   }
-  size_t Fence() const { return marks_.empty() ? 0 : marks_.back(); }
+  size_t Fence() const { return marks_.empty() ? 0 : size_t{marks_.back()}; }
   Result<size_t> PopMark() {
     if (marks_.empty()) return Fail("no MARK before it");
     size_t m = marks_.back();
@@ -379,7 +407,7 @@ class PickleParser {
   Status OpStackGlobal();
   Status OpTextNumber();
 
-  void Finalize();
+  Status Finalize();
 
   const uint8_t* data_;
   uint64_t size_;
@@ -390,11 +418,13 @@ class PickleParser {
   uint8_t op_ = 0;
   bool stopped_ = false;
   std::vector<uint32_t> stack_;
-  std::vector<size_t> marks_;
+  std::vector<uint32_t> marks_;  // stack sizes (< 2^32: every push costs a byte of input)
   std::vector<Segment> segments_;
   std::vector<uint32_t> memo_;                       // index -> node id, kNoIndex when unset
   std::unordered_map<uint64_t, uint32_t> memo_far_;  // indices beyond memo_'s bound
   uint64_t memo_count_ = 0;                          // distinct indices set (MEMOIZE's next)
+  uint64_t stop_at_node_ = kNoIndex;
+  std::optional<uint64_t> found_at_;
 };
 
 Result<std::string_view> PickleParser::Line() {
@@ -406,42 +436,40 @@ Result<std::string_view> PickleParser::Line() {
   return line;
 }
 
-void PickleParser::AppendChildren(uint32_t id, size_t from) {
+Status PickleParser::AppendChildren(uint32_t id, size_t from) {
   const uint32_t count = static_cast<uint32_t>(stack_.size() - from);
-  if (count == 0) return;
-  Node& n = t_.nodes_[id];
+  if (count == 0) return Status();
+  TESSERA_RETURN_IF_ERROR(RoomForChildren(count));
+  Payload& n = t_.payloads_[id];
   const uint32_t start = static_cast<uint32_t>(t_.children_.size());
-  t_.children_.insert(t_.children_.end(), stack_.begin() + from, stack_.end());
+  t_.children_.append(stack_.data() + from, count);
   stack_.resize(from);
   n.p.count += count;
-  if (n.p.extra != kNoIndex) {
-    Segment& last = segments_[n.p.extra];
+  const uint32_t first = n.p.a;
+  if (first != kNoIndex) {
+    Segment& last = segments_[segments_[first].last];
     if (last.start + last.count == start) {  // still the last run of children: extend it
       last.count += count;
-      return;
+      return Status();
     }
   }
-  segments_.push_back({start, count, kNoIndex});
-  const uint32_t seg = static_cast<uint32_t>(segments_.size() - 1);
-  if (n.p.extra == kNoIndex) {
-    n.a = seg;
+  const uint32_t seg = static_cast<uint32_t>(segments_.size());
+  segments_.push_back({start, count, kNoIndex, seg});
+  if (first == kNoIndex) {
+    n.p.a = seg;
   } else {
-    segments_[n.p.extra].next = seg;
+    segments_[segments_[first].last].next = seg;
+    segments_[first].last = seg;
   }
-  n.p.extra = seg;
+  return Status();
 }
 
 Result<uint32_t> PickleParser::ObjectItems(uint32_t object_id, PickleKind kind) {
-  if (t_.nodes_[object_id].p.extra == kNoIndex) {
-    t_.objects_.push_back({kNoIndex, kNoIndex, kNoIndex});
-    t_.nodes_[object_id].p.extra = static_cast<uint32_t>(t_.objects_.size() - 1);
-  }
-  const uint32_t extra = t_.nodes_[object_id].p.extra;
   const bool list = kind == PickleKind::kList;
-  const uint32_t current = list ? t_.objects_[extra].list_items : t_.objects_[extra].dict_items;
+  const uint32_t current = list ? Extra(object_id).list_items : Extra(object_id).dict_items;
   if (current != kNoIndex) return current;
   TESSERA_ASSIGN_OR_RETURN(uint32_t items, NewGrowable(kind));
-  (list ? t_.objects_[extra].list_items : t_.objects_[extra].dict_items) = items;
+  (list ? Extra(object_id).list_items : Extra(object_id).dict_items) = items;
   return items;
 }
 
@@ -512,15 +540,13 @@ Status PickleParser::TupleFrom(size_t from) {
 Status PickleParser::OpAppends(size_t from) {
   if (from <= Fence()) return Fail("stack underflow: no list below the items");
   const uint32_t target = stack_[from - 1];
-  const PickleKind kind = t_.nodes_[target].kind;
+  const PickleKind kind = t_.kind(target);
   if (kind == PickleKind::kList || (op_ == kAddItems && kind == PickleKind::kSet)) {
-    AppendChildren(target, from);
-    return Status();
+    return AppendChildren(target, from);
   }
   if (op_ != kAddItems && (kind == PickleKind::kReduce || kind == PickleKind::kNewObj)) {
     TESSERA_ASSIGN_OR_RETURN(uint32_t items, ObjectItems(target, PickleKind::kList));
-    AppendChildren(items, from);
-    return Status();
+    return AppendChildren(items, from);
   }
   return Fail(std::string("cannot add items to a ") + std::string(PickleKindName(kind)));
 }
@@ -529,15 +555,13 @@ Status PickleParser::OpSetItems(size_t from) {
   if (from <= Fence()) return Fail("stack underflow: no dict below the items");
   if ((stack_.size() - from) % 2 != 0) return Fail("odd number of items for a dict");
   const uint32_t target = stack_[from - 1];
-  const PickleKind kind = t_.nodes_[target].kind;
+  const PickleKind kind = t_.kind(target);
   if (kind == PickleKind::kDict) {
-    AppendChildren(target, from);
-    return Status();
+    return AppendChildren(target, from);
   }
   if (kind == PickleKind::kReduce || kind == PickleKind::kNewObj) {
     TESSERA_ASSIGN_OR_RETURN(uint32_t items, ObjectItems(target, PickleKind::kDict));
-    AppendChildren(items, from);
-    return Status();
+    return AppendChildren(items, from);
   }
   return Fail(std::string("cannot set items of a ") + std::string(PickleKindName(kind)));
 }
@@ -545,15 +569,11 @@ Status PickleParser::OpSetItems(size_t from) {
 Status PickleParser::OpBuild() {
   TESSERA_ASSIGN_OR_RETURN(uint32_t state, Pop());
   TESSERA_ASSIGN_OR_RETURN(uint32_t target, Top());
-  Node& n = t_.nodes_[target];
-  if (n.kind != PickleKind::kReduce && n.kind != PickleKind::kNewObj) {
-    return Fail(std::string("BUILD of a ") + std::string(PickleKindName(n.kind)));
+  const PickleKind kind = t_.kind(target);
+  if (kind != PickleKind::kReduce && kind != PickleKind::kNewObj) {
+    return Fail(std::string("BUILD of a ") + std::string(PickleKindName(kind)));
   }
-  if (n.p.extra == kNoIndex) {
-    t_.objects_.push_back({kNoIndex, kNoIndex, kNoIndex});
-    n.p.extra = static_cast<uint32_t>(t_.objects_.size() - 1);
-  }
-  PickleTree::ObjectExtra& extra = t_.objects_[n.p.extra];
+  PickleTree::ObjectExtra& extra = Extra(target);
   if (extra.state != kNoIndex) return Fail("second BUILD of one object");
   extra.state = state;
   return Status();
@@ -565,12 +585,12 @@ Status PickleParser::OpObject(PickleKind kind, int n_parts) {
   for (int i = n_parts - 1; i >= 0; --i) {
     TESSERA_ASSIGN_OR_RETURN(parts[i], Pop());
   }
-  if (t_.nodes_[parts[1]].kind != PickleKind::kTuple) {
-    return Fail("arguments are a " + std::string(PickleKindName(t_.nodes_[parts[1]].kind)) +
+  if (t_.kind(parts[1]) != PickleKind::kTuple) {
+    return Fail("arguments are a " + std::string(PickleKindName(t_.kind(parts[1]))) +
                 ", not a tuple");
   }
-  if (n_parts == 3 && t_.nodes_[parts[2]].kind != PickleKind::kDict) {
-    return Fail("keyword arguments are a " + std::string(PickleKindName(t_.nodes_[parts[2]].kind)) +
+  if (n_parts == 3 && t_.kind(parts[2]) != PickleKind::kDict) {
+    return Fail("keyword arguments are a " + std::string(PickleKindName(t_.kind(parts[2]))) +
                 ", not a dict");
   }
   TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewFixed(kind, std::span<const uint32_t>(parts, n_parts)));
@@ -592,7 +612,7 @@ Status PickleParser::OpGlobal() {
 Status PickleParser::OpStackGlobal() {
   TESSERA_ASSIGN_OR_RETURN(uint32_t name, Pop());
   TESSERA_ASSIGN_OR_RETURN(uint32_t module, Pop());
-  if (t_.nodes_[module].kind != PickleKind::kStr || t_.nodes_[name].kind != PickleKind::kStr) {
+  if (t_.kind(module) != PickleKind::kStr || t_.kind(name) != PickleKind::kStr) {
     return Fail("module and name are not both str");
   }
   const uint32_t parts[2] = {module, name};
@@ -604,12 +624,12 @@ Status PickleParser::OpStackGlobal() {
 Status PickleParser::OpTextNumber() {
   TESSERA_ASSIGN_OR_RETURN(std::string_view line, Line());
   if (op_ == kFloat) {
-    Node n = Make(PickleKind::kFloat);
+    Payload n = Zero();
     auto [end, ec] = std::from_chars(line.data(), line.data() + line.size(), n.f);
     if (ec != std::errc() || end != line.data() + line.size()) {
       return Fail("bad float '" + std::string(line.substr(0, 40)) + "'");
     }
-    TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewNode(n));
+    TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewNode(PickleKind::kFloat, n));
     return Push(id);
   }
   if (op_ == kInt && line == "00") return Push(kFalseId);
@@ -647,7 +667,7 @@ Status PickleParser::Step(uint8_t op) {
       stopped_ = true;
       return Status();
     case kMark:
-      marks_.push_back(stack_.size());
+      marks_.push_back(static_cast<uint32_t>(stack_.size()));
       return Status();
     case kPop:
       // As CPython: a MARK on top of the stack is popped instead of an item.
@@ -703,9 +723,9 @@ Status PickleParser::Step(uint8_t op) {
       uint64_t bits = 0;
       for (int i = 0; i < 8; ++i) bits = (bits << 8) | data_[pos_ + i];  // big-endian
       pos_ += 8;
-      Node n = Make(PickleKind::kFloat);
+      Payload n = Zero();
       std::memcpy(&n.f, &bits, 8);
-      TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewNode(n));
+      TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewNode(PickleKind::kFloat, n));
       return Push(id);
     }
 
@@ -781,7 +801,7 @@ Status PickleParser::Step(uint8_t op) {
         return Fail("odd number of items for a dict");
       }
       TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewGrowable(kind));
-      AppendChildren(id, from);
+      TESSERA_RETURN_IF_ERROR(AppendChildren(id, from));
       return Push(id);
     }
     case kAppend:
@@ -871,30 +891,33 @@ Status PickleParser::Step(uint8_t op) {
   }
 }
 
-void PickleParser::Finalize() {
+Status PickleParser::Finalize() {
   // Lists, dicts and sets grew in linked segments; give each one contiguous children. A
   // container with one segment keeps it in place, longer ones are copied once to the end.
-  for (Node& n : t_.nodes_) {
-    if (n.kind != PickleKind::kList && n.kind != PickleKind::kDict && n.kind != PickleKind::kSet) {
+  for (size_t id = 0; id < t_.kinds_.size(); ++id) {
+    const PickleKind kind = t_.kind(static_cast<uint32_t>(id));
+    if (kind != PickleKind::kList && kind != PickleKind::kDict && kind != PickleKind::kSet) {
       continue;
     }
-    const uint32_t first = n.a;
+    Payload& n = t_.payloads_[id];
+    const uint32_t first = n.p.a;
     if (first == kNoIndex) {
-      n.a = 0;
+      n.p.a = 0;
     } else if (segments_[first].next == kNoIndex) {
-      n.a = segments_[first].start;
+      n.p.a = segments_[first].start;
     } else {
+      TESSERA_RETURN_IF_ERROR(RoomForChildren(n.p.count));
       const uint32_t start = static_cast<uint32_t>(t_.children_.size());
       for (uint32_t s = first; s != kNoIndex; s = segments_[s].next) {
         const Segment seg = segments_[s];
-        // children_ may reallocate while it grows: copy through indices.
-        for (uint32_t i = 0; i < seg.count; ++i)
-          t_.children_.push_back(t_.children_[seg.start + i]);
+        for (uint32_t i = 0; i < seg.count; ++i) {
+          t_.children_.push_back(t_.children_[seg.start + i]);  // a BlockArray never moves
+        }
       }
-      n.a = start;
+      n.p.a = start;
     }
-    n.p.extra = kNoIndex;
   }
+  return Status();
 }
 
 Status PickleParser::Run() {
@@ -904,21 +927,17 @@ Status PickleParser::Run() {
   }
   t_.data_ = data_;
   t_.source_ = std::string(source_);
-  // DCP metadata makes about one node per 7 bytes: reserve that, so the vector rarely moves.
-  t_.nodes_.reserve(kFirstFreeId + size_ / 6);
-  t_.children_.reserve(size_ / 4);
-  t_.nodes_.push_back(Make(PickleKind::kNone));
-  Node b = Make(PickleKind::kBool);
-  t_.nodes_.push_back(b);
-  b.i = 1;
-  t_.nodes_.push_back(b);
-  Node empty = Make(PickleKind::kTuple);
-  t_.nodes_.push_back(empty);
-  for (int v = 0; v < 256; ++v) {
-    Node n = Make(PickleKind::kInt);
-    n.i = v;
-    t_.nodes_.push_back(n);
-  }
+  auto constant = [&](PickleKind kind, int64_t value) {
+    Payload p = Zero();
+    p.i = value;
+    t_.kinds_.push_back(static_cast<uint8_t>(kind));
+    t_.payloads_.push_back(p);
+  };
+  constant(PickleKind::kNone, 0);
+  constant(PickleKind::kBool, 0);
+  constant(PickleKind::kBool, 1);
+  constant(PickleKind::kTuple, 0);  // the empty tuple: no children
+  for (int v = 0; v < 256; ++v) constant(PickleKind::kInt, v);
   memo_.assign(std::min<uint64_t>(size_ + 1, 1024), kNoIndex);
 
   while (!stopped_) {
@@ -934,8 +953,7 @@ Status PickleParser::Run() {
   }
   TESSERA_ASSIGN_OR_RETURN(t_.root_, Pop());
   t_.end_offset_ = pos_;
-  Finalize();
-  return Status();
+  return Finalize();
 }
 
 Result<PickleTree> ParsePickle(std::span<const uint8_t> bytes, std::string_view source) {
@@ -951,6 +969,15 @@ Result<PickleTree> ParsePickle(std::vector<uint8_t>&& bytes, std::string_view so
   PickleParser parser(tree.owned_, source, &tree);
   TESSERA_RETURN_IF_ERROR(parser.Run());
   return tree;
+}
+
+std::optional<uint64_t> PickleTree::OffsetOf(const PickleValue& value) const {
+  if (value.id() < kFirstFreeId || value.id() >= kinds_.size()) return std::nullopt;
+  PickleTree scratch;
+  PickleParser parser(std::span<const uint8_t>(data_, end_offset_), source_, &scratch);
+  parser.StopAtNode(value.id());
+  (void)parser.Run();  // stops with an error at the node
+  return parser.found_at();
 }
 
 // ---- accessors ------------------------------------------------------------------------------
@@ -993,16 +1020,17 @@ std::string_view PickleKindName(PickleKind kind) {
   return "?";
 }
 
-PickleKind PickleValue::kind() const { return tree_->node(id_).kind; }
+PickleKind PickleValue::kind() const { return tree_->kind(id_); }
 
 bool PickleValue::IsGlobal(std::string_view module, std::string_view name) const {
   return is(PickleKind::kGlobal) && global_module() == module && global_name() == name;
 }
 
 std::string PickleValue::Describe() const {
-  const auto& n = tree_->node(id_);
-  std::string kind(PickleKindName(n.kind));
-  switch (n.kind) {
+  const PickleKind k = kind();
+  const PickleTree::Payload& n = tree_->payload(id_);
+  std::string name(PickleKindName(k));
+  switch (k) {
     case PickleKind::kNone:
       return "None";
     case PickleKind::kBool:
@@ -1012,30 +1040,30 @@ std::string PickleValue::Describe() const {
     case PickleKind::kFloat:
       return "float " + std::to_string(n.f);
     case PickleKind::kStr: {
-      std::string_view s = tree_->Text(n);
+      std::string_view s = tree_->Text(id_);
       return "str '" + std::string(s.substr(0, 60)) + (s.size() > 60 ? "...'" : "'");
     }
     case PickleKind::kBigInt:
     case PickleKind::kBytes:
     case PickleKind::kByteArray:
-      return kind + " of " + std::to_string(n.p.count) + " bytes";
+      return name + " of " + std::to_string(n.p.count) + " bytes";
     case PickleKind::kTuple:
     case PickleKind::kList:
     case PickleKind::kSet:
     case PickleKind::kDict:
-      return kind + " of " + std::to_string(size());
+      return name + " of " + std::to_string(size());
     case PickleKind::kGlobal:
       return "global " + std::string(global_module()) + "." + std::string(global_name());
     case PickleKind::kReduce:
     case PickleKind::kNewObj: {
       const PickleValue c = callable();
-      if (c.is(PickleKind::kGlobal)) return kind + " of " + c.Describe();
-      return kind;
+      if (c.is(PickleKind::kGlobal)) return name + " of " + c.Describe();
+      return name;
     }
     case PickleKind::kPersId:
-      return kind;
+      return name;
   }
-  return kind;
+  return name;
 }
 
 namespace {
@@ -1045,51 +1073,47 @@ Status Expected(std::string_view what, const PickleValue& v) {
 }  // namespace
 
 Result<int64_t> PickleValue::AsInt() const {
-  const auto& n = tree_->node(id_);
-  if (n.kind == PickleKind::kInt || n.kind == PickleKind::kBool) return n.i;
-  if (n.kind == PickleKind::kBigInt) return InvalidArgument("integer beyond 64 bits");
+  const PickleKind k = kind();
+  if (k == PickleKind::kInt || k == PickleKind::kBool) return tree_->payload(id_).i;
+  if (k == PickleKind::kBigInt) return InvalidArgument("integer beyond 64 bits");
   return Expected("an int", *this);
 }
 
 Result<bool> PickleValue::AsBool() const {
-  const auto& n = tree_->node(id_);
-  if (n.kind == PickleKind::kBool) return n.i != 0;
+  if (kind() == PickleKind::kBool) return tree_->payload(id_).i != 0;
   return Expected("a bool", *this);
 }
 
 Result<double> PickleValue::AsFloat() const {
-  const auto& n = tree_->node(id_);
-  if (n.kind == PickleKind::kFloat) return n.f;
-  if (n.kind == PickleKind::kInt) return static_cast<double>(n.i);
+  const PickleKind k = kind();
+  if (k == PickleKind::kFloat) return tree_->payload(id_).f;
+  if (k == PickleKind::kInt) return static_cast<double>(tree_->payload(id_).i);
   return Expected("a float", *this);
 }
 
 Result<std::string_view> PickleValue::AsStr() const {
-  const auto& n = tree_->node(id_);
-  if (n.kind == PickleKind::kStr) return tree_->Text(n);
+  if (kind() == PickleKind::kStr) return tree_->Text(id_);
   return Expected("a str", *this);
 }
 
 Result<std::string_view> PickleValue::AsBytes() const {
-  const auto& n = tree_->node(id_);
-  if (n.kind == PickleKind::kBytes || n.kind == PickleKind::kByteArray) return tree_->Text(n);
+  const PickleKind k = kind();
+  if (k == PickleKind::kBytes || k == PickleKind::kByteArray) return tree_->Text(id_);
   return Expected("bytes", *this);
 }
 
 std::string_view PickleValue::BigIntBytes() const {
-  const auto& n = tree_->node(id_);
-  return n.kind == PickleKind::kBigInt ? tree_->Text(n) : std::string_view();
+  return kind() == PickleKind::kBigInt ? tree_->Text(id_) : std::string_view();
 }
 
 size_t PickleValue::size() const {
-  const auto& n = tree_->node(id_);
-  switch (n.kind) {
+  switch (kind()) {
     case PickleKind::kTuple:
     case PickleKind::kList:
     case PickleKind::kSet:
-      return n.p.count;
+      return tree_->payload(id_).p.count;
     case PickleKind::kDict:
-      return n.p.count / 2;
+      return tree_->payload(id_).p.count / 2;
     default:
       return 0;
   }
@@ -1098,21 +1122,18 @@ size_t PickleValue::size() const {
 // Accessors used on the wrong kind or out of range return None (or ""), never read out of
 // bounds: the interpretation code checks kinds, and this keeps a slip from being a crash.
 PickleValue PickleValue::item(size_t i) const {
-  const auto& n = tree_->node(id_);
-  const bool sequence =
-      n.kind == PickleKind::kTuple || n.kind == PickleKind::kList || n.kind == PickleKind::kSet;
-  if (!sequence || i >= n.p.count) return PickleValue(tree_, kNoneId);
-  return tree_->Child(n, i);
+  const PickleKind k = kind();
+  const bool sequence = k == PickleKind::kTuple || k == PickleKind::kList || k == PickleKind::kSet;
+  if (!sequence || i >= tree_->payload(id_).p.count) return PickleValue(tree_, kNoneId);
+  return tree_->Child(id_, i);
 }
 PickleValue PickleValue::key(size_t i) const {
-  const auto& n = tree_->node(id_);
-  if (n.kind != PickleKind::kDict || i >= n.p.count / 2) return PickleValue(tree_, kNoneId);
-  return tree_->Child(n, 2 * i);
+  if (kind() != PickleKind::kDict || i >= size()) return PickleValue(tree_, kNoneId);
+  return tree_->Child(id_, 2 * i);
 }
 PickleValue PickleValue::value(size_t i) const {
-  const auto& n = tree_->node(id_);
-  if (n.kind != PickleKind::kDict || i >= n.p.count / 2) return PickleValue(tree_, kNoneId);
-  return tree_->Child(n, 2 * i + 1);
+  if (kind() != PickleKind::kDict || i >= size()) return PickleValue(tree_, kNoneId);
+  return tree_->Child(id_, 2 * i + 1);
 }
 
 std::optional<PickleValue> PickleValue::Find(std::string_view key_str) const {
@@ -1120,7 +1141,7 @@ std::optional<PickleValue> PickleValue::Find(std::string_view key_str) const {
   const size_t n = size();
   for (size_t i = 0; i < n; ++i) {
     const PickleValue k = key(i);
-    if (k.is(PickleKind::kStr) && tree_->Text(tree_->node(k.id_)) == key_str) return value(i);
+    if (k.is(PickleKind::kStr) && tree_->Text(k.id_) == key_str) return value(i);
   }
   return std::nullopt;
 }
@@ -1136,15 +1157,13 @@ Result<PickleValue> PickleValue::ExpectKind(PickleKind k) const {
 }
 
 std::string_view PickleValue::global_module() const {
-  const auto& n = tree_->node(id_);
-  if (n.kind != PickleKind::kGlobal) return {};
-  return tree_->Text(tree_->node(tree_->children_[n.a]));
+  if (kind() != PickleKind::kGlobal) return {};
+  return tree_->Text(tree_->Child(id_, 0).id_);
 }
 
 std::string_view PickleValue::global_name() const {
-  const auto& n = tree_->node(id_);
-  if (n.kind != PickleKind::kGlobal) return {};
-  return tree_->Text(tree_->node(tree_->children_[n.a + 1]));
+  if (kind() != PickleKind::kGlobal) return {};
+  return tree_->Text(tree_->Child(id_, 1).id_);
 }
 
 namespace {
@@ -1152,23 +1171,21 @@ bool IsObject(PickleKind k) { return k == PickleKind::kReduce || k == PickleKind
 }  // namespace
 
 PickleValue PickleValue::callable() const {
-  const auto& n = tree_->node(id_);
-  return IsObject(n.kind) ? tree_->Child(n, 0) : PickleValue(tree_, kNoneId);
+  return IsObject(kind()) ? tree_->Child(id_, 0) : PickleValue(tree_, kNoneId);
 }
 PickleValue PickleValue::args() const {
-  const auto& n = tree_->node(id_);
-  return IsObject(n.kind) ? tree_->Child(n, 1) : PickleValue(tree_, kNoneId);
+  return IsObject(kind()) ? tree_->Child(id_, 1) : PickleValue(tree_, kNoneId);
 }
 std::optional<PickleValue> PickleValue::kwargs() const {
-  const auto& n = tree_->node(id_);
-  if (n.kind != PickleKind::kNewObj || n.p.count < 3) return std::nullopt;
-  return tree_->Child(n, 2);
+  if (kind() != PickleKind::kNewObj || tree_->payload(id_).p.count < 3) return std::nullopt;
+  return tree_->Child(id_, 2);
 }
 
 std::optional<PickleValue> PickleValue::Extra(int which) const {
-  const auto& n = tree_->node(id_);
-  if (!IsObject(n.kind) || n.p.extra == PickleTree::kNoIndex) return std::nullopt;
-  const PickleTree::ObjectExtra& e = tree_->objects_[n.p.extra];
+  if (!IsObject(kind())) return std::nullopt;
+  const uint32_t index = tree_->ObjectExtraIndex(id_);
+  if (index == PickleTree::kNoIndex) return std::nullopt;
+  const PickleTree::ObjectExtra& e = tree_->objects_[index];
   const uint32_t id = which == 0 ? e.state : which == 1 ? e.list_items : e.dict_items;
   if (id == PickleTree::kNoIndex) return std::nullopt;
   return PickleValue(tree_, id);
@@ -1207,8 +1224,7 @@ std::optional<PickleValue> PickleValue::Attr(std::string_view name) const {
 }
 
 PickleValue PickleValue::persistent_id() const {
-  const auto& n = tree_->node(id_);
-  return n.kind == PickleKind::kPersId ? tree_->Child(n, 0) : PickleValue(tree_, kNoneId);
+  return kind() == PickleKind::kPersId ? tree_->Child(id_, 0) : PickleValue(tree_, kNoneId);
 }
 
 // ---- bytes objects --------------------------------------------------------------------------

@@ -15,10 +15,14 @@
 // (NEXT_BUFFER, READONLY_BUFFER), the copyreg extension registry (EXT1/2/4) and the text
 // opcodes whose escapes would need decoding (STRING, UNICODE, INST, OBJ) are errors.
 //
-// Memory is linear in the input: one 16-byte node per value-creating opcode (None, bools, the
-// empty tuple and ints 0..255 are shared constants), 4 bytes per container child, 4 bytes per
-// memo slot; the parser is iterative (no recursion, whatever the nesting). Strings and bytes are
-// views into the input, which must outlive the tree. Inputs of 4 GiB or more are refused.
+// Memory is linear in the input and small: 9 bytes per value-creating opcode (a kind byte and
+// an 8-byte payload, kept in arrays that grow by blocks and so are never copied; None, bools,
+// the empty tuple and ints 0..255 are shared constants), 4 bytes per container child (one more
+// per object, for its BUILD and items), 4 bytes per stack entry, mark and memo slot. At worst
+// (a stream of 1-byte opcodes that each create a container) that is 13 bytes per input byte
+// besides the input itself; a real DCP .metadata takes about 3 (docs/FORMAT_TORCH_DIST.md). The
+// parser is iterative (no recursion, whatever the nesting). Strings and bytes are views into
+// the input, which must outlive the tree. Inputs of 4 GiB or more are refused.
 //
 // Errors are kDataLoss: "<source>: pickle: <what> at offset <n> (opcode <NAME> 0x<hex>)".
 //
@@ -28,6 +32,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -144,44 +149,87 @@ class PickleTree {
   PickleValue root() const { return PickleValue(this, root_); }
   // Bytes consumed up to and including STOP (pickle.load ignores what follows).
   uint64_t end_offset() const { return end_offset_; }
-  size_t node_count() const { return nodes_.size(); }
+  size_t node_count() const { return kinds_.size(); }
+  // The memory the tree holds, without the input.
+  size_t memory_bytes() const {
+    return kinds_.memory_bytes() + payloads_.memory_bytes() + children_.memory_bytes() +
+           objects_.capacity() * sizeof(ObjectExtra);
+  }
   const std::string& source() const { return source_; }
+  // The offset of the opcode that created `value` (for error messages: found by parsing the
+  // input again up to that node, with the memory of a parse at most); nullopt for the shared
+  // constants (None, bools, the empty tuple, ints 0..255).
+  std::optional<uint64_t> OffsetOf(const PickleValue& value) const;
 
  private:
   friend class PickleValue;
   friend class PickleParser;
   friend Result<PickleTree> ParsePickle(std::vector<uint8_t>&& bytes, std::string_view source);
 
-  struct Node {
-    PickleKind kind;
-    uint8_t pad[3];
-    // kStr/kBytes/kByteArray/kBigInt: offset of the bytes in the input; containers, globals,
-    // objects, persid: first child in children_.
-    uint32_t a;
-    union {
-      int64_t i;  // kInt, kBool
-      double f;   // kFloat
-      struct {
-        uint32_t count;  // bytes of a string; children of a container (2 per dict pair)
-        uint32_t extra;  // objects: index into objects_, or kNoIndex
-      } p;
-    };
+  // An array that grows by blocks of 2^16 elements: what it holds never moves, so growing it
+  // never holds an old and a new copy at once (a vector's doubling does, for a moment, which
+  // was the parser's peak memory).
+  template <typename T>
+  class BlockArray {
+   public:
+    size_t size() const { return size_; }
+    T& operator[](size_t i) { return blocks_[i >> kShift][i & kMask]; }
+    const T& operator[](size_t i) const { return blocks_[i >> kShift][i & kMask]; }
+    void push_back(const T& v) {
+      if ((size_ & kMask) == 0) blocks_.push_back(std::make_unique<T[]>(kBlock));
+      blocks_.back()[size_ & kMask] = v;
+      ++size_;
+    }
+    void append(const T* first, size_t n) {
+      for (size_t i = 0; i < n; ++i) push_back(first[i]);
+    }
+    size_t memory_bytes() const { return blocks_.size() * kBlock * sizeof(T); }
+
+   private:
+    static constexpr size_t kShift = 16, kBlock = size_t{1} << kShift, kMask = kBlock - 1;
+    std::vector<std::unique_ptr<T[]>> blocks_;
+    size_t size_ = 0;
+  };
+
+  // What a node holds besides its kind (kept apart: 9 bytes a node, not 16).
+  union Payload {
+    int64_t i;  // kInt, kBool
+    double f;   // kFloat
+    struct {
+      // kStr/kBytes/kByteArray/kBigInt: offset of the bytes in the input; containers, globals,
+      // objects, persid: first child in children_ (while parsing, a list, dict or set: its
+      // first segment of children, or kNoIndex).
+      uint32_t a;
+      // Bytes of a string; children of a container (2 per dict pair); parts of an object (2,
+      // or 3 for NEWOBJ_EX), whose children_ hold one more slot after them: the index of its
+      // ObjectExtra in objects_, or kNoIndex.
+      uint32_t count;
+    } p;
   };
   struct ObjectExtra {
     uint32_t state, list_items, dict_items;
   };
   static constexpr uint32_t kNoIndex = 0xFFFFFFFFu;
 
-  const Node& node(uint32_t id) const { return nodes_[id]; }
-  std::string_view Text(const Node& n) const {
-    return std::string_view(reinterpret_cast<const char*>(data_) + n.a, n.p.count);
+  PickleKind kind(uint32_t id) const { return static_cast<PickleKind>(kinds_[id]); }
+  const Payload& payload(uint32_t id) const { return payloads_[id]; }
+  std::string_view Text(uint32_t id) const {
+    const Payload& n = payloads_[id];
+    return std::string_view(reinterpret_cast<const char*>(data_) + n.p.a, n.p.count);
   }
-  PickleValue Child(const Node& n, size_t i) const { return PickleValue(this, children_[n.a + i]); }
+  PickleValue Child(uint32_t id, size_t i) const {
+    return PickleValue(this, children_[payloads_[id].p.a + i]);
+  }
+  uint32_t ObjectExtraIndex(uint32_t id) const {
+    const Payload& n = payloads_[id];
+    return children_[n.p.a + n.p.count];
+  }
 
   const uint8_t* data_ = nullptr;
   std::vector<uint8_t> owned_;  // the input, when the tree owns it (moving keeps its buffer)
-  std::vector<Node> nodes_;
-  std::vector<uint32_t> children_;
+  BlockArray<uint8_t> kinds_;   // PickleKind of each node
+  BlockArray<Payload> payloads_;
+  BlockArray<uint32_t> children_;
   std::vector<ObjectExtra> objects_;
   uint32_t root_ = 0;
   uint64_t end_offset_ = 0;

@@ -867,6 +867,51 @@ Result<TorchObjectItem> ReadTorchObjectItem(const ReadableFile& file, uint64_t i
                              stats);
 }
 
+namespace {
+Status CheckRecords(uint64_t item_length, const ItemReadFn& read, std::string_view source,
+                    ItemReadStats* stats, uint64_t* bytes_checked) {
+  ItemBytes item(item_length, read, source, stats);
+  TESSERA_RETURN_IF_ERROR(item.Probe());
+  TESSERA_ASSIGN_OR_RETURN(const uint8_t* head, item.Get(0, std::min<uint64_t>(item_length, 4),
+                                                         "the item's first bytes"));
+  if (item_length < 4 || Get32(head) != kLocalHeaderSig) return Status();  // raw bytes
+  TESSERA_ASSIGN_OR_RETURN(CentralDirectory dir, ReadCentralDirectory(item));
+  constexpr uint64_t kPiece = 1u << 20;
+  std::vector<uint8_t> buffer;
+  for (const ZipRecord& r : dir.records) {
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t data, RecordData(item, dir, r));
+    Crc32Stream crc;
+    for (uint64_t done = 0; done < r.size;) {
+      const uint64_t n = std::min(kPiece, r.size - done);
+      buffer.resize(n);
+      TESSERA_RETURN_IF_ERROR(read(data + done, buffer.data(), n).WithContext(item.source()));
+      if (stats) ++stats->reads, stats->bytes += n;
+      crc.Update(buffer.data(), n);
+      done += n;
+    }
+    if (crc.value() != r.crc32) {
+      return item.Error(data, r.name + " has CRC-32 " + Num(crc.value()) +
+                                  ", the central directory says " + Num(r.crc32));
+    }
+    if (bytes_checked) *bytes_checked += r.size;
+  }
+  return Status();
+}
+}  // namespace
+
+Status CheckTorchItemRecords(const ReadableFile& file, uint64_t item_offset, uint64_t item_length,
+                             ItemReadStats* stats, uint64_t* bytes_checked) {
+  TESSERA_ASSIGN_OR_RETURN(ItemReadFn read, FileReader(file, item_offset, item_length));
+  return CheckRecords(item_length, read, file.path() + " item at " + Num(item_offset), stats,
+                      bytes_checked);
+}
+
+Status CheckTorchItemRecords(std::span<const uint8_t> item, std::string_view source,
+                             uint64_t* bytes_checked) {
+  const ItemReadFn read = MemoryReader(item);
+  return CheckRecords(item.size(), read, source, nullptr, bytes_checked);
+}
+
 // ---- public: writing --------------------------------------------------------------------------
 
 Result<TorchItemLayout> LayOutTorchTensorItem(const TorchTensorSpec& spec) {

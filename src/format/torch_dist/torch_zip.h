@@ -120,6 +120,17 @@ Result<TorchObjectItem> ParseTorchObjectItem(std::span<const uint8_t> item,
 Result<TorchObjectItem> ReadTorchObjectItem(const ReadableFile& file, uint64_t item_offset,
                                             uint64_t item_length, ItemReadStats* stats = nullptr);
 
+// Checks the CRC-32 of every record of the item (tensor or object) at [item_offset, item_offset
+// + item_length) of `file`: reads its central directory, then each record's data in pieces of
+// at most 1 MiB. Adds the records' bytes to *bytes_checked. Errors (kDataLoss) name the file,
+// the item's offset and the record ("<name> has CRC-32 X, the central directory says Y"). An
+// object item that is not a zip archive (raw bytes) has nothing to check.
+Status CheckTorchItemRecords(const ReadableFile& file, uint64_t item_offset, uint64_t item_length,
+                             ItemReadStats* stats, uint64_t* bytes_checked);
+// The same over an item in memory; `source` prefixes errors.
+Status CheckTorchItemRecords(std::span<const uint8_t> item, std::string_view source,
+                             uint64_t* bytes_checked);
+
 // ---- writing ----------------------------------------------------------------------------------
 
 // A contiguous tensor as torch.save writes it (storage offset 0, row-major strides).
