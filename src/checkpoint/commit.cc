@@ -92,21 +92,20 @@ std::string SaveIdOf(const std::string& name) {
   return "";
 }
 
-// Whether the save that wrote marker `name` may still be running. A marker that cannot be read
-// or parsed belongs to no running save: a live save writes its marker whole (under a temporary
-// name, then renamed) before anything else.
-bool MarkerOwnerAlive(Storage& storage, const std::string& dir, const std::string& name,
-                      const ProcessIdentity& me) {
-  Result<std::unique_ptr<ReadableFile>> file = storage.NewReadableFile(JoinPath(dir, name));
-  if (!file.ok() || (*file)->size() > 4096) return false;
-  std::string text((*file)->size(), '\0');
-  if (!(*file)->ReadAt(0, text.data(), text.size()).ok()) return false;
+// The fields of an owner record ("key=value" lines).
+std::map<std::string, std::string> ParseOwnerRecord(std::string_view text) {
   std::map<std::string, std::string> fields;
-  std::istringstream lines(text);
+  std::istringstream lines{std::string(text)};
   for (std::string line; std::getline(lines, line);) {
     const size_t eq = line.find('=');
     if (eq != std::string::npos) fields[line.substr(0, eq)] = line.substr(eq + 1);
   }
+  return fields;
+}
+
+// Whether the process an owner record names may still be running (see OwnerRecordMayBeAlive).
+bool OwnerAlive(std::string_view text, const ProcessIdentity& me) {
+  std::map<std::string, std::string> fields = ParseOwnerRecord(text);
   if (!fields.count("host") || !fields.count("pid") || !fields.count("created_unix_ms")) {
     return false;
   }
@@ -118,6 +117,18 @@ bool MarkerOwnerAlive(Storage& storage, const std::string& dir, const std::strin
   const int64_t pid = std::strtoll(fields["pid"].c_str(), nullptr, 10);
   const std::string start = StartTimeOf(pid);
   return !start.empty() && start == fields["process_start"];
+}
+
+// Whether the save that wrote marker `name` may still be running. A marker that cannot be read
+// or parsed belongs to no running save: a live save writes its marker whole (under a temporary
+// name, then renamed) before anything else.
+bool MarkerOwnerAlive(Storage& storage, const std::string& dir, const std::string& name,
+                      const ProcessIdentity& me) {
+  Result<std::unique_ptr<ReadableFile>> file = storage.NewReadableFile(JoinPath(dir, name));
+  if (!file.ok() || (*file)->size() > 4096) return false;
+  std::string text((*file)->size(), '\0');
+  if (!(*file)->ReadAt(0, text.data(), text.size()).ok()) return false;
+  return OwnerAlive(text, me);
 }
 
 std::string ParentDir(const std::string& path) {
@@ -163,6 +174,21 @@ Status WriteWholeFile(Storage& storage, const std::string& path, const Bytes& by
   TESSERA_RETURN_IF_ERROR(out->WriteAt(0, bytes.data(), bytes.size()));
   if (sync) TESSERA_RETURN_IF_ERROR(out->Sync());
   return out->Close();
+}
+
+std::string ThisProcessOwnerRecord() {
+  const ProcessIdentity me = ThisProcess();
+  return "host=" + me.host + "\nboot_id=" + me.boot_id + "\npid=" + std::to_string(me.pid) +
+         "\nprocess_start=" + me.start_time + "\ncreated_unix_ms=" + std::to_string(NowUnixMs()) +
+         "\n";
+}
+
+bool OwnerRecordMayBeAlive(std::string_view text) { return OwnerAlive(text, ThisProcess()); }
+
+std::string DescribeOwnerRecord(std::string_view text) {
+  std::map<std::string, std::string> fields = ParseOwnerRecord(text);
+  if (!fields.count("host") || !fields.count("pid")) return "an unreadable owner record";
+  return "process " + fields["pid"] + " on host " + fields["host"];
 }
 
 SaveMarkers FindSaveMarkers(Storage& storage, const std::string& dir,
@@ -225,11 +251,8 @@ std::string NewSaveId(const std::vector<std::string>& existing_names) {
 
 Status CreateSaveMarker(Storage& storage, const std::string& dir, const std::string& save_id,
                         SyncPolicy sync) {
-  const ProcessIdentity me = ThisProcess();
-  const std::string text = "tessera save marker\nsave_id=" + save_id + "\nhost=" + me.host +
-                           "\nboot_id=" + me.boot_id + "\npid=" + std::to_string(me.pid) +
-                           "\nprocess_start=" + me.start_time +
-                           "\ncreated_unix_ms=" + std::to_string(NowUnixMs()) + "\n";
+  const std::string text =
+      "tessera save marker\nsave_id=" + save_id + "\n" + ThisProcessOwnerRecord();
   const std::string name = MarkerName(save_id);
   const std::string temp = JoinPath(dir, name + kMarkerTempSuffix);
   const bool durable = sync == SyncPolicy::kFull;

@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tessera/checkpoint.h"
@@ -51,6 +52,18 @@ struct SaveMarkers {
 };
 SaveMarkers FindSaveMarkers(Storage& storage, const std::string& dir,
                             const std::vector<std::string>& names, const std::string& own_save_id);
+
+// An owner record: "key=value" lines naming this process (host, boot id, pid, the pid's start
+// time) and the time, as every in-progress marker holds them. Other files whose owner must be
+// checked the same way (the checkpoint manager's read leases and deletion tombstones) hold one
+// too.
+std::string ThisProcessOwnerRecord();
+// Whether the owner an owner record names may still be running: the same process of this host
+// and boot (pid and start time equal), or a record of another host younger than 24 hours (its
+// processes cannot be checked from here). A record that does not parse: false.
+bool OwnerRecordMayBeAlive(std::string_view text);
+// "process 123 on host h", for messages.
+std::string DescribeOwnerRecord(std::string_view text);
 
 // Creates `path` exclusively, writes `bytes`, syncs when `sync`, closes.
 Status WriteWholeFile(Storage& storage, const std::string& path, const Bytes& bytes, bool sync);
