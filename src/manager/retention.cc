@@ -48,10 +48,14 @@ std::vector<RetentionDecision> PlanRetention(const std::vector<StepFacts>& facts
       d.reason = protection;
     } else {
       d.deleted = true;
-      d.reason = rank < static_cast<int64_t>(newest.size())
+      const bool behind_kept = static_cast<int64_t>(newest.size()) >= policy.keep_last &&
+                               f.step < newest[policy.keep_last - 1];
+      d.reason = f.failed ? "older than the newest committed checkpoint (its restore failed)"
+                 : f.state == StepState::kUncommitted
+                     ? "not committed, older than the newest committed checkpoint"
+                 : behind_kept
                      ? "older than the newest " + std::to_string(policy.keep_last) + " committed"
-                     : "older than the newest committed checkpoint" +
-                           std::string(f.failed ? " (its restore failed)" : "");
+                     : "older than the newest committed checkpoint";
     }
     decisions.push_back(std::move(d));
   }
