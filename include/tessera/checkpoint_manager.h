@@ -269,11 +269,11 @@ class CheckpointManager {
   const std::string& root() const { return root_; }
 
   // COLLECTIVE. Loads the checkpoint of the newest committed step (or options.step) into
-  // `state`. When a step fails its checks (its index is damaged, a file is missing or corrupt,
-  // the load fails on a checksum: kDataLoss, kNotFound, kFailedPrecondition), the ranks go on to
-  // the step before it; each such failure is passed to `warn` and listed in the report. Other
-  // errors (a key or shape the state does not match, another world size for per-rank state)
-  // are returned at once: an older checkpoint would not fix them. kNotFound when the root holds
+  // `state`. When a step fails its checks (its index is damaged, a file is missing, truncated
+  // or corrupt, the load fails on a checksum: kDataLoss), the ranks go on to the step before it;
+  // each such failure is passed to `warn` and listed in the report. Other errors (a key the
+  // checkpoint lacks, a shape the state does not match, another world size for per-rank state,
+  // an I/O error) are returned at once: an older checkpoint would not fix them. kNotFound when the root holds
   // no committed checkpoint (a fresh run); kDataLoss naming each step when every one failed.
   Result<RestoreReport> Restore(StateDict& state, Comm& comm, const RestoreOptions& options = {});
   Result<RestoreReport> Restore(StateDict& state, const RestoreOptions& options = {});

@@ -193,12 +193,10 @@ Result<std::string> AgreeOnSession(Comm& comm) {
   return std::string(bytes.begin(), bytes.end());
 }
 
-// A restore's failures that an older checkpoint may not have: damaged or missing bytes, an
-// index gone. Anything else (a caller's mistake, an I/O error of the store) would fail the same.
-bool FallsBack(const Status& status) {
-  return status.code() == StatusCode::kDataLoss || status.code() == StatusCode::kNotFound ||
-         status.code() == StatusCode::kFailedPrecondition;
-}
+// A restore's failures that an older checkpoint may not have: damaged, missing or truncated
+// bytes (kDataLoss). Anything else would fail the same on an older step: a caller's mistake (a
+// key the checkpoint lacks is kNotFound, a shape kInvalidArgument), an I/O error of the store.
+bool FallsBack(const Status& status) { return status.code() == StatusCode::kDataLoss; }
 
 Bytes ToBytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
 
@@ -591,11 +589,15 @@ Candidate PickCandidate(CheckpointManager::State& s, std::optional<int64_t> want
       c.error = taken.status().WithContext("cannot restore step " + std::to_string(*it));
       return c;
     }
-    // No commit, a deletion, a directory gone: no checkpoint at all. Anything else (a damaged
-    // index, a missing file) is a checkpoint that failed its checks.
+    // No commit, a deletion, a directory gone: no checkpoint at all. A damaged index or a
+    // missing file: a checkpoint that failed its checks. Anything else (the store failed) stops.
     const StatusCode code = taken.status().code();
-    c.skipped.push_back({*it, taken.status(),
-                         code != StatusCode::kFailedPrecondition && code != StatusCode::kNotFound});
+    if (code != StatusCode::kFailedPrecondition && code != StatusCode::kNotFound &&
+        !FallsBack(taken.status())) {
+      c.error = taken.status().WithContext("looking at step " + std::to_string(*it));
+      return c;
+    }
+    c.skipped.push_back({*it, taken.status(), FallsBack(taken.status())});
   }
   if (wanted && c.error.ok()) {
     c.error = NotFound("step " + std::to_string(*wanted) + " has no directory under " + s.root);
