@@ -273,8 +273,9 @@ class CheckpointManager {
   // or corrupt, the load fails on a checksum: kDataLoss), the ranks go on to the step before it;
   // each such failure is passed to `warn` and listed in the report. Other errors (a key the
   // checkpoint lacks, a shape the state does not match, another world size for per-rank state,
-  // an I/O error) are returned at once: an older checkpoint would not fix them. kNotFound when the root holds
-  // no committed checkpoint (a fresh run); kDataLoss naming each step when every one failed.
+  // an I/O error) are returned at once: an older checkpoint would not fix them. kNotFound when the
+  // root holds no committed checkpoint (a fresh run); kDataLoss naming each step when every one
+  // failed.
   Result<RestoreReport> Restore(StateDict& state, Comm& comm, const RestoreOptions& options = {});
   Result<RestoreReport> Restore(StateDict& state, const RestoreOptions& options = {});
 
