@@ -25,6 +25,15 @@ namespace py = pybind11;
 namespace tessera::python {
 namespace {
 
+// Whether the interpreter is shutting down (then no Python object may be touched).
+bool Finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return !Py_IsInitialized() || Py_IsFinalizing();
+#else
+  return !Py_IsInitialized() || _Py_IsFinalizing();
+#endif
+}
+
 // Failures of background saves that no call returned before their manager was destroyed: the
 // exit hook of tessera/_manager.py reports them and makes the exit status non-zero.
 std::mutex unseen_mu;
@@ -36,7 +45,7 @@ struct PyCallable {
   struct Held {
     py::object fn;
     ~Held() {
-      if (!Py_IsInitialized() || _Py_IsFinalizing()) {
+      if (Finalizing()) {
         fn.release();  // the interpreter is gone: leak the reference rather than touch it
         return;
       }
@@ -111,7 +120,7 @@ std::unique_ptr<PyManager> MakeManager(const std::string& root, const AsyncSaveO
   if (!warn.is_none()) {
     PyCallable fn(std::move(warn));
     options.warn = [fn](const std::string& message) {
-      if (!Py_IsInitialized() || _Py_IsFinalizing()) {
+      if (Finalizing()) {
         std::fprintf(stderr, "tessera: warning: %s\n", message.c_str());
         return;
       }

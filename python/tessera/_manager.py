@@ -153,6 +153,7 @@ class CheckpointManager:
         self._collective = bool(save_options.get("collective", True))
         self._user_metadata = dict(save_options.pop("user_metadata", None) or {})
         self._deferred = staging == "deferred"
+        self._last_handle = None
         opts = _tessera.AsyncSaveOptions()
         opts.save = _api._set_options("CheckpointManager", _tessera.SaveOptions(), save_options)
         opts.staging = (_tessera.StagingMode.DEFERRED if self._deferred
@@ -206,6 +207,10 @@ class CheckpointManager:
             pickled[name] = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         skipped, reason, handle, report = self._locked(lambda: self._impl.save(
             step, builder, comm, opts.user_metadata, pickled, self._deferred))
+        if handle is not None:
+            # Kept until the next save: with staging="deferred" the handle holds the tensors
+            # until they are copied, and a caller that drops the ManagedSave must not wait here.
+            self._last_handle = handle
         # The handle is not tracked by tessera.async_save's exit hook: its failure reaches the
         # caller through this manager (the next call, or the exit check below).
         return ManagedSave(step, self.step_path(step), skipped, reason, handle, report)
@@ -214,10 +219,12 @@ class CheckpointManager:
         """Blocks until the save in flight is committed (and the retention after it done);
         raises its failure if no call raised it yet. Not collective."""
         self._impl.wait()
+        self._last_handle = None
 
     def close(self) -> None:
         """wait(), then the manager takes no more saves."""
         self._impl.close()
+        self._last_handle = None
         _live.discard(self)
 
     def __enter__(self) -> "CheckpointManager":
