@@ -682,7 +682,6 @@ Result<RestoreReport> CheckpointManager::RestoreWith(Comm& comm, const RestoreOp
     }
     const int64_t step = candidate.step;
     const std::string path = s.StepPath(step);
-    s.checked_root = true;  // saves go on from the restored step: the newer ones failed
     // Per-rank state: this rank's values, and whether the world size allows them.
     auto record_it = candidate.user_metadata.find(kManagerMetadataKey);
     Result<ManagerRecord> record = manager::DecodeRecord(

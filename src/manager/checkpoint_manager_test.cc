@@ -362,6 +362,13 @@ TEST(CheckpointManagerTest, AStepBehindACommittedOneIsRefused) {
   EXPECT_EQ(step, 5);
   SaveSteps(fresh, 6, 6);
   EXPECT_EQ(fresh.Save(6, dict).status().code(), StatusCode::kInvalidArgument);
+  // A step restored by number, with newer committed ones: saving after it is refused too (the
+  // newer ones failed nothing).
+  CheckpointManager older("/r", Options(storage));
+  TrainState o;
+  StateDict odict = o.Dict(0, 1);
+  ASSERT_OK(older.Restore(odict, RestoreOptions{.step = 5}).status());
+  EXPECT_EQ(older.Save(6, dict).status().code(), StatusCode::kFailedPrecondition);
   // To discard the newer steps instead: Delete them.
   CheckpointManager discard("/r", Options(storage));
   for (int64_t s : {5, 6}) ASSERT_OK(discard.Delete(s));
