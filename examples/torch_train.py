@@ -1,27 +1,31 @@
 #!/usr/bin/python3
-"""Train a small tensor-parallel MLP with checkpoints, then resume it with another rank count.
+"""Train a small tensor-parallel MLP with a checkpoint manager, kill it, resume it elsewhere.
 
-    PYTHONPATH=build/python /usr/bin/python3 examples/torch_train.py [--train-ranks 2]
-        [--resume-ranks 1] [--steps 12] [--save-every 4] [--out DIR]
+    python3 examples/torch_train.py [--train-ranks 2] [--resume-ranks 1] [--steps 12]
+        [--save-every 4] [--kill-at 10] [--out DIR]
 
 1. `--train-ranks` processes (torch.distributed, gloo) train a 2-layer MLP whose hidden
    dimension is split over the ranks (Megatron-style tensor parallelism: fc1 by rows, fc2 by
-   columns, fc2's bias replicated), with Adam, for `--steps` steps. Every `--save-every` steps
-   the model and the optimizer are saved with tessera.async_save(staging="deferred"): the
-   copy of the state overlaps the next forward and backward passes (waited for just before the
-   optimizer step, and checked: check_unchanged_until_staged), and training goes on while the
-   checkpoint is written.
-2. `--resume-ranks` processes load the checkpoint of the middle of the run into their own
-   layout (tessera reshards: each rank reads only the pieces it needs) and train the rest.
-3. The loss curves of the resumed run and of the uninterrupted one must agree (float64: only
-   the summation order over the hidden dimension differs between rank counts), which is
-   asserted.
+   columns, fc2's bias replicated), with Adam. A tessera.CheckpointManager saves the model, the
+   optimizer and each rank's RNG state (per-rank state) every `--save-every` steps, in the
+   background (staging="deferred": the copy overlaps the next forward and backward passes and
+   is waited for just before the optimizer step, checked with check_unchanged_until_staged),
+   keeping the newest 2. At step `--kill-at` rank 0 is killed with SIGKILL, mid-run: whatever
+   save was in flight never finishes.
+2. `--resume-ranks` processes open the same root: the manager restores the newest checkpoint
+   that is whole (its latest committed step, whatever the kill interrupted), into their own
+   layout (tessera reshards: each rank reads only the pieces it needs; the per-rank RNG states
+   of another world size are mapped explicitly), and train to the end, saving as they go.
+3. An uninterrupted run of one process gives the reference: the losses of the killed run and
+   of the resumed one must agree with it (float64: only the summation order over the hidden
+   dimension differs between rank counts), which is asserted.
 """
 
 import argparse
 import datetime
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -111,63 +115,88 @@ def state_dict(model, optimizer, step):
             "optimizer": moments, "step": step}
 
 
-def run(rank, size, port, args, resume_from, first_step, tag):
+def fresh_optimizer(model):
+    """Adam with its state created (it creates it on the first step): a restore loads into it."""
+    optimizer = torch.optim.Adam(model.params.values(), lr=LR)
+    for param in model.params.values():
+        optimizer.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                                  "exp_avg_sq": torch.zeros_like(param)}
+    return optimizer
+
+
+def run(rank, size, port, args, tag):
+    """One rank of a run: restores from the manager's latest checkpoint (if any), trains to the
+    end (or, tag "killed", to --kill-at), saving every --save-every steps. Losses go to
+    <out>/<tag>.json after every step."""
     comm = None
     if size > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=size, timeout=datetime.timedelta(seconds=60))
         comm = tessera.torch_dist_comm()
     torch.set_num_threads(1)
+    torch.manual_seed(1000 + rank)  # each rank's own RNG state: per-rank state
     model = ShardedMLP(size, rank)
-    optimizer = torch.optim.Adam(model.params.values(), lr=LR)
-    if resume_from:
-        # Adam creates its state on the first step: create it now, then load into it.
-        for param in model.params.values():
-            optimizer.state[param] = {"step": torch.tensor(0.0),
-                                      "exp_avg": torch.zeros_like(param),
-                                      "exp_avg_sq": torch.zeros_like(param)}
-        state = state_dict(model, optimizer, step=None)
-        report = tessera.load(state, resume_from, comm=comm)
-        assert state["step"] == first_step, state["step"]
+    optimizer = fresh_optimizer(model)
+    root = os.path.join(args.out, "reference" if tag == "reference" else "run")
+    manager = tessera.CheckpointManager(root, comm=comm, keep_last=2, staging="deferred",
+                                        check_unchanged_until_staged=True, layout=f"tp{size}")
+    # The newest checkpoint that is whole (None on a fresh run). Saved by another number of
+    # ranks, the per-rank RNG states need a mapping: each rank takes that of rank % saved.
+    restored = manager.restore(state_dict(model, optimizer, step=None),
+                               per_rank_map=lambda r, n, saved: r % saved)
+    first_step = 0
+    if restored is not None:
+        first_step = restored.step
+        torch.set_rng_state(restored.per_rank["rng"][0])
         for param in model.params.values():
             optimizer.state[param]["step"].fill_(first_step)
         if rank == 0:
-            print(f"[{tag}] {size} rank(s) resumed from {resume_from} (saved by "
-                  f"{tessera.read_metadata(resume_from).num_ranks} ranks) at step {first_step};"
-                  f" rank 0 read {report.bytes_read} bytes", flush=True)
+            skipped = [s for s, _, _ in restored.skipped]
+            print(f"[{tag}] {size} rank(s) resumed at step {first_step} from {restored.path} "
+                  f"(the manager's latest whole checkpoint; passed over: {skipped or 'none'}); "
+                  f"rank 0 read {restored.report.bytes_read} bytes", flush=True)
+    else:
+        # Adam's state starts at zero, as it would on its first step.
+        optimizer = torch.optim.Adam(model.params.values(), lr=LR)
 
     x, y = data()
-    losses, handle = {}, None
-    for step in range(first_step, args.steps):
+    losses, saved = {}, None
+    last = args.kill_at if tag == "killed" else args.steps
+    for step in range(first_step, last):
         # A save in flight may still be copying the parameters: the optimizer step waits.
         losses[step] = model.train_step(*batch(step, x, y), optimizer,
-                                        handle.wait_staged if handle is not None else None)
-        if args.save_every and (step + 1) % args.save_every == 0 and not resume_from:
-            if handle is not None:
-                handle.wait()
+                                        saved.wait_staged if saved is not None else None)
+        torch.randn(1)  # the RNG moves on, so a wrong restore of it would show
+        if rank == 0:
+            with open(os.path.join(args.out, f"{tag}.json"), "w") as f:
+                json.dump(losses, f)
+        if (step + 1) % args.save_every == 0 and step + 1 < args.steps and tag != "reference":
             # Returns at once: the copy runs behind the next forward and backward passes, the
             # writing behind the next steps.
-            handle = tessera.async_save(state_dict(model, optimizer, step + 1),
-                                        os.path.join(args.out, f"step{step + 1}"), comm=comm,
-                                        staging="deferred", check_unchanged_until_staged=True)
-    if handle is not None:
-        handle.wait()
-    if rank == 0:
-        with open(os.path.join(args.out, f"{tag}.json"), "w") as f:
-            json.dump(losses, f)
+            saved = manager.save(step + 1, state_dict(model, optimizer, step + 1),
+                                 per_rank={"rng": torch.get_rng_state()})
+    if tag == "killed" and rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # a crash, with a save perhaps in flight
+    manager.close()
     if size > 1:
         dist.destroy_process_group()
 
 
-def launch(size, args, resume_from, first_step, tag):
+def launch(size, args, tag):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    if size == 1:
-        run(0, 1, port, args, resume_from, first_step, tag)
-    else:
-        mp.start_processes(run, args=(size, port, args, resume_from, first_step, tag),
-                           nprocs=size, join=True, start_method="spawn")
+    if tag == "reference" and size == 1:
+        run(0, 1, port, args, tag)  # in this process: no spawn
+        size = 0
+    try:
+        if size:
+            mp.start_processes(run, args=(size, port, args, tag), nprocs=size, join=True,
+                               start_method="spawn")
+    except mp.ProcessExitedException as e:
+        if tag != "killed" or e.exit_code != -signal.SIGKILL:
+            raise
+        print(f"[{tag}] rank 0 was killed (SIGKILL) at step {args.kill_at}", flush=True)
     with open(os.path.join(args.out, f"{tag}.json")) as f:
         return {int(k): v for k, v in json.load(f).items()}
 
@@ -178,35 +207,45 @@ def main():
     parser.add_argument("--resume-ranks", type=int, default=1)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--save-every", type=int, default=4)
-    parser.add_argument("--resume-at", type=int, default=None,
-                        help="the checkpoint to resume from (default: the middle one)")
+    parser.add_argument("--kill-at", type=int, default=None,
+                        help="the step at which the first run is killed (default: between the "
+                             "last two saves)")
     parser.add_argument("--out", default=None, help="directory for checkpoints (default: temp)")
     args = parser.parse_args()
     saves = list(range(args.save_every, args.steps, args.save_every))
     if not saves:
         parser.error("--save-every must leave a checkpoint before the last step")
-    resume_at = args.resume_at or saves[(len(saves) - 1) // 2]
+    args.kill_at = args.kill_at or min(saves[-1] + args.save_every // 2, args.steps - 1)
+    if not saves[0] <= args.kill_at < args.steps:
+        parser.error(f"--kill-at must lie in [{saves[0]}, {args.steps})")
     with tempfile.TemporaryDirectory() as tmp:
         args.out = args.out or tmp
         os.makedirs(args.out, exist_ok=True)
         start = time.time()
-        trained = launch(args.train_ranks, args, None, 0, "train")
-        checkpoint = os.path.join(args.out, f"step{resume_at}")
-        tessera.verify(checkpoint)
-        resumed = launch(args.resume_ranks, args, checkpoint, resume_at, "resume")
+        reference = launch(1, args, "reference")
+        killed = launch(args.train_ranks, args, "killed")
+        resumed = launch(args.resume_ranks, args, "resumed")
+        manager = tessera.CheckpointManager(os.path.join(args.out, "run"))
+        print(f"\nthe root holds steps {manager.all_steps()}; latest {manager.latest_step()}")
 
-        print(f"\n{'step':>4}  {f'loss, {args.train_ranks} rank(s)':>22}  "
-              f"{f'resumed, {args.resume_ranks} rank(s)':>22}")
+        print(f"\n{'step':>4}  {'reference, 1 rank':>24}  "
+              f"{f'killed run, {args.train_ranks}':>22}  {f'resumed, {args.resume_ranks}':>22}")
+        first_resumed = min(resumed)
         for step in range(args.steps):
-            again = f"{resumed[step]:22.12f}" if step in resumed else ""
-            mark = "  <- resumed here" if step == resume_at else ""
-            print(f"{step:>4}  {trained[step]:22.12f}  {again:>22}{mark}")
-        for step, loss in resumed.items():
-            assert abs(loss - trained[step]) <= 1e-9 * abs(trained[step]), (
-                f"step {step}: resumed loss {loss} differs from {trained[step]}")
-        assert trained[args.steps - 1] < trained[0], "the loss did not go down"
-        print(f"\nthe resumed run continues the loss curve (to 1e-9 relative) "
-              f"[{time.time() - start:.1f} s]")
+            a = f"{killed[step]:22.12f}" if step in killed else ""
+            b = f"{resumed[step]:22.12f}" if step in resumed else ""
+            mark = ("  <- resumed here" if step == first_resumed else
+                    "  <- killed here" if step == args.kill_at - 1 else "")
+            print(f"{step:>4}  {reference[step]:24.12f}  {a:>22}  {b:>22}{mark}")
+        for run_losses in (killed, resumed):
+            for step, loss in run_losses.items():
+                assert abs(loss - reference[step]) <= 1e-9 * abs(reference[step]), (
+                    f"step {step}: loss {loss} differs from the reference {reference[step]}")
+        assert first_resumed <= args.kill_at and first_resumed in saves, first_resumed
+        assert max(resumed) == args.steps - 1
+        assert reference[args.steps - 1] < reference[0], "the loss did not go down"
+        print(f"\nkilled at step {args.kill_at}, resumed at step {first_resumed}: the run "
+              f"continues the loss curve (to 1e-9 relative) [{time.time() - start:.1f} s]")
 
 
 if __name__ == "__main__":

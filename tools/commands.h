@@ -41,6 +41,7 @@ void AddLsCommand(CLI::App& app, int* exit_code);        // tessera ls
 void AddDiffCommand(CLI::App& app, int* exit_code);      // tessera diff
 void AddRmKeysCommand(CLI::App& app, int* exit_code);    // tessera rm-keys
 void AddFinalizeCommand(CLI::App& app, int* exit_code);  // tessera finalize
+void AddManagerCommands(CLI::App& app, int* exit_code);  // tessera latest, tessera prune
 
 struct DemoOptions {
   std::string out;

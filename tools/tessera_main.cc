@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   AddDiffCommand(app, &exit_code);
   AddRmKeysCommand(app, &exit_code);
   AddFinalizeCommand(app, &exit_code);
+  AddManagerCommands(app, &exit_code);
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks that print JSON");
   bench->require_subcommand(1);
   AddBenchPlanCommand(*bench, &exit_code);

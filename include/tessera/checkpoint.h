@@ -215,6 +215,17 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, const LoadOpt
 // `path` may also be one .safetensors file). `storage` null means local files.
 Result<Metadata> ReadMetadata(const std::string& path, std::shared_ptr<Storage> storage = nullptr);
 
+// Whether `path` holds a committed checkpoint that is whole, cheaply: its index reads and
+// passes every check ReadMetadata makes (for a rank-local save: every rank's part is there), and
+// every data file the index lists is present with the size it records. No data byte is read
+// (Verify reads them all). True, with *metadata filled when not null; false when `path` holds
+// no committed checkpoint (it does not exist, is empty, holds the files of a save that did not
+// commit, or an incomplete rank-local save); an error (kDataLoss, naming the file) when an index
+// is there but damaged, or a file it lists is missing or of another size. What
+// CheckpointManager decides "committed" by; it never looks at the names of the index files.
+Result<bool> IsCommitted(const std::string& path, std::shared_ptr<Storage> storage = nullptr,
+                         Metadata* metadata = nullptr);
+
 struct VerifyReport {
   uint64_t chunks_checked = 0;  // chunks and objects
   uint64_t bytes_checked = 0;   // bytes whose checksums were checked

@@ -4,6 +4,7 @@
 
 #include "py_checkpoint.h"
 #include "py_comm.h"
+#include "py_manager.h"
 #include "py_state.h"
 #include "py_status.h"
 
@@ -13,4 +14,5 @@ PYBIND11_MODULE(_tessera, m) {
   tessera::python::RegisterState(m);
   tessera::python::RegisterComm(m);
   tessera::python::RegisterCheckpoint(m);
+  tessera::python::RegisterManager(m);
 }

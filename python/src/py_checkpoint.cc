@@ -13,6 +13,7 @@
 #include "core/utf8.h"
 #include "format/manifest.h"
 #include "format/checksum.h"
+#include "py_async.h"
 #include "py_comm.h"
 #include "py_state.h"
 #include "py_status.h"
@@ -429,54 +430,6 @@ void RegisterMetadata(py::module_& m) {
       });
 }
 
-// tessera.AsyncSaveHandle: an AsyncSaveHandle plus, with staging="deferred", the StateBuilder
-// viewing the caller's tensors, so that they stay alive (and their buffers exported) until the
-// copy is done. Dropped once WaitStaged() is seen to have returned, by wait_staged(), wait() or
-// done(); the destructor waits for staging (without the GIL) before dropping it.
-class PyAsyncSave {
- public:
-  PyAsyncSave(AsyncSaveHandle handle, py::object views)
-      : handle_(std::move(handle)), views_(std::move(views)) {}
-  PyAsyncSave(const PyAsyncSave&) = delete;
-  PyAsyncSave& operator=(const PyAsyncSave&) = delete;
-  ~PyAsyncSave() {
-    if (!views_.is_none()) {
-      py::gil_scoped_release release;
-      handle_.WaitStaged().IgnoreError();  // the save's status keeps it
-    }
-  }
-
-  void WaitStaged() {
-    Status status;
-    {
-      py::gil_scoped_release release;
-      status = handle_.WaitStaged();
-    }
-    views_ = py::none();
-    ThrowIfError(status);
-  }
-  SaveReport Wait() {
-    Status status;
-    {
-      py::gil_scoped_release release;
-      status = handle_.Wait();
-    }
-    views_ = py::none();
-    ThrowIfError(status);
-    return *handle_.report();
-  }
-  bool Done() {
-    const bool done = handle_.Done();
-    if (done) views_ = py::none();  // done implies staged
-    return done;
-  }
-  const AsyncSaveHandle& handle() const { return handle_; }
-
- private:
-  AsyncSaveHandle handle_;
-  py::object views_;  // None once staged, or with staging="blocking"
-};
-
 void RegisterAsync(py::module_& m) {
   py::class_<PyAsyncSave>(m, "AsyncSaveHandle",
                           "An asynchronous save in flight (tessera.async_save).")
@@ -494,15 +447,30 @@ void RegisterAsync(py::module_& m) {
       .def("done", &PyAsyncSave::Done, "True once the save is committed or failed.")
       .def(
           "exception",
-          [](const PyAsyncSave& h) -> py::object {
+          [](PyAsyncSave& h) -> py::object {
             std::optional<Status> status = h.handle().TryStatus();
             if (!status || status->ok()) return py::none();
+            h.MarkSeen();
             return StatusToException(*status);
           },
           "The exception the save failed with; None while in flight or after success.")
       .def_property_readonly(
           "report", [](const PyAsyncSave& h) { return h.handle().report(); },
           "The SaveReport once committed, else None.")
+      .def(
+          "_unseen_failure",
+          [](PyAsyncSave& h) -> py::object {
+            Status status;
+            {
+              py::gil_scoped_release release;
+              status = h.handle().Wait();
+            }
+            if (status.ok() || h.seen()) return py::none();
+            h.MarkSeen();
+            return StatusToException(status);
+          },
+          "Waits; the exception of a failed save that no wait(), wait_staged() or exception() "
+          "has shown yet (then marked shown), else None. For the exit hook.")
       .def("__repr__", [](const PyAsyncSave& h) {
         std::optional<Status> status = h.handle().TryStatus();
         if (!status) {

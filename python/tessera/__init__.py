@@ -11,6 +11,7 @@ mirrors torch.distributed.checkpoint:
     tessera.read_metadata(path); tessera.verify(path)
     tessera.convert(src, dst, to="safetensors")        # e.g. export for inference
     tessera.remove_keys(path, "optimizer.")            # drop keys, free their bytes
+    manager = tessera.CheckpointManager(root, keep_last=2)  # save every N steps, resume
 
 See docs/PYTHON.md.
 """
@@ -20,6 +21,7 @@ from . import megatron
 from . import torch
 from ._api import (async_save, convert, finalize, load, load_all, read_metadata, remove_keys, save,
                    verify)
+from ._manager import CheckpointManager, CheckpointWarning, ManagedSave, RestoreResult
 from ._errors import (AlreadyExistsError, CommError, CommTimeoutError, CorruptCheckpointError,
                       Error, FailedPreconditionError, InternalError, InvalidArgumentError,
                       MissingKeysError, NotFoundError, PartialLoadWarning, StorageError,
@@ -57,7 +59,8 @@ def mpi_comm(comm=None) -> Comm:
 
 
 __all__ = [
-    "AlreadyExistsError", "AsyncSaveHandle", "Comm", "CommError", "CommTimeoutError",
+    "AlreadyExistsError", "AsyncSaveHandle", "CheckpointManager", "CheckpointWarning", "Comm",
+    "CommError", "CommTimeoutError", "ManagedSave", "RestoreResult",
     "ConvertReport", "convert",
     "CorruptCheckpointError", "Error", "FailedPreconditionError", "HAS_MPI", "InternalError",
     "InvalidArgumentError", "LoadReport", "Metadata", "MissingKeysError", "NotFoundError",

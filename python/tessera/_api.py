@@ -498,15 +498,39 @@ def async_save(state_dict, path, *, comm=None, when_busy="wait", staging="blocki
     else:
         with lock:
             handle = _tessera._async_save(builder, os.fspath(path), comm, opts)
-    _in_flight.difference_update([h for h in _in_flight if h.done()])
-    _in_flight.add(handle)
+    _track(handle)
     return handle
+
+
+def _track(handle):
+    """Keeps `handle` for the exit hook until it is done and its outcome shown to its owner."""
+    _in_flight.difference_update([h for h in _in_flight if h.done() and h.report is not None])
+    _in_flight.add(handle)
+
+
+# More checks of the exit hook: callables returning the messages of failed saves nobody was told
+# of (tessera/_manager.py adds the open CheckpointManagers').
+_exit_checks = []
 
 
 @atexit.register
 def _wait_for_async_saves():
+    """At exit: waits for the saves in flight; a failed save whose failure nobody was shown
+    (by wait(), wait_staged() or exception() of its handle, or a manager's call) is printed and
+    the process exits with status 1: it never ends as if the checkpoint had been saved."""
+    failures = []
     for handle in list(_in_flight):
-        try:
-            handle.wait()
-        except Exception:  # noqa: BLE001 (its owner had the chance to look; nothing to do now)
-            pass
+        error = handle._unseen_failure()
+        if error is not None:
+            failures.append(f"an asynchronous save failed: {error}")
+    for check in _exit_checks:
+        failures += check()
+    if not failures:
+        return
+    for failure in failures:
+        sys.stderr.write(f"tessera: error: {failure} (nothing reported it before exit)\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if "logging" in sys.modules:
+        sys.modules["logging"].shutdown()
+    os._exit(1)

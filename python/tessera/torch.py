@@ -10,6 +10,14 @@ load_state takes a fresh model and a fresh optimizer (no state yet): the optimiz
 built from the checkpoint's metadata, loaded, and handed to optimizer.load_state_dict. The
 training then continues exactly as if it had not stopped.
 
+Through a tessera.CheckpointManager (save every N steps, keep the newest, resume from the
+latest that is whole):
+
+    manager = tessera.CheckpointManager("ckpt/run", comm=comm, keep_last=2)
+    extra = tessera.torch.load_state(manager, model=model, optimizer=optimizer)  # None: fresh
+    ...
+    tessera.torch.save_state(manager, model=model, optimizer=optimizer, step=step)  # background
+
 What is saved (one tessera checkpoint; `tessera inspect` shows it):
 
 - model: model.state_dict() under "model" (a dict or list of models: under "model.<name>").
@@ -31,11 +39,12 @@ import os
 
 from . import _adapters
 from . import _api
+from . import _manager
 from . import _dtypes
 from . import _state
 from ._errors import invalid_argument
 
-__all__ = ["load_state", "per_rank", "save_state"]
+__all__ = ["async_save_state", "load_state", "per_rank", "save_state"]
 
 # The user-metadata entry describing a save_state checkpoint: which parts it has.
 RESUME_KEY = "tessera.torch.state"
@@ -53,44 +62,102 @@ class per_rank:  # noqa: N801 (used like a function)
         self.value = value
 
 
+def _save_parts(model, optimizer, rank, size, extra):
+    """The state dict save_state saves and the description of its parts."""
+    models = _Parts(model, "model")
+    optimizers = _Parts(optimizer, "optimizer")
+    state, names, sharding = {}, _param_names(models), {}
+    if models.kind is not None:
+        model_states = {name: m.state_dict() for name, m in models.items}
+        state["model"] = models.pack(model_states)
+        sharding = _sharding(models, model_states)
+    if optimizers.kind is not None:
+        state["optimizer"] = optimizers.pack({
+            name: _optimizer_state(o, name, names, sharding)
+            for name, o in optimizers.items})
+    per_rank_names = sorted(k for k, v in extra.items() if isinstance(v, per_rank))
+    if extra:
+        state["extra"] = {k: _state.ShardedObject(v.value, key=f"extra.{k}/rank_{rank}")
+                          if isinstance(v, per_rank) else v for k, v in extra.items()}
+    description = {"version": _VERSION, "model": models.describe(),
+                   "optimizer": optimizers.describe(), "extra": sorted(extra),
+                   "per_rank": per_rank_names, "num_ranks": size}
+    return state, description
+
+
+def _recorded_step(extra):
+    """The `step` extra as the user metadata "step" (what `tessera ls` shows), if an int."""
+    step = extra.get("step")
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    if _dtypes.is_torch_tensor(step) and step.numel() == 1 and not step.is_floating_point():
+        return int(step.item())
+    return None
+
+
+def _prepare_state(model, optimizer, comm, save_options, extra):
+    """(comm, state, save options with the description and the step in the user metadata)."""
+    comm = _api._comm_handle(comm)
+    rank = comm.rank if comm is not None else 0
+    size = comm.size if comm is not None else 1
+    state, description = _api._prepare(
+        comm, lambda: _save_parts(model, optimizer, rank, size, extra))
+    options = dict(save_options or {})
+    metadata = dict(options.get("user_metadata") or {})
+    metadata[RESUME_KEY] = json.dumps(description)
+    step = _recorded_step(extra)
+    if step is not None:
+        metadata.setdefault("step", str(step))
+    options["user_metadata"] = metadata
+    return comm, state, options
+
+
 def save_state(path, *, model=None, optimizer=None, comm=None, save_options=None, **extra):
     """Saves a training run's state at `path`: the model's state dict, the optimizer's state
     and hyperparameters, and every other keyword argument (step, scheduler state, RNG state,
     anything picklable). COLLECTIVE over `comm`, like tessera.save. `save_options`: a dict of
-    tessera.save options (num_io_threads, sync, user_metadata, ...). Returns the SaveReport."""
-    comm = _api._comm_handle(comm)
-    rank = comm.rank if comm is not None else 0
-    size = comm.size if comm is not None else 1
+    tessera.save options (num_io_threads, sync, user_metadata, ...). An int `step` is also
+    recorded in the user metadata ("step": `tessera ls` and `inspect` show it). Returns the
+    SaveReport.
 
-    def prepare():
-        models = _Parts(model, "model")
-        optimizers = _Parts(optimizer, "optimizer")
-        state, names, sharding = {}, _param_names(models), {}
-        if models.kind is not None:
-            model_states = {name: m.state_dict() for name, m in models.items}
-            state["model"] = models.pack(model_states)
-            sharding = _sharding(models, model_states)
-        if optimizers.kind is not None:
-            state["optimizer"] = optimizers.pack({
-                name: _optimizer_state(o, name, names, sharding)
-                for name, o in optimizers.items})
-        per_rank_names = sorted(k for k, v in extra.items() if isinstance(v, per_rank))
-        if extra:
-            state["extra"] = {k: _state.ShardedObject(v.value, key=f"extra.{k}/rank_{rank}")
-                              if isinstance(v, per_rank) else v for k, v in extra.items()}
-        description = {"version": _VERSION, "model": models.describe(),
-                       "optimizer": optimizers.describe(), "extra": sorted(extra),
-                       "per_rank": per_rank_names, "num_ranks": size}
-        return state, description
-
-    state, description = _api._prepare(comm, prepare)
-    options = dict(save_options or {})
-    options["user_metadata"] = dict(options.get("user_metadata") or {})
-    options["user_metadata"][RESUME_KEY] = json.dumps(description)
+    `path` may be a tessera.CheckpointManager: then `step` (an int) is required, the state is
+    saved as that step's checkpoint under the manager's root, through the manager (in the
+    background when the manager saves asynchronously, with its options and comm: pass neither
+    comm nor save_options), and the ManagedSave is returned.
+    """
+    if isinstance(path, _manager.CheckpointManager):
+        return _save_through(path, model, optimizer, comm, save_options, extra)
+    comm, state, options = _prepare_state(model, optimizer, comm, save_options, extra)
     return _api.save(state, os.fspath(path), comm=comm, **options)
 
 
-def load_state(path, *, model=None, optimizer=None, comm=None, strict=True, load_options=None):
+def async_save_state(path, *, model=None, optimizer=None, comm=None, save_options=None,
+                     **extra):
+    """save_state in the background: returns a tessera.AsyncSaveHandle once the state is
+    staged (wait() it; its failure is raised there, and a failure nobody waited for makes the
+    interpreter exit with status 1). `save_options` also takes tessera.async_save's (staging,
+    when_busy, staging_threads, ...); with staging="deferred", call handle.wait_staged() before
+    the optimizer changes the tensors. COLLECTIVE over `comm`."""
+    comm, state, options = _prepare_state(model, optimizer, comm, save_options, extra)
+    return _api.async_save(state, os.fspath(path), comm=comm, **options)
+
+
+def _save_through(manager, model, optimizer, comm, save_options, extra):
+    step = _recorded_step(extra)
+    if step is None:
+        raise invalid_argument("save_state through a CheckpointManager needs step=<int>: the "
+                               "checkpoint's step")
+    if comm is not None or save_options:
+        raise TypeError("save_state through a CheckpointManager takes the manager's comm and "
+                        "options: pass neither comm nor save_options")
+    comm = manager._comm
+    state, description = _api._prepare(
+        comm, lambda: _save_parts(model, optimizer, comm.rank, comm.size, extra))
+    return manager.save(step, state, user_metadata={RESUME_KEY: json.dumps(description)})
+
+
+def load_state(path, *, model=None, optimizer=None, comm=None, strict=True, load_options=None,
+               per_rank_map=None):
     """Loads a checkpoint of save_state into `model` (in place) and `optimizer` (fresh or not:
     its state is built from the checkpoint, then optimizer.load_state_dict), under any layout
     of the model's sharded state. Returns the extra values as a dict. COLLECTIVE over `comm`.
@@ -99,23 +166,62 @@ def load_state(path, *, model=None, optimizer=None, comm=None, strict=True, load
     checkpoint (pass the model and the optimizer that were saved). strict=False: the parts
     present on both sides are loaded; a tessera.PartialLoadWarning says what was left out.
     `load_options`: a dict of tessera.load options (num_io_threads, read_sharing, ...).
+
+    Extras saved with per_rank() belong to the world size of the save: restored into another
+    one, they are an error naming them, unless `per_rank_map(rank, world_size,
+    saved_world_size)` says which saved rank's value (an int) or values (a list: the extra is
+    then the list of them) each rank takes; with strict=False and no map they are left out.
+
+    `path` may be a tessera.CheckpointManager: then the newest committed checkpoint under its
+    root is loaded (with the manager's comm: pass none), falling back past checkpoints that
+    fail their checks with a tessera.CheckpointWarning; None is returned when the root holds
+    none (a fresh run).
     """
+    if isinstance(path, _manager.CheckpointManager):
+        return _load_through(path, model, optimizer, comm, strict, load_options, per_rank_map)
     comm = _api._comm_handle(comm)
-    path = os.fspath(path)
+    plan, report = _load_at(os.fspath(path), model, optimizer, comm, strict, load_options,
+                            per_rank_map, [])
+    return plan.finish(report)
+
+
+def _load_at(path, model, optimizer, comm, strict, load_options, per_rank_map, keys):
+    """Loads the save_state checkpoint at `path` (and the objects `keys`: their builder
+    indices are plan.key_indices); returns (plan, LoadReport)."""
     rank = comm.rank if comm is not None else 0
     size = comm.size if comm is not None else 1
 
     def prepare():
         metadata = _api.read_metadata(path)
-        plan = _LoadPlan(metadata, path, model, optimizer, rank, size, strict)
+        plan = _LoadPlan(metadata, path, model, optimizer, rank, size, strict, per_rank_map)
         flat = _state.Flat(plan.template, for_load=True)
         builder = flat.build(rank=rank, for_load=True)
+        plan.key_indices = [builder.add_object(k, b"") for k in keys]
         return plan, flat, builder, _api._load_options(strict, dict(load_options or {}))
 
     plan, flat, builder, opts = _api._prepare(comm, prepare)
     report = _api._load_prepared(plan.template, flat, builder, path, comm, opts,
                                  function="tessera.torch.load_state")
-    return plan.finish(report)
+    plan.builder = builder
+    return plan, report
+
+
+def _load_through(manager, model, optimizer, comm, strict, load_options, per_rank_map):
+    if comm is not None:
+        raise TypeError("load_state through a CheckpointManager takes the manager's comm: "
+                        "pass none")
+    manager.wait()
+    result = {}
+
+    def load(step, path, keys):
+        plan, report = _load_at(path, model, optimizer, manager._comm, strict, load_options,
+                                per_rank_map, keys)
+        result["extra"] = plan.finish(report)
+        return [plan.builder.object_data(i) for i in plan.key_indices]
+
+    if manager._restore_with(load, None, None) is None:
+        return None
+    return result["extra"]
 
 
 # ---- models and optimizers -------------------------------------------------------------------
@@ -253,7 +359,7 @@ class _LoadPlan:
     """The template a load_state asks for, and how to hand the loaded state to the model and
     the optimizer."""
 
-    def __init__(self, metadata, path, model, optimizer, rank, size, strict):
+    def __init__(self, metadata, path, model, optimizer, rank, size, strict, per_rank_map=None):
         text = metadata.user_metadata.get(RESUME_KEY)
         if text is None:
             raise invalid_argument(f"the checkpoint at {path} was not saved by "
@@ -267,6 +373,8 @@ class _LoadPlan:
         root = dict(_state.saved_structure(metadata)["dict"])
         self.tensors = {t.key: t for t in metadata.tensors}
         self.rank, self.size, self.strict = rank, size, strict
+        self.per_rank_map = per_rank_map
+        self.left_out = set()    # per-rank extras of another world size, strict=False
         self.models = _Parts(model, "model")
         self.optimizers = _Parts(optimizer, "optimizer")
         for part, saved in ((self.models, description["model"]),
@@ -342,17 +450,47 @@ class _LoadPlan:
                 extra[name] = _state.template_from_node(node, self.tensors, None)
                 self.extra_keys[name] = _node_keys(node)
                 continue
-            key = f"extra.{name}/rank_{self.rank}"
-            if self.rank >= saved_ranks and self.strict:
-                raise invalid_argument(
-                    f"extra '{name}' was saved per rank by {saved_ranks} ranks: rank "
-                    f"{self.rank} has no value (pass strict=False to leave it out)")
-            extra[name] = _state.ShardedObject(None, key=key)
-            self.extra_keys[name] = {key}
-            if self.rank == 0:  # the values of ranks this run does not have: read, dropped
+            taken = self._saved_ranks_of(name, self.rank, saved_ranks)
+            if taken is None:  # another world size, strict=False: left out
+                self.left_out.add(name)
+                self.extra_keys[name] = set()
+                continue
+            keys = [f"extra.{name}/rank_{r}" for r in (taken if isinstance(taken, list)
+                                                         else [taken])]
+            objects = [_state.ShardedObject(None, key=k) for k in keys]
+            extra[name] = objects if isinstance(taken, list) else objects[0]
+            self.extra_keys[name] = set(keys)
+            if self.rank == 0:  # the values no rank of this run takes: read, dropped
+                wanted = set()
+                for r in range(self.size):
+                    got = self._saved_ranks_of(name, r, saved_ranks)
+                    wanted |= set(got if isinstance(got, list) else [got])
                 extra[f"\0{name}"] = [_state.ShardedObject(None, key=f"extra.{name}/rank_{r}")
-                                      for r in range(self.size, saved_ranks)]
+                                      for r in range(saved_ranks) if r not in wanted]
         return extra
+
+    def _saved_ranks_of(self, name, rank, saved_ranks):
+        """Which saved rank's value (an int) or values (a list) `rank` takes of the per-rank
+        extra `name`; None when it is left out."""
+        if saved_ranks == self.size:
+            return rank
+        if self.per_rank_map is None:
+            if not self.strict:
+                return None
+            raise invalid_argument(
+                f"extra '{name}' was saved per rank by {saved_ranks} ranks; this run has "
+                f"{self.size}: pass per_rank_map=lambda rank, world_size, saved_world_size: ... "
+                "(the saved rank, or list of ranks, whose value each rank takes), or "
+                "strict=False to leave it out")
+        taken = self.per_rank_map(rank, self.size, saved_ranks)
+        ranks = list(taken) if isinstance(taken, (list, tuple)) else [taken]
+        for r in ranks:
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < saved_ranks:
+                raise invalid_argument(f"per_rank_map gave rank {rank} the saved rank {r!r} for "
+                                       f"extra '{name}', saved by {saved_ranks} ranks")
+        if len(set(ranks)) != len(ranks):
+            raise invalid_argument(f"per_rank_map gave rank {rank} a saved rank twice")
+        return ranks if isinstance(taken, (list, tuple)) else ranks[0]
 
     def finish(self, report):
         """Hands the loaded state to the model and the optimizer; returns the extra values."""

@@ -236,7 +236,13 @@ def test_tensor_parallel_resume_on_2_gloo_ranks_and_on_1(tmp_path):
     # dimension is summed in another order).
     net = TPNet(0, 1, seed=2)
     optimizer = tp_optimizer(net)
-    extra = tessera.torch.load_state(path, model=net, optimizer=optimizer)
+    # The per-rank RNG belongs to the 2 ranks of the save: one process must say which it takes.
+    with pytest.raises(tessera.InvalidArgumentError,
+                       match="extra 'rng' was saved per rank by 2 ranks; this run has 1"):
+        other = TPNet(0, 1, seed=2)
+        tessera.torch.load_state(path, model=other, optimizer=tp_optimizer(other))
+    extra = tessera.torch.load_state(path, model=net, optimizer=optimizer,
+                                     per_rank_map=lambda rank, world_size, saved: rank)
     expected, rng = torch.load(out)
     assert extra["step"] == 3 and torch.equal(extra["rng"], rng)  # rank 0's
     resumed = [net.step(*tp_batch(step), optimizer) for step in range(3, 6)]

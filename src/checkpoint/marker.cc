@@ -75,25 +75,44 @@ std::string HeldKey(const std::string& dir, const std::string& id) {
   return JoinPath(dir, MarkerName(id));
 }
 
-Result<MarkerContent> ParseMarker(const std::string& text, const std::string& path) {
+// The "key=value" lines of a marker or an owner record.
+std::map<std::string, std::string> ParseFields(std::string_view text) {
   std::map<std::string, std::string> fields;
-  std::istringstream lines(text);
+  std::istringstream lines{std::string(text)};
   for (std::string line; std::getline(lines, line);) {
     const size_t eq = line.find('=');
     if (eq != std::string::npos) fields[line.substr(0, eq)] = line.substr(eq + 1);
   }
-  if (!text.starts_with("tessera save marker\n") || !fields.count("host") ||
-      !fields.count("pid") || !fields.count("created_unix_ms")) {
+  return fields;
+}
+
+// The owner the fields name; false when they name none.
+bool OwnerOfFields(std::map<std::string, std::string>& fields, MarkerOwner* owner) {
+  if (!fields.count("host") || !fields.count("pid") || !fields.count("created_unix_ms")) {
+    return false;
+  }
+  owner->host = fields["host"];
+  owner->boot_id = fields["boot_id"];
+  owner->pid = std::strtoll(fields["pid"].c_str(), nullptr, 10);
+  owner->process_start = fields["process_start"];
+  owner->created_unix_ms = std::strtoll(fields["created_unix_ms"].c_str(), nullptr, 10);
+  return true;
+}
+
+std::string OwnerRecordOf(const MarkerOwner& owner) {
+  return "host=" + owner.host + "\nboot_id=" + owner.boot_id +
+         "\npid=" + std::to_string(owner.pid) + "\nprocess_start=" + owner.process_start +
+         "\ncreated_unix_ms=" + std::to_string(owner.created_unix_ms) + "\n";
+}
+
+Result<MarkerContent> ParseMarker(const std::string& text, const std::string& path) {
+  std::map<std::string, std::string> fields = ParseFields(text);
+  MarkerContent m;
+  if (!text.starts_with("tessera save marker\n") || !OwnerOfFields(fields, &m.owner)) {
     return DataLoss(path + " is not an in-progress marker of tessera");
   }
-  MarkerContent m;
   m.save_id = fields["save_id"];
   m.attempt = fields["attempt"];
-  m.owner.host = fields["host"];
-  m.owner.boot_id = fields["boot_id"];
-  m.owner.pid = std::strtoll(fields["pid"].c_str(), nullptr, 10);
-  m.owner.process_start = fields["process_start"];
-  m.owner.created_unix_ms = std::strtoll(fields["created_unix_ms"].c_str(), nullptr, 10);
   return m;
 }
 
@@ -117,9 +136,7 @@ Status CreateSaveMarker(Storage& storage, const std::string& dir, const std::str
   const std::string save_id = id.size() > 16 && id[16] == '.' ? id.substr(0, 16) : id;
   std::string text = "tessera save marker\nsave_id=" + save_id + "\n";
   if (!attempt.empty()) text += "attempt=" + attempt + "\n";
-  text += "host=" + me.host + "\nboot_id=" + me.boot_id + "\npid=" + std::to_string(me.pid) +
-          "\nprocess_start=" + me.process_start +
-          "\ncreated_unix_ms=" + std::to_string(me.created_unix_ms) + "\n";
+  text += OwnerRecordOf(me);
   const std::string key = HeldKey(dir, id);
   {
     std::lock_guard<std::mutex> lock(held_mu);
@@ -194,6 +211,31 @@ std::string DescribeOwner(const MarkerOwner& owner) {
   return "process " + std::to_string(owner.pid) + " on host " + owner.host + " (boot " +
          owner.boot_id.substr(0, 8) + ", started at clock tick " + owner.process_start + ")" +
          when;
+}
+
+std::string ThisProcessOwnerRecord() { return OwnerRecordOf(ThisProcess()); }
+
+bool OwnerRecordMayBeAlive(std::string_view text) {
+  std::map<std::string, std::string> fields = ParseFields(text);
+  MarkerOwner owner;
+  if (!OwnerOfFields(fields, &owner)) return false;
+  switch (StateOf(owner)) {
+    case OwnerState::kThisProcess:
+    case OwnerState::kAlive:
+      return true;
+    case OwnerState::kDead:
+      return false;
+    case OwnerState::kUnknowable:
+      return NowUnixMs() - owner.created_unix_ms < kForeignMarkerLifetimeMs;
+  }
+  return false;
+}
+
+std::string DescribeOwnerRecord(std::string_view text) {
+  std::map<std::string, std::string> fields = ParseFields(text);
+  MarkerOwner owner;
+  if (!OwnerOfFields(fields, &owner)) return "an unreadable owner record";
+  return DescribeOwner(owner);
 }
 
 SaveMarkers FindSaveMarkers(Storage& storage, const std::string& dir,

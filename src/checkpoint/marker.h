@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tessera/checkpoint.h"
@@ -66,6 +67,17 @@ OwnerState StateOf(const MarkerOwner& owner);
 OwnerState StateOfMarker(const std::string& dir, const std::string& id, const MarkerOwner& owner);
 // "process 123 on host h (boot 0f..., started at clock tick 456), marked 2026-01-01 10:00:00 UTC"
 std::string DescribeOwner(const MarkerOwner& owner);
+
+// An owner record: the "key=value" lines of a marker that name its owner (host, boot id, pid,
+// the pid's start time, the time). Other files whose owner must be checked the same way (the
+// checkpoint manager's read leases and deletion tombstones) hold one too.
+std::string ThisProcessOwnerRecord();
+// Whether the owner a record names may still be running: this process, or another running
+// process of this host and boot (pid and start time equal), or of another host and younger than
+// 24 hours (its processes cannot be checked from here). A record that does not parse: false.
+bool OwnerRecordMayBeAlive(std::string_view text);
+// DescribeOwner of the record's owner, or "an unreadable owner record".
+std::string DescribeOwnerRecord(std::string_view text);
 
 // The in-progress markers found among `names` (the entries of `dir`), for a cleanup: the ids of
 // operations that may still be running (marker there, owner alive, or of another host and

@@ -1,0 +1,77 @@
+// The files a CheckpointManager keeps under its root besides the checkpoints themselves
+// (docs/FORMAT.md, section 5): the step directories' names, the tracker file, and the small
+// files inside a step directory that say who uses it (a user's mark, read leases, the
+// tombstone of a deletion). Everything goes through Storage, so a root on any store works.
+#ifndef TESSERA_MANAGER_ROOT_FILES_H_
+#define TESSERA_MANAGER_ROOT_FILES_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tessera/checkpoint.h"
+#include "tessera/checkpoint_manager.h"
+#include "tessera/storage.h"
+
+namespace tessera::manager {
+
+// In a step directory: the user's mark (CheckpointManager::Mark), a read lease
+// ("tessera.reading.<16 hex digits>"), the tombstone of a deletion in progress.
+inline constexpr char kKeepFileName[] = "tessera.keep";
+inline constexpr char kLeasePrefix[] = "tessera.reading.";
+inline constexpr char kTombstoneFileName[] = "tessera.deleting";
+
+// Writes `text` as the whole content of `path`, atomically: the reader sees the old content or
+// the new one. Through a temporary name beside it and Rename; a store without rename (an object
+// store, where one put of a whole object is atomic already) gets the bytes written directly.
+// With `sync`, durable on return (the file and its directory entry).
+Status ReplaceSmallFile(Storage& storage, const std::string& path, std::string_view text,
+                        bool sync);
+// Creates `path` exclusively with `text` (kAlreadyExists when it exists). With `sync`, durable.
+Status CreateSmallFile(Storage& storage, const std::string& path, std::string_view text, bool sync);
+// The content of a small file (at most 64 KiB; longer is kDataLoss naming it).
+Result<std::string> ReadSmallFile(Storage& storage, const std::string& path);
+
+// 16 lowercase hex digits from the kernel's random source.
+std::string RandomHex16();
+
+// What a step directory holds, as far as one listing of it tells (no index read).
+struct StepDirFiles {
+  std::vector<std::string> names;
+  bool marked = false;
+  bool tombstone = false;
+  std::vector<std::string> leases;  // names of the read leases
+};
+Result<StepDirFiles> ListStepDir(Storage& storage, const std::string& dir);
+
+// A live reader or writer of a step directory, and who it is ("being read by process 12 on
+// host h (lease ...)"): "" when there is none. Looks at the read leases and at the in-progress
+// markers of saves, RemoveKeys and Finalize (checkpoint/commit.h), whose owners' liveness is
+// decided the same way.
+std::string LiveUser(Storage& storage, const std::string& dir, const StepDirFiles& files);
+
+// The state of the step directory `step` under `root` whose listing is `files`: kDeleting with a
+// tombstone; else by IsCommitted (kDamaged with its error, or when the index records another
+// step). Fills *metadata for a committed one, and *damage with the error of a damaged one
+// (StepInfo::problem is its message), when not null.
+StepInfo ExamineStep(const std::shared_ptr<Storage>& storage, const std::string& root, int64_t step,
+                     const StepDirFiles& files, Metadata* metadata = nullptr,
+                     Status* damage = nullptr);
+
+// The steps of the directories under `root`, ascending ("iter_0000100" -> 100; other names
+// are ignored). kNotFound when `root` does not exist.
+Result<std::vector<int64_t>> ListStepNumbers(Storage& storage, const std::string& root);
+
+// Removes the step directory `dir`: the tombstone first (which hides it from every manager:
+// a dir with one is being deleted), then, unless a reader holds a live lease on it or a save
+// runs in it (then it removes its tombstone again and returns kFailedPrecondition naming who),
+// its files: indexes and every other small file first, data files (*.safetensors, *.distcp)
+// last, so a crash part way leaves a directory that is not a checkpoint, and then the
+// directory. A tombstone left by a deletion whose owner died is taken over.
+Status DeleteStepDir(Storage& storage, const std::string& root, const std::string& dir, bool sync);
+
+}  // namespace tessera::manager
+
+#endif  // TESSERA_MANAGER_ROOT_FILES_H_

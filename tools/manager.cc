@@ -1,0 +1,157 @@
+// tessera latest / tessera prune: the checkpoints of a CheckpointManager's root.
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "core/utf8.h"
+#include "tessera/checkpoint_manager.h"
+#include "tools/commands.h"
+#include "tools/text.h"
+
+namespace tessera::tools {
+namespace {
+
+const char* StateName(StepState state) {
+  switch (state) {
+    case StepState::kCommitted:
+      return "committed";
+    case StepState::kUncommitted:
+      return "uncommitted";
+    case StepState::kDamaged:
+      return "damaged";
+    case StepState::kDeleting:
+      return "deleting";
+  }
+  return "?";
+}
+
+Status CheckJsonText(const std::string& root, const std::string& text) {
+  if (IsValidUtf8(root) && IsValidUtf8(text)) return Status::Ok();
+  return InvalidArgument("the root " + QuoteBytes(root) +
+                         " or a message about it is not valid UTF-8; JSON cannot hold it "
+                         "(without --json it is shown escaped)");
+}
+
+struct LatestOptions {
+  std::string root;
+  bool json = false;
+  bool step_only = false;
+};
+
+// Prints the latest step's directory (or step); the damaged steps newer than it as warnings.
+int RunLatest(const LatestOptions& o) {
+  CheckpointManager manager(o.root);
+  Result<std::vector<StepInfo>> steps = manager.Steps();
+  if (!steps.ok()) return Fail(steps.status());
+  const StepInfo* latest = nullptr;
+  for (const StepInfo& info : *steps) {
+    if (info.state == StepState::kCommitted) latest = &info;
+  }
+  if (o.json) {
+    nlohmann::json list = nlohmann::json::array();
+    for (const StepInfo& info : *steps) {
+      if (Status s = CheckJsonText(o.root, info.problem); !s.ok()) return Fail(s);
+      nlohmann::json item = {{"step", info.step},
+                             {"path", info.path},
+                             {"state", StateName(info.state)},
+                             {"marked", info.marked}};
+      if (!info.problem.empty()) item["problem"] = info.problem;
+      list.push_back(std::move(item));
+    }
+    if (Status s = CheckJsonText(o.root, ""); !s.ok()) return Fail(s);
+    nlohmann::json doc = {{"root", o.root},
+                          {"latest_step", latest ? nlohmann::json(latest->step) : nlohmann::json()},
+                          {"path", latest ? nlohmann::json(latest->path) : nlohmann::json()},
+                          {"steps", list}};
+    std::cout << doc.dump(2) << "\n";
+    return latest ? 0 : 1;
+  }
+  for (const StepInfo& info : *steps) {
+    if (latest && info.step < latest->step) continue;
+    if (info.state == StepState::kDamaged) {
+      std::fprintf(stderr, "tessera: warning: step %lld is damaged: %s\n",
+                   static_cast<long long>(info.step), Printable(info.problem).c_str());
+    }
+  }
+  if (!latest) return Fail(NotFound("no committed checkpoint under " + Printable(o.root)));
+  if (o.step_only) {
+    std::printf("%lld\n", static_cast<long long>(latest->step));
+  } else {
+    std::printf("%s\n", Printable(latest->path).c_str());
+  }
+  return 0;
+}
+
+struct PruneOptions {
+  std::string root;
+  int keep_last = 0;
+  int64_t keep_every = 0;
+  bool dry_run = false;
+  bool json = false;
+};
+
+int RunPrune(const PruneOptions& o) {
+  CheckpointManager manager(o.root);
+  Result<PruneReport> report =
+      manager.Prune({.keep_last = o.keep_last, .keep_every = o.keep_every}, o.dry_run);
+  if (!report.ok()) return Fail(report.status());
+  if (o.json) {
+    nlohmann::json list = nlohmann::json::array();
+    for (const RetentionDecision& d : report->steps) {
+      if (Status s = CheckJsonText(o.root, d.reason); !s.ok()) return Fail(s);
+      list.push_back(
+          {{"step", d.step}, {"path", d.path}, {"deleted", d.deleted}, {"reason", d.reason}});
+    }
+    if (Status s = CheckJsonText(o.root, ""); !s.ok()) return Fail(s);
+    nlohmann::json doc = {{"root", o.root},
+                          {"dry_run", report->dry_run},
+                          {"deleted", report->deleted},
+                          {"kept", report->steps.size() - report->deleted},
+                          {"steps", list}};
+    std::cout << doc.dump(2) << "\n";
+    return 0;
+  }
+  const size_t width = static_cast<size_t>(std::max(OutputWidth(), 20));
+  const char* deleted = o.dry_run ? "would delete" : "deleted";
+  for (const RetentionDecision& d : report->steps) {
+    const std::string line = Printable(StepDirName(d.step)) + "  " +
+                             PadRight(d.deleted ? deleted : "kept", 12) + "  " +
+                             Printable(d.reason);
+    std::printf("%s\n", FitEnd(line, width).c_str());
+  }
+  std::printf("%s %d of %zu step directories under %s%s\n", o.dry_run ? "would delete" : "deleted",
+              report->deleted, report->steps.size(), Printable(o.root).c_str(),
+              o.dry_run ? " (dry run: nothing changed)" : "");
+  return 0;
+}
+
+}  // namespace
+
+void AddManagerCommands(CLI::App& app, int* exit_code) {
+  auto latest = std::make_shared<LatestOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "latest",
+      "Print the newest committed, whole checkpoint of a CheckpointManager's root (its step "
+      "directory); exit status 1 when there is none");
+  cmd->add_option("ROOT", latest->root, "the root: step directories iter_<step>")->required();
+  cmd->add_flag("--step", latest->step_only, "print the step number instead of the directory");
+  cmd->add_flag("--json", latest->json, "print one JSON document (every step directory's state)");
+  cmd->callback([=] { *exit_code = RunLatest(*latest); });
+
+  auto prune = std::make_shared<PruneOptions>();
+  cmd = app.add_subcommand(
+      "prune",
+      "Delete the step directories of a CheckpointManager's root that a retention policy does "
+      "not keep (never the newest committed, a marked one, or one being read or written)");
+  cmd->add_option("ROOT", prune->root, "the root: step directories iter_<step>")->required();
+  cmd->add_option("--keep-last", prune->keep_last, "keep the newest N committed checkpoints")
+      ->required()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--keep-every", prune->keep_every, "also keep every step that is a multiple of M")
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--dry-run", prune->dry_run, "say what would be deleted; change nothing");
+  cmd->add_flag("--json", prune->json, "print the report as one JSON document");
+  cmd->callback([=] { *exit_code = RunPrune(*prune); });
+}
+
+}  // namespace tessera::tools
