@@ -15,6 +15,9 @@ from ._errors import _INVALID_ARGUMENT, Error, invalid_argument, warn_partial_lo
 # torch_dist_flavor="2.x" or "1.13": SaveOptions::torch_dist_flavor.
 _TORCH_DIST_FLAVORS = {"2.x": "TORCH_2", "1.13": "TORCH_1_13"}
 
+# Metadata.format of a PyTorch DCP (or Megatron torch_dist) checkpoint.
+_TORCH_DIST_FORMAT = "torch_dist"
+
 # Keyword arguments that are not fields of the C++ options structs.
 _NOT_OPTIONS = {"missing_keys", "unexpected_keys", "storage", "save", "when_busy"}
 
@@ -96,9 +99,15 @@ def _prepare_save(function, state_dict, comm, options):
     comm = _comm_handle(comm)
 
     def prepare():
-        flat = _state.Flat(state_dict)
+        opts = _set_options(function, _tessera.SaveOptions(), options)
+        # A DCP checkpoint holds the leaves torch's own flattening makes (a tuple is one
+        # object), so that torch's dcp.load finds the keys it asks for.
+        torch_dist = opts.format == _tessera.CheckpointFormat.TORCH_DIST
+        flat = _state.Flat(state_dict, dcp=torch_dist)
         builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=False)
-        return flat, builder, _set_options(function, _tessera.SaveOptions(), options)
+        if torch_dist and not opts.torch_dist_key_paths:
+            opts.torch_dist_key_paths = flat.paths  # planner_data: the nesting, for torch
+        return flat, builder, opts
 
     # collective=False: a rank-local save, which sends nothing (rank 0's structure is kept
     # as it is; load_all decodes the leaves only other ranks hold from the manifest alone).
@@ -174,7 +183,8 @@ def _load_prepared(state_dict, flat, builder, path, comm, opts, function="tesser
     new_values = _state.decode_objects(flat, builder, set(report.missing_keys),
                                        unpickle=objects == "unpickle")
     if new_values:
-        state_dict = _state.map_leaves(state_dict, lambda i, leaf: new_values.get(i, leaf))
+        state_dict = _state.map_leaves(state_dict, lambda i, leaf: new_values.get(i, leaf),
+                                       dcp=flat.dcp)
     report.state_dict = state_dict
     return report
 
@@ -210,7 +220,11 @@ def load(state_dict, path, *, comm=None, strict=True, objects="unpickle", **opti
 
     def prepare():
         _check_objects(objects)
-        flat = _state.Flat(state_dict, for_load=True)
+        # A DCP checkpoint's keys are those of torch's flattening (a tuple is one object):
+        # flatten the request the same way when the two differ for it.
+        dcp = (_state.dcp_differs(state_dict)
+               and read_metadata(path).format == _TORCH_DIST_FORMAT)
+        flat = _state.Flat(state_dict, for_load=True, dcp=dcp)
         builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=True)
         return flat, builder, _load_options(strict, options), os.fspath(path)
 

@@ -135,9 +135,47 @@ def _is_namedtuple(value):
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
-def _items(value):
-    """(kind, [(key, child)]) of a container, or (None, None) for a leaf."""
+def _is_tensor_like(value):
+    """What torch DCP keeps traversing a list for: torch tensors (DTensor, torch ShardedTensor),
+    and tessera's and the frameworks' sharded leaves."""
+    return (_dtypes.is_torch_tensor(value) or isinstance(value, (ShardedTensor, ShardedObject))
+            or _adapters.is_framework_leaf(value))
+
+
+def dcp_terminal(value):
+    """Whether torch.distributed.checkpoint's flattening (torch's _traverse.traverse_state_dict)
+    stores `value` as one leaf: anything but a dict or a list, and a list holding no tensor
+    and no dict or list that is not itself terminal. A tuple is one leaf (one pickled object)."""
     t = type(value)
+    if t is dict or t is collections.OrderedDict:
+        return False
+    if t is not list:
+        return True
+    for entry in value:
+        if type(entry) in (dict, collections.OrderedDict, list) and not dcp_terminal(entry):
+            return False
+        if _is_tensor_like(entry):
+            return False
+    return True
+
+
+def dcp_differs(value):
+    """Whether flattening `value` as torch DCP does gives other keys than tessera's own
+    flattening: it holds a tuple, or a list DCP stores whole (dcp_terminal)."""
+    t = type(value)
+    if t is dict or t is collections.OrderedDict:
+        return any(dcp_differs(v) for v in value.values())
+    if t is list:
+        return dcp_terminal(value) or any(dcp_differs(v) for v in value)
+    return t is tuple or _is_namedtuple(value)
+
+
+def _items(value, dcp=False):
+    """(kind, [(key, child)]) of a container, or (None, None) for a leaf. With `dcp`, the
+    containers torch DCP stores as one leaf (dcp_terminal) are leaves."""
+    t = type(value)
+    if dcp and t is not dict and t is not collections.OrderedDict and dcp_terminal(value):
+        return None, None
     if t is dict or t is collections.OrderedDict:
         return ("dict" if t is dict else "odict"), list(value.items())
     if t is list:
@@ -150,13 +188,14 @@ def _items(value):
 
 
 def _path_text(path):
-    return ".".join(path) if path else "the state dict"
+    return ".".join(map(str, path)) if path else "the state dict"
 
 
-def _walk(value, path, visit):
+def _walk(value, path, visit, dcp=False):
     """Visits the leaves in depth-first order (visit(path, leaf) returns the leaf's structure
-    node) and returns the structure node of `value`."""
-    kind, items = _items(value)
+    node) and returns the structure node of `value`. A path holds str dict keys (an int key as
+    its str) and int list and tuple indices, as torch DCP's paths. `dcp`: see _items."""
+    kind, items = _items(value, dcp)
     if kind is None:
         return visit(path, value)
     node = {kind: []}
@@ -166,9 +205,9 @@ def _walk(value, path, visit):
                 raise invalid_argument(
                     f"{_path_text(path)}: dict key {k!r} of type {type(k).__name__}: "
                     "tessera state dicts take str and int keys")
-            node[kind].append([k, _walk(child, path + (str(k),), visit)])
+            node[kind].append([k, _walk(child, path + (str(k),), visit, dcp)])
         else:
-            node[kind].append(_walk(child, path + (str(k),), visit))
+            node[kind].append(_walk(child, path + (k,), visit, dcp))
     if kind == "namedtuple":
         t = type(value)
         node["type"] = f"{t.__module__}:{t.__qualname__}"
@@ -176,24 +215,25 @@ def _walk(value, path, visit):
     return node
 
 
-def map_leaves(value, fn, counter=None):
-    """Replaces each leaf by fn(index, leaf) (indices in _walk's order). Dicts and lists are
-    updated in place; a tuple holding a replaced leaf is rebuilt. Returns the new value."""
+def map_leaves(value, fn, counter=None, dcp=False):
+    """Replaces each leaf by fn(index, leaf) (indices in _walk's order, with the same `dcp`).
+    Dicts and lists are updated in place; a tuple holding a replaced leaf is rebuilt. Returns
+    the new value."""
     if counter is None:
         counter = [0]
-    kind, items = _items(value)
+    kind, items = _items(value, dcp)
     if kind is None:
         index = counter[0]
         counter[0] += 1
         return fn(index, value)
     if kind in ("dict", "odict", "list"):
         for k, child in items:
-            new = map_leaves(child, fn, counter)
+            new = map_leaves(child, fn, counter, dcp)
             if new is not child:
                 value[k] = new
         return value
     children = [child for _, child in items]
-    new = [map_leaves(child, fn, counter) for child in children]
+    new = [map_leaves(child, fn, counter, dcp) for child in children]
     if all(a is b for a, b in zip(new, children)):
         return value
     return type(value)._make(new) if kind == "namedtuple" else tuple(new)
@@ -238,15 +278,22 @@ def _lib(data):
 class Flat:
     """A state dict flattened: its leaves in depth-first order and its structure."""
 
-    def __init__(self, state_dict, for_load=False):
+    def __init__(self, state_dict, for_load=False, dcp=False):
+        """`dcp`: flatten as torch.distributed.checkpoint does (dcp_terminal containers, such as
+        tuples and lists of numbers, are one object each), for checkpoints in its format."""
         if _items(state_dict)[0] is None:
             raise TypeError("a state dict must be a dict, list or tuple, not "
                             f"{type(state_dict).__name__}")
         self.for_load = for_load  # a Megatron ShardedTensor without data gets a tensor to load
+        self.dcp = dcp
         self.leaves = []
         self.entries = []  # by build(): the StateBuilder index of each leaf
+        # The path of each key in the state dict (str dict keys, int list indices), as torch
+        # DCP's planner_data records it; a key of its own (ShardedTensor(key=...), Megatron's)
+        # is its own path.
+        self.paths = {}
         self._num_leaves = 0
-        self._root = _walk(state_dict, (), self._visit_leaf)
+        self._root = _walk(state_dict, (), self._visit_leaf, dcp)
         self._extra = {}
 
     @property
@@ -294,11 +341,13 @@ class Flat:
         node = self._visit(path, value)
         for leaf in self.leaves[first:]:  # one leaf of the state dict, maybe several pieces
             leaf.index = self._num_leaves
+            self.paths.setdefault(leaf.key, list(path) if leaf.key == _path_text(path)
+                                  else [leaf.key])
         self._num_leaves += 1
         return node
 
     def _visit(self, path, value):
-        key = ".".join(path)
+        key = ".".join(map(str, path))
         custom = value.key if isinstance(value, (ShardedTensor, ShardedObject)) else None
         check_text(custom or key, "key")
         if not isinstance(value, (ShardedTensor, ShardedObject)):
