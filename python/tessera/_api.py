@@ -11,6 +11,7 @@ import threading
 from . import _state
 from . import _tessera
 from ._errors import _INVALID_ARGUMENT, Error, invalid_argument, warn_partial_load
+from ._torch_comm import default_comm
 
 # torch_dist_flavor="2.x" or "1.13": SaveOptions::torch_dist_flavor.
 _TORCH_DIST_FLAVORS = {"2.x": "TORCH_2", "1.13": "TORCH_1_13"}
@@ -58,7 +59,13 @@ def _set_options(function, opts, options):
 
 
 def _comm_handle(comm):
-    if comm is None or isinstance(comm, _tessera.Comm):
+    """The Comm a collective call runs over: `comm`; without one, the default process group
+    when torch.distributed is initialised with several ranks (as torch.distributed.checkpoint
+    does), else None: this process alone. comm=tessera.single_rank_comm() is one process alone,
+    explicitly."""
+    if comm is None:
+        return default_comm()
+    if isinstance(comm, _tessera.Comm):
         return comm
     raise TypeError(f"comm must be a tessera.Comm or None, not {type(comm).__name__} (wrap a "
                     "torch.distributed group with tessera.torch_dist_comm(group), an mpi4py "
@@ -495,10 +502,13 @@ def async_save(state_dict, path, *, comm=None, when_busy="wait", staging="blocki
     if "progress" in options:
         raise TypeError("async_save() does not take progress: the save runs in the background "
                         "(handle.done() polls it)")
-    lock = None
+    explicit = comm is not None
+    comm, lock = _comm_handle(comm), None
     if comm is None:
         # The process-wide comm: a Comm is used by one thread at a time.
         comm, lock = _single_rank_comm(), _default_comm_submit_lock
+    elif not explicit:
+        lock = _default_comm_submit_lock  # the default group's comm, shared likewise
     comm, builder, save_opts = _prepare_save("async_save", state_dict, comm, options)
     opts = _tessera.AsyncSaveOptions()
     opts.save = save_opts

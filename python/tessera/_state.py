@@ -581,7 +581,7 @@ def _torch_load(key, data):
             "objects='bytes' to get its bytes") from e
     import io  # noqa: PLC0415
     try:
-        return torch.load(io.BytesIO(data))
+        return torch.load(io.BytesIO(data), weights_only=False)
     except Exception as e:
         raise invalid_argument(
             f"object '{key}': torch.load of its stored bytes failed ({type(e).__name__}: {e})"

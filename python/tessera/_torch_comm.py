@@ -148,9 +148,44 @@ def torch_dist_comm(group=None, *, timeout=datetime.timedelta(minutes=30)):
                            "torch.distributed.init_process_group('gloo', ...) first")
     pg = group if group is not None else c10d._get_default_group()
     backend = dist.get_backend(pg)
-    if backend != "gloo":
+    if not _has_gloo_for_cpu(backend):
         raise ValueError(f"tessera.torch_dist_comm needs a gloo group, not {backend} "
                          "(make one with torch.distributed.new_group(backend='gloo'))")
     impl = TorchDistImpl(pg, dist.get_rank(pg), dist.get_world_size(pg),
                          c10d._get_default_store(), timeout)
     return _tessera.python_comm(impl)
+
+
+def _has_gloo_for_cpu(backend):
+    """Whether a group of this backend ("gloo", or "cpu:gloo,cuda:nccl" for a group with a
+    backend per device) runs collectives of CPU tensors with gloo."""
+    backend = str(backend)
+    return backend == "gloo" or "cpu:gloo" in backend.split(",")
+
+
+_default_cache = {}
+
+
+def default_comm():
+    """The tessera Comm of a call without `comm=`: when torch.distributed is initialised with
+    several ranks, a Comm over its default group (the whole job, as torch.distributed.checkpoint
+    uses), made once per default group (over a gloo group made for tessera, once, when the
+    default group does not run CPU collectives with gloo, e.g. NCCL); else None, one rank.
+    torch is not imported here: a job that uses torch.distributed has imported it.
+
+    Making it is COLLECTIVE the first time (and with NCCL, dist.new_group): every rank calls
+    the same tessera function, as they must anyway."""
+    import sys  # noqa: PLC0415
+    dist = sys.modules.get("torch.distributed")
+    if (dist is None or not dist.is_available() or not dist.is_initialized()
+            or dist.get_world_size() == 1):
+        return None
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+    default = c10d._get_default_group()
+    cached = _default_cache.get("default")
+    if cached is not None and cached[0] is default:
+        return cached[1]
+    group = None if _has_gloo_for_cpu(dist.get_backend()) else dist.new_group(backend="gloo")
+    comm = torch_dist_comm(group)
+    _default_cache["default"] = (default, comm)
+    return comm

@@ -24,13 +24,13 @@ torch.distributed is not initialised. Pass `comm=` for any other tessera.Comm.
 """
 
 import os
-import sys
 import warnings
 
 from . import _adapters
 from . import _api
 from . import _state
 from ._errors import Error, invalid_argument, warn_partial_load
+from ._torch_comm import default_comm
 
 __all__ = ["load", "load_plain_tensors", "remove_sharded_tensors", "save"]
 
@@ -51,9 +51,6 @@ _STRICT = {
 }
 
 CONTENT_METADATA_KEY = "content_metadata"  # Megatron's key in the common state dict
-
-_comm_cache = {}
-
 
 def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
          validate_access_integrity=True, async_sharded_save=False,
@@ -446,22 +443,5 @@ def _warn_strategies(function, sharded_strategy, common_strategy):
 
 
 def _default_comm(comm):
-    """`comm`, else a tessera comm over torch.distributed's default group when it is
-    initialised with several ranks (over a gloo group made once when the job's backend is
-    another), else None (one rank)."""
-    if comm is not None:
-        return comm
-    dist = sys.modules.get("torch.distributed")
-    if (dist is None or not dist.is_available() or not dist.is_initialized()
-            or dist.get_world_size() == 1):
-        return None
-    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
-    from ._torch_comm import torch_dist_comm  # noqa: PLC0415
-    default = c10d._get_default_group()
-    cached = _comm_cache.get("default")
-    if cached is not None and cached[0] is default:
-        return cached[1]
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    tessera_comm = torch_dist_comm(group)
-    _comm_cache["default"] = (default, tessera_comm)
-    return tessera_comm
+    """`comm`, else the Comm of torch.distributed's default group (tessera's default)."""
+    return comm if comm is not None else default_comm()
