@@ -244,9 +244,11 @@ def map_leaves(value, fn, counter=None, dcp=False):
 class Leaf:
     """One leaf of a flattened state dict."""
 
-    __slots__ = ("key", "value", "is_tensor", "encoding", "replace_on_load", "index")
+    __slots__ = ("key", "value", "is_tensor", "encoding", "replace_on_load", "index",
+                 "megatron_list")
 
-    def __init__(self, key, value, is_tensor, encoding=None, replace_on_load=False):
+    def __init__(self, key, value, is_tensor, encoding=None, replace_on_load=False,
+                 megatron_list=False):
         self.index = None  # of the state dict's leaf, in map_leaves order (set by Flat)
         self.key = key
         self.value = value          # the leaf (tensor, array, ShardedTensor, object), or the
@@ -256,6 +258,9 @@ class Leaf:
         # After a load, the leaf is replaced by the loaded value even though it is a sharded
         # object (a Megatron ShardedObject, as Megatron's load returns it).
         self.replace_on_load = replace_on_load
+        # A Megatron ShardedObject in a DCP (torch_dist) checkpoint: Megatron stores its data as
+        # a one-element list (torch.save([data]), strategies/torch.py), and so does tessera.
+        self.megatron_list = megatron_list
 
 
 def _encoding(value):
@@ -380,8 +385,13 @@ class Flat:
         if isinstance(value, ShardedTensor):
             self.leaves.append(Leaf(key, value, True))
             return {"tensor": key, "lib": _lib(value.data), "sharded": True}
+        megatron_list = adapted.kind == "megatron_object"
+        if megatron_list and self.dcp and not self.for_load:
+            # Megatron's torch_dist layout of a ShardedObject: its data in a one-element list.
+            value = ShardedObject([value.value], value.replica_id, key=value.key)
         encoding = _encoding(value.value)
-        self.leaves.append(Leaf(key, value, False, encoding, adapted.replace_on_load))
+        self.leaves.append(Leaf(key, value, False, encoding, adapted.replace_on_load,
+                                megatron_list))
         return {"object": key, "encoding": encoding, "sharded": True}
 
     def build(self, rank, for_load):
@@ -536,6 +546,9 @@ def decode_objects(flat, builder, skipped, unpickle=True):
                 raise invalid_argument(
                     f"object '{leaf.key}': the stored bytes are not a pickle ({type(e).__name__}: "
                     f"{e}); load into a bytes placeholder to get the raw bytes") from e
+        if (leaf.megatron_list and builder.object_encoding(entry) == "torch_save"
+                and type(value) is list and len(value) == 1):
+            value = value[0]  # Megatron's [data] in a DCP checkpoint (Leaf.megatron_list)
         if isinstance(leaf.value, ShardedObject):
             leaf.value.value = value
         if leaf.replace_on_load or not isinstance(leaf.value, ShardedObject):

@@ -11,7 +11,7 @@ import pytest
 import tessera
 from tessera import megatron
 
-from megatron_standins import ShardedTensor as MegatronShardedTensor
+from megatron.core.dist_checkpointing import ShardedTensor as MegatronShardedTensor
 
 
 def _state(seed=0):
@@ -81,8 +81,13 @@ def test_megatron_remove_sharded_tensors(ckpt):
     import torch
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     m = torch.ones(3, 4)
-    megatron.save({"w": MegatronShardedTensor.from_rank_offsets("decoder.w", w),
-                   "m": MegatronShardedTensor.from_rank_offsets("optimizer.m", m)}, ckpt)
+    state = {"w": MegatronShardedTensor.from_rank_offsets("decoder.w", w),
+             "m": MegatronShardedTensor.from_rank_offsets("optimizer.m", m)}
+    # Megatron's torch_dist format (the default): refused, saying what to do.
+    megatron.save(state, ckpt + "_dcp")
+    with pytest.raises(tessera.FailedPreconditionError, match="torch_dist checkpoint.*convert"):
+        megatron.remove_sharded_tensors(ckpt + "_dcp", "optimizer.")
+    megatron.save(state, ckpt, format="tessera")
     megatron.remove_sharded_tensors(ckpt, "optimizer.")
     assert [t.key for t in tessera.read_metadata(ckpt).tensors] == ["decoder.w"]
     with warnings.catch_warnings(record=True) as caught:
