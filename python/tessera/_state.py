@@ -31,6 +31,10 @@ from ._errors import Error, corrupt_checkpoint, invalid_argument
 
 STRUCTURE_KEY = "tessera.python.structure"
 STRUCTURE_VERSION = 1
+# Where tessera.remove_keys (C++ RemoveKeys, `tessera rm-keys`) records the prefixes it removed
+# (include/tessera/remove_keys.h, kRemovedKeyPrefixesKey): the structure record still names
+# those keys, and they are taken out of it when it is read.
+REMOVED_PREFIXES_KEY = "tessera.removed_key_prefixes"
 
 
 def _as_ints(value, what):
@@ -716,7 +720,56 @@ def _structure(metadata, source):
     extra = structure.get("extra", {})
     if not isinstance(extra, dict) or not isinstance(extra.get("objects", {}), dict):
         raise _malformed(source, f"'extra' must be an object of objects, not {extra!r}")
+    removed = removed_prefixes(metadata)
+    if removed:  # keys tessera.remove_keys took out: out of the structure too
+        present = {t.key for t in metadata.tensors} | {o.key for o in metadata.objects}
+        root = _without_removed(structure["root"], present, removed)
+        structure["root"] = {"dict": []} if root is None else root
     return structure
+
+
+def removed_prefixes(metadata):
+    """The key prefixes tessera.remove_keys removed from the checkpoint (none: [])."""
+    try:
+        prefixes = json.loads(metadata.user_metadata.get(REMOVED_PREFIXES_KEY, "[]"))
+    except ValueError:
+        return []
+    return [p for p in prefixes if isinstance(p, str) and p] if isinstance(prefixes, list) else []
+
+
+def _without_removed(node, present, removed):
+    """`node` without the leaves remove_keys took out of the checkpoint (absent, and under a
+    removed prefix) and without the containers that held only such leaves; None when the node
+    itself goes. A namedtuple that lost a field becomes a tuple of the rest."""
+    if not isinstance(node, dict):
+        return node  # malformed: left for the template's checks to name
+    if "tensor" in node or "object" in node:
+        key = node.get("tensor", node.get("object"))
+        gone = (isinstance(key, str) and key not in present
+                and any(key.startswith(p) for p in removed))
+        return None if gone else node
+    for kind in ("dict", "odict", "list", "tuple", "namedtuple"):
+        children = node.get(kind)
+        if not isinstance(children, list):
+            continue
+        if kind in ("dict", "odict"):
+            items = [item for item in children if isinstance(item, list) and len(item) == 2]
+            new = [[k, _without_removed(child, present, removed)] for k, child in items]
+            changed = len(items) != len(children) or any(
+                a[1] is not b[1] for a, b in zip(items, new))
+            kept = [item for item in new if item[1] is not None]
+        else:
+            new = [_without_removed(child, present, removed) for child in children]
+            changed = any(a is not b for a, b in zip(children, new))
+            kept = [child for child in new if child is not None]
+        if not changed:
+            return node
+        if children and not kept:
+            return None
+        if kind == "namedtuple":
+            return {"tuple": kept}
+        return dict(node, **{kind: kept})
+    return node
 
 
 def saved_structure(metadata, source="the checkpoint"):

@@ -359,17 +359,16 @@ class _Request:
         request holds: drops the request's common (non-sharded) leaves the checkpoint lacks,
         and adds placeholders for the saved common leaves the request does not name (found in
         the saved structure; each is loaded and put at its saved path, through dicts only)."""
-        import json  # noqa: PLC0415
         saved = {t.key for t in metadata.tensors} | {o.key for o in metadata.objects}
         self.state = _copy(self.state, lambda path, value: value if _is_sharded_leaf(value)
                            or _leaf_key(path, value) in saved else _DROP)
-        text = metadata.user_metadata.get(_state.STRUCTURE_KEY)
-        if text is None or not isinstance(self.state, dict):
+        root = _state.saved_structure(metadata)  # without what remove_keys removed
+        if root is None or not isinstance(self.state, dict):
             return
         asked = set()
         _state._walk(self.state, (), lambda path, value: asked.add(_leaf_key(path, value)))
         tensors = {t.key: t for t in metadata.tensors}
-        for path, node in _common_nodes(json.loads(text)["root"], ()):
+        for path, node in _common_nodes(root, ()):
             key = node.get("tensor", node.get("object"))
             if key in asked or not all(isinstance(p, str) for p in path):
                 continue

@@ -263,17 +263,24 @@ class _LoadPlan:
             raise invalid_argument(f"the checkpoint at {path} holds a tessera.torch state of "
                                    f"version {description.get('version')}; this tessera reads "
                                    f"version {_VERSION}")
+        # The saved structure without what tessera.remove_keys removed since.
         root = dict(_state.saved_structure(metadata)["dict"])
         self.tensors = {t.key: t for t in metadata.tensors}
         self.rank, self.size, self.strict = rank, size, strict
         self.models = _Parts(model, "model")
         self.optimizers = _Parts(optimizer, "optimizer")
-        for part, saved in ((self.models, description["model"]),
-                            (self.optimizers, description["optimizer"])):
+        removed = _state.removed_prefixes(metadata)
+        for part in (self.models, self.optimizers):
+            saved = description[part.what]
+            why = ""
+            if saved is not None and part.what not in root:
+                description[part.what] = saved = None  # every key of it was removed
+                why = f" any more (tessera.remove_keys removed prefixes {removed})"
             if strict and (part.kind is None) != (saved is None):
                 raise invalid_argument(
                     f"the checkpoint at {path} {'holds' if saved else 'has no'} {part.what} "
-                    f"state; pass {part.what}={'...' if saved else 'None'} (or strict=False)")
+                    f"state{why}; pass {part.what}={'...' if saved else 'None'} (or "
+                    "strict=False)")
             part.check_against(saved)
         self.template = {}
         self.state_keys = {}     # (id(optimizer), parameter name) -> the keys of its state
