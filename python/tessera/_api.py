@@ -3,11 +3,13 @@ that flatten the state dict (tessera/_state.py), set the C++ options from keywor
 call the extension module without the GIL."""
 
 import atexit
+import json
 import os
 import re
 import sys
 import threading
 
+from . import _replicas
 from . import _state
 from . import _tessera
 from ._errors import _INVALID_ARGUMENT, Error, invalid_argument, warn_partial_load
@@ -104,8 +106,15 @@ def _prepare(comm, prepare, collective=True):
 
 def _prepare_save(function, state_dict, comm, options):
     comm = _comm_handle(comm)
+    options = dict(options)
+    check_replicas = options.pop("check_replicas", "small")
+    # collective=False: a rank-local save, which sends nothing (rank 0's structure is kept
+    # as it is; load_all decodes the leaves only other ranks hold from the manifest alone).
+    collective = options.get("collective", True)
+    several = comm is not None and comm.size > 1 and collective
 
     def prepare():
+        limit = _replicas.limit_of(check_replicas)
         opts = _set_options(function, _tessera.SaveOptions(), options)
         # A DCP checkpoint holds the leaves torch's own flattening makes (a tuple is one
         # object), so that torch's dcp.load finds the keys it asks for.
@@ -114,17 +123,22 @@ def _prepare_save(function, state_dict, comm, options):
         builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=False)
         if torch_dist and not opts.torch_dist_key_paths:
             opts.torch_dist_key_paths = flat.paths  # planner_data: the nesting, for torch
-        return flat, builder, opts
+        return flat, builder, opts, limit
 
-    # collective=False: a rank-local save, which sends nothing (rank 0's structure is kept
-    # as it is; load_all decodes the leaves only other ranks hold from the manifest alone).
-    collective = options.get("collective", True)
-    flat, builder, opts = _prepare(comm, prepare, collective)
-    if comm is not None and comm.size > 1 and collective:
-        # Rank 0's structure is the one saved: tell it what it cannot see (one small gather).
-        summaries = comm.gather(flat.rank_summary(), 0)
+    flat, builder, opts, limit = _prepare(comm, prepare, collective)
+    if several:
+        replicas = []
+        if limit != 0:  # the replica check (_replicas.py): which boxes have several holders
+            claimed = _replicas.exchange_claims(comm, flat.leaves, _state.ShardedTensor, limit)
+            replicas = _replicas.digests(flat.leaves, _state.ShardedTensor, limit, claimed)
+        # Rank 0's structure is the one saved: tell it what it cannot see, and the digests
+        # of the replicas each rank holds (one small gather).
+        summaries = comm.gather(flat.rank_summary(replicas), 0)
         if comm.rank == 0:
             flat.merge_rank_summaries(summaries)
+        if limit != 0:  # every rank learns whether replicas differ, before anything is written
+            _replicas.check(comm, None if summaries is None else
+                            [json.loads(s)["replicas"] for s in summaries])
     if opts.format != _tessera.CheckpointFormat.TORCH_DIST:
         # A DCP checkpoint has no place for it: torch_dist saves keep flat keys only.
         metadata = opts.user_metadata
@@ -145,7 +159,10 @@ def save(state_dict, path, *, comm=None, **options):
     progress=None (a callable progress(done, total): this rank's bytes written so far and in
     all, called from the calling thread every 100 ms and at the end; e.g. a tqdm bar's
     update, see docs/PYTHON.md; what it raises is raised once the save returns),
-    format="tessera", collective=True.
+    format="tessera", collective=True, check_replicas="small" (a collective save over several
+    ranks compares the replicas of each replicated tensor of at most 1 MiB across the ranks and
+    fails, naming the key and the ranks, when they differ; "all" (True): every replica; "none"
+    (False): no check; see tessera/_replicas.py and docs/PYTHON.md).
 
     collective=False (with save_tag="step-1000", say: the same on every rank, new for every
     save into the directory) is a rank-local save: no message at all between the ranks; each

@@ -318,15 +318,17 @@ class Flat:
             structure["extra"] = self._extra
         return json.dumps(structure, separators=(",", ":"))
 
-    def rank_summary(self):
+    def rank_summary(self, replicas=()):
         """What rank 0 needs to know of this rank's leaves that rank 0 may not hold (see
         merge_rank_summaries): the encodings of its ShardedObjects, the libraries of its
-        tensors. Small: one entry per ShardedObject."""
+        tensors; and `replicas`, the digests of its replicas (tessera/_replicas.py). Small: one
+        entry per ShardedObject and checked replica."""
         objects = [[leaf.key, leaf.encoding] for leaf in self.leaves
                    if isinstance(leaf.value, ShardedObject)]
         libs = sorted({_lib(leaf.value.data if isinstance(leaf.value, ShardedTensor)
                             else leaf.value) for leaf in self.leaves if leaf.is_tensor})
-        return json.dumps({"objects": objects, "libs": libs}).encode()
+        return json.dumps({"objects": objects, "libs": libs,
+                           "replicas": list(replicas)}).encode()
 
     def merge_rank_summaries(self, summaries):
         """On rank 0, with every rank's rank_summary(): records the encodings of objects only
