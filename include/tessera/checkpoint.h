@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "tessera/comm.h"
@@ -41,6 +42,10 @@ enum class TorchDistFlavor {
               // unpickle; 1.13 lacks float8 and uint16/32/64, so a save holding them fails
 };
 
+// One element of the path of a key in a nested state dict: a dict key or a list index (PyTorch
+// DCP's planner_data, torch's OBJ_PATH).
+using TorchDistPathElement = std::variant<std::string, int64_t>;
+
 struct SaveOptions {
   // What to write. Default CheckpointFormat::kTessera (docs/FORMAT.md).
   // CheckpointFormat::kTorchDist writes a PyTorch DCP directory (Megatron-Core's torch_dist
@@ -55,6 +60,12 @@ struct SaveOptions {
   CheckpointFormat format = CheckpointFormat::kTessera;
   // With kTorchDist: which torch's class paths the `.metadata` uses. Default kTorch2.
   TorchDistFlavor torch_dist_flavor = TorchDistFlavor::kTorch2;
+  // With kTorchDist and kTorch2: the path of each key in the caller's nested state dict (dict
+  // keys and list indices: {"model.fc.weight": {"model", "fc.weight"}}), written as the
+  // `.metadata`'s planner_data, from which torch's dcp_to_torch_save and
+  // _load_state_dict_from_keys rebuild the nesting. A key without a path here gets (key,), as
+  // for a flat state dict. Rank 0's is used. Default none (Python's save fills it).
+  std::map<std::string, std::vector<TorchDistPathElement>> torch_dist_key_paths;
 
   // Data files each rank writes in parallel, one per I/O thread. Default 2. More threads help
   // on fast parallel storage and cost one file and one thread each.

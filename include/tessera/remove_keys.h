@@ -21,6 +21,12 @@
 
 namespace tessera {
 
+// The user-metadata entry in which RemoveKeys records the prefixes it removed keys of: a JSON
+// array of strings, sorted, unique, accumulated over removals. Readers that hold their own
+// list of the saved keys (the Python package's structure record) tell removed keys from
+// missing ones by it.
+inline constexpr char kRemovedKeyPrefixesKey[] = "tessera.removed_key_prefixes";
+
 struct RemoveKeysOptions {
   // Plan only: report what would be removed, copied and freed; touch nothing. Default false.
   bool dry_run = false;
@@ -63,8 +69,8 @@ struct RemoveKeysReport {
 //      is kDataLoss naming key, chunk and file, and nothing changes); files with no removed
 //      chunk are kept as they are;
 //   2. the new manifest is committed atomically as the commit right after the one read
-//      (docs/FORMAT.md, section 4.1), keeping the user metadata, the save time and the separate
-//      prefixes;
+//      (docs/FORMAT.md, section 4.1), keeping the user metadata (the prefixes that removed keys
+//      added to kRemovedKeyPrefixesKey), the save time and the separate prefixes;
 //   3. the files no longer listed are removed.
 // A crash at any step leaves the old checkpoint or the new one. Saving with
 // SaveOptions::separate_prefixes = {prefix} makes removing that prefix copy nothing.

@@ -149,6 +149,7 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("plan_cache", &SaveOptions::plan_cache)
       .def_readwrite("format", &SaveOptions::format)
       .def_readwrite("torch_dist_flavor", &SaveOptions::torch_dist_flavor)
+      .def_readwrite("torch_dist_key_paths", &SaveOptions::torch_dist_key_paths)
       .def_readwrite("separate_prefixes", &SaveOptions::separate_prefixes)
       .def_readwrite("collective", &SaveOptions::collective)
       .def_readwrite("save_tag", &SaveOptions::save_tag)

@@ -3,17 +3,23 @@ that flatten the state dict (tessera/_state.py), set the C++ options from keywor
 call the extension module without the GIL."""
 
 import atexit
+import json
 import os
 import re
 import sys
 import threading
 
+from . import _replicas
 from . import _state
 from . import _tessera
 from ._errors import _INVALID_ARGUMENT, Error, invalid_argument, warn_partial_load
+from ._torch_comm import default_comm
 
 # torch_dist_flavor="2.x" or "1.13": SaveOptions::torch_dist_flavor.
 _TORCH_DIST_FLAVORS = {"2.x": "TORCH_2", "1.13": "TORCH_1_13"}
+
+# Metadata.format of a PyTorch DCP (or Megatron torch_dist) checkpoint.
+_TORCH_DIST_FORMAT = "torch_dist"
 
 # Keyword arguments that are not fields of the C++ options structs.
 _NOT_OPTIONS = {"missing_keys", "unexpected_keys", "storage", "save", "when_busy"}
@@ -55,7 +61,13 @@ def _set_options(function, opts, options):
 
 
 def _comm_handle(comm):
-    if comm is None or isinstance(comm, _tessera.Comm):
+    """The Comm a collective call runs over: `comm`; without one, the default process group
+    when torch.distributed is initialised with several ranks (as torch.distributed.checkpoint
+    does), else None: this process alone. comm=tessera.single_rank_comm() is one process alone,
+    explicitly."""
+    if comm is None:
+        return default_comm()
+    if isinstance(comm, _tessera.Comm):
         return comm
     raise TypeError(f"comm must be a tessera.Comm or None, not {type(comm).__name__} (wrap a "
                     "torch.distributed group with tessera.torch_dist_comm(group), an mpi4py "
@@ -94,21 +106,39 @@ def _prepare(comm, prepare, collective=True):
 
 def _prepare_save(function, state_dict, comm, options):
     comm = _comm_handle(comm)
-
-    def prepare():
-        flat = _state.Flat(state_dict)
-        builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=False)
-        return flat, builder, _set_options(function, _tessera.SaveOptions(), options)
-
+    options = dict(options)
+    check_replicas = options.pop("check_replicas", "small")
     # collective=False: a rank-local save, which sends nothing (rank 0's structure is kept
     # as it is; load_all decodes the leaves only other ranks hold from the manifest alone).
     collective = options.get("collective", True)
-    flat, builder, opts = _prepare(comm, prepare, collective)
-    if comm is not None and comm.size > 1 and collective:
-        # Rank 0's structure is the one saved: tell it what it cannot see (one small gather).
-        summaries = comm.gather(flat.rank_summary(), 0)
+    several = comm is not None and comm.size > 1 and collective
+
+    def prepare():
+        limit = _replicas.limit_of(check_replicas)
+        opts = _set_options(function, _tessera.SaveOptions(), options)
+        # A DCP checkpoint holds the leaves torch's own flattening makes (a tuple is one
+        # object), so that torch's dcp.load finds the keys it asks for.
+        torch_dist = opts.format == _tessera.CheckpointFormat.TORCH_DIST
+        flat = _state.Flat(state_dict, dcp=torch_dist)
+        builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=False)
+        if torch_dist and not opts.torch_dist_key_paths:
+            opts.torch_dist_key_paths = flat.paths  # planner_data: the nesting, for torch
+        return flat, builder, opts, limit
+
+    flat, builder, opts, limit = _prepare(comm, prepare, collective)
+    if several:
+        replicas = []
+        if limit != 0:  # the replica check (_replicas.py): which boxes have several holders
+            claimed = _replicas.exchange_claims(comm, flat.leaves, _state.ShardedTensor, limit)
+            replicas = _replicas.digests(flat.leaves, _state.ShardedTensor, limit, claimed)
+        # Rank 0's structure is the one saved: tell it what it cannot see, and the digests
+        # of the replicas each rank holds (one small gather).
+        summaries = comm.gather(flat.rank_summary(replicas), 0)
         if comm.rank == 0:
             flat.merge_rank_summaries(summaries)
+        if limit != 0:  # every rank learns whether replicas differ, before anything is written
+            _replicas.check(comm, None if summaries is None else
+                            [json.loads(s)["replicas"] for s in summaries])
     if opts.format != _tessera.CheckpointFormat.TORCH_DIST:
         # A DCP checkpoint has no place for it: torch_dist saves keep flat keys only.
         metadata = opts.user_metadata
@@ -129,7 +159,10 @@ def save(state_dict, path, *, comm=None, **options):
     progress=None (a callable progress(done, total): this rank's bytes written so far and in
     all, called from the calling thread every 100 ms and at the end; e.g. a tqdm bar's
     update, see docs/PYTHON.md; what it raises is raised once the save returns),
-    format="tessera", collective=True.
+    format="tessera", collective=True, check_replicas="small" (a collective save over several
+    ranks compares the replicas of each replicated tensor of at most 1 MiB across the ranks and
+    fails, naming the key and the ranks, when they differ; "all" (True): every replica; "none"
+    (False): no check; see tessera/_replicas.py and docs/PYTHON.md).
 
     collective=False (with save_tag="step-1000", say: the same on every rank, new for every
     save into the directory) is a rank-local save: no message at all between the ranks; each
@@ -173,7 +206,8 @@ def _load_prepared(state_dict, flat, builder, path, comm, opts, function="tesser
     new_values = _state.decode_objects(flat, builder, set(report.missing_keys),
                                        unpickle=objects == "unpickle")
     if new_values:
-        state_dict = _state.map_leaves(state_dict, lambda i, leaf: new_values.get(i, leaf))
+        state_dict = _state.map_leaves(state_dict, lambda i, leaf: new_values.get(i, leaf),
+                                       dcp=flat.dcp)
     report.state_dict = state_dict
     return report
 
@@ -209,7 +243,11 @@ def load(state_dict, path, *, comm=None, strict=True, objects="unpickle", **opti
 
     def prepare():
         _check_objects(objects)
-        flat = _state.Flat(state_dict, for_load=True)
+        # A DCP checkpoint's keys are those of torch's flattening (a tuple is one object):
+        # flatten the request the same way when the two differ for it.
+        dcp = (_state.dcp_differs(state_dict)
+               and read_metadata(path).format == _TORCH_DIST_FORMAT)
+        flat = _state.Flat(state_dict, for_load=True, dcp=dcp)
         builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=True)
         return flat, builder, _load_options(strict, options), os.fspath(path)
 
@@ -480,10 +518,13 @@ def async_save(state_dict, path, *, comm=None, when_busy="wait", staging="blocki
     if "progress" in options:
         raise TypeError("async_save() does not take progress: the save runs in the background "
                         "(handle.done() polls it)")
-    lock = None
+    explicit = comm is not None
+    comm, lock = _comm_handle(comm), None
     if comm is None:
         # The process-wide comm: a Comm is used by one thread at a time.
         comm, lock = _single_rank_comm(), _default_comm_submit_lock
+    elif not explicit:
+        lock = _default_comm_submit_lock  # the default group's comm, shared likewise
     comm, builder, save_opts = _prepare_save("async_save", state_dict, comm, options)
     opts = _tessera.AsyncSaveOptions()
     opts.save = save_opts

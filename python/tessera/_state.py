@@ -30,6 +30,10 @@ from ._errors import Error, corrupt_checkpoint, invalid_argument
 
 STRUCTURE_KEY = "tessera.python.structure"
 STRUCTURE_VERSION = 1
+# Where tessera.remove_keys (C++ RemoveKeys, `tessera rm-keys`) records the prefixes it removed
+# (include/tessera/remove_keys.h, kRemovedKeyPrefixesKey): the structure record still names
+# those keys, and they are taken out of it when it is read.
+REMOVED_PREFIXES_KEY = "tessera.removed_key_prefixes"
 
 
 def _as_ints(value, what):
@@ -134,9 +138,47 @@ def _is_namedtuple(value):
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
-def _items(value):
-    """(kind, [(key, child)]) of a container, or (None, None) for a leaf."""
+def _is_tensor_like(value):
+    """What torch DCP keeps traversing a list for: torch tensors (DTensor, torch ShardedTensor),
+    and tessera's and the frameworks' sharded leaves."""
+    return (_dtypes.is_torch_tensor(value) or isinstance(value, (ShardedTensor, ShardedObject))
+            or _adapters.is_framework_leaf(value))
+
+
+def dcp_terminal(value):
+    """Whether torch.distributed.checkpoint's flattening (torch's _traverse.traverse_state_dict)
+    stores `value` as one leaf: anything but a dict or a list, and a list holding no tensor
+    and no dict or list that is not itself terminal. A tuple is one leaf (one pickled object)."""
     t = type(value)
+    if t is dict or t is collections.OrderedDict:
+        return False
+    if t is not list:
+        return True
+    for entry in value:
+        if type(entry) in (dict, collections.OrderedDict, list) and not dcp_terminal(entry):
+            return False
+        if _is_tensor_like(entry):
+            return False
+    return True
+
+
+def dcp_differs(value):
+    """Whether flattening `value` as torch DCP does gives other keys than tessera's own
+    flattening: it holds a tuple, or a list DCP stores whole (dcp_terminal)."""
+    t = type(value)
+    if t is dict or t is collections.OrderedDict:
+        return any(dcp_differs(v) for v in value.values())
+    if t is list:
+        return dcp_terminal(value) or any(dcp_differs(v) for v in value)
+    return t is tuple or _is_namedtuple(value)
+
+
+def _items(value, dcp=False):
+    """(kind, [(key, child)]) of a container, or (None, None) for a leaf. With `dcp`, the
+    containers torch DCP stores as one leaf (dcp_terminal) are leaves."""
+    t = type(value)
+    if dcp and t is not dict and t is not collections.OrderedDict and dcp_terminal(value):
+        return None, None
     if t is dict or t is collections.OrderedDict:
         return ("dict" if t is dict else "odict"), list(value.items())
     if t is list:
@@ -149,13 +191,14 @@ def _items(value):
 
 
 def _path_text(path):
-    return ".".join(path) if path else "the state dict"
+    return ".".join(map(str, path)) if path else "the state dict"
 
 
-def _walk(value, path, visit):
+def _walk(value, path, visit, dcp=False):
     """Visits the leaves in depth-first order (visit(path, leaf) returns the leaf's structure
-    node) and returns the structure node of `value`."""
-    kind, items = _items(value)
+    node) and returns the structure node of `value`. A path holds str dict keys (an int key as
+    its str) and int list and tuple indices, as torch DCP's paths. `dcp`: see _items."""
+    kind, items = _items(value, dcp)
     if kind is None:
         return visit(path, value)
     node = {kind: []}
@@ -165,9 +208,9 @@ def _walk(value, path, visit):
                 raise invalid_argument(
                     f"{_path_text(path)}: dict key {k!r} of type {type(k).__name__}: "
                     "tessera state dicts take str and int keys")
-            node[kind].append([k, _walk(child, path + (str(k),), visit)])
+            node[kind].append([k, _walk(child, path + (str(k),), visit, dcp)])
         else:
-            node[kind].append(_walk(child, path + (str(k),), visit))
+            node[kind].append(_walk(child, path + (k,), visit, dcp))
     if kind == "namedtuple":
         t = type(value)
         node["type"] = f"{t.__module__}:{t.__qualname__}"
@@ -175,24 +218,25 @@ def _walk(value, path, visit):
     return node
 
 
-def map_leaves(value, fn, counter=None):
-    """Replaces each leaf by fn(index, leaf) (indices in _walk's order). Dicts and lists are
-    updated in place; a tuple holding a replaced leaf is rebuilt. Returns the new value."""
+def map_leaves(value, fn, counter=None, dcp=False):
+    """Replaces each leaf by fn(index, leaf) (indices in _walk's order, with the same `dcp`).
+    Dicts and lists are updated in place; a tuple holding a replaced leaf is rebuilt. Returns
+    the new value."""
     if counter is None:
         counter = [0]
-    kind, items = _items(value)
+    kind, items = _items(value, dcp)
     if kind is None:
         index = counter[0]
         counter[0] += 1
         return fn(index, value)
     if kind in ("dict", "odict", "list"):
         for k, child in items:
-            new = map_leaves(child, fn, counter)
+            new = map_leaves(child, fn, counter, dcp)
             if new is not child:
                 value[k] = new
         return value
     children = [child for _, child in items]
-    new = [map_leaves(child, fn, counter) for child in children]
+    new = [map_leaves(child, fn, counter, dcp) for child in children]
     if all(a is b for a, b in zip(new, children)):
         return value
     return type(value)._make(new) if kind == "namedtuple" else tuple(new)
@@ -203,9 +247,11 @@ def map_leaves(value, fn, counter=None):
 class Leaf:
     """One leaf of a flattened state dict."""
 
-    __slots__ = ("key", "value", "is_tensor", "encoding", "replace_on_load", "index")
+    __slots__ = ("key", "value", "is_tensor", "encoding", "replace_on_load", "index",
+                 "megatron_list")
 
-    def __init__(self, key, value, is_tensor, encoding=None, replace_on_load=False):
+    def __init__(self, key, value, is_tensor, encoding=None, replace_on_load=False,
+                 megatron_list=False):
         self.index = None  # of the state dict's leaf, in map_leaves order (set by Flat)
         self.key = key
         self.value = value          # the leaf (tensor, array, ShardedTensor, object), or the
@@ -215,6 +261,9 @@ class Leaf:
         # After a load, the leaf is replaced by the loaded value even though it is a sharded
         # object (a Megatron ShardedObject, as Megatron's load returns it).
         self.replace_on_load = replace_on_load
+        # A Megatron ShardedObject in a DCP (torch_dist) checkpoint: Megatron stores its data as
+        # a one-element list (torch.save([data]), strategies/torch.py), and so does tessera.
+        self.megatron_list = megatron_list
 
 
 def _encoding(value):
@@ -237,15 +286,22 @@ def _lib(data):
 class Flat:
     """A state dict flattened: its leaves in depth-first order and its structure."""
 
-    def __init__(self, state_dict, for_load=False):
+    def __init__(self, state_dict, for_load=False, dcp=False):
+        """`dcp`: flatten as torch.distributed.checkpoint does (dcp_terminal containers, such as
+        tuples and lists of numbers, are one object each), for checkpoints in its format."""
         if _items(state_dict)[0] is None:
             raise TypeError("a state dict must be a dict, list or tuple, not "
                             f"{type(state_dict).__name__}")
         self.for_load = for_load  # a Megatron ShardedTensor without data gets a tensor to load
+        self.dcp = dcp
         self.leaves = []
         self.entries = []  # by build(): the StateBuilder index of each leaf
+        # The path of each key in the state dict (str dict keys, int list indices), as torch
+        # DCP's planner_data records it; a key of its own (ShardedTensor(key=...), Megatron's)
+        # is its own path.
+        self.paths = {}
         self._num_leaves = 0
-        self._root = _walk(state_dict, (), self._visit_leaf)
+        self._root = _walk(state_dict, (), self._visit_leaf, dcp)
         self._extra = {}
 
     @property
@@ -261,15 +317,17 @@ class Flat:
             structure["extra"] = self._extra
         return json.dumps(structure, separators=(",", ":"))
 
-    def rank_summary(self):
+    def rank_summary(self, replicas=()):
         """What rank 0 needs to know of this rank's leaves that rank 0 may not hold (see
         merge_rank_summaries): the encodings of its ShardedObjects, the libraries of its
-        tensors. Small: one entry per ShardedObject."""
+        tensors; and `replicas`, the digests of its replicas (tessera/_replicas.py). Small: one
+        entry per ShardedObject and checked replica."""
         objects = [[leaf.key, leaf.encoding] for leaf in self.leaves
                    if isinstance(leaf.value, ShardedObject)]
         libs = sorted({_lib(leaf.value.data if isinstance(leaf.value, ShardedTensor)
                             else leaf.value) for leaf in self.leaves if leaf.is_tensor})
-        return json.dumps({"objects": objects, "libs": libs}).encode()
+        return json.dumps({"objects": objects, "libs": libs,
+                           "replicas": list(replicas)}).encode()
 
     def merge_rank_summaries(self, summaries):
         """On rank 0, with every rank's rank_summary(): records the encodings of objects only
@@ -293,11 +351,13 @@ class Flat:
         node = self._visit(path, value)
         for leaf in self.leaves[first:]:  # one leaf of the state dict, maybe several pieces
             leaf.index = self._num_leaves
+            self.paths.setdefault(leaf.key, list(path) if leaf.key == _path_text(path)
+                                  else [leaf.key])
         self._num_leaves += 1
         return node
 
     def _visit(self, path, value):
-        key = ".".join(path)
+        key = ".".join(map(str, path))
         custom = value.key if isinstance(value, (ShardedTensor, ShardedObject)) else None
         check_text(custom or key, "key")
         if not isinstance(value, (ShardedTensor, ShardedObject)):
@@ -330,8 +390,13 @@ class Flat:
         if isinstance(value, ShardedTensor):
             self.leaves.append(Leaf(key, value, True))
             return {"tensor": key, "lib": _lib(value.data), "sharded": True}
+        megatron_list = adapted.kind == "megatron_object"
+        if megatron_list and self.dcp and not self.for_load:
+            # Megatron's torch_dist layout of a ShardedObject: its data in a one-element list.
+            value = ShardedObject([value.value], value.replica_id, key=value.key)
         encoding = _encoding(value.value)
-        self.leaves.append(Leaf(key, value, False, encoding, adapted.replace_on_load))
+        self.leaves.append(Leaf(key, value, False, encoding, adapted.replace_on_load,
+                                megatron_list))
         return {"object": key, "encoding": encoding, "sharded": True}
 
     def build(self, rank, for_load):
@@ -497,6 +562,9 @@ def decode_objects(flat, builder, skipped, unpickle=True):
                 raise invalid_argument(
                     f"object '{leaf.key}': the stored bytes are not a pickle ({type(e).__name__}: "
                     f"{e}); load into a bytes placeholder to get the raw bytes") from e
+        if (leaf.megatron_list and builder.object_encoding(entry) == "torch_save"
+                and type(value) is list and len(value) == 1):
+            value = value[0]  # Megatron's [data] in a DCP checkpoint (Leaf.megatron_list)
         if isinstance(leaf.value, ShardedObject):
             leaf.value.value = value
         if leaf.replace_on_load or not isinstance(leaf.value, ShardedObject):
@@ -542,7 +610,7 @@ def _torch_load(key, data):
             "objects='bytes' to get its bytes") from e
     import io  # noqa: PLC0415
     try:
-        return torch.load(io.BytesIO(data))
+        return torch.load(io.BytesIO(data), weights_only=False)
     except Exception as e:
         raise invalid_argument(
             f"object '{key}': torch.load of its stored bytes failed ({type(e).__name__}: {e})"
@@ -676,7 +744,56 @@ def _structure(metadata, source):
     extra = structure.get("extra", {})
     if not isinstance(extra, dict) or not isinstance(extra.get("objects", {}), dict):
         raise _malformed(source, f"'extra' must be an object of objects, not {extra!r}")
+    removed = removed_prefixes(metadata)
+    if removed:  # keys tessera.remove_keys took out: out of the structure too
+        present = {t.key for t in metadata.tensors} | {o.key for o in metadata.objects}
+        root = _without_removed(structure["root"], present, removed)
+        structure["root"] = {"dict": []} if root is None else root
     return structure
+
+
+def removed_prefixes(metadata):
+    """The key prefixes tessera.remove_keys removed from the checkpoint (none: [])."""
+    try:
+        prefixes = json.loads(metadata.user_metadata.get(REMOVED_PREFIXES_KEY, "[]"))
+    except ValueError:
+        return []
+    return [p for p in prefixes if isinstance(p, str) and p] if isinstance(prefixes, list) else []
+
+
+def _without_removed(node, present, removed):
+    """`node` without the leaves remove_keys took out of the checkpoint (absent, and under a
+    removed prefix) and without the containers that held only such leaves; None when the node
+    itself goes. A namedtuple that lost a field becomes a tuple of the rest."""
+    if not isinstance(node, dict):
+        return node  # malformed: left for the template's checks to name
+    if "tensor" in node or "object" in node:
+        key = node.get("tensor", node.get("object"))
+        gone = (isinstance(key, str) and key not in present
+                and any(key.startswith(p) for p in removed))
+        return None if gone else node
+    for kind in ("dict", "odict", "list", "tuple", "namedtuple"):
+        children = node.get(kind)
+        if not isinstance(children, list):
+            continue
+        if kind in ("dict", "odict"):
+            items = [item for item in children if isinstance(item, list) and len(item) == 2]
+            new = [[k, _without_removed(child, present, removed)] for k, child in items]
+            changed = len(items) != len(children) or any(
+                a[1] is not b[1] for a, b in zip(items, new))
+            kept = [item for item in new if item[1] is not None]
+        else:
+            new = [_without_removed(child, present, removed) for child in children]
+            changed = any(a is not b for a, b in zip(children, new))
+            kept = [child for child in new if child is not None]
+        if not changed:
+            return node
+        if children and not kept:
+            return None
+        if kind == "namedtuple":
+            return {"tuple": kept}
+        return dict(node, **{kind: kept})
+    return node
 
 
 def saved_structure(metadata, source="the checkpoint"):

@@ -7,10 +7,52 @@ only (dist.new_group would need every rank of the job), so an asynchronous save 
 of its own and its collectives never mix with the caller's.
 """
 
+import atexit
+import ctypes
 import datetime
+import threading
 import uuid
 
 _OPS = None
+
+# The tensors tessera handed to torch.distributed collectives that gloo's worker thread
+# (pt_gloo_runloop) may still hold. Python keeps a reference to each until gloo dropped its own
+# (Tensor._use_count() back to 1), so that gloo's thread never holds the last reference to a
+# tensor created in Python: dropping that needs the GIL, and a thread that takes the GIL while
+# the interpreter exits is ended by pthread_exit, whose unwinding through gloo's noexcept
+# frames is "terminate called without an active exception" (issue 22, defect 13: a process
+# that saved over gloo aborted at exit, 1 run in 12, when gloo's thread released the last
+# collective's tensors after the interpreter began to exit). At exit the tensors gloo may still
+# hold are leaked on purpose (see _leak_held_tensors).
+_held_lock = threading.Lock()
+_held = []
+# torch < 2.0 lacks Tensor._use_count(): the tensors of the last collectives are kept instead.
+_KEPT_WITHOUT_USE_COUNT = 64
+
+
+def _hold(tensors):
+    """Keeps `tensors` (just handed to a collective) referenced until gloo released them."""
+    with _held_lock:
+        if _held and hasattr(_held[0], "_use_count"):
+            _held[:] = [t for t in _held if t._use_count() > 1]
+        else:
+            del _held[:-_KEPT_WITHOUT_USE_COUNT]
+        _held.extend(tensors)
+
+
+def _still_held_by_gloo():
+    """The held tensors a collective's work may still hold (all of them without _use_count)."""
+    with _held_lock:
+        return [t for t in _held if not hasattr(t, "_use_count") or t._use_count() > 1]
+
+
+@atexit.register
+def _leak_held_tensors():
+    """Before the interpreter tears down (after tessera's wait for asynchronous saves, which
+    atexit runs first): each tensor gloo may still hold gets a reference that is never given
+    back, so whenever gloo's thread drops its own, no Python object dies on that thread."""
+    for t in _still_held_by_gloo():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(t))
 
 
 def _ops():
@@ -51,7 +93,9 @@ class TorchDistImpl:
     def _all_gather_sizes(self, n):
         import torch  # noqa: PLC0415
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self.pg.allgather([out], [self._int64([n])]).wait()
+        send = self._int64([n])
+        _hold(out + [send])
+        self.pg.allgather([out], [send]).wait()
         return [int(t[0]) for t in out]
 
     # -- the Comm interface --------------------------------------------------------------------
@@ -63,9 +107,11 @@ class TorchDistImpl:
         opts = BroadcastOptions()
         opts.rootRank = root
         size = self._int64([len(data) if self.rank == root else 0])
+        _hold([size])
         self.pg.broadcast([size], opts).wait()
         n = int(size[0])
         buf = _to_tensor(data if self.rank == root else b"", n)
+        _hold([buf])
         self.pg.broadcast([buf], opts).wait()
         return _to_bytes(buf, n)
 
@@ -74,7 +120,9 @@ class TorchDistImpl:
         sizes = self._all_gather_sizes(len(data))
         n = max(sizes)
         out = [torch.zeros(max(n, 1), dtype=torch.uint8) for _ in range(self.size)]
-        self.pg.allgather([out], [_to_tensor(data, n)]).wait()
+        send = _to_tensor(data, n)
+        _hold(out + [send])
+        self.pg.allgather([out], [send]).wait()
         return [_to_bytes(t, s) for t, s in zip(out, sizes)]
 
     def gather(self, data, root):
@@ -86,7 +134,9 @@ class TorchDistImpl:
         opts.rootRank = root
         out = ([[torch.zeros(max(n, 1), dtype=torch.uint8) for _ in range(self.size)]]
                if self.rank == root else [])
-        self.pg.gather(out, [_to_tensor(data, n)], opts).wait()
+        send = _to_tensor(data, n)
+        _hold([t for ts in out for t in ts] + [send])
+        self.pg.gather(out, [send], opts).wait()
         if self.rank != root:
             return None
         return [_to_bytes(t, s) for t, s in zip(out[0], sizes)]
@@ -97,10 +147,12 @@ class TorchDistImpl:
         opts = ScatterOptions()
         opts.rootRank = root
         sizes = self._int64([len(c) for c in chunks] if self.rank == root else [0] * self.size)
+        _hold([sizes])
         self.pg.broadcast([sizes], _broadcast_options(root)).wait()
         n = int(sizes.max())
         inputs = [[_to_tensor(c, n) for c in chunks]] if self.rank == root else []
         out = torch.zeros(max(n, 1), dtype=torch.uint8)
+        _hold([t for ts in inputs for t in ts] + [out])
         self.pg.scatter([out], inputs, opts).wait()
         return _to_bytes(out, int(sizes[self.rank]))
 
@@ -111,6 +163,7 @@ class TorchDistImpl:
         opts = AllreduceOptions()
         opts.reduceOp = _ops()[op]
         tensor = self._int64(list(values))
+        _hold([tensor])
         self.pg.allreduce([tensor], opts).wait()
         return tensor.tolist()
 
@@ -148,9 +201,44 @@ def torch_dist_comm(group=None, *, timeout=datetime.timedelta(minutes=30)):
                            "torch.distributed.init_process_group('gloo', ...) first")
     pg = group if group is not None else c10d._get_default_group()
     backend = dist.get_backend(pg)
-    if backend != "gloo":
+    if not _has_gloo_for_cpu(backend):
         raise ValueError(f"tessera.torch_dist_comm needs a gloo group, not {backend} "
                          "(make one with torch.distributed.new_group(backend='gloo'))")
     impl = TorchDistImpl(pg, dist.get_rank(pg), dist.get_world_size(pg),
                          c10d._get_default_store(), timeout)
     return _tessera.python_comm(impl)
+
+
+def _has_gloo_for_cpu(backend):
+    """Whether a group of this backend ("gloo", or "cpu:gloo,cuda:nccl" for a group with a
+    backend per device) runs collectives of CPU tensors with gloo."""
+    backend = str(backend)
+    return backend == "gloo" or "cpu:gloo" in backend.split(",")
+
+
+_default_cache = {}
+
+
+def default_comm():
+    """The tessera Comm of a call without `comm=`: when torch.distributed is initialised with
+    several ranks, a Comm over its default group (the whole job, as torch.distributed.checkpoint
+    uses), made once per default group (over a gloo group made for tessera, once, when the
+    default group does not run CPU collectives with gloo, e.g. NCCL); else None, one rank.
+    torch is not imported here: a job that uses torch.distributed has imported it.
+
+    Making it is COLLECTIVE the first time (and with NCCL, dist.new_group): every rank calls
+    the same tessera function, as they must anyway."""
+    import sys  # noqa: PLC0415
+    dist = sys.modules.get("torch.distributed")
+    if (dist is None or not dist.is_available() or not dist.is_initialized()
+            or dist.get_world_size() == 1):
+        return None
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+    default = c10d._get_default_group()
+    cached = _default_cache.get("default")
+    if cached is not None and cached[0] is default:
+        return cached[1]
+    group = None if _has_gloo_for_cpu(dist.get_backend()) else dist.new_group(backend="gloo")
+    comm = torch_dist_comm(group)
+    _default_cache["default"] = (default, comm)
+    return comm

@@ -1,6 +1,7 @@
 """Megatron-Core's dist_checkpointing entry points, over tessera.
 
-Shaped like megatron.core.dist_checkpointing (serialization.py), so that switching is one line:
+Shaped like megatron.core.dist_checkpointing (serialization.py, Megatron-Core 0.19), so that
+switching is one line:
 
     from megatron.core import dist_checkpointing            # before
     from tessera import megatron as dist_checkpointing      # after
@@ -10,12 +11,17 @@ Shaped like megatron.core.dist_checkpointing (serialization.py), so that switchi
     model.load_state_dict(state_dict)
     tensors = dist_checkpointing.load_plain_tensors(checkpoint_dir)
 
-Megatron is never imported: its ShardedTensor and ShardedObject are recognised by their fields
-(tessera/_adapters.py), its ShardedTensorFactory by build()/merge_fn and its
-LocalNonpersistentObject by name. The checkpoint is tessera's format (docs/FORMAT.md), not
-Megatron's torch_dist; ShardedObjects are saved under torch_dist's names
-"<key>/shard_<offsets>_<shape>" and every other leaf (Megatron's "common" state: iteration,
-args, ...) as tessera saves any leaf: rank 0's copy.
+By default the checkpoint is Megatron's own torch_dist (a PyTorch DCP directory, its
+ShardedObjects as one-element lists, the common state as the ShardedObject "common_state",
+metadata.json), written by tessera: Megatron's own load and load_plain_tensors read it, and this
+module reads what Megatron wrote. format="tessera" writes tessera's own format instead
+(docs/FORMAT.md: checksums, remove_sharded_tensors without rewriting), which only tessera reads.
+
+Megatron is not imported by these functions: its ShardedTensor and ShardedObject are
+recognised by their fields (tessera/_adapters.py), its ShardedTensorFactory by build()/merge_fn
+and its LocalNonpersistentObject by name. The strategies that plug tessera into Megatron's own
+dist_checkpointing.save and load (TesseraSaveShardedStrategy, TesseraLoadShardedStrategy,
+subclasses of Megatron's torch_dist strategies) import Megatron when first used.
 
 Like Megatron's, the functions are collective over torch.distributed's default group (the
 whole job) when it is initialised: `comm=None` means a tessera comm over that group (a gloo
@@ -23,6 +29,7 @@ group made once for tessera when the job's backend is another, e.g. NCCL), or on
 torch.distributed is not initialised. Pass `comm=` for any other tessera.Comm.
 """
 
+import json
 import os
 import sys
 import warnings
@@ -32,7 +39,8 @@ from . import _api
 from . import _state
 from ._errors import Error, invalid_argument, warn_partial_load
 
-__all__ = ["load", "load_plain_tensors", "remove_sharded_tensors", "save"]
+__all__ = ["TesseraLoadShardedStrategy", "TesseraSaveShardedStrategy", "load",
+           "load_plain_tensors", "remove_sharded_tensors", "save"]
 
 # Megatron's StrictHandling values -> (skip keys asked for but absent from the checkpoint,
 # skip keys of the checkpoint no rank asks for, warn, return). Megatron's names are the other
@@ -51,57 +59,110 @@ _STRICT = {
 }
 
 CONTENT_METADATA_KEY = "content_metadata"  # Megatron's key in the common state dict
+# Megatron's torch_dist layout (megatron/core/dist_checkpointing/serialization.py, core.py).
+COMMON_STATE_KEY = "common_state/shard_0_1"  # ShardedObject("common_state", ..., (1,), (0,))
+LEGACY_COMMON_FILE = "common.pt"            # the common state of Megatron-Core <= 0.15
+CONFIG_FILE = "metadata.json"               # CheckpointingConfig: what makes it a checkpoint
+TORCH_DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+_FORMATS = ("torch_dist", "tessera")
 
-_comm_cache = {}
 
+def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, validate_access_integrity=True,
+         async_sharded_save=False, preprocess_common_before_consistancy_check=None,
+         content_metadata=None, async_strategy=None, verify_integrity=False, *,
+         common_strategy=None, comm=None, format="torch_dist", **options):
+    """Saves a Megatron sharded state dict at `checkpoint_dir`. COLLECTIVE. Megatron's steps:
+    ShardedTensorFactory leaves are built, LocalNonpersistentObject leaves left out,
+    ShardedTensors and ShardedObjects saved by their main replicas (replica id all zeros),
+    every other leaf (the "common" state: iteration, args, ...) from rank 0; `content_metadata`
+    goes into the common state under "content_metadata".
 
-def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
-         validate_access_integrity=True, async_sharded_save=False,
-         preprocess_common_before_consistancy_check=None, content_metadata=None, *, comm=None,
-         **options):
-    """Saves a Megatron sharded state dict as a tessera checkpoint at `checkpoint_dir`.
-    COLLECTIVE. Megatron's steps: ShardedTensorFactory leaves are built, LocalNonpersistentObject
-    leaves left out, ShardedTensors and ShardedObjects saved by their main replicas (replica id
-    all zeros), every other leaf from rank 0; `content_metadata` goes into the common state
-    under "content_metadata".
-
-    sharded_strategy, common_strategy: Megatron strategy objects; tessera is the strategy, so
-        anything but None is ignored with a warning.
+    format="torch_dist" (default): Megatron's torch_dist checkpoint, as Megatron-Core 0.19
+        writes it: a PyTorch DCP directory, each ShardedObject's data as a one-element list,
+        the common state dict as the ShardedObject "common_state" (rank 0's), and
+        metadata.json (written by rank 0 before the data: a directory without .metadata is no
+        checkpoint). Megatron's load and load_plain_tensors read it.
+    format="tessera": tessera's own format (checksums; remove_sharded_tensors frees bytes
+        without rewriting), the common state as tessera saves any leaf.
+    sharded_strategy: a TesseraSaveShardedStrategy is used as it is meant (its options apply);
+        any other Megatron strategy object is ignored with a warning: tessera is the strategy.
     validate_access_integrity: tessera always checks that the main replicas cover every tensor
         exactly once (the error names the key, the boxes and the ranks).
     preprocess_common_before_consistancy_check: not called: the common state is rank 0's; it
         is not compared across ranks.
     async_sharded_save=True: returns a tessera.AsyncSaveHandle whose save already runs in the
         background (wait() it), where Megatron returns a request for the caller to schedule.
+    async_strategy, verify_integrity: accepted for Megatron's signature (tessera checksums
+        every chunk of its own format; a DCP checkpoint has no checksums).
+    common_strategy: Megatron-Core <= 0.13's argument; ignored with a warning unless None.
     comm, **options: as tessera.save (num_io_threads, sync, ...).
 
     Returns None, or the AsyncSaveHandle.
     """
+    del validate_access_integrity, preprocess_common_before_consistancy_check, async_strategy
+    del verify_integrity
+    if isinstance(sharded_strategy, _strategy_classes()["save"] or ()):
+        options = {**sharded_strategy.options, **options}
+        sharded_strategy = None
     _warn_strategies("save", sharded_strategy, common_strategy)
-    del validate_access_integrity, preprocess_common_before_consistancy_check  # see above
-    comm = _default_comm(comm)
+    if format not in _FORMATS:
+        raise ValueError(f"format must be one of {list(_FORMATS)}, not {format!r}")
+    comm = _api._comm_handle(comm)
     state = _copy_for_save(sharded_state_dict)
     if content_metadata is not None:
         if not isinstance(state, dict):
             raise TypeError("content_metadata needs a sharded state dict that is a dict")
         state[CONTENT_METADATA_KEY] = content_metadata
     path = os.fspath(checkpoint_dir)
+    if format == "torch_dist":
+        state = _torch_dist_layout(state, comm.rank if comm is not None else 0)
+        options["format"] = "torch_dist"
+        if comm is None or comm.rank == 0:
+            write_config(path)
     if async_sharded_save:
         return _api.async_save(state, path, comm=comm, **options)
     _api.save(state, path, comm=comm, **options)
     return None
 
 
-def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
-         validate_access_integrity=True, strict="assume_ok_unexpected", *, comm=None,
-         **options):
-    """Loads the checkpoint at `checkpoint_dir` into the tensors of a Megatron sharded state
-    dict (in place: each ShardedTensor's data) and returns the loaded state dict, as Megatron's
-    load does: the same nesting with each ShardedTensor replaced by its data tensor, each
+def write_config(path):
+    """Writes Megatron's metadata.json (CheckpointingConfig of the torch_dist backend) into the
+    directory `path`, creating it: Megatron's load requires it to call a directory a
+    checkpoint."""
+    os.makedirs(path, exist_ok=True)
+    temporary = os.path.join(path, CONFIG_FILE + ".tmp")
+    with open(temporary, "w") as f:
+        json.dump(TORCH_DIST_CONFIG, f)
+    os.replace(temporary, os.path.join(path, CONFIG_FILE))
+
+
+def _torch_dist_layout(state, rank):
+    """The state dict a torch_dist save writes: the sharded leaves where they are, and the
+    common (non-sharded) leaves in one ShardedObject "common_state" of rank 0, as Megatron's
+    save_preprocess and save do."""
+    if not isinstance(state, dict):
+        raise TypeError("a torch_dist save needs a sharded state dict that is a dict")
+    sharded, common = _extract(state, _is_sharded_leaf)
+    if "common_state" in sharded:
+        raise invalid_argument("the sharded state dict has an entry 'common_state', the name "
+                               "Megatron's torch_dist gives the common state")
+    sharded["common_state"] = _state.ShardedObject([common], replica_id=rank,
+                                                   key=COMMON_STATE_KEY)
+    return sharded
+
+
+def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, validate_access_integrity=True,
+         strict="assume_ok_unexpected", verify_integrity=False, process_group=None, *,
+         common_strategy=None, comm=None, **options):
+    """Loads the checkpoint at `checkpoint_dir` (Megatron's torch_dist, written by Megatron or
+    by tessera, or tessera's own format) into the tensors of a Megatron sharded state dict (in
+    place: each ShardedTensor's data) and returns the loaded state dict, as Megatron's load
+    does: the same nesting with each ShardedTensor replaced by its data tensor, each
     ShardedObject by its loaded value, each ShardedTensorFactory by its merge_fn of what was
     loaded, each LocalNonpersistentObject by its unwrapped object; plus the checkpoint's common
-    (non-sharded) entries the request lacks. `sharded_state_dict` itself keeps its leaves.
-    A ShardedTensor whose data is None gets a new tensor (Megatron's init_data). COLLECTIVE.
+    (non-sharded) state, whatever the request holds. `sharded_state_dict` itself keeps its
+    leaves. A ShardedTensor whose data is None gets a new tensor (Megatron's init_data).
+    COLLECTIVE, over `process_group` (a gloo torch.distributed group) or `comm`.
 
     strict: Megatron's StrictHandling (or its value as a string; True means its default
         "assume_ok_unexpected", False "log_unexpected"). In Megatron's words, "unexpected" keys
@@ -114,20 +175,32 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
         - "return_unexpected", "return_all": skipped; load returns (state_dict, missing_keys,
           unexpected_keys), sets of keys ("return_unexpected" leaves missing_keys empty).
         - "ignore_all": skipped silently.
-    sharded_strategy, common_strategy: ignored with a warning unless None.
-    validate_access_integrity: accepted for Megatron's signature; a tessera load reads any box
-        of any saved tensor, whoever else reads it.
+    sharded_strategy: a TesseraLoadShardedStrategy's options apply; any other Megatron strategy
+        is ignored with a warning. common_strategy (Megatron <= 0.13): ignored with a warning.
+    validate_access_integrity, verify_integrity: accepted for Megatron's signature; a tessera
+        load reads any box of any saved tensor, whoever else reads it, and checks the
+        checksums of tessera's format.
     comm, **options: as tessera.load.
     """
+    del validate_access_integrity, verify_integrity
+    if isinstance(sharded_strategy, _strategy_classes()["load"] or ()):
+        options = {**sharded_strategy.options, **options}
+        sharded_strategy = None
     _warn_strategies("load", sharded_strategy, common_strategy)
-    del validate_access_integrity
     skip_absent, skip_unasked, log, returned = _parse_strict(strict)
-    comm = _api._comm_handle(_default_comm(comm))
+    if comm is None and process_group is not None:
+        from ._torch_comm import torch_dist_comm  # noqa: PLC0415
+        comm = torch_dist_comm(process_group)
+    comm = _api._comm_handle(comm)
     path = os.fspath(checkpoint_dir)
 
     def prepare():
         request = _Request(sharded_state_dict)
-        request.match_common_entries(_api.read_metadata(path))
+        metadata = _api.read_metadata(path)
+        if metadata.format == "torch_dist":
+            request.use_torch_dist_common(metadata)
+        else:
+            request.match_common_entries(metadata)
         flat = _state.Flat(request.state, for_load=True)
         builder = flat.build(rank=comm.rank if comm is not None else 0, for_load=True)
         opts = _api._load_options(True, options)
@@ -143,7 +216,7 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
     except Error as e:
         raise _megatron_wording(e, strict) from None
     absent = {_base_key(k) for k in report.missing_keys}      # Megatron's "unexpected"
-    unasked = {_base_key(k) for k in report.unexpected_keys}  # Megatron's "missing"
+    unasked = {_base_key(k) for k in report.unexpected_keys} - request.internal_keys
     if log is not None:
         warn_partial_load(f"tessera.megatron.load(strict={_strict_name(strict)!r})",
                           sorted(absent), sorted(unasked) if log == "all" else [])
@@ -169,8 +242,9 @@ def remove_sharded_tensors(checkpoint_dir, key_prefix):
 
 def load_plain_tensors(checkpoint_dir, *, comm=None, **options):
     """Every tensor of the checkpoint at `checkpoint_dir`, whole, as torch tensors in a flat
-    dict by key; common state not included (as Megatron's load_plain_tensors). `comm=None`:
-    this process alone reads them (not collective); with a comm, every rank reads everything.
+    dict by key; common state not included (as Megatron's load_plain_tensors). COLLECTIVE
+    like Megatron's (every rank reads everything): over torch.distributed's default group when
+    it is initialised, else this process alone; or over `comm`.
     """
     import torch  # noqa: PLC0415
     from . import _dtypes  # noqa: PLC0415
@@ -256,6 +330,29 @@ class _Request:
 
         self.state = _copy(sharded_state_dict, leaf)
         self.common = []  # (path, leaf) of common entries the request lacks
+        # torch_dist: the checkpoint's common state dict, loaded whole and merged (Megatron's
+        # load_common_state_dict); keys of the layout no caller asks for.
+        self.torch_dist_common = False
+        self.internal_keys = set()
+
+    def use_torch_dist_common(self, metadata):
+        """A torch_dist checkpoint (Megatron's or tessera's): the request's common leaves go;
+        the result's common part is the checkpoint's common state dict (the ShardedObject
+        "common_state", or the common.pt of Megatron-Core <= 0.15), loaded whole."""
+        objects = {o.key for o in metadata.objects}
+        self.state = _copy(self.state, lambda path, value: value if _is_sharded_leaf(value)
+                           else _DROP)
+        if not isinstance(self.state, dict):
+            raise TypeError("a sharded state dict must be a dict")
+        placeholders = []
+        for key in (COMMON_STATE_KEY, LEGACY_COMMON_FILE, CONFIG_FILE):
+            if key in objects:
+                placeholders.append(_state.ShardedObject(b"" if key == CONFIG_FILE else None,
+                                                         key=key))
+                self.internal_keys.add(_base_key(key))
+        self.state = dict(self.state)
+        self.state["\0common"] = placeholders
+        self.torch_dist_common = True
 
     def match_common_entries(self, metadata):
         """As Megatron's load, whose common part is the checkpoint's common state whatever the
@@ -265,7 +362,7 @@ class _Request:
         saved = {t.key for t in metadata.tensors} | {o.key for o in metadata.objects}
         self.state = _copy(self.state, lambda path, value: value if _is_sharded_leaf(value)
                            or _leaf_key(path, value) in saved else _DROP)
-        root = _state.saved_structure(metadata)
+        root = _state.saved_structure(metadata)  # without what remove_keys removed
         if root is None or not isinstance(self.state, dict):
             return
         asked = set()
@@ -304,11 +401,71 @@ class _Request:
             _put(result, path, obj.unwrap(), insert=True)
         for path, factory in self.factories:
             _put(result, path, factory.merge_fn(_get(result, path)))
+        if self.torch_dist_common:
+            # Megatron: merge(common_state_dict, loaded_state_dict): the common state is the
+            # base, what was loaded goes into it.
+            base = {}
+            for value in common or []:
+                if type(value) is list and len(value) == 1:
+                    value = value[0]  # "common_state": [state dict], as Megatron stores it
+                if isinstance(value, dict):  # the common state dict (not metadata.json's bytes)
+                    base = value
+            return _merge(base, result)
         if common is not None:
             for (path, _), value in zip(self.common, common):
                 if _get_or_none(result, path) is None:
                     _put(result, path, value, create=True)
         return result
+
+
+def _extract(value, predicate):
+    """(matching, rest) of a nested dict: Megatron's dict_utils.extract_matching_values, so the
+    common state holds the containers Megatron's holds (one that only held sharded leaves is
+    left out; an empty one stays)."""
+    if isinstance(value, dict):
+        matching, rest = {}, {}
+        for k, v in value.items():
+            if isinstance(v, (dict, list)):
+                m, r = _extract(v, predicate)
+                if m:
+                    matching[k] = m
+                if r or not v:
+                    rest[k] = r
+            elif predicate(v):
+                matching[k] = v
+            else:
+                rest[k] = v
+        return matching, rest
+    if isinstance(value, list):
+        matching, rest = [], []
+        for v in value:
+            if isinstance(v, (dict, list)) and v:
+                m, r = _extract(v, predicate)
+                if m:
+                    matching.append(m)
+                if r:
+                    rest.append(r)
+            elif predicate(v):
+                matching.append(v)
+            else:
+                rest.append(v)
+        return matching, rest
+    return (value, None) if predicate(value) else (None, value)
+
+
+def _merge(base, other):
+    """Megatron's dict_utils.merge: `other` merged into `base` (dicts key by key, lists item by
+    item, anything else replaced). Returns base."""
+    if isinstance(base, dict) and isinstance(other, dict):
+        for k, v in other.items():
+            base[k] = _merge(base[k], v) if k in base else v
+        return base
+    if isinstance(base, list) and isinstance(other, list):
+        if len(base) != len(other):
+            raise invalid_argument(f"the checkpoint's common state has a list of {len(base)} "
+                                   f"items where the loaded state has {len(other)}")
+        return [_merge(a, b) for a, b in zip(base, other)]
+    return other
 
 
 def _rebuild(node, value, leaf_fn, counter):
@@ -441,26 +598,22 @@ def _warn_strategies(function, sharded_strategy, common_strategy):
                         ("common_strategy", common_strategy)):
         if value is not None:
             warnings.warn(f"tessera.megatron.{function}: {name}={type(value).__name__} is "
-                          "ignored: tessera saves and loads its own format", stacklevel=3)
+                          "ignored: tessera is the strategy", stacklevel=3)
 
 
-def _default_comm(comm):
-    """`comm`, else a tessera comm over torch.distributed's default group when it is
-    initialised with several ranks (over a gloo group made once when the job's backend is
-    another), else None (one rank)."""
-    if comm is not None:
-        return comm
-    dist = sys.modules.get("torch.distributed")
-    if (dist is None or not dist.is_available() or not dist.is_initialized()
-            or dist.get_world_size() == 1):
-        return None
-    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
-    from ._torch_comm import torch_dist_comm  # noqa: PLC0415
-    default = c10d._get_default_group()
-    cached = _comm_cache.get("default")
-    if cached is not None and cached[0] is default:
-        return cached[1]
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    tessera_comm = torch_dist_comm(group)
-    _comm_cache["default"] = (default, tessera_comm)
-    return tessera_comm
+def _strategy_classes():
+    """{"save": TesseraSaveShardedStrategy, "load": TesseraLoadShardedStrategy}, or Nones when
+    they were never made (then no caller can hold one)."""
+    module = sys.modules.get("tessera._megatron_strategy")
+    if module is None:
+        return {"save": None, "load": None}
+    return {"save": module.TesseraSaveShardedStrategy, "load": module.TesseraLoadShardedStrategy}
+
+
+def __getattr__(name):
+    """TesseraSaveShardedStrategy and TesseraLoadShardedStrategy subclass Megatron's own
+    strategies, so Megatron is imported on first use of these names only."""
+    if name in ("TesseraSaveShardedStrategy", "TesseraLoadShardedStrategy"):
+        from . import _megatron_strategy  # noqa: PLC0415 (imports megatron.core)
+        return getattr(_megatron_strategy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -66,14 +66,14 @@ def _save_parts(model, optimizer, rank, size, extra):
     """The state dict save_state saves and the description of its parts."""
     models = _Parts(model, "model")
     optimizers = _Parts(optimizer, "optimizer")
-    state, names, sharding = {}, _param_names(models), {}
+    state, names, holdings = {}, _param_names(models), None
     if models.kind is not None:
         model_states = {name: m.state_dict() for name, m in models.items}
         state["model"] = models.pack(model_states)
-        sharding = _sharding(models, model_states)
+        holdings = _Holdings(models, model_states)
     if optimizers.kind is not None:
         state["optimizer"] = optimizers.pack({
-            name: _optimizer_state(o, name, names, sharding)
+            name: _optimizer_state(o, name, names, holdings)
             for name, o in optimizers.items})
     per_rank_names = sorted(k for k, v in extra.items() if isinstance(v, per_rank))
     if extra:
@@ -103,6 +103,9 @@ def _prepare_state(model, optimizer, comm, save_options, extra):
     state, description = _api._prepare(
         comm, lambda: _save_parts(model, optimizer, rank, size, extra))
     options = dict(save_options or {})
+    # Every replica is compared across the ranks by default (_replicas.py): an optimizer state
+    # taken for replicated that is not fails the save instead of keeping rank 0's.
+    options.setdefault("check_replicas", "all")
     metadata = dict(options.get("user_metadata") or {})
     metadata[RESUME_KEY] = json.dumps(description)
     step = _recorded_step(extra)
@@ -116,9 +119,11 @@ def save_state(path, *, model=None, optimizer=None, comm=None, save_options=None
     """Saves a training run's state at `path`: the model's state dict, the optimizer's state
     and hyperparameters, and every other keyword argument (step, scheduler state, RNG state,
     anything picklable). COLLECTIVE over `comm`, like tessera.save. `save_options`: a dict of
-    tessera.save options (num_io_threads, sync, user_metadata, ...). An int `step` is also
-    recorded in the user metadata ("step": `tessera ls` and `inspect` show it). Returns the
-    SaveReport.
+    tessera.save options (num_io_threads, sync, user_metadata, ...); check_replicas defaults
+    to "all" here: every replicated tensor (the model's plain entries, the state of their
+    parameters) is compared across the ranks, and replicas that differ fail the save naming
+    the key and the ranks. An int `step` is also recorded in the user metadata ("step":
+    `tessera ls` and `inspect` show it). Returns the SaveReport.
 
     `path` may be a tessera.CheckpointManager: then `step` (an int) is required, the state is
     saved as that step's checkpoint under the manager's root, through the manager (in the
@@ -278,20 +283,45 @@ def _param_names(models):
     return names
 
 
-def _sharding(models, model_states):
-    """{parameter name: the tessera ShardedTensor its state-dict entry is} for the entries
-    that are sharded (one piece per rank); a parameter's optimizer state is sharded like it."""
-    sharding = {}
-    for prefix, _ in models.items:
-        for key, leaf in model_states[prefix].items():
-            name = f"{prefix}.{key}" if prefix else key
-            if isinstance(leaf, _state.ShardedTensor):
-                sharding[name] = leaf
-            elif _adapters.is_framework_leaf(leaf):
-                adapted = _adapters.adapt(leaf, name, for_load=False)
-                if isinstance(adapted.value, _state.ShardedTensor):
-                    sharding[name] = adapted.value
-    return sharding
+def _memory_key(tensor):
+    """Where a tensor's elements are: (address of the first, count). A parameter and its
+    state-dict entry (a view of it, whatever the entry's key or wrapper) have the same."""
+    return (tensor.data_ptr(), tensor.numel())
+
+
+class _Holdings:
+    """How each parameter appears in the model's state dict, found by identity (the memory the
+    entry's local tensor views), not by name: a module may register a parameter under one name
+    and expose it under another (or wrap it in a DTensor, a torch or tessera ShardedTensor).
+    A parameter's optimizer state is sharded like its entry."""
+
+    def __init__(self, models, model_states):
+        self.by_memory = {}      # memory key -> (state-dict key, tessera ShardedTensor or None)
+        self.any_sharded = False
+        for prefix, _ in models.items:
+            for key, leaf in model_states[prefix].items():
+                name = f"{prefix}.{key}" if prefix else key
+                shard, local = None, leaf
+                if isinstance(leaf, _state.ShardedTensor):
+                    shard, local = leaf, leaf.data
+                elif _adapters.is_framework_leaf(leaf):
+                    adapted = _adapters.adapt(leaf, name, for_load=False)
+                    if isinstance(adapted.value, _state.ShardedTensor):
+                        shard, local = adapted.value, adapted.value.data
+                    else:  # several pieces (or an object): no single box to shard state like
+                        self.any_sharded = True
+                        continue
+                if not _dtypes.is_torch_tensor(local) or local.numel() == 0:
+                    continue
+                self.any_sharded = self.any_sharded or shard is not None
+                self.by_memory.setdefault(_memory_key(local), (name, shard))
+
+    def find(self, param):
+        """(state-dict key, shard or None), or None when no entry holds the parameter."""
+        local = param.to_local() if _adapters.is_framework_leaf(param) else param  # DTensor
+        if not _dtypes.is_torch_tensor(local) or local.numel() == 0:
+            return None
+        return self.by_memory.get(_memory_key(local))
 
 
 def _flat_params(optimizer):
@@ -316,14 +346,14 @@ def _names_of(optimizer, opt_name, names):
     return out
 
 
-def _optimizer_state(optimizer, opt_name, names, sharding):
+def _optimizer_state(optimizer, opt_name, names, holdings):
     state_dict = optimizer.state_dict()
     params = _flat_params(optimizer)
     param_names = _names_of(optimizer, opt_name, names)
     state = {}
     for index, values in state_dict["state"].items():
         name = param_names[index]
-        state[name] = {k: _state_value(v, params[index], sharding.get(name), name, k)
+        state[name] = {k: _state_value(v, params[index], holdings, name, k)
                        for k, v in values.items()}
     groups = [dict(g, params=[param_names[i] for i in g["params"]])
               for g in state_dict["param_groups"]]
@@ -331,18 +361,35 @@ def _optimizer_state(optimizer, opt_name, names, sharding):
     return {"state": state, "param_groups": _state.ShardedObject(groups)}
 
 
-def _state_value(value, param, shard, name, key):
-    """An optimizer state value as saved: shaped like a sharded parameter -> sharded like it;
-    anything else as it is (rank 0's copy)."""
-    if shard is None or not _dtypes.is_torch_tensor(value) or _adapters.is_framework_leaf(value):
+def _state_value(value, param, holdings, name, key):
+    """An optimizer state value as saved: shaped like a parameter whose state-dict entry is
+    sharded -> sharded like that entry; a scalar (Adam's step) or the state of a parameter whose
+    entry is a plain tensor -> as it is, a replica (rank 0's is written; the replica check of
+    save_state compares the ranks' copies). A tensor of a parameter that no state-dict entry
+    holds, in a model with sharded entries, is refused: it might be a shard."""
+    if not _dtypes.is_torch_tensor(value) or _adapters.is_framework_leaf(value):
+        return value
+    if value.numel() <= 1:
+        return value  # a scalar such as Adam's step: the same on every rank
+    found = holdings.find(param) if holdings is not None else None
+    if found is None:
+        if holdings is not None and holdings.any_sharded:
+            raise invalid_argument(
+                f"optimizer state '{key}' of parameter '{name}': no entry of the model's state "
+                "dict holds this parameter (found by the memory it views, not by name), and the "
+                "model's state dict has sharded entries, so tessera cannot tell whether this "
+                "state is a shard; expose the parameter itself (or a view of it) in the state "
+                "dict")
+        return value
+    entry, shard = found
+    if shard is None:
         return value
     if list(value.shape) == list(param.shape) and value.numel() == shard.data.numel():
         return _like(shard, value)
-    if value.numel() <= 1:
-        return value  # a scalar such as Adam's step: the same on every rank
     raise invalid_argument(
-        f"optimizer state '{key}' of parameter '{name}' has shape {list(value.shape)} but the "
-        f"parameter {list(param.shape)}: tessera cannot tell how it is sharded")
+        f"optimizer state '{key}' of parameter '{name}' (state-dict entry '{entry}') has shape "
+        f"{list(value.shape)} but the parameter {list(param.shape)}: tessera cannot tell how it "
+        "is sharded")
 
 
 def _like(shard, tensor, key=None):
@@ -370,6 +417,7 @@ class _LoadPlan:
             raise invalid_argument(f"the checkpoint at {path} holds a tessera.torch state of "
                                    f"version {description.get('version')}; this tessera reads "
                                    f"version {_VERSION}")
+        # The saved structure without what tessera.remove_keys removed since.
         root = dict(_state.saved_structure(metadata)["dict"])
         self.tensors = {t.key: t for t in metadata.tensors}
         self.rank, self.size, self.strict = rank, size, strict
@@ -377,22 +425,28 @@ class _LoadPlan:
         self.left_out = set()    # per-rank extras of another world size, strict=False
         self.models = _Parts(model, "model")
         self.optimizers = _Parts(optimizer, "optimizer")
-        for part, saved in ((self.models, description["model"]),
-                            (self.optimizers, description["optimizer"])):
+        removed = _state.removed_prefixes(metadata)
+        for part in (self.models, self.optimizers):
+            saved = description[part.what]
+            why = ""
+            if saved is not None and part.what not in root:
+                description[part.what] = saved = None  # every key of it was removed
+                why = f" any more (tessera.remove_keys removed prefixes {removed})"
             if strict and (part.kind is None) != (saved is None):
                 raise invalid_argument(
                     f"the checkpoint at {path} {'holds' if saved else 'has no'} {part.what} "
-                    f"state; pass {part.what}={'...' if saved else 'None'} (or strict=False)")
+                    f"state{why}; pass {part.what}={'...' if saved else 'None'} (or "
+                    "strict=False)")
             part.check_against(saved)
         self.template = {}
         self.state_keys = {}     # (id(optimizer), parameter name) -> the keys of its state
         self.param_shaped = {}   # id(template piece) -> the parameter-shaped tensor it views
         self.extra_keys = {}     # extra name -> the keys of its value
-        names, sharding = _param_names(self.models), {}
+        names, holdings = _param_names(self.models), None
         if self.models.kind is not None:
             self.model_states = {name: m.state_dict() for name, m in self.models.items}
             self.template["model"] = self.models.pack(self.model_states)
-            sharding = _sharding(self.models, self.model_states)
+            holdings = _Holdings(self.models, self.model_states)
         if self.optimizers.kind is not None and description["optimizer"] is not None:
             saved_node = root["optimizer"]
             by_name = {}
@@ -402,12 +456,12 @@ class _LoadPlan:
                     else dict(saved_node["dict"])[name]
                 self.param_names[name] = _names_of(o, name, names)
                 by_name[name] = self._optimizer_template(o, self.param_names[name], node,
-                                                         sharding)
+                                                         holdings)
             self.template["optimizer"] = self.optimizers.pack(by_name)
         if "extra" in root:
             self.template["extra"] = self._extra_template(dict(root["extra"]["dict"]))
 
-    def _optimizer_template(self, optimizer, param_names, node, sharding):
+    def _optimizer_template(self, optimizer, param_names, node, holdings):
         params = dict(zip(param_names, _flat_params(optimizer)))
         state = {}
         for name, values in _state_items(node):
@@ -417,7 +471,9 @@ class _LoadPlan:
                     raise invalid_argument(f"the checkpoint holds optimizer state of parameter "
                                            f"'{name}', which this optimizer lacks")
                 continue
-            state[name] = {k: self._state_template(leaf, param, sharding.get(name))
+            found = holdings.find(param) if holdings is not None else None
+            shard = found[1] if found is not None else None
+            state[name] = {k: self._state_template(leaf, param, shard)
                            for k, leaf in values["dict"]}
             self.state_keys[id(optimizer), name] = _node_keys(values)
         return {"state": state,

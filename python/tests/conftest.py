@@ -1,4 +1,5 @@
-"""Shared helpers of the Python tests (run by ctest with PYTHONPATH=build/python)."""
+"""Shared helpers of the Python tests (run by ctest against the package installed into the
+project's virtual environments; python/tests/CMakeLists.txt)."""
 
 import os
 import shutil
@@ -34,6 +35,8 @@ def ckpt(tmp_path):
 
 @pytest.fixture
 def cli():
-    if not CLI or not os.path.exists(CLI):
-        pytest.skip("the tessera command-line tool is not built (TESSERA_CLI unset)")
+    # Not a skip: python/tests/CMakeLists.txt sets TESSERA_CLI to the tool of the same build.
+    assert CLI and os.path.exists(CLI), (
+        f"the tessera command-line tool is not there (TESSERA_CLI={CLI!r}): build it "
+        "(scripts/build) and run the tests through ctest, or set TESSERA_CLI")
     return CLI

@@ -79,7 +79,7 @@ def test_numpy_float16_and_torch_state_dict(saved):
 
 def test_megatron_load_takes_cast_dtypes(ckpt):
     """tessera.megatron.load passes cast_dtypes on: a float32 save into a bfloat16 model."""
-    from megatron_standins import ShardedTensor as MegatronShardedTensor
+    from megatron.core.dist_checkpointing import ShardedTensor as MegatronShardedTensor
     from tessera import megatron as dist_checkpointing
 
     weight = torch.randn(8, 6)

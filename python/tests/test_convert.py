@@ -202,17 +202,17 @@ def test_progress(tmp_path):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_torch_dist_loads_in_torchs_own_dcp(tmp_path, ranks):
-    """to="torch_dist" with torch 1.13's class paths: torch's load_state_dict reads every
-    tensor and the object; the nesting is not kept (DCP has no place for it): keys are flat."""
-    import torch_compat  # noqa: F401,PLC0415 (torch 1.13 on Python 3.11)
-    from torch.distributed._shard import checkpoint as dcp  # noqa: PLC0415
+    """to="torch_dist" (torch 2.x's class paths): torch 2.13's own dcp.load reads every tensor
+    and the object; the nesting is not kept (the source's user metadata is dropped): keys are
+    flat. The torch 1.13 flavour: test_torch113_dcp.py."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
     save_sharded(str(tmp_path / "ckpt"))
     seen = []
 
     def convert(comm):
         return tessera.convert(tmp_path / "ckpt", tmp_path / "dcp", to="torch_dist",
-                               torch_dist_flavor="1.13", num_threads=2, max_shard_size="1KB",
+                               num_threads=2, max_shard_size="1KB",
                                comm=comm, progress=lambda d, t: seen.append((d, t)))
 
     reports = tessera.run_local(ranks, convert)
@@ -226,7 +226,7 @@ def test_torch_dist_loads_in_torchs_own_dcp(tmp_path, ranks):
     flat["optimizer.exp_avg"] = full["optimizer"]["exp_avg"]
     loaded = {k: torch.zeros_like(v) for k, v in flat.items()}
     loaded["step"] = None
-    dcp.load_state_dict(loaded, dcp.FileSystemReader(str(tmp_path / "dcp")), no_dist=True)
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     for key, value in flat.items():
         assert raw_bytes(loaded[key]) == raw_bytes(value), key
     assert loaded["step"] == 12

@@ -1,18 +1,22 @@
-"""Megatron-Core sharded state dicts (duck-typed; stand-ins in megatron_standins.py) through
-tessera.save/load and the tessera.megatron entry points, with ranks as threads: a TP x DP
-model with layers stacked on a prepended axis, a distributed optimizer's flattened ranges that
-start and end anywhere, per-rank ShardedObjects, factories and non-persistent objects, loaded
-under other layouts; Megatron's strict modes."""
+"""Megatron-Core 0.19 sharded state dicts, built with Megatron's own ShardedTensor,
+ShardedObject, ShardedTensorFactory and LocalNonpersistentObject, through tessera.save/load and
+the tessera.megatron entry points, with ranks as threads: a TP x DP model with layers stacked on
+a prepended axis, per-rank ShardedObjects, factories and non-persistent objects, loaded under
+other layouts, in Megatron's torch_dist format (the default) and in tessera's; Megatron's strict
+modes; the flattened ranges of Megatron-Core <= 0.13's distributed optimizer (0.19 refuses
+them in its constructor: real ShardedTensors holding them are made as 0.13 made them).
+Megatron's own save and load, its strategies and tessera's strategies over gloo processes:
+test_megatron_interop.py."""
 
 import warnings
 
 import pytest
 import torch
+from megatron.core.dist_checkpointing import LocalNonpersistentObject, ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
 import tessera
 from tessera import megatron as dist_checkpointing
-from megatron_standins import (LocalNonpersistentObject, ShardedObject, ShardedTensor,
-                               ShardedTensorFactory)
 
 LAYERS, HIDDEN, FFN, VOCAB = 3, 4, 6, 10
 FC1 = torch.arange(LAYERS * FFN * HIDDEN, dtype=torch.float32).reshape(LAYERS, FFN, HIDDEN)
@@ -38,13 +42,14 @@ def glu_factory(key, data, tp, tp_size, replica_id=0):
     return ShardedTensorFactory(key, data, build, merge, replica_id)
 
 
-def model_state(tp, tp_size, dp, dp_size, fill=True):
+def model_state(tp, tp_size, dp, dp_size, fill=True, legacy_flat=True):
     """One rank's Megatron sharded state dict: fc1 rows over TP with the layers on a prepended
     axis, the embedding's vocabulary over TP (padded: allow_shape_mismatch), the final norm
     replicated over TP and DP, the GLU weight through a factory, Adam's exp_avg of fc1 as the
     distributed optimizer shards it: the flat concatenation of this TP rank's layers split over
     the DP ranks (ranges start and end inside layers), per-rank RNG state as ShardedObjects,
-    common state and a non-persistent object."""
+    common state and a non-persistent object. legacy_flat=False: exp_avg sharded like fc1
+    (what Megatron-Core 0.19 itself saves; it refuses flattened ranges)."""
     def value(full):
         return full.clone() if fill else torch.zeros_like(full)
 
@@ -68,7 +73,8 @@ def model_state(tp, tp_size, dp, dp_size, fill=True):
             "mlp.glu": glu_factory("mlp.glu", value(GLU_TP(tp, tp_size)), tp, tp_size,
                                    replica_id=(0, 0, dp)),
         },
-        "optimizer": {"exp_avg": _distributed_optimizer_shards(tp, tp_size, dp, dp_size, fill)},
+        "optimizer": {"exp_avg": _distributed_optimizer_shards(tp, tp_size, dp, dp_size, fill)
+                      if legacy_flat else _dense_optimizer_shards(tp, tp_size, dp, fill)},
         "rng_state": ShardedObject("rng_state", {"tp": tp, "dp": dp} if fill else None,
                                    (1, tp_size, dp_size), (0, tp, dp), replica_id=0),
         "iteration": 7 if fill else None,
@@ -101,24 +107,46 @@ def _distributed_optimizer_shards(tp, tp_size, dp, dp_size, fill):
         local = EXP_AVG[layer, tp * rows:(tp + 1) * rows].reshape(-1)
         flat = slice(lo - layer * numel, hi - layer * numel)
         data = local[flat].clone() if fill else torch.zeros(hi - lo)
-        shards[str(layer)] = ShardedTensor.from_rank_offsets_flat(
+        shards[str(layer)] = flat_shard(
             "optimizer.exp_avg.decoder.layers.mlp.linear_fc1.weight", data, (rows, HIDDEN),
             (0, layer, LAYERS), (1, tp, tp_size), prepend_axis_num=1, flattened_range=flat)
     return shards
+
+
+def _dense_optimizer_shards(tp, tp_size, dp, fill):
+    """exp_avg of fc1 sharded like fc1 itself, replicated over DP."""
+    rows = FFN // tp_size
+    return {str(layer): ShardedTensor.from_rank_offsets(
+        "optimizer.exp_avg.decoder.layers.mlp.linear_fc1.weight",
+        EXP_AVG[layer, tp * rows:(tp + 1) * rows].clone() if fill else torch.zeros(rows, HIDDEN),
+        (0, layer, LAYERS), (1, tp, tp_size), replica_id=(0, 0, dp), prepend_axis_num=1)
+        for layer in range(LAYERS)}
+
+
+def flat_shard(key, data, local_shape, *rank_offsets, flattened_range, **kwargs):
+    """A Megatron ShardedTensor holding `data`, the slice `flattened_range` of its flattened
+    local shard, as Megatron-Core 0.7-0.13's from_rank_offsets_flat made it for the distributed
+    optimizer. Megatron-Core 0.19's constructor refuses flattened ranges (its distributed
+    optimizer no longer makes them), so the fields are set after construction, as 0.13's
+    dataclasses.replace did; checkpoints of those versions hold such tensors."""
+    meta = torch.empty(local_shape, dtype=data.dtype, device="meta")
+    st = ShardedTensor.from_rank_offsets(key, meta, *rank_offsets, **kwargs)
+    st.data, st.flattened_range = data, flattened_range
+    return st
 
 
 def layout(rank, tp_size):
     return rank % tp_size, rank // tp_size  # (tp, dp)
 
 
-def save_with(ckpt, tp_size, dp_size, save=dist_checkpointing.save):
+def save_with(ckpt, tp_size, dp_size, save=dist_checkpointing.save, **options):
     def fn(comm):
         tp, dp = layout(comm.rank, tp_size)
-        save(model_state(tp, tp_size, dp, dp_size), ckpt, comm=comm)
+        save(model_state(tp, tp_size, dp, dp_size), ckpt, comm=comm, **options)
     tessera.run_local(tp_size * dp_size, fn)
 
 
-def check_loaded(result, tp, tp_size, dp, dp_size):
+def check_loaded(result, tp, tp_size, dp, dp_size, legacy_flat=True):
     """The state dict dist_checkpointing.load returns, against the global tensors."""
     rows, vocab = FFN // tp_size, VOCAB // tp_size
     model = result["model"]
@@ -129,7 +157,8 @@ def check_loaded(result, tp, tp_size, dp, dp_size):
                        EMBEDDING[tp * vocab:(tp + 1) * vocab])
     assert torch.equal(model["decoder.final_layernorm.weight"], NORM)
     assert torch.equal(model["mlp.glu"], GLU_TP(tp, tp_size))
-    expected = _distributed_optimizer_shards(tp, tp_size, dp, dp_size, fill=True)
+    expected = (_distributed_optimizer_shards(tp, tp_size, dp, dp_size, fill=True)
+                if legacy_flat else _dense_optimizer_shards(tp, tp_size, dp, fill=True))
     assert sorted(result["optimizer"]["exp_avg"]) == sorted(expected)
     for layer, shard in expected.items():
         assert torch.equal(result["optimizer"]["exp_avg"][layer], shard.data), layer
@@ -137,13 +166,14 @@ def check_loaded(result, tp, tp_size, dp, dp_size):
     assert result["rerun_state_machine"] == f"local to {tp}.{dp}"
 
 
-@pytest.mark.parametrize("save_layout, load_layout", [((2, 2), (1, 1)), ((2, 2), (2, 1)),
-                                                      ((1, 3), (2, 2)), ((2, 1), (1, 2))])
-def test_megatron_state_loads_under_other_layouts(ckpt, save_layout, load_layout):
-    """(tp, dp) -> (tp, dp). The RNG ShardedObjects are per rank: a layout with other ranks
-    asks for other shards, so the load skips what it does not ask for, as Megatron's
-    default strictness does."""
-    save_with(ckpt, *save_layout)
+@pytest.mark.parametrize("save_layout, load_layout, format", [
+    ((2, 2), (1, 1), "torch_dist"), ((2, 2), (2, 1), "tessera"), ((1, 3), (2, 2), "torch_dist"),
+    ((2, 1), (1, 2), "tessera")])
+def test_megatron_state_loads_under_other_layouts(ckpt, save_layout, load_layout, format):
+    """(tp, dp) -> (tp, dp), in either format. The RNG ShardedObjects are per rank: a layout
+    with other ranks asks for other shards, so the load skips what it does not ask for, as
+    Megatron's default strictness does."""
+    save_with(ckpt, *save_layout, format=format)
     tp_size, dp_size = load_layout
 
     def load(comm):
@@ -160,7 +190,7 @@ def test_megatron_state_loads_under_other_layouts(ckpt, save_layout, load_layout
 
 
 def test_saved_keys_and_shapes_are_megatrons(ckpt):
-    save_with(ckpt, 2, 2)
+    save_with(ckpt, 2, 2, format="tessera")
     metadata = tessera.read_metadata(ckpt)
     shapes = {t.key: list(t.shape) for t in metadata.tensors}
     assert shapes == {
@@ -187,7 +217,7 @@ def test_saved_keys_and_shapes_are_megatrons(ckpt):
 
 def test_load_all_gives_whole_tensors_at_every_path(ckpt):
     """load_all of stacked layers: each layer's path holds the one global tensor."""
-    save_with(ckpt, 2, 1)
+    save_with(ckpt, 2, 1, format="tessera")
     loaded = tessera.load_all(ckpt)
     layers = loaded["model"]["decoder.layers"]
     assert torch.equal(layers["0"]["mlp.linear_fc1.weight"], FC1)
@@ -195,8 +225,9 @@ def test_load_all_gives_whole_tensors_at_every_path(ckpt):
     assert loaded["iteration"] == 7
 
 
-def test_sharded_objects_come_back_by_value(ckpt):
-    save_with(ckpt, 2, 2)
+@pytest.mark.parametrize("format", ["torch_dist", "tessera"])
+def test_sharded_objects_come_back_by_value(ckpt, format):
+    save_with(ckpt, 2, 2, format=format)
 
     def load(comm):
         tp, dp = layout(comm.rank, 2)
@@ -221,11 +252,12 @@ def test_sharded_objects_come_back_by_value(ckpt):
                                                     for tp in range(2)]
 
 
-def test_common_state_comes_back_whatever_the_request_holds(ckpt):
+@pytest.mark.parametrize("format", ["torch_dist", "tessera"])
+def test_common_state_comes_back_whatever_the_request_holds(ckpt, format):
     """As Megatron's load: the common (non-sharded) part of the result is the checkpoint's."""
     tessera.megatron.save({"model": {"w": ShardedTensor.from_rank_offsets("w", torch.ones(3))},
                            "iteration": 9, "args": {"lr": 0.5}}, ckpt,
-                          content_metadata={"format": 2})
+                          content_metadata={"format": 2}, format=format)
     w = torch.zeros(3)
     request = {"model": {"w": ShardedTensor.from_rank_offsets("w", w)}, "not_saved": 1}
     result = dist_checkpointing.load(request, ckpt)
@@ -274,8 +306,7 @@ def test_flattened_ranges_start_and_end_anywhere(ckpt):
     def save(comm):
         flat = slice(cuts[comm.rank], cuts[comm.rank + 1])
         data = full.reshape(-1)[flat].clone()
-        tessera.save({"m": ShardedTensor.from_rank_offsets_flat("m", data, (5, 7),
-                                                                flattened_range=flat)},
+        tessera.save({"m": flat_shard("m", data, (5, 7), flattened_range=flat)},
                      ckpt, comm=comm)
 
     tessera.run_local(3, save)
@@ -283,8 +314,7 @@ def test_flattened_ranges_start_and_end_anywhere(ckpt):
     def load(comm):
         flat = slice(0, 11) if comm.rank == 0 else slice(11, 35)
         data = torch.zeros(flat.stop - flat.start)
-        tessera.load({"m": ShardedTensor.from_rank_offsets_flat("m", data, (5, 7),
-                                                                flattened_range=flat)},
+        tessera.load({"m": flat_shard("m", data, (5, 7), flattened_range=flat)},
                      ckpt, comm=comm)
         return torch.equal(data, full.reshape(-1)[flat])
 
@@ -364,8 +394,7 @@ def test_errors_name_the_megatron_key(ckpt):
     bad.local_shape = (3, 2)
     with pytest.raises(ValueError, match="Megatron ShardedTensor 'k': data has shape"):
         tessera.save({"x": bad}, ckpt)
-    flat = ShardedTensor.from_rank_offsets_flat("f", torch.zeros(4), (2, 3),
-                                                flattened_range=slice(1, 5))
+    flat = flat_shard("f", torch.zeros(4), (2, 3), flattened_range=slice(1, 5))
     flat.flattened_range = slice(1, 5, 2)
     with pytest.raises(ValueError, match="'f': flattened_range must be a slice"):
         tessera.save({"x": flat}, ckpt)

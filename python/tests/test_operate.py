@@ -11,7 +11,7 @@ import pytest
 import tessera
 from tessera import megatron
 
-from megatron_standins import ShardedTensor as MegatronShardedTensor
+from megatron.core.dist_checkpointing import ShardedTensor as MegatronShardedTensor
 
 
 def _state(seed=0):
@@ -48,6 +48,53 @@ def test_remove_keys_frees_the_bytes_and_keeps_the_rest(ckpt):
     tessera.verify(ckpt)
 
 
+def test_load_all_after_remove_keys_and_rm_keys(ckpt, cli):
+    """The README's sequence (issue 22, defect 4): after removing keys, load_all gives the rest
+    in the saved containers (the structure record still names the removed keys); a container
+    left with nothing goes, one that keeps something stays. The same after `tessera rm-keys`."""
+    import subprocess
+    state = _state()
+    state["optimizer"]["groups"] = [{"lr": 0.1}]  # a list that loses its only leaf
+    state["model"]["names"] = ("w", "b")             # a tuple that keeps its leaves
+    tessera.save(state, ckpt)
+    tessera.remove_keys(ckpt, "optimizer.")
+    loaded = tessera.load_all(ckpt)
+    assert sorted(loaded) == ["model"]
+    np.testing.assert_array_equal(loaded["model"]["w"], state["model"]["w"])
+    assert loaded["model"]["names"] == ("w", "b")
+    # Part of a container: the rest of it stays.
+    tessera.save(state, ckpt + "2")
+    subprocess.run([cli, "rm-keys", ckpt + "2", "--prefix", "optimizer.exp_avg"], check=True,
+                   capture_output=True)
+    loaded = tessera.load_all(ckpt + "2")
+    assert sorted(loaded["optimizer"]) == ["groups", "step"] and loaded["optimizer"]["step"] == 7
+    # A key missing for another reason is still a corrupt structure record, named.
+    meta = tessera.read_metadata(ckpt)
+    assert "optimizer." in meta.user_metadata["tessera.removed_key_prefixes"]
+
+
+def test_load_state_after_the_optimizer_was_removed(ckpt):
+    """load_state no longer claims the checkpoint holds optimizer state once remove_keys took
+    it out (issue 22, defect 4): the model loads alone; asking for the optimizer is an error
+    that says why."""
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    tessera.torch.save_state(ckpt, model=model, optimizer=optimizer, step=5)
+    tessera.remove_keys(ckpt, "optimizer.")
+    fresh = torch.nn.Linear(4, 3)
+    assert tessera.torch.load_state(ckpt, model=fresh) == {"step": 5}
+    assert torch.equal(fresh.weight, model.weight)
+    with pytest.raises(tessera.InvalidArgumentError,
+                       match=r"has no optimizer state any more \(tessera.remove_keys removed "
+                             r"prefixes \['optimizer.'\]\); pass optimizer=None"):
+        tessera.torch.load_state(ckpt, model=fresh,
+                                 optimizer=torch.optim.Adam(fresh.parameters()))
+
+
 def test_separate_prefixes_make_removal_copy_nothing(ckpt):
     tessera.save(_state(1), ckpt, separate_prefixes=["optimizer."], sync=False)
     assert tessera.read_metadata(ckpt).files  # saved
@@ -81,8 +128,13 @@ def test_megatron_remove_sharded_tensors(ckpt):
     import torch
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     m = torch.ones(3, 4)
-    megatron.save({"w": MegatronShardedTensor.from_rank_offsets("decoder.w", w),
-                   "m": MegatronShardedTensor.from_rank_offsets("optimizer.m", m)}, ckpt)
+    state = {"w": MegatronShardedTensor.from_rank_offsets("decoder.w", w),
+             "m": MegatronShardedTensor.from_rank_offsets("optimizer.m", m)}
+    # Megatron's torch_dist format (the default): refused, saying what to do.
+    megatron.save(state, ckpt + "_dcp")
+    with pytest.raises(tessera.FailedPreconditionError, match="torch_dist checkpoint.*convert"):
+        megatron.remove_sharded_tensors(ckpt + "_dcp", "optimizer.")
+    megatron.save(state, ckpt, format="tessera")
     megatron.remove_sharded_tensors(ckpt, "optimizer.")
     assert [t.key for t in tessera.read_metadata(ckpt).tensors] == ["decoder.w"]
     with warnings.catch_warnings(record=True) as caught:

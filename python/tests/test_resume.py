@@ -247,3 +247,204 @@ def test_tensor_parallel_resume_on_2_gloo_ranks_and_on_1(tmp_path):
     assert extra["step"] == 3 and torch.equal(extra["rng"], rng)  # rank 0's
     resumed = [net.step(*tp_batch(step), optimizer) for step in range(3, 6)]
     assert resumed == pytest.approx(expected, rel=1e-9), (resumed, expected)
+
+
+# ---- parameters matched to their state-dict entries by identity (issue 22, defect 12) -------
+
+ROWS, COLS = 6, 5
+
+
+class Renamed(torch.nn.Module):
+    """Tensor-parallel rows of one weight, registered as the parameter `fc1_weight` and exposed
+    in the state dict as `fc1.weight`, a tessera.ShardedTensor of this rank's rows: the names of
+    named_parameters() and of the state dict differ."""
+
+    def __init__(self, rank, size, seed):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        full = torch.randn(ROWS, COLS, generator=gen)
+        self.rows = ROWS // size
+        self.lo = rank * self.rows
+        self.fc1_weight = torch.nn.Parameter(full[self.lo:self.lo + self.rows].clone())
+        self.bias = torch.nn.Parameter(torch.zeros(COLS))  # replicated, the same on all ranks
+        self._register_state_dict_hook(Renamed._expose)
+
+    @staticmethod
+    def _expose(module, state, prefix, local_metadata):
+        local = state.pop(prefix + "fc1_weight")
+        state[prefix + "fc1.weight"] = tessera.ShardedTensor(local, (ROWS, COLS), (module.lo, 0))
+        return state
+
+    def loss(self, rank, step):
+        gen = torch.Generator().manual_seed(10 * step + rank)  # each rank its own data
+        x = torch.randn(3, self.rows, generator=gen)
+        return ((x @ self.fc1_weight + self.bias) ** 2).mean()
+
+
+def renamed_run(rank, size):
+    torch.manual_seed(0)
+    net = Renamed(rank, size, seed=0)
+    optimizer = torch.optim.Adam([net.fc1_weight], lr=0.1)
+    for step in range(2):
+        optimizer.zero_grad()
+        net.loss(rank, step).backward()
+        optimizer.step()
+    return net, optimizer
+
+
+def test_optimizer_state_follows_its_parameter_by_identity(ckpt):
+    """The Adam moments of a tensor-parallel weight whose parameter name differs from its
+    state-dict key are saved sharded like the weight (before, each rank's moments were taken
+    for replicas and rank 0's kept), and resume on 2 ranks and on 1."""
+    saved = {}
+
+    def save(comm):
+        net, optimizer = renamed_run(comm.rank, comm.size)
+        saved[comm.rank] = optimizer.state[net.fc1_weight]["exp_avg"].clone()
+        tessera.torch.save_state(ckpt, model=net, optimizer=optimizer, comm=comm)
+
+    tessera.run_local(2, save)
+    exp_avg = tessera.read_metadata(ckpt).find_tensor("optimizer.state.fc1_weight.exp_avg")
+    assert list(exp_avg.shape) == [ROWS, COLS] and len(exp_avg.chunks) == 2
+    whole = torch.cat([saved[0], saved[1]])
+    assert not torch.equal(saved[0], saved[1])
+
+    def resume(comm):
+        net = Renamed(comm.rank, comm.size, seed=1)
+        optimizer = torch.optim.Adam([net.fc1_weight], lr=0.1)
+        tessera.torch.load_state(ckpt, model=net, optimizer=optimizer, comm=comm)
+        return optimizer.state[net.fc1_weight]["exp_avg"]
+
+    assert torch.equal(torch.cat(tessera.run_local(2, resume)), whole)
+    assert torch.equal(tessera.run_local(1, resume)[0], whole)
+
+
+def test_state_of_a_parameter_no_entry_holds_is_refused(ckpt):
+    """A parameter the state dict exposes only as a copy cannot be matched to its entry: its
+    state is refused, naming it, on every rank (not saved as rank 0's)."""
+    class Copied(Renamed):
+        @staticmethod
+        def _expose(module, state, prefix, local_metadata):
+            local = state.pop(prefix + "fc1_weight").clone()  # a copy, not a view
+            state[prefix + "fc1.weight"] = tessera.ShardedTensor(local, (ROWS, COLS),
+                                                                 (module.lo, 0))
+            return state
+
+    def save(comm):
+        net, optimizer = renamed_run(comm.rank, comm.size)
+        net._state_dict_hooks.clear()
+        net._register_state_dict_hook(Copied._expose)
+        with pytest.raises(ValueError) as info:
+            tessera.torch.save_state(ckpt, model=net, optimizer=optimizer, comm=comm)
+        return str(info.value)
+
+    for message in tessera.run_local(2, save):
+        assert "optimizer state 'exp_avg' of parameter 'fc1_weight': no entry of the model's " \
+               "state dict holds this parameter" in message, message
+
+
+def test_replicas_that_differ_fail_the_save_naming_key_and_ranks(ckpt):
+    """A replicated tensor (saved from rank 0 only) that differs across ranks: save_state
+    checks every replica by default, tessera.save those of at most 1 MiB; check_replicas=False
+    saves rank 0's."""
+    def save(comm, **options):
+        state = {"small": torch.full((3,), float(comm.rank % 2)),
+                 "big": torch.full((300000,), float(comm.rank)),
+                 "same": torch.ones(4)}
+        try:
+            tessera.save(state, ckpt, comm=comm, **options)
+        except tessera.InvalidArgumentError as e:
+            return str(e)
+        return None
+
+    messages = tessera.run_local(3, save)
+    assert "the replicas of tensor 'small' differ across ranks (ranks 0, 2 hold one value; " \
+           "rank 1 holds one value)" in messages[0], messages
+    assert all("replicas of tensor 'small'" in m for m in messages)
+    assert all(m is None for m in tessera.run_local(3, lambda c: save(c, check_replicas=False)))
+    # The big one only when every replica is checked.
+    def save_big(comm, **options):
+        state = {"big": torch.full((300000,), float(comm.rank))}
+        try:
+            tessera.save(state, ckpt, comm=comm, **options)
+        except tessera.InvalidArgumentError as e:
+            return str(e)
+        return None
+
+    assert tessera.run_local(2, save_big) == [None, None]
+    assert all("tensor 'big'" in m for m in tessera.run_local(2, lambda c: save_big(
+        c, check_replicas="all")))
+    # A box of a sharded tensor held by two ranks under two replica ids.
+    def save_box(comm):
+        piece = tessera.ShardedTensor(torch.full((2, 3), float(comm.rank)), (2, 3), (0, 0),
+                                      replica_id=comm.rank)
+        with pytest.raises(tessera.InvalidArgumentError, match=r"tensor 'w' box \[0:2, 0:3\]"):
+            tessera.save({"w": piece}, ckpt, comm=comm)
+
+    tessera.run_local(2, save_box)
+    with pytest.raises(ValueError, match="check_replicas must be"):
+        tessera.save({"w": torch.ones(2)}, ckpt, check_replicas="sometimes")
+
+
+def replica_worker(rank, size, port, path):
+    """Replicas that differ across 2 gloo processes, and those that do not (see below)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=60))
+    try:
+        comm = tessera.torch_dist_comm()
+        differing = {"bias": torch.full((4,), float(rank)), "same": torch.ones(3)}
+        sides = "(rank 0 holds one value; rank 1 holds one value)"
+        # tessera.save: a differing replica fails the save on every rank, naming it.
+        with pytest.raises(tessera.InvalidArgumentError) as info:
+            tessera.save(differing, path + "_differ", comm=comm)
+        assert f"the replicas of tensor 'bias' differ across ranks {sides}" in str(info.value)
+        tessera.save({"bias": torch.ones(4), "same": torch.ones(3)}, path + "_equal", comm=comm)
+        tessera.save(differing, path + "_unchecked", comm=comm, check_replicas="none")
+        # A rank-local save and a one-rank save compare nothing (no message between ranks).
+        tessera.save(differing, path + "_local", comm=comm, collective=False, save_tag="t")
+        tessera.save(differing, f"{path}_alone{rank}", comm=tessera.single_rank_comm())
+
+        # save_state: a model whose parameters are equal on both ranks, the Adam moments not
+        # (each rank stepped on its own data, without an all-reduce).
+        torch.manual_seed(0)
+        net = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.Adam(net.parameters(), lr=0.1)
+        start = {k: v.clone() for k, v in net.state_dict().items()}
+        net(torch.full((1, 3), float(rank + 1))).sum().backward()
+        optimizer.step()
+        net.load_state_dict(start)
+        with pytest.raises(tessera.InvalidArgumentError) as info:
+            tessera.torch.save_state(path + "_state", model=net, optimizer=optimizer, comm=comm)
+        assert f"the replicas of tensor 'optimizer.state.weight.exp_avg' differ across ranks " \
+               f"{sides}" in str(info.value), info.value
+        tessera.torch.save_state(path + "_state_unchecked", model=net, optimizer=optimizer,
+                                 comm=comm, save_options={"check_replicas": "none"})
+        # The same data on both ranks: the moments are equal, the save goes through.
+        optimizer = torch.optim.Adam(net.parameters(), lr=0.1)
+        net.zero_grad()
+        net(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        tessera.torch.save_state(path + "_state_equal", model=net, optimizer=optimizer,
+                                 comm=comm)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replicas_that_differ_on_2_gloo_processes_fail_the_save(ckpt):
+    """tessera.save and tessera.torch.save_state over gloo: replicas that differ across the
+    ranks fail the save on every rank (naming the key and the ranks) and commit nothing;
+    equal replicas save; check_replicas="none", a rank-local save and a one-rank save do not
+    compare (rank 0's value is kept)."""
+    mp.start_processes(replica_worker, args=(2, free_port(), ckpt), nprocs=2, join=True,
+                       start_method="spawn")
+    for failed in (ckpt + "_differ", ckpt + "_state"):
+        with pytest.raises(OSError):  # the failed save committed nothing
+            tessera.read_metadata(failed)
+    assert torch.equal(tessera.load_all(ckpt + "_equal")["bias"], torch.ones(4))
+    assert torch.equal(tessera.load_all(ckpt + "_unchecked")["bias"], torch.zeros(4))
+    assert torch.equal(tessera.load_all(ckpt + "_local")["bias"], torch.zeros(4))
+    for rank in range(2):
+        assert torch.equal(tessera.load_all(f"{ckpt}_alone{rank}")["bias"],
+                           torch.full((4,), float(rank)))
+    for saved in (ckpt + "_state_unchecked", ckpt + "_state_equal"):
+        assert tessera.read_metadata(saved).num_ranks == 2

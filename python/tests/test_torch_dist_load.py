@@ -1,13 +1,14 @@
 """Reading PyTorch DCP checkpoints written by torch 1.13 itself
-(src/checkpoint/testdata/make_dcp_read_fixtures.py): tessera.load_all returns the tensors torch
-saved (strided views included) and the objects as the values saved; tessera.load reshards;
-read_metadata names the format (no checksums in the index) and verify checks the CRC-32 of every
-zip record; a damaged item is an error naming its file."""
+(src/checkpoint/testdata/make_dcp_read_fixtures.py, run by the interpreter with torch 1.13,
+$TESSERA_TORCH113_PYTHON, whichever torch runs these tests: old checkpoints are read under
+torch 2.x too): tessera.load_all returns the tensors torch saved (strided views included) and
+the objects as the values saved; tessera.load reshards; read_metadata names the format (no
+checksums in the index) and verify checks the CRC-32 of every zip record; a damaged item is an
+error naming its file. What torch 2.13 writes: test_dcp.py."""
 
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,12 +18,15 @@ import tessera
 
 SOURCE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAKE = os.path.join(SOURCE, "src", "checkpoint", "testdata", "make_dcp_read_fixtures.py")
+# torch 1.13 writes the fixtures (Debian's Python; python/tests/CMakeLists.txt sets it).
+TORCH113_PYTHON = os.environ.get("TESSERA_TORCH113_PYTHON", "/usr/bin/python3")
 
 
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dcp"))
-    done = subprocess.run([sys.executable, MAKE, out], capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = subprocess.run([TORCH113_PYTHON, MAKE, out], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 

@@ -1,28 +1,21 @@
-"""tessera.save(format="torch_dist"): PyTorch DCP checkpoints that torch 1.13's own
-torch.distributed._shard.checkpoint.load_state_dict reads, on one process and over two gloo
-processes into ShardedTensors of another layout; the torch 2.x flavour through the stand-in
-classes of src/format/torch_dist/testdata/dcp2_standins.py."""
+"""tessera.save(format="torch_dist") and tessera.async_save(format="torch_dist"), the default
+torch 2.x flavour, read by the real torch 2.13: torch.distributed.checkpoint.load into nested and
+flat state dicts, dcp_to_torch_save (which rebuilds the nesting from planner_data), and every
+field of the .metadata unpickled into torch's own classes. Saves over gloo processes read by
+dcp.load into DTensors: test_dcp.py. The torch 1.13 flavour: test_torch113_dcp.py (legacy)."""
 
-import datetime
+import io
 import os
 import pickle
-import sys
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
 
-import torch_compat  # noqa: F401 (torch 1.13 on Python 3.11: makes _shard importable)
 import tessera
-from conftest import free_port
-
-from torch.distributed._shard import checkpoint as dcp  # noqa: E402
-
-SOURCE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(SOURCE, "src", "checkpoint", "testdata"))
-import load_dcp_with_torch  # noqa: E402 (torch 1.13 reader for either flavour)
 
 ROWS, COLS = 6, 4
 FULL = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
@@ -34,72 +27,143 @@ def state():
                   "bias": torch.arange(5, dtype=torch.bfloat16),
                   "mask": torch.tensor([True, False, True]),
                   "count": torch.tensor(7, dtype=torch.int64),
+                  "f8": torch.arange(4, dtype=torch.float32).to(torch.float8_e4m3fn),
+                  "u16": torch.tensor([0, 1, 65535], dtype=torch.int32).to(torch.uint16),
                   "table": np.arange(6, dtype=np.int32).reshape(2, 3)},
         "optimizer": {"step": 12, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
+        "layers.0": {"w": torch.ones(2)},  # a dict key with a dot: torch's path keeps it whole
         "blob": b"\x00\xffraw",
     }
 
 
-def empty_like_flat():
-    """What torch's DCP load fills: flat keys, zero tensors, placeholders for objects."""
+def zeros_like_state():
+    """What a torch user passes to dcp.load: the same nesting, zero tensors, placeholders."""
     return {
-        "model.weight": torch.zeros(ROWS, COLS),
-        "model.bias": torch.zeros(5, dtype=torch.bfloat16),
-        "model.mask": torch.zeros(3, dtype=torch.bool),
-        "model.count": torch.tensor(0, dtype=torch.int64),
-        "model.table": torch.zeros(2, 3, dtype=torch.int32),
-        "optimizer.step": None,
-        "optimizer.param_groups.0.lr": None,
-        "optimizer.param_groups.0.betas.0": None,  # tuples and lists are containers
-        "optimizer.param_groups.0.betas.1": None,
+        "model": {"weight": torch.zeros(ROWS, COLS),
+                  "bias": torch.zeros(5, dtype=torch.bfloat16),
+                  "mask": torch.zeros(3, dtype=torch.bool),
+                  "count": torch.tensor(0, dtype=torch.int64),
+                  "f8": torch.zeros(4, dtype=torch.float8_e4m3fn),
+                  "u16": torch.zeros(3, dtype=torch.uint16),
+                  "table": torch.zeros(2, 3, dtype=torch.int32)},
+        "optimizer": {"step": None, "param_groups": [{"lr": None, "betas": (None, None)}]},
+        "layers.0": {"w": torch.zeros(2)},
         "blob": None,
     }
 
 
-def check_loaded(sd):
+def same(a, b):
+    """Equal values, tensors bit for bit (float8 compared by its bits)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, np.ndarray):
+        a = torch.from_numpy(a)
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                b.view(torch.uint8) if b.element_size() == 1 else b))
+    return a == b
+
+
+def test_dcp_load_reads_a_save_into_the_same_nesting(ckpt):
+    report = tessera.save(state(), ckpt, format="torch_dist")
+    assert report.save_id and sorted(os.listdir(ckpt))[0] == ".metadata"
+    loaded = zeros_like_state()
+    dcp.load(loaded, checkpoint_id=ckpt, no_dist=True)
     want = state()
-    assert torch.equal(sd["model.weight"], want["model"]["weight"])
-    assert torch.equal(sd["model.bias"], want["model"]["bias"])
-    assert torch.equal(sd["model.mask"], want["model"]["mask"])
-    assert sd["model.count"].item() == 7 and sd["model.count"].dim() == 0
-    assert torch.equal(sd["model.table"], torch.from_numpy(want["model"]["table"]))
-    assert sd["optimizer.step"] == 12
-    assert sd["optimizer.param_groups.0.lr"] == 0.1
-    assert (sd["optimizer.param_groups.0.betas.0"], sd["optimizer.param_groups.0.betas.1"]) == \
-        (0.9, 0.99)
-    assert sd["blob"] == b"\x00\xffraw"
+    want["model"]["table"] = torch.from_numpy(want["model"]["table"])
+    assert same(loaded, want)
 
 
-def flat_keys(sd):
-    return sorted(sd)
+def test_dcp_load_reads_flat_keys_and_a_subset(ckpt):
+    tessera.save(state(), ckpt, format="torch_dist")
+    loaded = {"model.weight": torch.zeros(ROWS, COLS), "optimizer.step": None}
+    dcp.load(loaded, checkpoint_id=ckpt, no_dist=True)
+    assert torch.equal(loaded["model.weight"], FULL) and loaded["optimizer.step"] == 12
 
 
-def test_torch_113_loads_it(ckpt):
-    report = tessera.save(state(), ckpt, format="torch_dist", torch_dist_flavor="1.13")
-    names = os.listdir(ckpt)
-    assert ".metadata" in names and all(
-        n == ".metadata" or (n.startswith("__0_") and report.save_id in n) for n in names), names
+def test_dcp_to_torch_save_rebuilds_the_nesting(ckpt, tmp_path):
+    """torch's dcp_to_torch_save (and _load_state_dict_from_keys) rebuild the state dict from
+    the .metadata alone, through planner_data: the path of every key in the saved nesting."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    tessera.save(state(), ckpt, format="torch_dist")
+    dcp_to_torch_save(ckpt, str(tmp_path / "whole.pt"))
+    loaded = torch.load(str(tmp_path / "whole.pt"), weights_only=False)
+    want = state()
+    want["model"]["table"] = torch.from_numpy(want["model"]["table"])
+    # A tuple is one object in DCP (torch's flattening), so it comes back a tuple.
+    assert same(loaded, want)
+
+
+def test_every_metadata_field_is_torchs(ckpt):
+    """The .metadata unpickles into torch 2.13's own classes, field by field, as torch's
+    FileSystemWriter writes them."""
+    report = tessera.save(state(), ckpt, format="torch_dist")
     with open(os.path.join(ckpt, ".metadata"), "rb") as f:
-        meta = pickle.load(f)  # torch 1.13's own classes
-    assert flat_keys(meta.state_dict_metadata) == flat_keys(empty_like_flat())
-    sd = empty_like_flat()
-    dcp.load_state_dict(sd, dcp.FileSystemReader(ckpt), no_dist=True)
-    check_loaded(sd)
+        meta = pickle.load(f)
+    assert type(meta) is dcp_metadata.Metadata
+    assert meta.version == dcp_filesystem.CURRENT_DCP_VERSION
+    assert type(meta.storage_meta) is dcp_metadata.StorageMeta
+    assert meta.storage_meta.save_id == report.save_id
+    assert os.fspath(meta.storage_meta.checkpoint_id) == ckpt
+    assert meta.storage_meta.load_id is None and meta.storage_meta.modules == []
+    want = state()
+    tensors = {"model.weight": FULL, "model.bias": want["model"]["bias"],
+               "model.mask": want["model"]["mask"], "model.count": want["model"]["count"],
+               "model.f8": want["model"]["f8"], "model.u16": want["model"]["u16"],
+               "model.table": torch.from_numpy(want["model"]["table"]),
+               "layers.0.w": torch.ones(2)}
+    # Keys as torch's flattening makes them: a tuple is one object.
+    objects = {"optimizer.step", "optimizer.param_groups.0.lr", "optimizer.param_groups.0.betas",
+               "blob"}
+    assert set(meta.state_dict_metadata) == set(tensors) | objects
+    for fqn, value in meta.state_dict_metadata.items():
+        if fqn in objects:
+            assert type(value) is dcp_metadata.BytesStorageMetadata, fqn
+            continue
+        assert type(value) is dcp_metadata.TensorStorageMetadata, fqn
+        assert value.properties == dcp_metadata.TensorProperties.create_from_tensor(tensors[fqn])
+        assert type(value.size) is torch.Size and value.size == tensors[fqn].shape
+        assert [type(c) for c in value.chunks] == [dcp_metadata.ChunkStorageMetadata]
+        assert value.chunks[0].offsets == torch.Size([0] * tensors[fqn].dim())
+        assert value.chunks[0].sizes == tensors[fqn].shape
+    # planner_data: the path of each key in the saved nesting, as torch's flatten_state_dict.
+    assert meta.planner_data["model.weight"] == ("model", "weight")
+    assert meta.planner_data["layers.0.w"] == ("layers.0", "w")
+    assert meta.planner_data["optimizer.param_groups.0.betas"] == (
+        "optimizer", "param_groups", 0, "betas")
+    assert set(meta.planner_data) == set(meta.state_dict_metadata)
+    files = set(os.listdir(ckpt)) - {".metadata"}
+    assert len(meta.storage_data) == len(meta.state_dict_metadata)
+    for index, info in meta.storage_data.items():
+        assert type(index) is dcp_metadata.MetadataIndex
+        assert type(info) is dcp_filesystem._StorageInfo
+        assert info.relative_path in files and info.transform_descriptors is None
+        if index.fqn in objects:
+            assert index.offset is None
+        else:
+            assert index.offset == torch.Size([0] * tensors[index.fqn].dim())
+            with open(os.path.join(ckpt, info.relative_path), "rb") as f:
+                f.seek(info.offset)
+                item = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+            assert same(item, tensors[index.fqn]), index.fqn
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_torch_2_flavour_loads_through_its_classes(ckpt, asynchronous):
-    if asynchronous:
-        report = tessera.async_save(state(), ckpt, format="torch_dist").wait()
-    else:
-        report = tessera.save(state(), ckpt, format="torch_dist", torch_dist_flavor="2.x")
-    problems = []
-    reader = load_dcp_with_torch.Reader(ckpt, {"flavor": "2", "save_id": report.save_id},
-                                        problems)
-    sd = empty_like_flat()
-    dcp.load_state_dict(sd, reader, no_dist=True)
-    assert problems == []
-    check_loaded(sd)
+def test_async_save_in_dcp_format_loads_in_torch(ckpt):
+    handle = tessera.async_save(state(), ckpt, format="torch_dist", staging="deferred")
+    handle.wait_staged()
+    handle.wait()
+    loaded = zeros_like_state()
+    dcp.load(loaded, checkpoint_id=ckpt, no_dist=True)
+    assert torch.equal(loaded["model"]["weight"], FULL) and loaded["blob"] == b"\x00\xffraw"
+    # Saved again into the same directory: the new .metadata wins, the old files go.
+    second = state()
+    second["model"]["weight"] += 1
+    tessera.async_save(second, ckpt, format="torch_dist").wait()
+    dcp.load(loaded, checkpoint_id=ckpt, no_dist=True)
+    assert torch.equal(loaded["model"]["weight"], FULL + 1)
 
 
 def test_options_are_checked(ckpt):
@@ -114,33 +178,3 @@ def test_options_are_checked(ckpt):
     tessera.save(state(), ckpt)
     with pytest.raises(tessera.FailedPreconditionError, match="holds a tessera checkpoint"):
         tessera.save(state(), ckpt, format="torch_dist")
-
-
-def worker(rank, size, port, path):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=datetime.timedelta(seconds=60))
-    try:
-        from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
-        comm = tessera.torch_dist_comm()
-        half = ROWS // size
-        saved = {"w": tessera.ShardedTensor(FULL[rank * half:(rank + 1) * half].clone(),
-                                            FULL.shape, (rank * half, 0)),
-                 "step": 3}
-        tessera.save(saved, path, comm=comm, format="torch_dist", torch_dist_flavor="1.13")
-        # torch's own load into column shards.
-        cols = COLS // size
-        local = torch.zeros(ROWS, cols)
-        target = {"w": init_from_local_shards(
-            [Shard.from_tensor_and_offsets(local, [0, rank * cols], rank)], ROWS, COLS),
-            "step": None}
-        dcp.load_state_dict(target, dcp.FileSystemReader(path))
-        assert torch.equal(local, FULL[:, rank * cols:(rank + 1) * cols])
-        assert target["step"] == 3
-    finally:
-        dist.destroy_process_group()
-
-
-def test_two_gloo_processes_save_and_torch_loads_resharded(tmp_path):
-    path = str(tmp_path / "ckpt")
-    mp.start_processes(worker, args=(2, free_port(), path), nprocs=2, join=True,
-                       start_method="spawn")

@@ -100,8 +100,8 @@ Status CheckDcpSaveTarget(const std::string& dir, const std::vector<std::string>
 
 Status CommitDcpCheckpoint(Storage& storage, const std::string& dir, const Metadata& metadata,
                            const DcpCommitOptions& options, bool& renamed) {
-  Result<DcpMetadata> dcp =
-      torch_dist::ToDcpMetadata(metadata, {.flavor = options.flavor, .checkpoint_id = dir});
+  Result<DcpMetadata> dcp = torch_dist::ToDcpMetadata(
+      metadata, {.flavor = options.flavor, .checkpoint_id = dir, .key_paths = options.key_paths});
   if (!dcp.ok()) {
     return InvalidArgument("the checkpoint would not be readable, nothing was committed: " +
                            dcp.status().message());

@@ -12,6 +12,7 @@
 #ifndef TESSERA_CHECKPOINT_DCP_COMMIT_H_
 #define TESSERA_CHECKPOINT_DCP_COMMIT_H_
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,8 @@ Status CheckDcpSaveTarget(const std::string& dir, const std::vector<std::string>
 struct DcpCommitOptions {
   torch_dist::DcpFlavor flavor = torch_dist::DcpFlavor::kTorch2;
   SyncPolicy sync = SyncPolicy::kFull;
+  // planner_data's path of each key (SaveOptions::torch_dist_key_paths). Not owned; may be null.
+  const std::map<std::string, std::vector<TorchDistPathElement>>* key_paths = nullptr;
 };
 
 // Commits `metadata` as the DCP checkpoint of `dir`. `metadata` describes what was written as

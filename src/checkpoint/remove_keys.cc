@@ -15,6 +15,8 @@
 #include <map>
 #include <set>
 
+#include <nlohmann/json.hpp>
+
 #include "checkpoint/commit.h"
 #include "checkpoint/progress.h"
 #include "checkpoint/reader.h"
@@ -52,6 +54,29 @@ struct FilePlan {
   Bytes header;
   uint64_t new_size = 0;
 };
+
+// Adds the prefixes that removed something to the manifest's record of removed prefixes
+// (kRemovedKeyPrefixesKey: a JSON array, kept sorted and unique across removals), so that a
+// reader holding a description of the saved keys (Python's structure record) can tell removed
+// keys from missing ones. A record that does not parse is replaced.
+void RecordRemovedPrefixes(const std::vector<std::string>& prefixes,
+                           const std::vector<uint64_t>& matches, Metadata& kept) {
+  std::set<std::string> all;
+  const auto it = kept.user_metadata.find(kRemovedKeyPrefixesKey);
+  if (it != kept.user_metadata.end()) {
+    const nlohmann::json old =
+        nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+    if (old.is_array()) {
+      for (const nlohmann::json& p : old) {
+        if (p.is_string()) all.insert(p.get<std::string>());
+      }
+    }
+  }
+  for (size_t i = 0; i < prefixes.size(); ++i) {
+    if (matches[i] > 0) all.insert(prefixes[i]);
+  }
+  kept.user_metadata[kRemovedKeyPrefixesKey] = nlohmann::json(all).dump();
+}
 
 bool Matches(const std::string& key, const std::vector<std::string>& prefixes,
              std::vector<uint64_t>& matches) {
@@ -427,6 +452,7 @@ Result<RemoveKeysReport> RemoveKeys(const std::string& path,
     meter.Finish();
     return report;  // nothing matched: nothing to write
   }
+  RecordRemovedPrefixes(prefixes, report.matches_per_prefix, kept);
   TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->ListDir(path));
   kept.save_id = NewSaveId(names);
   int fallback = 1000;

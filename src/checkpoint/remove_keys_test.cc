@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -122,8 +123,11 @@ TEST_F(RemoveKeysTest, RewritesMixedFilesCopyingOnlyKeptChunksAndFreesTheRest) {
   EXPECT_LT(r.bytes_after, r.bytes_before - (state.m_w.size() + state.m_b.size()) * 4 + 8192);
   EXPECT_EQ(after.tensors.size(), 2u);
   EXPECT_EQ(after.objects.size(), 1u);
-  // Kept: the user metadata, the save time, the chunks' checksums.
-  EXPECT_EQ(after.user_metadata, before.user_metadata);
+  // Kept: the user metadata (plus the record of the removed prefix), the save time, the
+  // chunks' checksums.
+  std::map<std::string, std::string> want = before.user_metadata;
+  want[kRemovedKeyPrefixesKey] = R"(["optimizer."])";
+  EXPECT_EQ(after.user_metadata, want);
   EXPECT_EQ(after.save_time_unix_ms, before.save_time_unix_ms);
   EXPECT_EQ(after.FindTensor("model.w")->chunks[0].block_checksums,
             before.FindTensor("model.w")->chunks[0].block_checksums);
@@ -131,6 +135,20 @@ TEST_F(RemoveKeysTest, RewritesMixedFilesCopyingOnlyKeptChunksAndFreesTheRest) {
   ExpectModelOnly(state);
   ASSERT_OK(Verify(path_, storage_));
   ExpectNoStrayFiles();
+}
+
+// Every removal that removed something adds its prefixes to the record, sorted and unique; a
+// prefix that matched nothing is not recorded, and a removal of nothing writes nothing.
+TEST_F(RemoveKeysTest, TheRemovedPrefixesAreRecordedInTheUserMetadata) {
+  TrainState state(5, 100);
+  ASSERT_OK(Save(state.Dict(), path_, save_));
+  ASSERT_OK(RemoveKeys(path_, {"optimizer.m.", "nothing."}, remove_));
+  ASSERT_OK(RemoveKeys(path_, {"model.config", "optimizer.step"}, remove_));
+  ASSERT_OK(RemoveKeys(path_, {"nothing."}, remove_));
+  ASSERT_OK_AND_ASSIGN(Metadata after, ReadMetadata(path_, storage_));
+  EXPECT_EQ(after.user_metadata.at(kRemovedKeyPrefixesKey),
+            R"(["model.config","optimizer.m.","optimizer.step"])");
+  EXPECT_EQ(after.user_metadata.at("step"), "1000");
 }
 
 TEST_F(RemoveKeysTest, SeparatePrefixFilesAreDroppedWithoutCopyingAnything) {

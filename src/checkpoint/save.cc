@@ -231,11 +231,11 @@ Outcome CommitOnCoordinator(const Comm& comm, Storage& storage, const std::strin
                                      .count();
     if (options.format == CheckpointFormat::kTorchDist) {
       torch_dist::MarkDcpItems(metadata);
-      TESSERA_RETURN_IF_ERROR_CTX(
-          CommitDcpCheckpoint(storage, path, metadata,
-                              {DcpFlavorOf(options.torch_dist_flavor), options.sync},
-                              outcome.manifest_renamed),
-          "committing the .metadata of " + path);
+      TESSERA_RETURN_IF_ERROR_CTX(CommitDcpCheckpoint(storage, path, metadata,
+                                                      {DcpFlavorOf(options.torch_dist_flavor),
+                                                       options.sync, &options.torch_dist_key_paths},
+                                                      outcome.manifest_renamed),
+                                  "committing the .metadata of " + path);
       if (options.remove_stale_files) RemoveStaleDcpFiles(storage, path, save_id);
       return Status::Ok();
     }

@@ -176,8 +176,15 @@ Result<DcpMetadata> ToDcpMetadata(const Metadata& metadata, const DcpIndexOption
   }
   if (v2) {
     m.planner_data_kind = DcpPlannerData::kFlattenMapping;
-    for (const DcpTensor& t : m.tensors) m.planner_data.push_back({t.fqn, {t.fqn}});
-    for (const DcpBytes& b : m.bytes) m.planner_data.push_back({b.fqn, {b.fqn}});
+    auto path_of = [&](const std::string& fqn) {
+      std::vector<DcpPathElement> path{fqn};
+      if (options.key_paths == nullptr) return path;
+      const auto it = options.key_paths->find(fqn);
+      if (it == options.key_paths->end() || it->second.empty()) return path;
+      return std::vector<DcpPathElement>(it->second.begin(), it->second.end());
+    };
+    for (const DcpTensor& t : m.tensors) m.planner_data.push_back({t.fqn, path_of(t.fqn)});
+    for (const DcpBytes& b : m.bytes) m.planner_data.push_back({b.fqn, path_of(b.fqn)});
     DcpStorageMeta meta;
     if (!options.checkpoint_id.empty()) meta.checkpoint_id = options.checkpoint_id;
     if (!metadata.save_id.empty()) meta.save_id = metadata.save_id;

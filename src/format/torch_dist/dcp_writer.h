@@ -13,9 +13,11 @@
 #define TESSERA_FORMAT_TORCH_DIST_DCP_WRITER_H_
 
 #include <cstdint>
+#include <map>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "format/torch_dist/crc32.h"
 #include "format/torch_dist/dcp_metadata.h"
@@ -100,14 +102,19 @@ struct DcpIndexOptions {
   // torch 2.x only: StorageMeta.checkpoint_id (torch writes the directory; nothing reads it).
   // Empty: none.
   std::string checkpoint_id;
+  // torch 2.x only: planner_data's path of each key; a key not listed gets (key,). Not owned;
+  // null: every key (key,).
+  // (DcpPathElement is SaveOptions' TorchDistPathElement.)
+  const std::map<std::string, std::vector<DcpPathElement>>* key_paths = nullptr;
 };
 
 // The `.metadata` content of `metadata` (as MarkDcpItems leaves it; Metadata::files name the
 // data files): state_dict_metadata in key order (tensors, then objects), storage_data with the
-// chunk index as MetadataIndex.index, and for kTorch2 planner_data {fqn: (fqn,)} (what torch 2.x
-// writes for a flat state dict: tessera's keys are flat), storage_meta (checkpoint_id, save_id)
-// and version "1.0.0". InvalidArgument naming the key for a chunk that is not a whole tensor
-// item, a dtype without a torch counterpart, or (kTorch113) one torch 1.13 lacks.
+// chunk index as MetadataIndex.index, and for kTorch2 planner_data {fqn: path} (the path of
+// options.key_paths, else (fqn,): what torch 2.x writes for a flat state dict), storage_meta
+// (checkpoint_id, save_id) and version "1.0.0". InvalidArgument naming the key for a chunk that is
+// not a whole tensor item, a dtype without a torch counterpart, or (kTorch113) one torch 1.13
+// lacks.
 Result<DcpMetadata> ToDcpMetadata(const Metadata& metadata, const DcpIndexOptions& options);
 
 }  // namespace tessera::torch_dist

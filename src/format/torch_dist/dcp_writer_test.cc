@@ -116,10 +116,31 @@ TEST(DcpWriterTest, MetadataOfWrittenItems) {
   ASSERT_OK_AND_ASSIGN(DcpMetadata back, ReadDcpMetadata(pickle, "test"));
   EXPECT_EQ(back, v2);
 
+  // Without paths, planner_data maps every fqn to itself (a flat state dict).
+  EXPECT_EQ(v2.planner_data_kind, DcpPlannerData::kFlattenMapping);
+  EXPECT_EQ(v2.planner_data,
+            (std::vector<DcpPlannerPath>{{"w", {std::string("w")}}, {"o", {std::string("o")}}}));
+
   ASSERT_OK_AND_ASSIGN(DcpMetadata v113, ToDcpMetadata(m, {.flavor = DcpFlavor::kTorch113}));
   EXPECT_EQ(v113.planner_data_kind, DcpPlannerData::kNone);
   EXPECT_FALSE(v113.storage_meta.has_value());
   ASSERT_OK(EncodeDcpMetadata(v113));
+}
+
+// The caller's nesting (SaveOptions::torch_dist_key_paths) becomes planner_data, with str keys
+// and int list indices as torch's flatten_state_dict records them; unlisted keys map to
+// themselves. It survives the pickle.
+TEST(DcpWriterTest, PlannerDataTakesTheCallersPaths) {
+  const Metadata m = TwoChunks();
+  const std::map<std::string, std::vector<DcpPathElement>> paths = {
+      {"w", {std::string("layers"), int64_t{0}, std::string("w")}}, {"other", {int64_t{1}}}};
+  ASSERT_OK_AND_ASSIGN(DcpMetadata v2, ToDcpMetadata(m, {.key_paths = &paths}));
+  EXPECT_EQ(v2.planner_data, (std::vector<DcpPlannerPath>{
+                                 {"w", {std::string("layers"), int64_t{0}, std::string("w")}},
+                                 {"o", {std::string("o")}}}));
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> pickle, EncodeDcpMetadata(v2));
+  ASSERT_OK_AND_ASSIGN(DcpMetadata back, ReadDcpMetadata(pickle, "test"));
+  EXPECT_EQ(back.planner_data, v2.planner_data);
 }
 
 TEST(DcpWriterTest, MetadataRefusesWhatDcpCannotDescribe) {

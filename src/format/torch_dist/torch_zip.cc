@@ -714,7 +714,9 @@ std::vector<uint8_t> TensorPickle(const TorchDType& dtype, const std::vector<int
   w.Mark();
   w.Str("storage");
   w.Memoize();
-  w.Global("torch", v3 ? "UntypedStorage" : dtype.storage_class);
+  // torch 2.x's own class path: torch.load(weights_only=True), which DCP's reader uses since
+  // torch 2.6, allows torch.storage.UntypedStorage and refuses the alias torch.UntypedStorage.
+  w.Global(v3 ? "torch.storage" : "torch", v3 ? "UntypedStorage" : dtype.storage_class);
   w.Memoize();
   w.Str("0");
   w.Memoize();
