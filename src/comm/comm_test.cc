@@ -347,8 +347,10 @@ TEST_P(CollectiveTest, AgreeOnStatusOneFailure) {
   }
 }
 
-TEST_P(CollectiveTest, AgreeOnStatusTwoFailuresNameTheLowest) {
-  if (n() < 3) GTEST_SKIP() << "needs 3 ranks";
+// Two failures need three ranks or more (instantiated below for those kinds only).
+class CollectiveOfThreeOrMoreTest : public CollectiveTest {};
+
+TEST_P(CollectiveOfThreeOrMoreTest, AgreeOnStatusTwoFailuresNameTheLowest) {
   std::vector<Status> agreed(n());
   Run([&](Comm& comm) {
     Status local;
@@ -431,7 +433,17 @@ std::vector<CommKind> AllKinds() {
           {"Local8", 8, false}};
 }
 
+std::vector<CommKind> KindsOfAtLeast(int ranks) {
+  std::vector<CommKind> kinds;
+  for (const CommKind& kind : AllKinds()) {
+    if (kind.num_ranks >= ranks) kinds.push_back(kind);
+  }
+  return kinds;
+}
+
 INSTANTIATE_TEST_SUITE_P(Comms, CollectiveTest, ::testing::ValuesIn(AllKinds()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Comms, CollectiveOfThreeOrMoreTest, ::testing::ValuesIn(KindsOfAtLeast(3)),
                          [](const auto& info) { return info.param.name; });
 
 // ---- LocalComm only --------------------------------------------------------------------
@@ -441,8 +453,10 @@ class LocalCommTest : public ::testing::TestWithParam<int> {
   int n() const { return GetParam(); }
 };
 
-TEST_P(LocalCommTest, AllReduceLengthMismatchFailsEverywhere) {
-  if (n() < 2) GTEST_SKIP();
+// Tests of how ranks affect their peers: two ranks or more (instantiated below).
+class LocalCommPeersTest : public LocalCommTest {};
+
+TEST_P(LocalCommPeersTest, AllReduceLengthMismatchFailsEverywhere) {
   std::vector<Status> statuses = RunLocalRanks(n(), [&](Comm& comm) {
     std::vector<int64_t> v(comm.rank() == 1 ? 3 : 2, 1);
     return comm.AllReduce(v, ReduceOp::kSum);
@@ -454,8 +468,7 @@ TEST_P(LocalCommTest, AllReduceLengthMismatchFailsEverywhere) {
 }
 
 // A rank returns without calling the collective its peers are in: they fail fast.
-TEST_P(LocalCommTest, RankReturningEarlyFailsPeersQuickly) {
-  if (n() < 2) GTEST_SKIP();
+TEST_P(LocalCommPeersTest, RankReturningEarlyFailsPeersQuickly) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<Status> statuses = RunLocalRanks(
       n(),
@@ -476,8 +489,7 @@ TEST_P(LocalCommTest, RankReturningEarlyFailsPeersQuickly) {
 }
 
 // A rank that stays alive but never calls the collective: its peers time out.
-TEST_P(LocalCommTest, SilentRankTimesOutPeers) {
-  if (n() < 2) GTEST_SKIP();
+TEST_P(LocalCommPeersTest, SilentRankTimesOutPeers) {
   auto comms = NewLocalComms(n(), LocalCommOptions{.timeout = kShortTimeout});
   std::vector<Status> statuses(n());
   std::latch others_done(n() - 1);
@@ -576,8 +588,7 @@ TEST(LocalCommLeaveTest, MessagesSentBeforeLeavingStillArrive) {
 }
 
 // Abort reaches ranks already blocked in a collective, promptly, with the default timeout.
-TEST_P(LocalCommTest, AbortWakesBlockedPeers) {
-  if (n() < 2) GTEST_SKIP();
+TEST_P(LocalCommPeersTest, AbortWakesBlockedPeers) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<Status> statuses = RunLocalRanks(n(), [&](Comm& comm) -> Status {
     if (comm.rank() == n() - 1) {
@@ -598,8 +609,7 @@ TEST_P(LocalCommTest, AbortWakesBlockedPeers) {
 
 // When a rank's fn fails, RunLocalRanks makes it leave, so peers blocked in a collective
 // waiting for it return its error instead of waiting for the timeout.
-TEST_P(LocalCommTest, FailingRankAbortsPeers) {
-  if (n() < 2) GTEST_SKIP();
+TEST_P(LocalCommPeersTest, FailingRankAbortsPeers) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<Status> statuses = RunLocalRanks(n(), [&](Comm& comm) -> Status {
     if (comm.rank() == 0) {
@@ -622,8 +632,7 @@ TEST_P(LocalCommTest, FailingRankAbortsPeers) {
 }
 
 // Aborting a communicator reaches ranks blocked in communicators split from it.
-TEST_P(LocalCommTest, ParentAbortReachesChild) {
-  if (n() < 2) GTEST_SKIP();
+TEST_P(LocalCommPeersTest, ParentAbortReachesChild) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<Status> statuses = RunLocalRanks(n(), [&](Comm& comm) -> Status {
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Comm> child, comm.Split(0, comm.rank()));
@@ -671,6 +680,7 @@ TEST_P(LocalCommTest, RunLocalRanksRunsEveryRankOnItsOwnThread) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, LocalCommTest, ::testing::Values(1, 2, 3, 8));
+INSTANTIATE_TEST_SUITE_P(Ranks, LocalCommPeersTest, ::testing::Values(2, 3, 8));
 
 TEST(LocalCommMiscTest, ZeroRanks) {
   EXPECT_TRUE(NewLocalComms(0).empty());
