@@ -11,47 +11,100 @@ import atexit
 import ctypes
 import datetime
 import threading
+import time
 import uuid
+from typing import Any, Callable
 
 _OPS = None
 
-# The tensors tessera handed to torch.distributed collectives that gloo's worker thread
-# (pt_gloo_runloop) may still hold. Python keeps a reference to each until gloo dropped its own
-# (Tensor._use_count() back to 1), so that gloo's thread never holds the last reference to a
-# tensor created in Python: dropping that needs the GIL, and a thread that takes the GIL while
-# the interpreter exits is ended by pthread_exit, whose unwinding through gloo's noexcept
-# frames is "terminate called without an active exception" (issue 22, defect 13: a process
-# that saved over gloo aborted at exit, 1 run in 12, when gloo's thread released the last
-# collective's tensors after the interpreter began to exit). At exit the tensors gloo may still
-# hold are leaked on purpose (see _leak_held_tensors).
+# Why tessera waits after each collective until gloo's worker thread has let go of its tensors
+# (issue 22, defect 13: a process that saved over gloo sometimes aborted at exit with
+# "terminate called without an active exception").
+#
+# A collective's work holds the tensors tessera created in Python for it. gloo's worker thread
+# (ProcessGroupGloo::runLoop) destroys the work a moment AFTER marking it complete, so after
+# work.wait() returned. Dropping its reference to a tensor that has a Python object takes the
+# GIL on that thread: torch 2.13 (c10/util/intrusive_ptr.h, "PyObject preservation") decrefs the
+# PyObject whenever a tensor's C++ refcount goes from 2 to 1, even while Python still holds the
+# tensor; older torch did so when the C++ side held the last reference. If the interpreter
+# began to exit meanwhile (the save was the process's last act), the thread blocked on the GIL is
+# ended by pthread_exit, whose forced unwinding reaches the noexcept decref_pyobject frame:
+# std::terminate (core dump: pt_gloo_runloop in ~AsyncWork -> TensorImpl::decref_pyobject ->
+# gil_scoped_acquire -> take_gil -> PyThread_exit_thread -> __gxx_personality_v0 -> terminate).
+# Keeping the tensors referenced from Python cannot help with torch 2.13; what does is that
+# a collective returns only once gloo released them (Tensor._use_count() back to 1, waited for
+# with the GIL released so gloo's thread can take it): after that, gloo's thread has nothing of
+# tessera's left to drop, whenever the process exits.
+#
+# A collective that failed, or whose tensors gloo still holds after _RELEASE_WAIT seconds, leaves
+# them in _held; the exit waits (bounded) for those too. torch < 2.0 lacks Tensor._use_count():
+# there the tensors of the last collectives are kept referenced instead (the C++ side then never
+# holds the last reference), and leaked at exit.
 _held_lock = threading.Lock()
 _held = []
-# torch < 2.0 lacks Tensor._use_count(): the tensors of the last collectives are kept instead.
 _KEPT_WITHOUT_USE_COUNT = 64
+_RELEASE_WAIT = 10.0  # seconds; gloo releases a completed work's tensors within microseconds
+_EXIT_WAIT = 10.0  # seconds the exit waits for tensors of collectives that did not complete
 
 
-def _hold(tensors):
-    """Keeps `tensors` (just handed to a collective) referenced until gloo released them."""
+def _held_by_others(tensors: list) -> list:
+    """The tensors of `tensors` that something besides their Python object references."""
+    return [t for t in tensors if t._use_count() > 1]
+
+
+def _wait_released(tensors: list, seconds: float) -> list:
+    """Waits up to `seconds`, with the GIL released, until no tensor of `tensors` is referenced
+    by anything but its Python object; returns those still referenced."""
+    deadline = time.monotonic() + seconds
+    pause = 2e-5
+    pending = _held_by_others(tensors)
+    while pending and time.monotonic() < deadline:
+        time.sleep(pause)  # releases the GIL: gloo's thread may need it to let go
+        pause = min(pause * 2, 1e-2)
+        pending = _held_by_others(pending)
+    return pending
+
+
+def _run(tensors: list, start: Callable[[], Any]) -> None:
+    """Runs the collective `start()` returns (a c10d Work) over `tensors` (every tensor made in
+    Python that it uses), waits for it and then until gloo's worker thread released `tensors`
+    (see above)."""
+    if tensors and not hasattr(tensors[0], "_use_count"):
+        _keep(tensors)
+        start().wait()
+        return
+    try:
+        start().wait()  # the temporary Work is dropped here, before the wait for its tensors
+    except BaseException:
+        _keep(tensors)
+        raise
+    pending = _wait_released(tensors, _RELEASE_WAIT)
+    if pending:
+        _keep(pending)
+
+
+def _keep(tensors: list) -> None:
+    """Keeps `tensors` referenced until the exit (see above)."""
     with _held_lock:
         if _held and hasattr(_held[0], "_use_count"):
-            _held[:] = [t for t in _held if t._use_count() > 1]
+            _held[:] = _held_by_others(_held)
         else:
             del _held[:-_KEPT_WITHOUT_USE_COUNT]
         _held.extend(tensors)
 
 
-def _still_held_by_gloo():
-    """The held tensors a collective's work may still hold (all of them without _use_count)."""
-    with _held_lock:
-        return [t for t in _held if not hasattr(t, "_use_count") or t._use_count() > 1]
-
-
 @atexit.register
-def _leak_held_tensors():
+def _release_at_exit() -> None:
     """Before the interpreter tears down (after tessera's wait for asynchronous saves, which
-    atexit runs first): each tensor gloo may still hold gets a reference that is never given
-    back, so whenever gloo's thread drops its own, no Python object dies on that thread."""
-    for t in _still_held_by_gloo():
+    atexit runs first): waits a while for gloo to release the tensors of collectives that failed
+    or hung; without Tensor._use_count() (torch < 2.0), each kept tensor gets a reference that is
+    never given back, so gloo's thread never holds the last one."""
+    with _held_lock:
+        held = list(_held)
+    if held and hasattr(held[0], "_use_count"):
+        _wait_released(held, _EXIT_WAIT)
+        return
+    for t in held:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(t))
 
 
@@ -94,8 +147,7 @@ class TorchDistImpl:
         import torch  # noqa: PLC0415
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
         send = self._int64([n])
-        _hold(out + [send])
-        self.pg.allgather([out], [send]).wait()
+        _run(out + [send], lambda: self.pg.allgather([out], [send]))
         return [int(t[0]) for t in out]
 
     # -- the Comm interface --------------------------------------------------------------------
@@ -107,12 +159,10 @@ class TorchDistImpl:
         opts = BroadcastOptions()
         opts.rootRank = root
         size = self._int64([len(data) if self.rank == root else 0])
-        _hold([size])
-        self.pg.broadcast([size], opts).wait()
+        _run([size], lambda: self.pg.broadcast([size], opts))
         n = int(size[0])
         buf = _to_tensor(data if self.rank == root else b"", n)
-        _hold([buf])
-        self.pg.broadcast([buf], opts).wait()
+        _run([buf], lambda: self.pg.broadcast([buf], opts))
         return _to_bytes(buf, n)
 
     def all_gather(self, data):
@@ -121,8 +171,7 @@ class TorchDistImpl:
         n = max(sizes)
         out = [torch.zeros(max(n, 1), dtype=torch.uint8) for _ in range(self.size)]
         send = _to_tensor(data, n)
-        _hold(out + [send])
-        self.pg.allgather([out], [send]).wait()
+        _run(out + [send], lambda: self.pg.allgather([out], [send]))
         return [_to_bytes(t, s) for t, s in zip(out, sizes)]
 
     def gather(self, data, root):
@@ -135,8 +184,7 @@ class TorchDistImpl:
         out = ([[torch.zeros(max(n, 1), dtype=torch.uint8) for _ in range(self.size)]]
                if self.rank == root else [])
         send = _to_tensor(data, n)
-        _hold([t for ts in out for t in ts] + [send])
-        self.pg.gather(out, [send], opts).wait()
+        _run([t for ts in out for t in ts] + [send], lambda: self.pg.gather(out, [send], opts))
         if self.rank != root:
             return None
         return [_to_bytes(t, s) for t, s in zip(out[0], sizes)]
@@ -147,13 +195,11 @@ class TorchDistImpl:
         opts = ScatterOptions()
         opts.rootRank = root
         sizes = self._int64([len(c) for c in chunks] if self.rank == root else [0] * self.size)
-        _hold([sizes])
-        self.pg.broadcast([sizes], _broadcast_options(root)).wait()
+        _run([sizes], lambda: self.pg.broadcast([sizes], _broadcast_options(root)))
         n = int(sizes.max())
         inputs = [[_to_tensor(c, n) for c in chunks]] if self.rank == root else []
         out = torch.zeros(max(n, 1), dtype=torch.uint8)
-        _hold([t for ts in inputs for t in ts] + [out])
-        self.pg.scatter([out], inputs, opts).wait()
+        _run([t for ts in inputs for t in ts] + [out], lambda: self.pg.scatter([out], inputs, opts))
         return _to_bytes(out, int(sizes[self.rank]))
 
     def all_reduce(self, values, op):
@@ -163,8 +209,7 @@ class TorchDistImpl:
         opts = AllreduceOptions()
         opts.reduceOp = _ops()[op]
         tensor = self._int64(list(values))
-        _hold([tensor])
-        self.pg.allreduce([tensor], opts).wait()
+        _run([tensor], lambda: self.pg.allreduce([tensor], opts))
         return tensor.tolist()
 
     def split(self, color, key):
