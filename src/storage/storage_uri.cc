@@ -27,6 +27,15 @@ std::string SchemeOf(const std::string& uri) {
   return scheme;
 }
 
+Result<Location> OpenFile(const std::string& uri) {
+  std::string path = uri.substr(7);  // "file://"
+  if (path.starts_with("localhost/")) path = path.substr(9);
+  if (!path.starts_with("/")) {
+    return InvalidArgument("'" + uri + "': a file URI takes an absolute path (file:///dir)");
+  }
+  return Location(NewPosixStorage(), path);
+}
+
 #if TESSERA_HAVE_S3
 // "bucket/some/prefix" -> {"bucket", "some/prefix"}.
 std::pair<std::string, std::string> SplitBucket(const std::string& rest) {
@@ -57,14 +66,6 @@ Result<Location> OpenS3(const std::string& bucket, const std::string& path,
   return Location(*storage, path);
 }
 
-Result<Location> OpenFile(const std::string& uri) {
-  std::string path = uri.substr(7);  // "file://"
-  if (path.starts_with("localhost/")) path = path.substr(9);
-  if (!path.starts_with("/")) {
-    return InvalidArgument("'" + uri + "': a file URI takes an absolute path (file:///dir)");
-  }
-  return Location(NewPosixStorage(), path);
-}
 
 Result<uint64_t> ParseBytes(const std::string& s, const std::string& what) {
   char* end = nullptr;
