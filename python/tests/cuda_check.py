@@ -13,7 +13,34 @@ import pytest
 import torch
 
 import tessera
-from megatron_standins import ShardedTensor as MegatronTensor
+try:
+    from megatron.core.dist_checkpointing import ShardedTensor as MegatronTensor
+except ImportError:
+    # The GPU machine has no package registry, hence no Megatron-Core. tessera recognises
+    # Megatron's ShardedTensor by its fields (python/tessera/_adapters.py), so a dataclass with
+    # those fields and from_rank_offsets' meaning for a whole, unsharded tensor stands in for it
+    # here; test_megatron.py runs the same path against Megatron's own class.
+    import dataclasses
+
+    @dataclasses.dataclass
+    class MegatronTensor:  # noqa: D101 (Megatron-Core 0.19's field names and order)
+        key: str
+        data: "torch.Tensor"
+        dtype: "torch.dtype"
+        local_shape: tuple
+        global_shape: tuple
+        global_offset: tuple
+        axis_fragmentations: tuple
+        replica_id: object = 0
+        prepend_axis_num: int = 0
+        allow_shape_mismatch: bool = False
+        flattened_range: object = None
+
+        @classmethod
+        def from_rank_offsets(cls, key: str, data: "torch.Tensor") -> "MegatronTensor":
+            """The whole tensor on this rank (no rank offsets), as Megatron builds it."""
+            shape = tuple(data.shape)
+            return cls(key, data, data.dtype, shape, shape, (0,) * len(shape), (1,) * len(shape))
 
 
 @pytest.fixture(autouse=True)
