@@ -92,7 +92,7 @@ struct RetentionPolicy {
 };
 
 struct CheckpointManagerOptions {
-  // Where the root is. Default null: the local file system.
+  // Where the root is. Default null: the local file system, or the store a root URI names.
   std::shared_ptr<Storage> storage;
   // How each save is made: save.save is SaveOptions (sync, threads, collective or rank-local,
   // user_metadata for every save, ...; format must be kTessera: the step is recorded in the user
@@ -230,7 +230,10 @@ class ReadLease;
 
 class CheckpointManager {
  public:
-  // Creates nothing until the first save. `root` is a directory path for `options.storage`.
+  // Creates nothing until the first save. `root` is a directory path for `options.storage`;
+  // without one, a local path or a URI (s3://bucket/run, msc://profile/run, file:///run; see
+  // ResolveStorage in storage_uri.h). A URI that cannot be opened fails every operation with
+  // the reason.
   explicit CheckpointManager(std::string root, CheckpointManagerOptions options = {});
   // Waits for the save in flight (and its retention); see the header comment for a failure.
   ~CheckpointManager();

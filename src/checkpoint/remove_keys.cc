@@ -8,6 +8,7 @@
 //   2. the new manifest, committed atomically (the commit point)
 //   3. cleanup: the files the new manifest does not list, then the marker
 #include "tessera/remove_keys.h"
+#include "tessera/storage_uri.h"
 
 #include <algorithm>
 #include <atomic>
@@ -429,7 +430,13 @@ Result<RemoveKeysReport> RemoveKeys(const std::string& path,
                                     const std::vector<std::string>& prefixes,
                                     const RemoveKeysOptions& options) {
   TESSERA_RETURN_IF_ERROR(CheckArguments(prefixes, options));
-  const std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
+  if (!options.storage) {  // a URI (s3://, msc://, file://) or a local path
+    TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(path, nullptr));
+    RemoveKeysOptions resolved = options;
+    resolved.storage = location.first;
+    return RemoveKeys(location.second, prefixes, resolved);
+  }
+  const std::shared_ptr<Storage> storage = options.storage;
   TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadCheckpointIndex(*storage, path));
   const Metadata& old = index.metadata;
   if (old.format != CheckpointFormat::kTessera) {

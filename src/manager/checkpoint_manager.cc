@@ -15,6 +15,7 @@
 #include "manager/per_rank.h"
 #include "manager/retention.h"
 #include "manager/root_files.h"
+#include "tessera/storage_uri.h"
 
 namespace tessera {
 
@@ -200,6 +201,32 @@ bool FallsBack(const Status& status) { return status.code() == StatusCode::kData
 
 Bytes ToBytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
 
+// The storage of a root URI that could not be opened (the constructor cannot fail): every call
+// returns why, so every operation of the manager fails with it.
+class UnopenedStorage : public Storage {
+ public:
+  explicit UnopenedStorage(Status why) : why_(std::move(why)) {}
+  using Storage::NewWritableFile;
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string&, CreateMode) override {
+    return why_;
+  }
+  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string&) override {
+    return why_;
+  }
+  Status CreateDirs(const std::string&) override { return why_; }
+  Result<FileType> Stat(const std::string&) override { return why_; }
+  Result<std::vector<std::string>> ListDir(const std::string&) override { return why_; }
+  Status Rename(const std::string&, const std::string&) override { return why_; }
+  Status Remove(const std::string&) override { return why_; }
+  Status SyncDir(const std::string&) override { return why_; }
+  Status Publish(const std::string&, std::span<const std::byte>, PublishMode, bool) override {
+    return why_;
+  }
+
+ private:
+  const Status why_;
+};
+
 }  // namespace
 
 // ---- construction ------------------------------------------------------------------------------
@@ -207,8 +234,16 @@ Bytes ToBytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
 CheckpointManager::CheckpointManager(std::string root, CheckpointManagerOptions options)
     : root_(std::move(root)), state_(std::make_unique<State>()) {
   State& s = *state_;
-  s.storage = options.storage ? options.storage : NewPosixStorage();
-  s.root = root_;
+  // A root URI (s3://, msc://, file://) or a local path, where the options name no storage.
+  Result<std::pair<std::shared_ptr<Storage>, std::string>> location =
+      ResolveStorage(root_, options.storage);
+  if (location.ok()) {
+    s.storage = location->first;
+    s.root = location->second;
+  } else {
+    s.storage = std::make_shared<UnopenedStorage>(location.status());
+    s.root = root_;
+  }
   s.sync = options.save.save.sync == SyncPolicy::kFull;
   s.options = std::move(options);
   s.options.save.save.storage = s.storage;
@@ -231,7 +266,10 @@ CheckpointManager::~CheckpointManager() {
   std::abort();
 }
 
-std::string CheckpointManager::StepPath(int64_t step) const { return state_->StepPath(step); }
+// The root as given (a URI stays a URI), so that the path works without the storage.
+std::string CheckpointManager::StepPath(int64_t step) const {
+  return JoinPath(root_, StepDirName(step));
+}
 
 // ---- saving ------------------------------------------------------------------------------------
 
@@ -388,7 +426,7 @@ Result<std::optional<int64_t>> CheckpointManager::LatestStep() { return state_->
 Result<std::vector<StepInfo>> CheckpointManager::Steps() {
   State& s = *state_;
   std::vector<StepInfo> out;
-  Result<std::vector<int64_t>> steps = manager::ListStepNumbers(*s.storage, root_);
+  Result<std::vector<int64_t>> steps = manager::ListStepNumbers(*s.storage, s.root);
   if (steps.status().code() == StatusCode::kNotFound) return out;
   TESSERA_RETURN_IF_ERROR(steps.status());
   std::map<int64_t, std::string> failed;
@@ -400,7 +438,7 @@ Result<std::vector<StepInfo>> CheckpointManager::Steps() {
     Result<StepDirFiles> files = manager::ListStepDir(*s.storage, s.StepPath(step));
     if (files.status().code() == StatusCode::kNotFound) continue;  // deleted meanwhile
     TESSERA_RETURN_IF_ERROR(files.status());
-    StepInfo info = manager::ExamineStep(s.storage, root_, step, *files);
+    StepInfo info = manager::ExamineStep(s.storage, s.root, step, *files);
     if (auto it = failed.find(step); it != failed.end() && info.state == StepState::kCommitted) {
       info.state = StepState::kDamaged;
       info.problem = "its restore failed: " + it->second;
@@ -495,7 +533,7 @@ Status CheckpointManager::Delete(int64_t step) {
   if (type != FileType::kDirectory) {
     return NotFound("step " + std::to_string(step) + " has no directory under " + root_);
   }
-  TESSERA_RETURN_IF_ERROR(manager::DeleteStepDir(*s.storage, root_, dir, s.sync));
+  TESSERA_RETURN_IF_ERROR(manager::DeleteStepDir(*s.storage, s.root, dir, s.sync));
   std::lock_guard<std::mutex> lock(s.mu);
   s.failed.erase(step);
   return Status::Ok();
