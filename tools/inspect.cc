@@ -16,12 +16,12 @@
 #include <unistd.h>
 
 #include "core/utf8.h"
-#include "format/manifest.h"
 #include "format/bounded_json.h"
 #include "format/checkpoint_index.h"
+#include "format/manifest.h"
 #include "format/torch_dist/pickle.h"
-#include "tessera/storage_uri.h"
 #include "tessera/checkpoint.h"
+#include "tessera/storage_uri.h"
 #include "tools/commands.h"
 #include "tools/json_output.h"
 #include "tools/progress.h"

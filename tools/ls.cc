@@ -168,8 +168,8 @@ void FromMetadata(const Place& place, const std::string& dir, Found& found) {
 
 // A directory with rank manifests: a complete rank-local save is a committed checkpoint (not yet
 // finalized); an incomplete one is uncommitted, and says how many of its parts are there.
-void FromRankManifests(const Place& place, const std::string& dir,
-                       const std::vector<Entry>& files, Found& found) {
+void FromRankManifests(const Place& place, const std::string& dir, const std::vector<Entry>& files,
+                       Found& found) {
   Storage& storage = *place.storage;
   std::vector<std::string> names;
   for (const Entry& e : files) names.push_back(e.name);

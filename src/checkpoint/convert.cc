@@ -403,11 +403,10 @@ Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Stora
   write_options.sync = options.sync;
   write_options.verify_checksums = options.verify_checksums;
   write_options.progress = options.progress;
-  Result<RankWriteResult> written =
-      layout.ok()
-          ? WriteRankFiles(source, output, temp, index, src, plan, *layout, comm.rank(),
-                           write_options)
-          : Result<RankWriteResult>(layout.status());
+  Result<RankWriteResult> written = layout.ok()
+                                        ? WriteRankFiles(source, output, temp, index, src, plan,
+                                                         *layout, comm.rank(), write_options)
+                                        : Result<RankWriteResult>(layout.status());
   Bytes mine;
   if (written.ok()) {
     ByteWriter(&mine).PutVector(options.to == CheckpointFormat::kTorchDist ? written->object_lengths
@@ -461,8 +460,7 @@ Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Stora
 // Copies the local file `from` to `to` in `output` front to back (what a store without
 // positional writes takes), created exclusively: on an object store nothing is visible before
 // Sync publishes the whole object.
-Status UploadFile(Storage& local, const std::string& from, Storage& output,
-                  const std::string& to) {
+Status UploadFile(Storage& local, const std::string& from, Storage& output, const std::string& to) {
   constexpr uint64_t kPieceBytes = 8u << 20;
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> in, local.NewReadableFile(from));
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
@@ -506,10 +504,9 @@ Status UploadConversion(Storage& local, const std::string& staged, Storage& outp
 // Convert into a store without rename or positional writes (an object store): the output is
 // made in a local directory (ConvertOptions::staging_dir), then uploaded, its index last. One
 // process only: with several, each would hold only its own files.
-Result<ConvertReport> ConvertThroughLocal(Storage& source, const std::string& src,
-                                          Storage& output, const std::string& dst,
-                                          const std::string& uri, const ConvertOptions& options,
-                                          Comm& comm) {
+Result<ConvertReport> ConvertThroughLocal(Storage& source, const std::string& src, Storage& output,
+                                          const std::string& dst, const std::string& uri,
+                                          const ConvertOptions& options, Comm& comm) {
   if (comm.size() > 1) {
     return Unimplemented("converting into " + uri +
                          ", a store without rename or positional writes, runs on one process "
@@ -532,9 +529,8 @@ Result<ConvertReport> ConvertThroughLocal(Storage& source, const std::string& sr
                                : std::filesystem::temp_directory_path(ec).string();
   std::string pattern = JoinPath(base.empty() ? "/tmp" : base, "tessera-convert-XXXXXX");
   if (mkdtemp(pattern.data()) == nullptr) {
-    return IOErrorFromErrno("creating a local directory for the conversion into " + uri + " (" +
-                                pattern + ")",
-                            errno);
+    return IOErrorFromErrno(
+        "creating a local directory for the conversion into " + uri + " (" + pattern + ")", errno);
   }
   const std::string staged = JoinPath(pattern, destination.name);
   std::shared_ptr<Storage> local = NewPosixStorage();

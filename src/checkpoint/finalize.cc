@@ -52,10 +52,10 @@ Status CommitMerged(Storage& storage, const std::string& path, Metadata& merged)
     merged.commit_seq = 1;
     Status published = PublishCommitAt(storage, path, 1, EncodeManifest(merged), true);
     if (published.code() == StatusCode::kAlreadyExists) {
-      return FailedPrecondition(
-          "cannot finalize the version 2 rank-local save " + merged.save_id + " in " + path +
-          ": the directory holds commits of version 3 (" + DescribeCommit(storage, path, 1) +
-          "), which place every version 2 save below them");
+      return FailedPrecondition("cannot finalize the version 2 rank-local save " + merged.save_id +
+                                " in " + path + ": the directory holds commits of version 3 (" +
+                                DescribeCommit(storage, path, 1) +
+                                "), which place every version 2 save below them");
     }
     TESSERA_RETURN_IF_ERROR(published);
     WriteSequenceHint(storage, path, 1);

@@ -213,9 +213,9 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
     return a.file_index != b.file_index ? a.file_index < b.file_index
                                         : a.file_offset < b.file_offset;
   });
-  TESSERA_RETURN_IF_ERROR(AgreeOnStatus(
-      group, ExecuteReads(storage, path, metadata, to_read, options, report, headers, &progress,
-                          uploads)));
+  TESSERA_RETURN_IF_ERROR(
+      AgreeOnStatus(group, ExecuteReads(storage, path, metadata, to_read, options, report, headers,
+                                        &progress, uploads)));
   return AgreeOnStatus(
       group, ExchangeWithinGroup(group, assignment, destinations, options, report, progress));
 }

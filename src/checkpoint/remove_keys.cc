@@ -335,9 +335,9 @@ Base BaseOf(const CheckpointIndex& index) {
 
 // The removal gives way to commit `seq`, made after the base it started from.
 Status Changed(Storage& storage, const std::string& path, uint64_t seq) {
-  return Aborted("the checkpoint at " + path + " changed while keys were being removed: " +
-                 DescribeCommit(storage, path, seq) + " is newer than commit " +
-                 std::to_string(seq - 1) +
+  return Aborted("the checkpoint at " + path +
+                 " changed while keys were being removed: " + DescribeCommit(storage, path, seq) +
+                 " is newer than commit " + std::to_string(seq - 1) +
                  ", which the removal started from (the newer save is what the directory "
                  "holds); nothing was removed");
 }
@@ -397,8 +397,7 @@ Status CommitAfterBase(Storage& storage, const std::string& path, Metadata& kept
 Status Rewrite(Storage& storage, const std::string& path, const Metadata& old, const Base& base,
                const RemoveKeysOptions& options, std::vector<FilePlan>& files, Metadata& kept,
                ProgressMeter& meter) {
-  TESSERA_RETURN_IF_ERROR(
-      CreateSaveMarker(storage, path, kept.save_id, options.sync));
+  TESSERA_RETURN_IF_ERROR(CreateSaveMarker(storage, path, kept.save_id, options.sync));
   struct MarkerGuard {
     Storage& storage;
     const std::string& path;
