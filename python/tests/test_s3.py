@@ -128,6 +128,24 @@ def test_convert_between_s3_and_local_files(s3, tmp_path):
         tessera.convert(tmp_path / "hf", back, to="tessera")
 
 
+def test_checkpoint_manager_on_a_root_uri(s3):
+    root = s3 + "/run"
+    with tessera.CheckpointManager(root, keep_last=2) as manager:
+        assert manager.latest_step() is None
+        for step in range(1, 4):
+            saved = manager.save(step, {"w": torch.full((8, 4), float(step)), "step": step})
+            assert saved.path == f"{root}/iter_{step:07d}"
+        manager.wait()
+        assert manager.all_steps() == [2, 3]
+    resumed = tessera.CheckpointManager(root)
+    state = {"w": torch.zeros(8, 4), "step": None}
+    restored = resumed.restore(state)
+    assert restored.step == 3 and state["step"] == 3
+    assert torch.equal(state["w"], torch.full((8, 4), 3.0))
+    resumed.close()
+    assert tessera.verify(f"{root}/iter_0000003").bytes_checked == 8 * 4 * 4
+
+
 def test_errors_name_the_uri(s3):
     with pytest.raises(tessera.Error) as missing:
         tessera.read_metadata(s3 + "/absent")

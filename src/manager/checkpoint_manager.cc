@@ -319,7 +319,10 @@ Result<ManagedSave> CheckpointManager::Save(int64_t step, const StateDict& state
                            " after step " + std::to_string(s.last_step));
   }
   const bool collective = s.options.save.save.collective;
-  ManagedSave out{.step = step, .path = s.StepPath(step)};
+  // `inner` is the step directory in the storage; out.path as the root was given (a URI stays
+  // a URI).
+  const std::string inner = s.StepPath(step);
+  ManagedSave out{.step = step, .path = StepPath(step)};
 
   // The save in flight: skipped for (every rank agrees), or waited for.
   std::optional<int64_t> previous;
@@ -374,13 +377,13 @@ Result<ManagedSave> CheckpointManager::Save(int64_t step, const StateDict& state
   if (!collective) save.save_tag = "step-" + std::to_string(step) + "-" + s.session;
 
   if (!s.options.async) {
-    TESSERA_ASSIGN_OR_RETURN(SaveReport report, tessera::Save(to_save, out.path, comm, save));
+    TESSERA_ASSIGN_OR_RETURN(SaveReport report, tessera::Save(to_save, inner, comm, save));
     s.last_step = step;
     s.AfterCommit(step, comm.rank() == 0);
     out.report = std::move(report);
     return out;
   }
-  TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle handle, AsyncSave(to_save, out.path, comm, options));
+  TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle handle, AsyncSave(to_save, inner, comm, options));
   s.last_step = step;
   {
     std::lock_guard<std::mutex> lock(s.mu);
@@ -439,6 +442,7 @@ Result<std::vector<StepInfo>> CheckpointManager::Steps() {
     if (files.status().code() == StatusCode::kNotFound) continue;  // deleted meanwhile
     TESSERA_RETURN_IF_ERROR(files.status());
     StepInfo info = manager::ExamineStep(s.storage, s.root, step, *files);
+    info.path = StepPath(step);  // as the root was given (a URI stays a URI)
     if (auto it = failed.find(step); it != failed.end() && info.state == StepState::kCommitted) {
       info.state = StepState::kDamaged;
       info.problem = "its restore failed: " + it->second;
@@ -739,7 +743,7 @@ Result<RestoreReport> CheckpointManager::RestoreWith(Comm& comm, const RestoreOp
     lease.reset();
     if (status.ok()) {
       report.step = step;
-      report.path = path;
+      report.path = StepPath(step);  // as the root was given
       report.user_metadata = std::move(candidate.user_metadata);
       for (size_t i = 0; i < per_rank.size(); ++i) {
         const auto& item = plan->load[comm.rank()][i];
