@@ -283,8 +283,10 @@ class CheckpointManager {
   Result<RestoreReport> Restore(StateDict& state, const RestoreOptions& options = {});
 
   // Loads one candidate step: COLLECTIVE (every rank is called with the same step), fills the
-  // caller's state from the checkpoint at `path`, and loads `per_rank` too (objects whose keys are
-  // set; the load fills their bytes): a load with strict key checks must include them.
+  // caller's state from the checkpoint at `path` (the step directory under the root as given: a
+  // URI when the root is one, so that Load without a storage reaches it), and loads `per_rank` too
+  // (objects whose keys are set; the load fills their bytes): a load with strict key checks must
+  // include them.
   using StepLoader = std::function<Status(int64_t step, const std::string& path,
                                           std::vector<ShardedObject>& per_rank)>;
   // COLLECTIVE. Restore with the caller's own load (e.g. one that builds its state from each

@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
 
@@ -340,6 +341,26 @@ TEST_F(S3CheckpointTest, ConvertBetweenLocalFilesAndS3BothWays) {
   const Status ranks = FirstError(RunLocalRanks(
       2, [&](Comm& comm) { return Convert(local, base_ + "/two", to_tessera, comm).status(); }));
   EXPECT_EQ(ranks.code(), StatusCode::kUnimplemented) << ranks.ToString();
+}
+
+TEST_F(S3CheckpointTest, MscProfileSavesAndLoadsAsMegatronNamesIt) {
+  // Megatron's multi-storage-client paths: msc://profile/path, the profile an S3 one whose
+  // base_path is bucket/prefix. Saved through MSC, read back through s3://.
+  testing::TempDir dir;
+  const std::string prefix = s3::testing::UniquePrefix();
+  {
+    std::ofstream config(dir.path() + "/msc.yaml");
+    config << "profiles:\n  train:\n    storage_provider:\n      type: s3\n"
+           << "      options:\n        base_path: " << server_->bucket() << "/" << prefix << "\n"
+           << "        endpoint_url: " << server_->endpoint() << "\n"
+           << "        region_name: us-east-1\n";
+  }
+  Set("MSC_CONFIG", dir.path() + "/msc.yaml");
+  ASSERT_OK(SaveRanks("msc://train/ckpt/iter_0000001", 2, 10.0f));
+  ASSERT_OK(LoadAndCheck("msc://train/ckpt/iter_0000001", 3, 10.0f));
+  const std::string uri = "s3://" + server_->bucket() + "/" + prefix + "/ckpt/iter_0000001";
+  ASSERT_OK(LoadAndCheck(uri, 1, 10.0f));
+  ASSERT_OK(Verify("msc://train/ckpt/iter_0000001").status());
 }
 
 TEST_F(S3CheckpointTest, UnknownBucketAndSchemeAreClearErrors) {

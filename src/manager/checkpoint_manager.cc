@@ -672,10 +672,11 @@ Result<RestoreReport> CheckpointManager::Restore(StateDict& state, Comm& comm,
   LoadReport load_report;
   LoadOptions load_options = options.load;
   load_options.storage = state_->storage;
-  StepLoader loader = [&](int64_t, const std::string& path, std::vector<ShardedObject>& per_rank) {
+  StepLoader loader = [&](int64_t step, const std::string&, std::vector<ShardedObject>& per_rank) {
     StateDict work = state;  // views of the caller's tensors; objects are copied back below
     for (const ShardedObject& object : per_rank) TESSERA_RETURN_IF_ERROR(work.Add(object));
-    TESSERA_ASSIGN_OR_RETURN(load_report, Load(work, path, comm, load_options));
+    // The step directory in the manager's storage.
+    TESSERA_ASSIGN_OR_RETURN(load_report, Load(work, state_->StepPath(step), comm, load_options));
     for (StateEntry& entry : state.entries()) {
       if (auto* object = std::get_if<ShardedObject>(&entry)) {
         *object = std::get<ShardedObject>(*work.Find(object->key));
@@ -723,7 +724,7 @@ Result<RestoreReport> CheckpointManager::RestoreWith(Comm& comm, const RestoreOp
       return NothingRestored(root_, report.skipped);
     }
     const int64_t step = candidate.step;
-    const std::string path = s.StepPath(step);
+    const std::string path = StepPath(step);  // as the root was given
     // Per-rank state: this rank's values, and whether the world size allows them.
     auto record_it = candidate.user_metadata.find(kManagerMetadataKey);
     Result<ManagerRecord> record = manager::DecodeRecord(
@@ -739,11 +740,13 @@ Result<RestoreReport> CheckpointManager::RestoreWith(Comm& comm, const RestoreOp
       }
     }
     Status status = AgreeOnStatus(comm, plan.status());
+    // The caller's loader gets the path under the root as given (a URI stays a URI: it may
+    // load without the storage).
     if (status.ok()) status = AgreeOnStatus(comm, load(step, path, per_rank));
     lease.reset();
     if (status.ok()) {
       report.step = step;
-      report.path = StepPath(step);  // as the root was given
+      report.path = path;
       report.user_metadata = std::move(candidate.user_metadata);
       for (size_t i = 0; i < per_rank.size(); ++i) {
         const auto& item = plan->load[comm.rank()][i];
