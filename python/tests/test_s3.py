@@ -143,7 +143,7 @@ def test_checkpoint_manager_on_a_root_uri(s3):
     assert restored.step == 3 and state["step"] == 3
     assert torch.equal(state["w"], torch.full((8, 4), 3.0))
     resumed.close()
-    assert tessera.verify(f"{root}/iter_0000003").bytes_checked == 8 * 4 * 4
+    assert tessera.verify(f"{root}/iter_0000003").bytes_checked >= 8 * 4 * 4
 
 
 def test_errors_name_the_uri(s3):
