@@ -40,7 +40,7 @@ export AWS_CONFIG_FILE=/dev/null AWS_SHARED_CREDENTIALS_FILE=/dev/null
 unset AWS_PROFILE AWS_SESSION_TOKEN AWS_ENDPOINT_URL_S3 AWS_DEFAULT_PROFILE
 s3="s3://$TESSERA_TEST_BUCKET/cli-$$"
 
-out="$("$tessera" demo --out "$s3/ck" --size 8MiB --save-layout tp2,dp2 --load-layout tp4,dp1)"
+out="$("$tessera" demo --out "$s3/ck" --size 2MiB --save-layout tp2,dp2 --load-layout tp4,dp1)"
 rc=$?
 echo "$out"
 [ $rc -eq 0 ] && echo "$out" | grep -q "verified: every element"
@@ -106,7 +106,7 @@ check "rm-keys removed the key" $?
 check "the rest verifies after rm-keys" $?
 
 # A rank-local save on S3, then finalize.
-"$tessera" demo --out "$s3/local" --size 4MiB --save-layout tp2,dp1 --load-layout tp1,dp1 \
+"$tessera" demo --out "$s3/local" --size 1MiB --save-layout tp2,dp1 --load-layout tp1,dp1 \
   --rank-local > /dev/null
 check "demo --rank-local on S3" $?
 "$tessera" finalize "$s3/local" > /dev/null
