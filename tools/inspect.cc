@@ -16,11 +16,12 @@
 #include <unistd.h>
 
 #include "core/utf8.h"
-#include "format/manifest.h"
 #include "format/bounded_json.h"
 #include "format/checkpoint_index.h"
+#include "format/manifest.h"
 #include "format/torch_dist/pickle.h"
 #include "tessera/checkpoint.h"
+#include "tessera/storage_uri.h"
 #include "tools/commands.h"
 #include "tools/json_output.h"
 #include "tools/progress.h"
@@ -541,8 +542,10 @@ int PrintInspectJson(const std::string& path, const Metadata& m, const std::vect
 }  // namespace
 
 int RunInspect(const InspectOptions& options) {
-  std::shared_ptr<Storage> storage = NewPosixStorage();
-  Result<CheckpointIndex> index = ReadCheckpointIndex(*storage, options.path);
+  // A path or a URI (s3://bucket/ckpt, msc://profile/ckpt, file:///ckpt).
+  Result<std::pair<std::shared_ptr<Storage>, std::string>> location = OpenStorage(options.path);
+  if (!location.ok()) return Fail(location.status());
+  Result<CheckpointIndex> index = ReadCheckpointIndex(*location->first, location->second);
   if (!index.ok()) return Fail(index.status());
   const Metadata& m = index->metadata;
   // Which keys are shown: tensors, then objects.

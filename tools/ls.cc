@@ -13,6 +13,7 @@
 #include "format/manifest.h"
 #include "format/rank_manifests.h"
 #include "tessera/checkpoint.h"
+#include "tessera/storage_uri.h"
 #include "tools/commands.h"
 #include "tools/json_output.h"
 #include "tools/text.h"
@@ -48,19 +49,54 @@ int64_t ModifiedMs(const struct stat& st) {
   return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000 + st.st_mtim.tv_nsec / 1000000;
 }
 
+// Where ls looks: the local file system (through std::filesystem, for modification times and
+// to leave symbolic links alone), or another Storage (an object store: S3 through s3:// or
+// msc://), whose listing gives names, and a Stat and an open per name their kind and size.
+struct Place {
+  std::shared_ptr<Storage> storage;
+  bool local = true;
+};
+
 // The regular files (names, sizes, times) and the subdirectories of `dir`. Symbolic links are
 // neither followed nor listed.
-void ListDir(const fs::path& dir, std::vector<Entry>& files, std::vector<fs::path>& subdirs) {
+void ListLocalDir(const std::string& dir, std::vector<Entry>& files,
+                  std::vector<std::string>& subdirs) {
   std::error_code ec;
   for (fs::directory_iterator it(dir, fs::directory_options::skip_permission_denied, ec), end;
        !ec && it != end; it.increment(ec)) {
     struct stat st;
     if (lstat(it->path().c_str(), &st) != 0) continue;
-    if (S_ISDIR(st.st_mode)) subdirs.push_back(it->path());
+    if (S_ISDIR(st.st_mode)) subdirs.push_back(it->path().string());
     if (S_ISREG(st.st_mode)) {
       files.push_back(
           {it->path().filename().string(), static_cast<uint64_t>(st.st_size), ModifiedMs(st)});
     }
+  }
+}
+
+// As ListLocalDir, through the Storage (no modification times: a checkpoint's time is then its
+// manifest's). A name that vanishes between the listing and its Stat is left out.
+void ListStorageDir(Storage& storage, const std::string& dir, std::vector<Entry>& files,
+                    std::vector<std::string>& subdirs) {
+  Result<std::vector<std::string>> names = storage.ListDir(dir);
+  if (!names.ok()) return;
+  for (const std::string& name : *names) {
+    const std::string path = JoinPath(dir, name);
+    Result<FileType> type = storage.Stat(path);
+    if (!type.ok()) continue;
+    if (*type == FileType::kDirectory) subdirs.push_back(path);
+    if (*type != FileType::kFile) continue;
+    Result<std::unique_ptr<ReadableFile>> file = storage.NewReadableFile(path);
+    if (file.ok()) files.push_back({name, (*file)->size(), 0});
+  }
+}
+
+void ListDir(const Place& place, const std::string& dir, std::vector<Entry>& files,
+             std::vector<std::string>& subdirs) {
+  if (place.local) {
+    ListLocalDir(dir, files, subdirs);
+  } else {
+    ListStorageDir(*place.storage, dir, files, subdirs);
   }
   std::sort(files.begin(), files.end(),
             [](const Entry& a, const Entry& b) { return a.name < b.name; });
@@ -114,8 +150,8 @@ bool IsRankManifest(const std::string& n) {
 
 // Fills `found` from the checkpoint's index; on failure keeps what the listing said and
 // records the problem.
-void FromMetadata(const fs::path& dir, Found& found) {
-  Result<Metadata> m = ReadMetadata(dir.string());
+void FromMetadata(const Place& place, const std::string& dir, Found& found) {
+  Result<Metadata> m = ReadMetadata(dir, place.storage);
   if (!m.ok()) {
     found.problem = m.status().ToString();
     return;
@@ -132,12 +168,13 @@ void FromMetadata(const fs::path& dir, Found& found) {
 
 // A directory with rank manifests: a complete rank-local save is a committed checkpoint (not yet
 // finalized); an incomplete one is uncommitted, and says how many of its parts are there.
-void FromRankManifests(const fs::path& dir, const std::vector<Entry>& files, Found& found) {
-  std::shared_ptr<Storage> storage = NewPosixStorage();
+void FromRankManifests(const Place& place, const std::string& dir, const std::vector<Entry>& files,
+                       Found& found) {
+  Storage& storage = *place.storage;
   std::vector<std::string> names;
   for (const Entry& e : files) names.push_back(e.name);
-  Result<std::vector<RankManifestSet>> sets = FindRankManifestSets(*storage, dir.string(), names);
-  Result<CheckpointIndex> index = ReadCheckpointIndex(*storage, dir.string());
+  Result<std::vector<RankManifestSet>> sets = FindRankManifestSets(storage, dir, names);
+  Result<CheckpointIndex> index = ReadCheckpointIndex(storage, dir);
   found.format = "tessera";
   auto parts = [](const RankManifestSet& set) {
     return std::to_string(set.names.size()) + " of " +
@@ -154,7 +191,7 @@ void FromRankManifests(const fs::path& dir, const std::vector<Entry>& files, Fou
     if (!newest || set.save_time_unix_ms > newest->save_time_unix_ms) newest = &set;
   }
   if (index.ok()) {
-    FromMetadata(dir, found);
+    FromMetadata(place, dir, found);
     if (index->rank_local) {
       found.rank_local = "rank-local, " + parts(*newest) + ", not finalized";
     } else if (newest && newest->save_id != index->metadata.save_id) {
@@ -177,7 +214,8 @@ void FromRankManifests(const fs::path& dir, const std::vector<Entry>& files, Fou
 }
 
 // The checkpoint `dir` holds, if any (its format decided by its names, as ReadMetadata does).
-std::optional<Found> Examine(const fs::path& dir, const std::vector<Entry>& files) {
+std::optional<Found> Examine(const Place& place, const std::string& dir,
+                             const std::vector<Entry>& files) {
   Found found;
   auto any = [&](bool (*pick)(const std::string&)) {
     return std::any_of(files.begin(), files.end(), [&](const Entry& e) { return pick(e.name); });
@@ -186,11 +224,11 @@ std::optional<Found> Examine(const fs::path& dir, const std::vector<Entry>& file
     if (const Entry* manifest = NewestCommit(files)) {
       found.save_time_ms = manifest->mtime_ms;
     }
-    FromRankManifests(dir, files, found);
+    FromRankManifests(place, dir, files, found);
   } else if (const Entry* manifest = NewestCommit(files)) {
     found.format = "tessera";
     found.save_time_ms = manifest->mtime_ms;
-    FromMetadata(dir, found);
+    FromMetadata(place, dir, found);
   } else if (any(IsTesseraSaveFile)) {
     found.format = "tessera";
     found.committed = false;
@@ -199,7 +237,7 @@ std::optional<Found> Examine(const fs::path& dir, const std::vector<Entry>& file
     found.format = "torch_dist";
     Tally(files, AnyFile, found);
     found.save_time_ms = metadata->mtime_ms;
-    FromMetadata(dir, found);
+    FromMetadata(place, dir, found);
   } else if (any(IsDistcp)) {
     found.format = "torch_dist";  // DCP writes .metadata last: without it, no commit
     found.committed = false;
@@ -207,11 +245,21 @@ std::optional<Found> Examine(const fs::path& dir, const std::vector<Entry>& file
   } else if (any(IsSafetensors)) {
     found.format = "safetensors";
     Tally(files, IsSafetensors, found);
-    FromMetadata(dir, found);
+    FromMetadata(place, dir, found);
   } else {
     return std::nullopt;
   }
   return found;
+}
+
+// `dir` (found under `root`) relative to `root`; "." for `root` itself.
+std::string RelativePath(const Place& place, const std::string& dir, const std::string& root) {
+  if (dir == root) return ".";
+  if (place.local) return fs::relative(fs::path(dir), fs::path(root)).string();
+  // Keys: `dir` is JoinPath(root, ...), so `root`, a '/', then the rest.
+  std::string rest = dir.substr(std::min(dir.size(), root.size()));
+  while (rest.starts_with('/')) rest.erase(0, 1);
+  return rest;
 }
 
 // Every checkpoint under `root`. The subdirectories of a tessera or DCP checkpoint are not
@@ -219,17 +267,17 @@ std::optional<Found> Examine(const fs::path& dir, const std::vector<Entry>& file
 // such file makes the directory a Hugging Face checkpoint, a stray one included, and the
 // Trainer keeps checkpoint-N/ subdirectories beside its final model (issue 22: a stray file
 // once hid every checkpoint below it).
-std::vector<Found> Search(const fs::path& root) {
+std::vector<Found> Search(const Place& place, const std::string& root) {
   std::vector<Found> all;
-  std::vector<fs::path> todo = {root};
+  std::vector<std::string> todo = {root};
   while (!todo.empty()) {
-    const fs::path dir = std::move(todo.back());
+    const std::string dir = std::move(todo.back());
     todo.pop_back();
     std::vector<Entry> files;
-    std::vector<fs::path> subdirs;
-    ListDir(dir, files, subdirs);
-    if (std::optional<Found> found = Examine(dir, files)) {
-      found->path = dir == root ? "." : fs::relative(dir, root).string();
+    std::vector<std::string> subdirs;
+    ListDir(place, dir, files, subdirs);
+    if (std::optional<Found> found = Examine(place, dir, files)) {
+      found->path = RelativePath(place, dir, root);
       const bool search_on = found->format == "safetensors";
       all.push_back(std::move(*found));
       if (!search_on) continue;
@@ -309,12 +357,30 @@ void PrintTable(const std::vector<Found>& all) {
 }
 
 int RunLs(const std::string& dir, bool json) {
-  struct stat st;
-  if (stat(dir.c_str(), &st) != 0) {
-    return Fail(NotFound("directory " + Printable(dir) + " does not exist"));
+  // A path or a URI (s3://bucket/prefix, msc://profile/prefix, file:///dir).
+  Result<std::pair<std::shared_ptr<Storage>, std::string>> location = OpenStorage(dir);
+  if (!location.ok()) return Fail(location.status());
+  // A store with directory sync is a file system (POSIX); one without, an object store.
+  const Place place{location->first, location->first->capabilities().directory_sync};
+  const std::string& root = location->second;
+  if (place.local) {
+    struct stat st;
+    if (stat(root.c_str(), &st) != 0) {
+      return Fail(NotFound("directory " + Printable(dir) + " does not exist"));
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      return Fail(FailedPrecondition(Printable(dir) + " is not a directory"));
+    }
+  } else {
+    // An object store: a prefix. A file of that name is not a directory; a prefix holding no
+    // key lists empty (an object store cannot tell an empty directory from a missing one).
+    Result<FileType> type = place.storage->Stat(root);
+    if (!type.ok()) return Fail(type.status());
+    if (*type == FileType::kFile) {
+      return Fail(FailedPrecondition(Printable(dir) + " is an object, not a prefix"));
+    }
   }
-  if (!S_ISDIR(st.st_mode)) return Fail(FailedPrecondition(Printable(dir) + " is not a directory"));
-  const std::vector<Found> all = Search(fs::path(dir));
+  const std::vector<Found> all = Search(place, root);
   if (json) return PrintLsJson(dir, all);
   if (all.empty()) {
     std::printf("no checkpoints under %s\n", Printable(dir).c_str());

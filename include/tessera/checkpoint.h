@@ -114,7 +114,9 @@ struct SaveOptions {
   // saving one tag at once: the second is refused (kAlreadyExists naming the first's process),
   // unless the first is dead, whose marker it takes over.
   std::string save_tag;
-  // Where files go. Default null: the local file system (NewPosixStorage()).
+  // Where files go; `path` is then a path inside it. Default null: `path` is a local path or a
+  // URI ("s3://bucket/ckpt", "msc://profile/ckpt", "file:///ckpt"), opened by ResolveStorage
+  // (storage_uri.h) on every rank.
   std::shared_ptr<Storage> storage;
   // Tensors in device memory (TensorView::device) are copied to host memory in pieces through
   // pinned buffers as the data files are written: only the bytes this rank writes, each piece
@@ -188,7 +190,8 @@ struct LoadOptions {
   // received from other ranks) and LoadReport::bytes_needed, from one thread (the calling one),
   // every 100 ms while data files are read and once at the end (done == total). Default none.
   std::function<void(uint64_t done, uint64_t total)> progress;
-  // Where files come from. Default null: the local file system.
+  // Where files come from; `path` is then a path inside it. Default null: `path` is a local
+  // path or a URI (s3://, msc://, file://; see ResolveStorage in storage_uri.h).
   std::shared_ptr<Storage> storage;
   // Tensors in device memory (TensorView::device) are filled through pinned buffers: runs are
   // read (and checked) into a buffer, which is copied to the device while the next one is read.
@@ -223,7 +226,9 @@ Result<LoadReport> Load(StateDict& state, const std::string& path, const LoadOpt
 
 // Reads and checks the index of the checkpoint at `path`, in any format tessera reads (its
 // own, PyTorch DCP / Megatron torch_dist, Hugging Face safetensors: detected from the files;
-// `path` may also be one .safetensors file). `storage` null means local files.
+// `path` may also be one .safetensors file). `storage` null: `path` is a local path or a URI
+// (s3://, msc://, file://; see ResolveStorage in storage_uri.h), as for IsCommitted, Finalize and
+// Verify below.
 Result<Metadata> ReadMetadata(const std::string& path, std::shared_ptr<Storage> storage = nullptr);
 
 // Whether `path` holds a committed checkpoint that is whole, cheaply: its index reads and
@@ -251,10 +256,10 @@ struct VerifyReport {
 // ReadMetadata chooses) into one manifest, published atomically in the place of the save's
 // reference (the same commit number: the save keeps its place among the saves around it),
 // and removes the rank manifests and the files of earlier saves. Not collective: run it from
-// one process. Returns the merged metadata. Errors as ReadMetadata's (naming the ranks whose manifest is missing, or
-// the keys with gaps); kFailedPrecondition when `path` holds no rank-local save to finalize.
-// Safe to run beside training: rank-local saves newer than the one it merges stay. Run again
-// after a crash, it finishes the job (removes the parts its commit left).
+// one process. Returns the merged metadata. Errors as ReadMetadata's (naming the ranks whose
+// manifest is missing, or the keys with gaps); kFailedPrecondition when `path` holds no rank-local
+// save to finalize. Safe to run beside training: rank-local saves newer than the one it merges
+// stay. Run again after a crash, it finishes the job (removes the parts its commit left).
 Result<Metadata> Finalize(const std::string& path, std::shared_ptr<Storage> storage = nullptr);
 
 struct VerifyOptions {
@@ -264,7 +269,7 @@ struct VerifyOptions {
   // once done; 0 for formats without checksums), from one thread (the calling one), every
   // 100 ms while files are checked and once at the end (done == total). Default none.
   std::function<void(uint64_t done, uint64_t total)> progress;
-  // Where the files are; null means local files (NewPosixStorage()).
+  // Where the files are; null: `path` is a local path or a URI (s3://, msc://, file://).
   std::shared_ptr<Storage> storage = nullptr;
 };
 

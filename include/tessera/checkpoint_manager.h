@@ -92,7 +92,7 @@ struct RetentionPolicy {
 };
 
 struct CheckpointManagerOptions {
-  // Where the root is. Default null: the local file system.
+  // Where the root is. Default null: the local file system, or the store a root URI names.
   std::shared_ptr<Storage> storage;
   // How each save is made: save.save is SaveOptions (sync, threads, collective or rank-local,
   // user_metadata for every save, ...; format must be kTessera: the step is recorded in the user
@@ -230,7 +230,10 @@ class ReadLease;
 
 class CheckpointManager {
  public:
-  // Creates nothing until the first save. `root` is a directory path for `options.storage`.
+  // Creates nothing until the first save. `root` is a directory path for `options.storage`;
+  // without one, a local path or a URI (s3://bucket/run, msc://profile/run, file:///run; see
+  // ResolveStorage in storage_uri.h). A URI that cannot be opened fails every operation with
+  // the reason.
   explicit CheckpointManager(std::string root, CheckpointManagerOptions options = {});
   // Waits for the save in flight (and its retention); see the header comment for a failure.
   ~CheckpointManager();
@@ -280,8 +283,10 @@ class CheckpointManager {
   Result<RestoreReport> Restore(StateDict& state, const RestoreOptions& options = {});
 
   // Loads one candidate step: COLLECTIVE (every rank is called with the same step), fills the
-  // caller's state from the checkpoint at `path`, and loads `per_rank` too (objects whose keys are
-  // set; the load fills their bytes): a load with strict key checks must include them.
+  // caller's state from the checkpoint at `path` (the step directory under the root as given: a
+  // URI when the root is one, so that Load without a storage reaches it), and loads `per_rank` too
+  // (objects whose keys are set; the load fills their bytes): a load with strict key checks must
+  // include them.
   using StepLoader = std::function<Status(int64_t step, const std::string& path,
                                           std::vector<ShardedObject>& per_rank)>;
   // COLLECTIVE. Restore with the caller's own load (e.g. one that builds its state from each

@@ -92,8 +92,19 @@ struct ConvertOptions {
   // writes in all, from one thread (the calling one), every 100 ms while it writes and once
   // at the end. Default none.
   std::function<void(uint64_t done, uint64_t total)> progress;
-  // Where the source and the output are. Default null: the local file system.
+  // Where the source is, and the output unless output_storage is set; SRC and DST are then
+  // paths inside it. Default null: SRC and DST are paths or URIs, each resolved by OpenStorage
+  // (storage_uri.h): "s3://bucket/ckpt", "msc://profile/ckpt", "file:///ckpt", a local path.
   std::shared_ptr<Storage> storage;
+  // Where the output is, when not in `storage`. Default null.
+  std::shared_ptr<Storage> output_storage;
+  // An output store without rename or positional writes (an object store such as S3) cannot
+  // hold the temporary directory a conversion is renamed from: the output is then made in a
+  // new directory under this local one (default: the system's temporary directory, $TMPDIR)
+  // and uploaded file by file, the index (manifest, `.metadata`, index.json) last, so that it
+  // is visible whole or not at all; then the local copy is removed. Needs room for the whole
+  // output; one process only (a Convert over several ranks into such a store is refused).
+  std::string staging_dir;
 };
 
 struct ConvertReport {

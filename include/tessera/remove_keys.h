@@ -39,7 +39,8 @@ struct RemoveKeysOptions {
   // that also hold removed ones), from the calling thread only, every 100 ms while files are
   // rewritten and once at the end (then with done == total, which may be 0). Default none.
   std::function<void(uint64_t done, uint64_t total)> progress;
-  // Where the checkpoint is. Default null: the local file system.
+  // Where the checkpoint is. Default null: `path` is a local path or a URI (s3://, msc://,
+  // file://; see ResolveStorage in storage_uri.h).
   std::shared_ptr<Storage> storage;
 };
 

@@ -41,6 +41,16 @@ Result<std::pair<std::shared_ptr<Storage>, std::string>> OpenStorage(
     const std::string& uri, const OpenStorageOptions& options);
 Result<std::pair<std::shared_ptr<Storage>, std::string>> OpenStorage(const std::string& uri);
 
+// What every entry point that takes a path and an optional storage does with them (Save,
+// AsyncSave, Load, ReadMetadata, IsCommitted, Verify, Finalize, RemoveKeys, Convert,
+// CheckpointManager): a storage given is used with `path` as it is (the path is a path inside
+// that storage, never a URI); without one (null), `path` goes through OpenStorage, so
+// "s3://bucket/ckpt", "msc://profile/ckpt" and "file:///ckpt" reach their stores and a plain path
+// the local file system. Errors are OpenStorage's (a URI of an unknown scheme, a bucket that
+// cannot be opened, an MSC profile that is not S3), naming the URI.
+Result<std::pair<std::shared_ptr<Storage>, std::string>> ResolveStorage(
+    const std::string& path, std::shared_ptr<Storage> storage);
+
 }  // namespace tessera
 
 #endif  // TESSERA_STORAGE_URI_H_

@@ -151,6 +151,10 @@ def save(state_dict, path, *, comm=None, **options):
     """Saves `state_dict` as a checkpoint directory at `path`. COLLECTIVE over `comm`: every
     rank calls it with the same path and options, in the same order.
 
+    `path` (here and in every function of tessera that takes one): a local path or a URI,
+    "s3://bucket/prefix" (credentials, region and endpoint as the AWS CLI finds them),
+    "msc://profile/path" (multi-storage-client's config) or "file:///dir"; docs/S3.md.
+
     Options (fields of SaveOptions, include/tessera/checkpoint.h, which documents each default
     and cost): num_io_threads=2, sync=True ("full"; False or "none": no fsync at all),
     balance_writes=False, user_metadata={} (str -> str; rank 0's is kept),

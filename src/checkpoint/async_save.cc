@@ -2,6 +2,7 @@
 // (kBlocking) or behind it (kDeferred); save it on a background thread over a private
 // communicator. See include/tessera/async_save.h.
 #include "tessera/async_save.h"
+#include "tessera/storage_uri.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -592,6 +593,12 @@ class AsyncSaver {
 
 Result<AsyncSaveHandle> AsyncSave(const StateDict& state, const std::string& path, Comm& comm,
                                   const AsyncSaveOptions& options) {
+  if (!options.save.storage) {  // a URI (s3://, msc://, file://) or a local path
+    TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(path, nullptr));
+    AsyncSaveOptions resolved = options;
+    resolved.save.storage = location.first;
+    return AsyncSave(state, location.second, comm, resolved);
+  }
   // Rank-local saves have their own saver, which never communicates (not even to set up).
   const bool collective = options.save.collective;
   std::shared_ptr<AsyncSaver> saver = comm.GetOrCreateAttachment<AsyncSaver>(

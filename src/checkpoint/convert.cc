@@ -7,9 +7,14 @@
 //   5. rank 0 writes the index or manifest, renames the directory to DST (or removes it)
 //                                              -> Broadcast the outcome
 #include "tessera/convert.h"
+#include "tessera/storage_uri.h"
+
+#include <stdlib.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <filesystem>
 
 #include "checkpoint/commit.h"
 #include "checkpoint/convert_writer.h"
@@ -337,27 +342,19 @@ Result<CheckpointFormat> CheckpointFormatFromName(const std::string& name) {
                          "' (expected tessera, torch_dist or safetensors)");
 }
 
-Result<ConvertReport> Convert(const std::string& src, const std::string& dst,
-                              const ConvertOptions& options, Comm& comm) {
-  std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
+namespace {
+
+// Convert from `src` in `source` to `dst` in `output`, a store with rename and positional writes:
+// the output is written into a temporary directory beside `dst`, renamed into place.
+Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Storage& output,
+                                  const std::string& dst, const ConvertOptions& options,
+                                  Comm& comm) {
+  Storage* const storage = &output;  // where the output goes
   const bool coordinator = comm.rank() == kCoordinator;
-  // The same on every rank (the options are), so every rank returns here alike.
-  TESSERA_RETURN_IF_ERROR(CheckOptions(options));
-  // The destination appears whole or not at all because its temporary directory is renamed
-  // into place, and the files are written at offsets in any order: a store without those
-  // capabilities (an object store) is refused before anything is read or written.
-  if (const StorageCapabilities caps = storage->capabilities();
-      !caps.rename || !caps.positional_writes) {
-    return Unimplemented(
-        "tessera convert needs a store with rename and positional writes (it writes into a "
-        "temporary directory renamed into place); ConvertOptions::storage has " +
-        std::string(caps.rename ? "no positional writes" : "no rename") +
-        ": convert on a file system, then copy the result");
-  }
   TESSERA_ASSIGN_OR_RETURN(const Destination destination, SplitDestination(dst));
 
   // 1-2. The source's index, once; the same plan on every rank.
-  TESSERA_ASSIGN_OR_RETURN(const CheckpointIndex index, ReadAndShareIndex(comm, *storage, src));
+  TESSERA_ASSIGN_OR_RETURN(const CheckpointIndex index, ReadAndShareIndex(comm, source, src));
   ConvertPlanOptions plan_options;
   plan_options.format = options.to;
   plan_options.keep_objects =
@@ -406,10 +403,10 @@ Result<ConvertReport> Convert(const std::string& src, const std::string& dst,
   write_options.sync = options.sync;
   write_options.verify_checksums = options.verify_checksums;
   write_options.progress = options.progress;
-  Result<RankWriteResult> written =
-      layout.ok()
-          ? WriteRankFiles(*storage, temp, index, src, plan, *layout, comm.rank(), write_options)
-          : Result<RankWriteResult>(layout.status());
+  Result<RankWriteResult> written = layout.ok()
+                                        ? WriteRankFiles(source, output, temp, index, src, plan,
+                                                         *layout, comm.rank(), write_options)
+                                        : Result<RankWriteResult>(layout.status());
   Bytes mine;
   if (written.ok()) {
     ByteWriter(&mine).PutVector(options.to == CheckpointFormat::kTorchDist ? written->object_lengths
@@ -458,6 +455,118 @@ Result<ConvertReport> Convert(const std::string& src, const std::string& dst,
   report.files_written = written->files_written;
   report.skipped_objects = plan.skipped_objects;
   return report;
+}
+
+// Copies the local file `from` to `to` in `output` front to back (what a store without
+// positional writes takes), created exclusively: on an object store nothing is visible before
+// Sync publishes the whole object.
+Status UploadFile(Storage& local, const std::string& from, Storage& output, const std::string& to) {
+  constexpr uint64_t kPieceBytes = 8u << 20;
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> in, local.NewReadableFile(from));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
+                           output.NewWritableFile(to, CreateMode::kExclusive));
+  std::vector<std::byte> buffer(static_cast<size_t>(std::min(kPieceBytes, in->size())));
+  for (uint64_t at = 0; at < in->size();) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buffer.size(), in->size() - at));
+    TESSERA_RETURN_IF_ERROR(in->ReadAt(at, buffer.data(), n));
+    TESSERA_RETURN_IF_ERROR(out->WriteAt(at, buffer.data(), n));
+    at += n;
+  }
+  TESSERA_RETURN_IF_ERROR(out->Sync());
+  return out->Close();
+}
+
+// Uploads the finished conversion in `staged` to `dst` of `output`: every file, the one that
+// commits it (`commit`: the manifest, `.metadata` or index, else the only file) last, so that a
+// reader never sees an index naming a file not yet there. On failure removes what it uploaded.
+Status UploadConversion(Storage& local, const std::string& staged, Storage& output,
+                        const std::string& dst, const std::string& commit) {
+  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, local.ListDir(staged));
+  if (std::find(names.begin(), names.end(), commit) == names.end()) {
+    return Internal("the conversion staged in " + staged + " lacks its index " + commit);
+  }
+  std::erase(names, commit);
+  names.push_back(commit);
+  TESSERA_RETURN_IF_ERROR(output.CreateDirs(dst));
+  std::vector<std::string> uploaded;
+  for (const std::string& name : names) {
+    const std::string to = JoinPath(dst, name);
+    Status status = UploadFile(local, JoinPath(staged, name), output, to);
+    if (!status.ok()) {
+      for (const std::string& done : uploaded) output.Remove(done).IgnoreError();
+      return status.WithContext("uploading the conversion to " + to);
+    }
+    uploaded.push_back(to);
+  }
+  return Status::Ok();
+}
+
+// Convert into a store without rename or positional writes (an object store): the output is
+// made in a local directory (ConvertOptions::staging_dir), then uploaded, its index last. One
+// process only: with several, each would hold only its own files.
+Result<ConvertReport> ConvertThroughLocal(Storage& source, const std::string& src, Storage& output,
+                                          const std::string& dst, const std::string& uri,
+                                          const ConvertOptions& options, Comm& comm) {
+  if (comm.size() > 1) {
+    return Unimplemented("converting into " + uri +
+                         ", a store without rename or positional writes, runs on one process "
+                         "(it converts in a local directory, then uploads the result): convert "
+                         "with one process, or into a file system");
+  }
+  TESSERA_ASSIGN_OR_RETURN(const Destination destination, SplitDestination(dst));
+  TESSERA_ASSIGN_OR_RETURN(const FileType type, output.Stat(destination.path));
+  if (type == FileType::kFile) return AlreadyExists("the destination " + uri + " is a file");
+  if (type == FileType::kDirectory) {
+    TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, output.ListDir(destination.path));
+    if (!names.empty()) {
+      return AlreadyExists("the destination " + uri + " is not empty (it holds " + names.front() +
+                           (names.size() > 1 ? ", ..." : "") + ")");
+    }
+  }
+  std::error_code ec;
+  const std::string base = !options.staging_dir.empty()
+                               ? options.staging_dir
+                               : std::filesystem::temp_directory_path(ec).string();
+  std::string pattern = JoinPath(base.empty() ? "/tmp" : base, "tessera-convert-XXXXXX");
+  if (mkdtemp(pattern.data()) == nullptr) {
+    return IOErrorFromErrno(
+        "creating a local directory for the conversion into " + uri + " (" + pattern + ")", errno);
+  }
+  const std::string staged = JoinPath(pattern, destination.name);
+  std::shared_ptr<Storage> local = NewPosixStorage();
+  ConvertOptions local_options = options;
+  local_options.sync = SyncPolicy::kNone;  // a scratch copy: the upload is what must last
+  Result<ConvertReport> report = ConvertInto(source, src, *local, staged, local_options, comm);
+  Status status = report.status();
+  if (status.ok()) {
+    status = UploadConversion(*local, staged, output, destination.path, report->files.back());
+  }
+  std::filesystem::remove_all(pattern, ec);
+  if (!status.ok()) return status;
+  return report;
+}
+
+}  // namespace
+
+Result<ConvertReport> Convert(const std::string& src, const std::string& dst,
+                              const ConvertOptions& options, Comm& comm) {
+  // The same on every rank (the options are), so every rank returns here alike.
+  TESSERA_RETURN_IF_ERROR(CheckOptions(options));
+  // Paths or URIs (s3://, msc://, file://) where the options name no storage.
+  TESSERA_ASSIGN_OR_RETURN(auto source, ResolveStorage(src, options.storage));
+  TESSERA_ASSIGN_OR_RETURN(
+      auto output,
+      ResolveStorage(dst, options.output_storage ? options.output_storage : options.storage));
+  // The destination appears whole or not at all because its temporary directory is renamed
+  // into place, and the files are written at offsets in any order: into a store without those
+  // capabilities (an object store), the conversion is made in a local directory first and
+  // then uploaded, its index last.
+  const StorageCapabilities caps = output.first->capabilities();
+  if (!caps.rename || !caps.positional_writes) {
+    return ConvertThroughLocal(*source.first, source.second, *output.first, output.second, dst,
+                               options, comm);
+  }
+  return ConvertInto(*source.first, source.second, *output.first, output.second, options, comm);
 }
 
 Result<ConvertReport> Convert(const std::string& src, const std::string& dst,

@@ -27,7 +27,8 @@ constexpr auto kProgressInterval = std::chrono::milliseconds(100);
 // What every thread of the rank shares. Each thread writes disjoint entries of the checksum
 // tables (the blocks of the units and the objects it took), sized before the threads start.
 struct Shared {
-  Storage& storage;
+  Storage& storage;  // the source's
+  Storage& output;   // the output's
   const std::string& dir;
   const CheckpointIndex& index;
   const std::string& source;
@@ -309,7 +310,7 @@ Status WriteItemSuffixes(Shared& s, const std::vector<uint32_t>& mine) {
 Status OpenFiles(Shared& s, const std::vector<uint32_t>& mine) {
   for (uint32_t f : mine) {
     const std::string path = OutputPath(s, f);
-    TESSERA_ASSIGN_OR_RETURN(s.files[f], s.storage.NewWritableFile(path, CreateMode::kExclusive));
+    TESSERA_ASSIGN_OR_RETURN(s.files[f], s.output.NewWritableFile(path, CreateMode::kExclusive));
     const Bytes& header = s.layout.headers[f];
     TESSERA_RETURN_IF_ERROR_CTX(s.files[f]->WriteAt(0, header.data(), header.size()),
                                 "writing " + path);
@@ -376,11 +377,11 @@ Status RunItems(Shared& s, const std::vector<ConvertUnit>& units,
 
 }  // namespace
 
-Result<RankWriteResult> WriteRankFiles(Storage& storage, const std::string& dir,
+Result<RankWriteResult> WriteRankFiles(Storage& storage, Storage& output, const std::string& dir,
                                        const CheckpointIndex& index, const std::string& source,
                                        const ConvertPlan& plan, const OutputLayout& layout,
                                        int rank, const RankWriteOptions& options) {
-  Shared s{storage, dir, index, source, plan, layout, options};
+  Shared s{storage, output, dir, index, source, plan, layout, options};
   s.load_options.unexpected_keys = KeyPolicy::kSkip;
   s.load_options.verify_checksums = options.verify_checksums;
   s.load_options.num_io_threads = 1;  // the threads here are the parallelism

@@ -60,7 +60,8 @@ struct RankWriteResult {
   int files_written = 0;
 };
 
-// Creates (exclusively) every file of `plan` whose rank is `rank` in `dir`, writes its header,
+// Creates (exclusively) every file of `plan` whose rank is `rank` in `dir` of `output`
+// (the source is read from `storage`), writes its header,
 // then its units and objects, loading them from the source checkpoint `index` (at `source`,
 // for messages). With a DCP layout (layout.dcp()), writes each tensor's item prefix first,
 // its data unit by unit (the zip CRC-32 of each 256 KiB block computed as it is written, on
@@ -71,7 +72,7 @@ struct RankWriteResult {
 // the others are loaded unit by unit through the buffer. Syncs (kFull) and closes the files. On
 // failure returns the first error, naming the output file or the source key; the files stay for the
 // caller to remove.
-Result<RankWriteResult> WriteRankFiles(Storage& storage, const std::string& dir,
+Result<RankWriteResult> WriteRankFiles(Storage& storage, Storage& output, const std::string& dir,
                                        const CheckpointIndex& index, const std::string& source,
                                        const ConvertPlan& plan, const OutputLayout& layout,
                                        int rank, const RankWriteOptions& options);

@@ -11,6 +11,7 @@
 #include "format/checkpoint_index.h"
 #include "format/manifest.h"
 #include "tessera/checkpoint.h"
+#include "tessera/storage_uri.h"
 
 namespace tessera {
 namespace {
@@ -51,10 +52,10 @@ Status CommitMerged(Storage& storage, const std::string& path, Metadata& merged)
     merged.commit_seq = 1;
     Status published = PublishCommitAt(storage, path, 1, EncodeManifest(merged), true);
     if (published.code() == StatusCode::kAlreadyExists) {
-      return FailedPrecondition(
-          "cannot finalize the version 2 rank-local save " + merged.save_id + " in " + path +
-          ": the directory holds commits of version 3 (" + DescribeCommit(storage, path, 1) +
-          "), which place every version 2 save below them");
+      return FailedPrecondition("cannot finalize the version 2 rank-local save " + merged.save_id +
+                                " in " + path + ": the directory holds commits of version 3 (" +
+                                DescribeCommit(storage, path, 1) +
+                                "), which place every version 2 save below them");
     }
     TESSERA_RETURN_IF_ERROR(published);
     WriteSequenceHint(storage, path, 1);
@@ -74,7 +75,10 @@ Status CommitMerged(Storage& storage, const std::string& path, Metadata& merged)
 }  // namespace
 
 Result<Metadata> Finalize(const std::string& path, std::shared_ptr<Storage> storage) {
-  if (!storage) storage = NewPosixStorage();
+  if (!storage) {  // a URI (s3://, msc://, file://) or a local path
+    TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(path, nullptr));
+    return Finalize(location.second, location.first);
+  }
   TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadCheckpointIndex(*storage, path));
   const std::string own_id = NewSaveId({});
   if (!index.rank_local) {

@@ -3,12 +3,16 @@
 
 #include "format/checkpoint_index.h"
 #include "tessera/checkpoint.h"
+#include "tessera/storage_uri.h"
 
 namespace tessera {
 
 Result<bool> IsCommitted(const std::string& path, std::shared_ptr<Storage> storage,
                          Metadata* metadata) {
-  if (!storage) storage = NewPosixStorage();
+  if (!storage) {  // a URI (s3://, msc://, file://) or a local path
+    TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(path, nullptr));
+    return IsCommitted(location.second, location.first, metadata);
+  }
   Result<CheckpointIndex> index = ReadCheckpointIndex(*storage, path);
   if (!index.ok()) {
     const StatusCode code = index.status().code();

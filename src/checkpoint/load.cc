@@ -23,6 +23,7 @@
 #include "plan/plan_exchange.h"
 #include "plan/read_sharing.h"
 #include "tessera/checkpoint.h"
+#include "tessera/storage_uri.h"
 
 namespace tessera {
 namespace {
@@ -212,9 +213,9 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
     return a.file_index != b.file_index ? a.file_index < b.file_index
                                         : a.file_offset < b.file_offset;
   });
-  TESSERA_RETURN_IF_ERROR(AgreeOnStatus(
-      group, ExecuteReads(storage, path, metadata, to_read, options, report, headers, &progress,
-                          uploads)));
+  TESSERA_RETURN_IF_ERROR(
+      AgreeOnStatus(group, ExecuteReads(storage, path, metadata, to_read, options, report, headers,
+                                        &progress, uploads)));
   return AgreeOnStatus(
       group, ExchangeWithinGroup(group, assignment, destinations, options, report, progress));
 }
@@ -223,7 +224,13 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
 
 Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
                         const LoadOptions& options) {
-  std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
+  if (!options.storage) {  // a URI (s3://, msc://, file://) or a local path
+    TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(path, nullptr));
+    LoadOptions resolved = options;
+    resolved.storage = location.first;
+    return Load(state, location.second, comm, resolved);
+  }
+  std::shared_ptr<Storage> storage = options.storage;
   // 1. The index, read once (in whatever format) and shared in the manifest encoding.
   TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadAndShareIndex(comm, *storage, path));
   return LoadFromIndex(state, index, path, comm, *storage, options);

@@ -8,6 +8,7 @@
 //   2. the new manifest, committed atomically (the commit point)
 //   3. cleanup: the files the new manifest does not list, then the marker
 #include "tessera/remove_keys.h"
+#include "tessera/storage_uri.h"
 
 #include <algorithm>
 #include <atomic>
@@ -334,9 +335,9 @@ Base BaseOf(const CheckpointIndex& index) {
 
 // The removal gives way to commit `seq`, made after the base it started from.
 Status Changed(Storage& storage, const std::string& path, uint64_t seq) {
-  return Aborted("the checkpoint at " + path + " changed while keys were being removed: " +
-                 DescribeCommit(storage, path, seq) + " is newer than commit " +
-                 std::to_string(seq - 1) +
+  return Aborted("the checkpoint at " + path +
+                 " changed while keys were being removed: " + DescribeCommit(storage, path, seq) +
+                 " is newer than commit " + std::to_string(seq - 1) +
                  ", which the removal started from (the newer save is what the directory "
                  "holds); nothing was removed");
 }
@@ -396,8 +397,7 @@ Status CommitAfterBase(Storage& storage, const std::string& path, Metadata& kept
 Status Rewrite(Storage& storage, const std::string& path, const Metadata& old, const Base& base,
                const RemoveKeysOptions& options, std::vector<FilePlan>& files, Metadata& kept,
                ProgressMeter& meter) {
-  TESSERA_RETURN_IF_ERROR(
-      CreateSaveMarker(storage, path, kept.save_id, options.sync));
+  TESSERA_RETURN_IF_ERROR(CreateSaveMarker(storage, path, kept.save_id, options.sync));
   struct MarkerGuard {
     Storage& storage;
     const std::string& path;
@@ -429,7 +429,13 @@ Result<RemoveKeysReport> RemoveKeys(const std::string& path,
                                     const std::vector<std::string>& prefixes,
                                     const RemoveKeysOptions& options) {
   TESSERA_RETURN_IF_ERROR(CheckArguments(prefixes, options));
-  const std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
+  if (!options.storage) {  // a URI (s3://, msc://, file://) or a local path
+    TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(path, nullptr));
+    RemoveKeysOptions resolved = options;
+    resolved.storage = location.first;
+    return RemoveKeys(location.second, prefixes, resolved);
+  }
+  const std::shared_ptr<Storage> storage = options.storage;
   TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadCheckpointIndex(*storage, path));
   const Metadata& old = index.metadata;
   if (old.format != CheckpointFormat::kTessera) {

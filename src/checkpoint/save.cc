@@ -27,6 +27,7 @@
 #include "plan/plan_exchange.h"
 #include "plan/save_plan.h"
 #include "tessera/checkpoint.h"
+#include "tessera/storage_uri.h"
 
 namespace tessera {
 namespace {
@@ -259,6 +260,12 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
 
 Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& comm,
                         const SaveOptions& options) {
+  if (!options.storage) {  // a URI (s3://, msc://, file://) or a local path
+    TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(path, nullptr));
+    SaveOptions resolved = options;
+    resolved.storage = location.first;
+    return Save(state, location.second, comm, resolved);
+  }
   if (!options.device_staging.on_staged) return SaveOnce(state, path, comm, options);
   // on_staged is called exactly once: by the data file writers once the device tensors are
   // copied, else here (the save failed before copying, or had nothing to copy).

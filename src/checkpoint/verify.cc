@@ -15,11 +15,15 @@
 #include "format/safetensors.h"
 #include "plan/save_plan.h"
 #include "tessera/checkpoint.h"
+#include "tessera/storage_uri.h"
 
 namespace tessera {
 
 Result<Metadata> ReadMetadata(const std::string& path, std::shared_ptr<Storage> storage) {
-  if (!storage) storage = NewPosixStorage();
+  if (!storage) {  // a URI (s3://, msc://, file://) or a local path
+    TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(path, nullptr));
+    return ReadMetadata(location.second, location.first);
+  }
   TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadCheckpointIndex(*storage, path));
   return std::move(index.metadata);
 }
@@ -121,7 +125,13 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
     return InvalidArgument("VerifyOptions::num_threads must be at least 1, got " +
                            std::to_string(options.num_threads));
   }
-  const std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
+  if (!options.storage) {  // a URI (s3://, msc://, file://) or a local path
+    TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(path, nullptr));
+    VerifyOptions resolved = options;
+    resolved.storage = location.first;
+    return Verify(location.second, resolved);
+  }
+  const std::shared_ptr<Storage> storage = options.storage;
   // Reading the index checks coverage: every tensor's chunks are disjoint and cover it
   // exactly (unless saved partial), whatever the format.
   TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadCheckpointIndex(*storage, path));

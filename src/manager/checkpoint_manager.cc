@@ -15,6 +15,7 @@
 #include "manager/per_rank.h"
 #include "manager/retention.h"
 #include "manager/root_files.h"
+#include "tessera/storage_uri.h"
 
 namespace tessera {
 
@@ -200,6 +201,32 @@ bool FallsBack(const Status& status) { return status.code() == StatusCode::kData
 
 Bytes ToBytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
 
+// The storage of a root URI that could not be opened (the constructor cannot fail): every call
+// returns why, so every operation of the manager fails with it.
+class UnopenedStorage : public Storage {
+ public:
+  explicit UnopenedStorage(Status why) : why_(std::move(why)) {}
+  using Storage::NewWritableFile;
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string&, CreateMode) override {
+    return why_;
+  }
+  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string&) override {
+    return why_;
+  }
+  Status CreateDirs(const std::string&) override { return why_; }
+  Result<FileType> Stat(const std::string&) override { return why_; }
+  Result<std::vector<std::string>> ListDir(const std::string&) override { return why_; }
+  Status Rename(const std::string&, const std::string&) override { return why_; }
+  Status Remove(const std::string&) override { return why_; }
+  Status SyncDir(const std::string&) override { return why_; }
+  Status Publish(const std::string&, std::span<const std::byte>, PublishMode, bool) override {
+    return why_;
+  }
+
+ private:
+  const Status why_;
+};
+
 }  // namespace
 
 // ---- construction ------------------------------------------------------------------------------
@@ -207,8 +234,16 @@ Bytes ToBytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
 CheckpointManager::CheckpointManager(std::string root, CheckpointManagerOptions options)
     : root_(std::move(root)), state_(std::make_unique<State>()) {
   State& s = *state_;
-  s.storage = options.storage ? options.storage : NewPosixStorage();
-  s.root = root_;
+  // A root URI (s3://, msc://, file://) or a local path, where the options name no storage.
+  Result<std::pair<std::shared_ptr<Storage>, std::string>> location =
+      ResolveStorage(root_, options.storage);
+  if (location.ok()) {
+    s.storage = location->first;
+    s.root = location->second;
+  } else {
+    s.storage = std::make_shared<UnopenedStorage>(location.status());
+    s.root = root_;
+  }
   s.sync = options.save.save.sync == SyncPolicy::kFull;
   s.options = std::move(options);
   s.options.save.save.storage = s.storage;
@@ -231,7 +266,10 @@ CheckpointManager::~CheckpointManager() {
   std::abort();
 }
 
-std::string CheckpointManager::StepPath(int64_t step) const { return state_->StepPath(step); }
+// The root as given (a URI stays a URI), so that the path works without the storage.
+std::string CheckpointManager::StepPath(int64_t step) const {
+  return JoinPath(root_, StepDirName(step));
+}
 
 // ---- saving ------------------------------------------------------------------------------------
 
@@ -281,7 +319,10 @@ Result<ManagedSave> CheckpointManager::Save(int64_t step, const StateDict& state
                            " after step " + std::to_string(s.last_step));
   }
   const bool collective = s.options.save.save.collective;
-  ManagedSave out{.step = step, .path = s.StepPath(step)};
+  // `inner` is the step directory in the storage; out.path as the root was given (a URI stays
+  // a URI).
+  const std::string inner = s.StepPath(step);
+  ManagedSave out{.step = step, .path = StepPath(step)};
 
   // The save in flight: skipped for (every rank agrees), or waited for.
   std::optional<int64_t> previous;
@@ -336,13 +377,13 @@ Result<ManagedSave> CheckpointManager::Save(int64_t step, const StateDict& state
   if (!collective) save.save_tag = "step-" + std::to_string(step) + "-" + s.session;
 
   if (!s.options.async) {
-    TESSERA_ASSIGN_OR_RETURN(SaveReport report, tessera::Save(to_save, out.path, comm, save));
+    TESSERA_ASSIGN_OR_RETURN(SaveReport report, tessera::Save(to_save, inner, comm, save));
     s.last_step = step;
     s.AfterCommit(step, comm.rank() == 0);
     out.report = std::move(report);
     return out;
   }
-  TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle handle, AsyncSave(to_save, out.path, comm, options));
+  TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle handle, AsyncSave(to_save, inner, comm, options));
   s.last_step = step;
   {
     std::lock_guard<std::mutex> lock(s.mu);
@@ -388,7 +429,7 @@ Result<std::optional<int64_t>> CheckpointManager::LatestStep() { return state_->
 Result<std::vector<StepInfo>> CheckpointManager::Steps() {
   State& s = *state_;
   std::vector<StepInfo> out;
-  Result<std::vector<int64_t>> steps = manager::ListStepNumbers(*s.storage, root_);
+  Result<std::vector<int64_t>> steps = manager::ListStepNumbers(*s.storage, s.root);
   if (steps.status().code() == StatusCode::kNotFound) return out;
   TESSERA_RETURN_IF_ERROR(steps.status());
   std::map<int64_t, std::string> failed;
@@ -400,7 +441,8 @@ Result<std::vector<StepInfo>> CheckpointManager::Steps() {
     Result<StepDirFiles> files = manager::ListStepDir(*s.storage, s.StepPath(step));
     if (files.status().code() == StatusCode::kNotFound) continue;  // deleted meanwhile
     TESSERA_RETURN_IF_ERROR(files.status());
-    StepInfo info = manager::ExamineStep(s.storage, root_, step, *files);
+    StepInfo info = manager::ExamineStep(s.storage, s.root, step, *files);
+    info.path = StepPath(step);  // as the root was given (a URI stays a URI)
     if (auto it = failed.find(step); it != failed.end() && info.state == StepState::kCommitted) {
       info.state = StepState::kDamaged;
       info.problem = "its restore failed: " + it->second;
@@ -495,7 +537,7 @@ Status CheckpointManager::Delete(int64_t step) {
   if (type != FileType::kDirectory) {
     return NotFound("step " + std::to_string(step) + " has no directory under " + root_);
   }
-  TESSERA_RETURN_IF_ERROR(manager::DeleteStepDir(*s.storage, root_, dir, s.sync));
+  TESSERA_RETURN_IF_ERROR(manager::DeleteStepDir(*s.storage, s.root, dir, s.sync));
   std::lock_guard<std::mutex> lock(s.mu);
   s.failed.erase(step);
   return Status::Ok();
@@ -630,10 +672,11 @@ Result<RestoreReport> CheckpointManager::Restore(StateDict& state, Comm& comm,
   LoadReport load_report;
   LoadOptions load_options = options.load;
   load_options.storage = state_->storage;
-  StepLoader loader = [&](int64_t, const std::string& path, std::vector<ShardedObject>& per_rank) {
+  StepLoader loader = [&](int64_t step, const std::string&, std::vector<ShardedObject>& per_rank) {
     StateDict work = state;  // views of the caller's tensors; objects are copied back below
     for (const ShardedObject& object : per_rank) TESSERA_RETURN_IF_ERROR(work.Add(object));
-    TESSERA_ASSIGN_OR_RETURN(load_report, Load(work, path, comm, load_options));
+    // The step directory in the manager's storage.
+    TESSERA_ASSIGN_OR_RETURN(load_report, Load(work, state_->StepPath(step), comm, load_options));
     for (StateEntry& entry : state.entries()) {
       if (auto* object = std::get_if<ShardedObject>(&entry)) {
         *object = std::get<ShardedObject>(*work.Find(object->key));
@@ -681,7 +724,7 @@ Result<RestoreReport> CheckpointManager::RestoreWith(Comm& comm, const RestoreOp
       return NothingRestored(root_, report.skipped);
     }
     const int64_t step = candidate.step;
-    const std::string path = s.StepPath(step);
+    const std::string path = StepPath(step);  // as the root was given
     // Per-rank state: this rank's values, and whether the world size allows them.
     auto record_it = candidate.user_metadata.find(kManagerMetadataKey);
     Result<ManagerRecord> record = manager::DecodeRecord(
@@ -697,6 +740,8 @@ Result<RestoreReport> CheckpointManager::RestoreWith(Comm& comm, const RestoreOp
       }
     }
     Status status = AgreeOnStatus(comm, plan.status());
+    // The caller's loader gets the path under the root as given (a URI stays a URI: it may
+    // load without the storage).
     if (status.ok()) status = AgreeOnStatus(comm, load(step, path, per_rank));
     lease.reset();
     if (status.ok()) {

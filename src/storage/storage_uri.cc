@@ -202,4 +202,10 @@ Result<std::pair<std::shared_ptr<Storage>, std::string>> OpenStorage(const std::
   return OpenStorage(uri, OpenStorageOptions{});
 }
 
+Result<std::pair<std::shared_ptr<Storage>, std::string>> ResolveStorage(
+    const std::string& path, std::shared_ptr<Storage> storage) {
+  if (storage) return Location(std::move(storage), path);
+  return OpenStorage(path);
+}
+
 }  // namespace tessera
