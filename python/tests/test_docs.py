@@ -1,7 +1,9 @@
 """Every ```python block of README.md and docs/PYTHON.md runs as written: each in a fresh
 interpreter, as a script in an empty directory (relative checkpoint paths land there), with
-only the installed package importable (examples never import test helpers). A block whose
-first line starts with "# illustrative" cannot run here (it says why) and is only compiled."""
+only the installed package importable (examples never import test helpers). A block that
+names an "s3://" path runs against moto on loopback, with the AWS variables set as a user sets
+them and the bucket "my-bucket" created. A block whose first line starts with "# illustrative"
+cannot run here (it says why) and is only compiled."""
 
 import os
 import pathlib
@@ -10,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+
+from conftest import moto_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "docs/PYTHON.md")
@@ -42,11 +46,28 @@ def test_illustrative_example_compiles(code):
     compile(code, "example.py", "exec")
 
 
+@pytest.fixture(scope="module")
+def s3_environment():
+    """The variables of a user of an S3-compatible server: moto's, with "my-bucket" in it."""
+    with moto_server() as values:
+        env = {k: v for k, v in values.items() if k.startswith("AWS_")}
+        env["AWS_CONFIG_FILE"] = env["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
+        import boto3
+        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_REGION"],
+                     aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                     aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"]).create_bucket(
+                         Bucket="my-bucket")
+        yield env
+
+
 @pytest.mark.parametrize("code", RUNNABLE)
-def test_example_runs(code, tmp_path):
+def test_example_runs(code, tmp_path, request):
     script = tmp_path / "example.py"
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if "s3://" in code:
+        env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+        env.update(request.getfixturevalue("s3_environment"))
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"

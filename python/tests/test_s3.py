@@ -4,35 +4,23 @@ back, against moto's server on loopback (started by tessera_moto_server, signing
 AWS variables set as a user sets them). A server that cannot start fails every test."""
 
 import os
-import subprocess
-import tempfile
-import time
 
 import pytest
 import torch
 
 import tessera
+from conftest import moto_server
 
 
 @pytest.fixture(scope="module")
 def s3():
     """Starts the server, sets AWS_* for this module's tests, yields "s3://bucket/<prefix>"."""
-    starter = os.environ.get("TESSERA_MOTO_SERVER")
-    assert starter and os.path.exists(starter), (
-        "TESSERA_MOTO_SERVER must name the tessera_moto_server program (ctest sets it; build "
-        f"the target tessera_moto_server); got {starter!r}")
-    work = tempfile.mkdtemp(prefix="tessera-s3-py-")
-    env_file = os.path.join(work, "env")
-    log = open(os.path.join(work, "moto.log"), "w+")
-    server = subprocess.Popen([starter, env_file], stderr=log)
-    deadline = time.monotonic() + 120
-    while not os.path.exists(env_file) and server.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if not os.path.exists(env_file):
-        server.kill()
-        log.seek(0)
-        pytest.fail(f"the S3 test server (moto) did not start: {log.read()}")
-    values = dict(line.split("=", 1) for line in open(env_file).read().splitlines() if line)
+    with moto_server() as values:
+        yield from _with_aws_environment(values)
+
+
+def _with_aws_environment(values):
+    """Sets AWS_* as a user of that server sets them, yields the test prefix, restores."""
     saved = {k: os.environ.get(k) for k in list(values) + [
         "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_PROFILE", "AWS_SESSION_TOKEN",
         "AWS_ENDPOINT_URL_S3"]}
@@ -48,10 +36,6 @@ def s3():
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
-        subprocess.run(["rm", "-rf", work], check=False)
 
 
 def full_state():
