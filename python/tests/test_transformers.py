@@ -5,8 +5,9 @@ pinned in requirements/dev.txt, no download: HF_HUB_OFFLINE=1).
   lm_head is tied to its embeddings, in float32) saved by `save_pretrained`, as one file,
   sharded with an index and as a sharded "fp16" variant: `tessera.load_all` reads them bit-exact against `state_dict()`, and
   `tessera.load` reshards them over 2 and 4 ranks, by rows and by columns.
-- The model's state saved by tessera over 2 ranks and exported with
-  `tessera.convert(..., to="safetensors")` (by 1 rank, or 2 sharing the files) loads with `AutoModelForCausalLM.from_pretrained`
+- A training checkpoint of the model saved by tessera over 2 ranks (model, optimizer, step),
+  its model's weights exported with `tessera.convert(..., to="safetensors", keys="model.",
+  strip_prefix="model.")` (by 1 rank, or 2 sharing the files) loads with `AutoModelForCausalLM.from_pretrained`
   (the config files copied beside, as for any weights-only export), every parameter and
   buffer bit-exact; the `safetensors` package reads every file of the export (with its
   metadata) and the index points every tensor to the file that holds it.
@@ -121,9 +122,10 @@ def test_save_pretrained_loads_whole_and_resharded(tmp_path, name, layout):
                 assert needed == read > 0  # exactly the bytes of the rank's boxes
 
 
-def save_with_tessera(state: dict, path: str, ranks: int = 2) -> None:
+def save_with_tessera(state: dict, path: str, ranks: int = 2, training: bool = False) -> None:
     """Every tensor of 2 or more rows split by rows over `ranks` ranks, the others whole on
-    rank 0 (a sharded training checkpoint of the model)."""
+    rank 0. training: saved as a training checkpoint, {"model": state, "optimizer": {"exp_avg":
+    state's shape, zeros}, "step": 100}, instead of state alone."""
     def save(comm):
         part = {}
         for key, t in state.items():
@@ -133,6 +135,10 @@ def save_with_tessera(state: dict, path: str, ranks: int = 2) -> None:
                 part[key] = tessera.ShardedTensor(rows, tuple(t.shape), tuple(offsets))
             elif comm.rank == 0:
                 part[key] = tessera.ShardedTensor(t.clone(), tuple(t.shape), (0,) * t.dim())
+        if training:
+            moments = {k: tessera.ShardedTensor(torch.zeros_like(v.data), v.global_shape,
+                                                v.global_offset) for k, v in part.items()}
+            part = {"model": part, "optimizer": {"exp_avg": moments}, "step": 100}
         tessera.save(part, path, comm=comm)
     tessera.run_local(ranks, save)
 
@@ -169,13 +175,15 @@ def test_tessera_export_loads_with_from_pretrained(tmp_path, name, max_shard_siz
     model = MODELS[name]()
     state = plain_state(model)
     ckpt, export = str(tmp_path / "ckpt"), tmp_path / "export"
-    save_with_tessera(state, ckpt)
+    save_with_tessera(state, ckpt, training=True)
 
+    options = dict(to="safetensors", max_shard_size=max_shard_size, keys="model.",
+                   strip_prefix="model.")
     if max_shard_size == "5GB":
-        report = tessera.convert(ckpt, str(export), to="safetensors", max_shard_size=max_shard_size)
+        report = tessera.convert(ckpt, str(export), **options)
     else:  # the files spread over 2 ranks
-        reports = tessera.run_local(2, lambda comm: tessera.convert(
-            ckpt, str(export), to="safetensors", max_shard_size=max_shard_size, comm=comm))
+        reports = tessera.run_local(2, lambda comm: tessera.convert(ckpt, str(export), comm=comm,
+                                                                   **options))
         assert all(r.files_written for r in reports), reports
         report = reports[0]
     assert report.tensors == len(state) and not report.skipped_objects
