@@ -61,6 +61,16 @@ def raw_bytes(value):
     return value.contiguous().view(ints[value.element_size()]).numpy().tobytes()
 
 
+def rank_box(shape, rank, ranks, dim):
+    """(offsets, sizes) of rank's slice of a tensor of `shape` split as evenly as possible
+    along `dim` over `ranks` ranks (the whole tensor when it has no such dimension)."""
+    offsets, sizes = [0] * len(shape), list(shape)
+    if dim < len(shape):
+        offsets[dim] = shape[dim] * rank // ranks
+        sizes[dim] = shape[dim] * (rank + 1) // ranks - offsets[dim]
+    return offsets, sizes
+
+
 @pytest.fixture
 def ckpt(tmp_path):
     """A path for a checkpoint directory (not created)."""

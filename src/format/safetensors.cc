@@ -85,6 +85,18 @@ std::string Quote(std::string_view s) {
   return out;
 }
 
+// The dtypes of the safetensors format (its Rust `Dtype` and the Python bindings' names, as of
+// safetensors 0.8) that tessera has no DType for: complex64, the FNUZ float8s, the MX scale
+// float8 and the sub-byte floats (whose shape counts elements, not bytes).
+bool IsSafetensorsOnlyDType(std::string_view name) {
+  static constexpr std::string_view kNames[] = {"C64", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0",
+                                                "F4",  "F6_E2M3",     "F6_E3M2"};
+  for (std::string_view n : kNames) {
+    if (n == name) return true;
+  }
+  return false;
+}
+
 // SAX handler for a safetensors header: builds the entries in header order and rejects
 // anything a strict reader would (duplicates, unknown fields, wrong types).
 class HeaderParser {
@@ -99,6 +111,8 @@ class HeaderParser {
   explicit HeaderParser(SafetensorsHeader* out) : out_(out) {}
 
   const std::string& error() const { return error_; }
+  // True when parsing stopped at a dtype safetensors defines and tessera lacks.
+  bool unsupported() const { return unsupported_; }
 
   bool null() { return Unexpected("null"); }
   bool boolean(bool) { return Unexpected("a boolean"); }
@@ -139,7 +153,12 @@ class HeaderParser {
     }
     if (depth_ == 2 && field_ == Field::kDtype) {
       auto dtype = DTypeFromName(s);
-      if (!dtype.ok()) return Fail(Where() + "dtype " + Quote(s) + " is not supported");
+      if (!dtype.ok()) {
+        // A dtype of the safetensors format that tessera does not hold is a valid file
+        // tessera cannot read (Unimplemented), not a damaged one.
+        unsupported_ = IsSafetensorsOnlyDType(s);
+        return Fail(Where() + "dtype " + Quote(s) + " is not supported");
+      }
       out_->entries.back().dtype = *dtype;
       return true;
     }
@@ -255,6 +274,7 @@ class HeaderParser {
   std::string error_;
   int depth_ = 0;
   bool in_metadata_ = false;
+  bool unsupported_ = false;
   Field field_ = Field::kNone;
   int seen_ = 0;  // bits: 1 dtype, 2 shape, 4 data_offsets
   int num_offsets_ = 0;
@@ -407,6 +427,11 @@ Result<SafetensorsHeader> ReadSafetensorsHeader(const ReadableFile& file) {
   header.data_start = 8 + n;
   HeaderParser parser(&header);
   bool ok = nlohmann::json::sax_parse(text.begin(), text.end(), &parser);
+  if (!ok && parser.unsupported()) {
+    return Unimplemented(path + ": safetensors header: " + parser.error() +
+                         " by tessera (it reads F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8"
+                         " U8 BOOL U16 U32 U64)");
+  }
   if (!ok) return fail(parser.error().empty() ? "invalid JSON" : parser.error());
 
   // Every entry: dtype and size agree; sorted by offsets, back to back from 0 to the end.
@@ -470,9 +495,8 @@ Status DataFileHeaders::Check(const ReadableFile& file, uint32_t file_index,
     }
   }
   TESSERA_RETURN_IF_ERROR(parsed->status);
-  auto it = std::lower_bound(
-      parsed->entries.begin(), parsed->entries.end(), where.offset,
-      [](const Entry& e, uint64_t offset) { return e.offset < offset; });
+  auto it = std::lower_bound(parsed->entries.begin(), parsed->entries.end(), where.offset,
+                             [](const Entry& e, uint64_t offset) { return e.offset < offset; });
   for (; it != parsed->entries.end() && it->offset == where.offset; ++it) {
     // Zero-byte entries may share an offset.
     if (it->length == where.length && it->dtype == dtype && it->shape == shape) {
