@@ -77,8 +77,8 @@ def safetensors_header(file_path):
 @pytest.fixture(scope="module")
 def demo_checkpoint(tmp_path_factory):
     from conftest import CLI
-    if not CLI or not os.path.exists(CLI):
-        pytest.skip("the tessera command-line tool is not built")
+    assert CLI and os.path.exists(CLI), (
+        f"the tessera command-line tool is not there (TESSERA_CLI={CLI!r}): build it")
     path = str(tmp_path_factory.mktemp("demo") / "ckpt")
     run(CLI, "demo", "--out", path, "--size", "4MiB", "--no-sync")
     return path

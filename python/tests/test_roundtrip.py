@@ -60,10 +60,18 @@ def test_numpy_dtype_round_trip(ckpt, dtype):
         assert raw_bytes(again[k]) == raw_bytes(saved[k])
 
 
-@pytest.mark.parametrize("name", TORCH_DTYPES)
+# torch 1.13 (the legacy run) lacks the float8 and the wide unsigned types: those run under
+# torch 2.x only, and the test below keeps the list from shrinking there unnoticed.
+TORCH_DTYPES_HERE = [name for name in TORCH_DTYPES if hasattr(torch, name)]
+
+
+def test_torch_2_has_every_dtype_tessera_maps():
+    if int(torch.__version__.split(".")[0]) >= 2:
+        assert TORCH_DTYPES_HERE == TORCH_DTYPES, torch.__version__
+
+
+@pytest.mark.parametrize("name", TORCH_DTYPES_HERE)
 def test_torch_dtype_round_trip(ckpt, name):
-    if not hasattr(torch, name):
-        pytest.skip(f"torch {torch.__version__} has no {name}")
     dtype = getattr(torch, name)
     saved = {"t": random_torch(dtype, (4, 6)), "scalar": random_torch(dtype, ()),
              "empty": torch.zeros((2, 0), dtype=dtype)}
