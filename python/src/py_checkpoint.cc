@@ -11,8 +11,8 @@
 #include <utility>
 
 #include "core/utf8.h"
-#include "format/manifest.h"
 #include "format/checksum.h"
+#include "format/manifest.h"
 #include "py_async.h"
 #include "py_comm.h"
 #include "py_state.h"

@@ -16,7 +16,6 @@
 #include "py_status.h"
 #include "tessera/local_comm.h"
 
-
 namespace py = pybind11;
 
 namespace tessera::python {

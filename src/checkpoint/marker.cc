@@ -142,8 +142,9 @@ Status CreateSaveMarker(Storage& storage, const std::string& dir, const std::str
     std::lock_guard<std::mutex> lock(held_mu);
     if (!Held().insert(key).second) {
       return Status(StatusCode::kAlreadyExists,
-                    key + " is held by another thread of this process: the same operation runs "
-                          "twice at once");
+                    key +
+                        " is held by another thread of this process: the same operation runs "
+                        "twice at once");
     }
   }
   const std::span<const std::byte> bytes = std::as_bytes(std::span(text.data(), text.size()));
@@ -182,8 +183,7 @@ void RemoveSaveMarker(Storage& storage, const std::string& dir, const std::strin
   Held().erase(HeldKey(dir, id));
 }
 
-OwnerState StateOfMarker(const std::string& dir, const std::string& id,
-                         const MarkerOwner& owner) {
+OwnerState StateOfMarker(const std::string& dir, const std::string& id, const MarkerOwner& owner) {
   const OwnerState state = StateOf(owner);
   if (state == OwnerState::kThisProcess && !MarkerHeldHere(dir, id)) return OwnerState::kDead;
   return state;
@@ -209,8 +209,7 @@ std::string DescribeOwner(const MarkerOwner& owner) {
     when = std::string(", marked ") + text + " UTC";
   }
   return "process " + std::to_string(owner.pid) + " on host " + owner.host + " (boot " +
-         owner.boot_id.substr(0, 8) + ", started at clock tick " + owner.process_start + ")" +
-         when;
+         owner.boot_id.substr(0, 8) + ", started at clock tick " + owner.process_start + ")" + when;
 }
 
 std::string ThisProcessOwnerRecord() { return OwnerRecordOf(ThisProcess()); }

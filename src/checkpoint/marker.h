@@ -89,7 +89,7 @@ std::string DescribeOwnerRecord(std::string_view text);
 struct SaveMarkers {
   std::set<std::string> running;
   std::vector<std::string> dead_markers;  // names
-  int others_running = 0;  // running operations besides `own_id`
+  int others_running = 0;                 // running operations besides `own_id`
 };
 SaveMarkers FindSaveMarkers(Storage& storage, const std::string& dir,
                             const std::vector<std::string>& names, const std::string& own_id);

@@ -12,8 +12,8 @@
 #include <set>
 
 #include "checkpoint/commit.h"
-#include "checkpoint/sequence.h"
 #include "checkpoint/data_files.h"
+#include "checkpoint/sequence.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
 #include "plan/save_plan.h"
@@ -122,14 +122,16 @@ Status AcquireRankMarker(Storage& storage, const std::string& path, const std::s
               path + " by " + DescribeOwner(marker->owner) + " (its marker " + key + ")" +
               (state == OwnerState::kUnknowable ? ", which cannot be checked from this host" : "") +
               ": two jobs must not save one tag; if that process is gone (its node crashed), "
-              "remove " + key + " and save again");
+              "remove " +
+              key + " and save again");
     }
     // A leftover: its files are its own (attempt ids), garbage for the next cleanup.
     RemoveSaveMarker(storage, path, marker_id);
   }
-  return Status(StatusCode::kAlreadyExists,
-                "rank " + std::to_string(rank) + " of tag '" + tag + "': another process keeps "
-                "taking over " + key + "; two jobs must not save one tag");
+  return Status(StatusCode::kAlreadyExists, "rank " + std::to_string(rank) + " of tag '" + tag +
+                                                "': another process keeps "
+                                                "taking over " +
+                                                key + "; two jobs must not save one tag");
 }
 
 // After the data files and before the part: the marker is still this attempt's (another job
@@ -141,12 +143,12 @@ Status CheckMarkerStillOurs(Storage& storage, const std::string& path, const std
       StateOf(marker->owner) == OwnerState::kThisProcess) {
     return Status::Ok();
   }
-  return Status(StatusCode::kAlreadyExists,
-                "the in-progress marker " + JoinPath(path, MarkerName(marker_id)) +
-                    " is no longer this save's (" +
-                    (marker.ok() ? "now " + DescribeOwner(marker->owner)
-                                 : marker.status().message()) +
-                    "): another job saves the same tag; nothing was committed");
+  return Status(
+      StatusCode::kAlreadyExists,
+      "the in-progress marker " + JoinPath(path, MarkerName(marker_id)) +
+          " is no longer this save's (" +
+          (marker.ok() ? "now " + DescribeOwner(marker->owner) : marker.status().message()) +
+          "): another job saves the same tag; nothing was committed");
 }
 
 // An attempt id: kAttemptHexDigits hex digits from the kernel's random source.
@@ -168,9 +170,8 @@ Status PublishReference(Storage& storage, const std::string& path, const Metadat
   reference.rank_local_reference = true;
   TESSERA_ASSIGN_OR_RETURN(uint64_t highest, FindHighestCommit(storage, path));
   bool visible = false;
-  TESSERA_ASSIGN_OR_RETURN(
-      uint64_t seq,
-      PublishNewestCommit(storage, path, reference, highest, sync == SyncPolicy::kFull, &visible));
+  TESSERA_ASSIGN_OR_RETURN(uint64_t seq, PublishNewestCommit(storage, path, reference, highest,
+                                                             sync == SyncPolicy::kFull, &visible));
   WriteSequenceHint(storage, path, seq);
   return Status::Ok();
 }
@@ -225,8 +226,8 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
   // wrote is ever removed or overwritten here, so no part can describe bytes it did not write.
   const std::string attempt = NewAttemptId();
   const std::string marker_id = save_id + ".r" + std::to_string(rank);
-  TESSERA_RETURN_IF_ERROR(AcquireRankMarker(*storage, path, marker_id, options.save_tag, rank,
-                                            attempt, options.sync));
+  TESSERA_RETURN_IF_ERROR(
+      AcquireRankMarker(*storage, path, marker_id, options.save_tag, rank, attempt, options.sync));
   struct MarkerGuard {
     Storage& storage;
     const std::string& path;

@@ -430,8 +430,7 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
 
 Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Metadata& metadata,
                              const std::vector<PermutedCopy>& copies, const LoadOptions& options,
-                             LoadReport& report, DataFileHeaders* headers,
-                             DeviceUploads* uploads) {
+                             LoadReport& report, DataFileHeaders* headers, DeviceUploads* uploads) {
   std::vector<std::byte> chunk_bytes;
   DeviceSink sink(uploads);  // appends while destinations are contiguous
   const Placer placer{uploads, &sink};

@@ -23,8 +23,8 @@ namespace tessera {
 // flushes its own before returning; uploads->Finish() waits for the copies).
 Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& metadata,
                     const std::vector<ReadRun>& runs, const LoadOptions& options,
-                    LoadReport& report, DataFileHeaders* headers,
-                    ProgressMeter* progress = nullptr, DeviceUploads* uploads = nullptr);
+                    LoadReport& report, DataFileHeaders* headers, ProgressMeter* progress = nullptr,
+                    DeviceUploads* uploads = nullptr);
 
 // Performs copies of parts of chunks stored in another dimension order: reads each chunk
 // whole (checking its checksum blocks when options.verify_checksums and the format has them),

@@ -8,11 +8,11 @@
 #include <set>
 
 #include "checkpoint/commit.h"
-#include "testing/commits.h"
 #include "manager/root_files.h"
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
+#include "testing/commits.h"
 #include "testing/test_util.h"
 
 namespace tessera {

@@ -2,8 +2,8 @@
 // loops, requests split at PosixStorageOptions::max_io_bytes, and error messages that name
 // the operation, the path and the errno text.
 #include <dirent.h>
-#include <stdio.h>  // renameat2
 #include <fcntl.h>
+#include <stdio.h>  // renameat2
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -257,12 +257,12 @@ class PosixStorage : public Storage {
   }
 
   // Every capability: rename(2) and renameat2(RENAME_NOREPLACE) (or link), pwrite, fsync of
-// directories, O_EXCL creation (Publish is Storage's, through RenameNoReplace).
+  // directories, O_EXCL creation (Publish is Storage's, through RenameNoReplace).
   StorageCapabilities capabilities() const override {
     return StorageCapabilities{.rename = true,
-                             .positional_writes = true,
-                             .directory_sync = true,
-                             .conditional_create = true};
+                               .positional_writes = true,
+                               .directory_sync = true,
+                               .conditional_create = true};
   }
 
   using Storage::NewWritableFile;

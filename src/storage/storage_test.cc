@@ -2,8 +2,8 @@
 // server), its cases instantiated by capability, then MemoryStorage's crash model and
 // FaultInjectingStorage's fault plans.
 #include <fcntl.h>
-#include <stdlib.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -791,8 +791,8 @@ TEST_P(RenameStorageTest, PublishIsNotBlockedByTheTemporaryOfAKilledAttempt) {
   const std::string leftover = PublishTemporaryName(path);
   STORAGE_ASSERT_OK(WriteFile(storage(), leftover, "half"));
   std::string target;
-  ASSERT_TRUE(ParsePublishTemporaryName(std::filesystem::path(leftover).filename().string(),
-                                        &target));
+  ASSERT_TRUE(
+      ParsePublishTemporaryName(std::filesystem::path(leftover).filename().string(), &target));
   EXPECT_EQ(target, "marker");
   STORAGE_ASSERT_OK(storage().Publish(path, AsBytes("whole"), PublishMode::kCreateOnly, true));
   STORAGE_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
@@ -851,13 +851,13 @@ std::vector<StorageKind> AllKinds() {
                                        .directory_sync = true,
                                        .conditional_create = true};
   return {
-      {"Posix", [] { return std::unique_ptr<StorageEnv>(new PosixEnv()); }, posix_like},
-      {"Memory", [] { return std::unique_ptr<StorageEnv>(new MemoryEnv()); }, posix_like},
-      {"FaultInjecting", [] { return std::unique_ptr<StorageEnv>(new FaultInjectingEnv()); },
-       posix_like},
+    {"Posix", [] { return std::unique_ptr<StorageEnv>(new PosixEnv()); }, posix_like},
+        {"Memory", [] { return std::unique_ptr<StorageEnv>(new MemoryEnv()); }, posix_like},
+        {"FaultInjecting", [] { return std::unique_ptr<StorageEnv>(new FaultInjectingEnv()); },
+         posix_like},
 #if TESSERA_HAVE_S3
-      {"S3", [] { return std::unique_ptr<StorageEnv>(new S3Env()); },
-       StorageCapabilities{.conditional_create = true}},
+        {"S3", [] { return std::unique_ptr<StorageEnv>(new S3Env()); },
+         StorageCapabilities{.conditional_create = true}},
 #endif
   };
 }
@@ -1425,7 +1425,6 @@ TEST(FaultInjectingStorageTest, ConcurrentOperationsAreNumberedOnce) {
   EXPECT_EQ(total, 1);
   EXPECT_EQ(f.operation_count(), 1 + kThreads * kOps);
 }
-
 
 // ---- Publish under faults and crashes -----------------------------------------------------
 

@@ -66,7 +66,6 @@ Result<Location> OpenS3(const std::string& bucket, const std::string& path,
   return Location(*storage, path);
 }
 
-
 Result<uint64_t> ParseBytes(const std::string& s, const std::string& what) {
   char* end = nullptr;
   const unsigned long long v = std::strtoull(s.c_str(), &end, 10);
