@@ -11,20 +11,6 @@
 namespace tessera::tools {
 namespace {
 
-const char* StateName(StepState state) {
-  switch (state) {
-    case StepState::kCommitted:
-      return "committed";
-    case StepState::kUncommitted:
-      return "uncommitted";
-    case StepState::kDamaged:
-      return "damaged";
-    case StepState::kDeleting:
-      return "deleting";
-  }
-  return "?";
-}
-
 Status CheckJsonText(const std::string& root, const std::string& text) {
   if (IsValidUtf8(root) && IsValidUtf8(text)) return Status::Ok();
   return InvalidArgument("the root " + QuoteBytes(root) +
@@ -53,7 +39,7 @@ int RunLatest(const LatestOptions& o) {
       if (Status s = CheckJsonText(o.root, info.problem); !s.ok()) return Fail(s);
       nlohmann::json item = {{"step", info.step},
                              {"path", info.path},
-                             {"state", StateName(info.state)},
+                             {"state", StepStateName(info.state)},
                              {"marked", info.marked}};
       if (!info.problem.empty()) item["problem"] = info.problem;
       list.push_back(std::move(item));

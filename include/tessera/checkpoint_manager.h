@@ -204,6 +204,9 @@ enum class StepState {
   kDeleting,     // a deletion is in progress (its tombstone)
 };
 
+// "committed", "uncommitted", "damaged", "deleting": the names the CLI's JSON and Python use.
+const char* StepStateName(StepState state);
+
 struct StepInfo {
   int64_t step = -1;
   std::string path;

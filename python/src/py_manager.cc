@@ -91,20 +91,6 @@ void NoGilStatus(const std::function<Status()>& call) {
   ThrowIfError(status);
 }
 
-const char* StateName(StepState state) {
-  switch (state) {
-    case StepState::kCommitted:
-      return "committed";
-    case StepState::kUncommitted:
-      return "uncommitted";
-    case StepState::kDamaged:
-      return "damaged";
-    case StepState::kDeleting:
-      return "deleting";
-  }
-  return "?";
-}
-
 std::unique_ptr<PyManager> MakeManager(const std::string& root, const AsyncSaveOptions& save,
                                        bool async, const std::string& when_busy, int keep_last,
                                        int64_t keep_every, bool write_tracker,
@@ -197,14 +183,14 @@ void RegisterReports(py::module_& m) {
       .def_readonly("step", &StepInfo::step)
       .def_property_readonly("path", [](const StepInfo& s) { return TextToStr(s.path); })
       .def_property_readonly(
-          "state", [](const StepInfo& s) { return StateName(s.state); },
+          "state", [](const StepInfo& s) { return StepStateName(s.state); },
           "'committed', 'uncommitted' (a save not finished, or running), 'damaged' or "
           "'deleting'")
       .def_property_readonly("problem", [](const StepInfo& s) { return TextToStr(s.problem); })
       .def_readonly("marked", &StepInfo::marked)
       .def("__repr__", [](const StepInfo& s) {
-        return "StepInfo(step=" + std::to_string(s.step) + ", state='" + StateName(s.state) + "'" +
-               (s.marked ? ", marked" : "") + ")";
+        return "StepInfo(step=" + std::to_string(s.step) + ", state='" + StepStateName(s.state) +
+               "'" + (s.marked ? ", marked" : "") + ")";
       });
   py::class_<RetentionDecision>(m, "RetentionDecision", "One step's fate in a prune.")
       .def_readonly("step", &RetentionDecision::step)

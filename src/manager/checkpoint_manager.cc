@@ -770,4 +770,18 @@ Result<RestoreReport> CheckpointManager::RestoreWith(Comm& comm, const RestoreOp
   }
 }
 
+const char* StepStateName(StepState state) {
+  switch (state) {
+    case StepState::kCommitted:
+      return "committed";
+    case StepState::kUncommitted:
+      return "uncommitted";
+    case StepState::kDamaged:
+      return "damaged";
+    case StepState::kDeleting:
+      return "deleting";
+  }
+  return "?";
+}
+
 }  // namespace tessera
