@@ -71,3 +71,48 @@ def test_example_runs(code, tmp_path, request):
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+def sh_blocks(doc):
+    """The ```sh blocks of `doc`, with backslash-continued lines joined."""
+    text = (ROOT / doc).read_text()
+    return [m.group(1).replace("\\\n", " ")
+            for m in re.finditer(r"^```sh\n(.*?)^```", text, re.S | re.M)]
+
+
+def install_recipe(doc):
+    recipes = [b for b in sh_blocks(doc) if b.startswith("apt-get install")]
+    assert len(recipes) == 1, f"{doc} has {len(recipes)} install recipes, not one"
+    return recipes[0]
+
+
+def test_readme_and_python_guide_give_one_install_recipe():
+    assert install_recipe("README.md") == install_recipe("docs/PYTHON.md")
+
+
+def test_install_recipe_names_every_debian_library_of_the_build():
+    """The apt line holds every -dev package scripts/setup installs for the C++ build (a line
+    without the S3 libraries builds a package that lacks S3)."""
+    recipe = install_recipe("README.md").split()
+    setup = (ROOT / "scripts/setup").read_text()
+    listed = re.search(r"^packages=\((.*?)^\)", setup, re.S | re.M).group(1)
+    libraries = {w for w in re.sub(r"#[^\n]*", "", listed).split()
+                 if w.startswith("lib") and w.endswith("-dev") and "mpi" not in w
+                 and w not in ("libgtest-dev", "libgmock-dev", "libbenchmark-dev",
+                               "libclang-rt-14-dev")}
+    assert libraries, "no library packages found in scripts/setup"
+    assert libraries <= set(recipe), sorted(libraries - set(recipe))
+
+
+def test_megatron_install_line_matches_the_tested_pins():
+    """docs/PYTHON.md's Megatron line pins what requirements/dev.txt tests (triton and psutil
+    included: megatron.core imports the one, its save needs the other)."""
+    lines = [b for b in sh_blocks("docs/PYTHON.md") if "megatron-core==" in b]
+    assert len(lines) == 1, lines
+    pins = dict(w.split("==") for w in lines[0].split() if "==" in w)
+    assert {"torch", "megatron-core", "triton", "psutil"} <= set(pins), pins
+    tested = dict(line.split("==", 1) for line in
+                  (ROOT / "requirements/dev.txt").read_text().splitlines()
+                  if "==" in line and not line.startswith("#"))
+    for name, version in pins.items():
+        assert tested.get(name) == version, (name, version, tested.get(name))

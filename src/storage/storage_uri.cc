@@ -168,9 +168,12 @@ Result<Location> OpenMsc(const std::string& uri, const OpenStorageOptions& optio
 #else
 // Built without the S3 Storage (TESSERA_WITH_S3 off).
 Result<Location> WithoutS3(const std::string& uri) {
-  return Unimplemented("cannot open '" + uri +
-                       "': this tessera was built without its S3 Storage (CMake option "
-                       "TESSERA_WITH_S3; it needs libcurl, OpenSSL, pugixml and yaml-cpp)");
+  return Unimplemented(
+      "cannot open '" + uri +
+      "': this tessera was built without its S3 Storage (CMake option "
+      "TESSERA_WITH_S3; it needs libcurl, OpenSSL, pugixml and yaml-cpp: on Debian "
+      "libcurl4-openssl-dev libssl-dev libpugixml-dev libyaml-cpp-dev, then "
+      "rebuild or reinstall tessera)");
 }
 #endif  // TESSERA_HAVE_S3
 
