@@ -9,6 +9,10 @@
    runs the `tessera` command the wheel installed.
 3. The extension links neither libtorch (one build serves any torch version) nor libmpi (only
    tessera.mpi_comm() loads tessera's MPI module).
+4. The same environment then gets exactly the Megatron-Core install line docs/PYTHON.md gives
+   (pinned megatron-core, triton, psutil), and every Python example of README.md and
+   docs/PYTHON.md that imports Megatron runs there as written: the docs' line is all a user
+   needs.
 
 Run by ctest (python_pip_wheel). Exit status 0 when every check holds.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -57,6 +62,45 @@ def shared_libraries(path: pathlib.Path) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+def megatron_install_line() -> list[str]:
+    """The arguments of docs/PYTHON.md's one `pip install ... megatron-core==...` line."""
+    text = (ROOT / "docs" / "PYTHON.md").read_text()
+    lines = [line for block in re.findall(r"^```sh\n(.*?)^```", text, re.S | re.M)
+             for line in block.replace("\\\n", " ").splitlines()
+             if line.startswith("pip install") and "megatron-core==" in line]
+    assert len(lines) == 1, f"docs/PYTHON.md has {len(lines)} Megatron install lines: {lines}"
+    return lines[0].split("#")[0].split()[2:]
+
+
+def megatron_examples() -> list[tuple[str, str]]:
+    """(where, code) of every ```python block of the docs that imports Megatron."""
+    found = []
+    for doc in ("README.md", "docs/PYTHON.md"):
+        text = (ROOT / doc).read_text()
+        for match in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
+            code = match.group(1)
+            if re.search(r"^\s*(from|import) megatron", code, re.M) and \
+                    not code.startswith("# illustrative"):
+                line = text.count("\n", 0, match.start()) + 1
+                found.append((f"{doc}:{line}", code))
+    assert found, "no Megatron example found in the docs"
+    return found
+
+
+def run_megatron_examples(python: pathlib.Path, tmp: str, env: dict) -> None:
+    run([str(python), "-m", "pip", "install", "-q", *megatron_install_line()], env=env)
+    for where, code in megatron_examples():
+        work = pathlib.Path(tempfile.mkdtemp(dir=tmp))
+        script = work / "example.py"
+        script.write_text(code)
+        print(f"+ {where} in the venv of the documented line", flush=True)
+        result = subprocess.run([str(python), str(script)], cwd=work, env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, (
+            f"{where} fails in a venv made from the documented install line:\n"
+            f"{result.stdout}\n{result.stderr}")
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, PIP_NO_INPUT="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
@@ -87,6 +131,7 @@ def main() -> None:
         work = pathlib.Path(tmp, "work")
         work.mkdir()
         run([str(python), "-c", CHECK, site, str(work)], env=env, cwd=work)
+        run_megatron_examples(python, tmp, env)
 
 
 if __name__ == "__main__":
