@@ -231,6 +231,16 @@ before="$(md5sum "$work/copy/$(commit "$work/copy")")"
 "$tessera" rm-keys "$work/copy" --prefix optimizer. --dry-run > "$work/dry.txt"; check "rm-keys --dry-run exits 0" $?
 [ "$before" = "$(md5sum "$work/copy/$(commit "$work/copy")")" ] && grep -Eq "^would remove [1-9][0-9]* tensors and 1 objects" "$work/dry.txt"
 check "rm-keys --dry-run says what it would do and changes nothing" $?
+# Issue 30, defect 1: a prefix that is not UTF-8 aborted the process (exit 134, an exception of
+# the JSON writer); now a clear error, nothing removed.
+before="$(ls "$work/copy" | sort)"
+for json in "" --json; do
+  "$tessera" rm-keys "$work/copy" --prefix $'\xc3' $json > "$work/bad_prefix.out" 2> "$work/bad_prefix.err"
+  rc=$?
+  [ $rc -eq 1 ] && grep -q 'not valid UTF-8' "$work/bad_prefix.err"
+  check "rm-keys --prefix \\xc3 $json: an error naming the prefix, not an abort (rc $rc)" $?
+done
+[ "$(ls "$work/copy" | sort)" = "$before" ]; check "rm-keys with a bad prefix changed nothing" $?
 "$tessera" rm-keys "$work/copy" --prefix optimizer. --prefix none. --progress --json > "$work/rm.json" 2> "$work/rm.err"
 check "rm-keys exits 0" $?
 $python - "$work/rm.json" "$work/copy" "$have_python" <<'PY'

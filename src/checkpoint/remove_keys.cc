@@ -22,6 +22,7 @@
 #include "checkpoint/progress.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/sequence.h"
+#include "core/utf8.h"
 #include "format/checkpoint_index.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
@@ -309,6 +310,13 @@ Status CheckArguments(const std::vector<std::string>& prefixes, const RemoveKeys
   for (const std::string& p : prefixes) {
     if (p.empty()) {
       return InvalidArgument("RemoveKeys: an empty key prefix would remove every key");
+    }
+    // Keys are UTF-8 (ShardedTensor and the manifest readers check), and the prefixes removed
+    // are recorded in the user metadata, which is UTF-8 too: a prefix that is not UTF-8 (say,
+    // the first byte of a two-byte character) is refused rather than matched as bytes.
+    if (!IsValidUtf8(p)) {
+      return InvalidArgument("RemoveKeys: the key prefix " + QuoteBytes(p) +
+                             " is not valid UTF-8 (keys are UTF-8); nothing was removed");
     }
   }
   if (o.num_io_threads < 1) {

@@ -223,6 +223,25 @@ TEST_F(RemoveKeysTest, NothingMatchingWritesNothing) {
   EXPECT_EQ(Names(), names);
 }
 
+// Issue 30, defect 1: a prefix that is not UTF-8 (here the first byte of "é") made the JSON
+// writer of the removed-prefix record throw, and the CLI abort. It is refused, naming it.
+TEST_F(RemoveKeysTest, APrefixThatIsNotUtf8IsRefusedAndNothingChanges) {
+  TrainState state(4, 100);
+  ASSERT_OK(Save(state.Dict(), path_, save_));
+  ASSERT_OK_AND_ASSIGN(Metadata before, ReadMetadata(path_, storage_));
+  const std::vector<std::string> names = Names();
+  for (bool dry_run : {false, true}) {
+    remove_.dry_run = dry_run;
+    Result<RemoveKeysReport> r = RemoveKeys(path_, {"model.", "\xc3"}, remove_);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+    EXPECT_THAT(r.status().message(), HasSubstr("\\xc3"));
+    EXPECT_THAT(r.status().message(), HasSubstr("not valid UTF-8"));
+  }
+  EXPECT_EQ(Names(), names);
+  ASSERT_OK_AND_ASSIGN(Metadata after, ReadMetadata(path_, storage_));
+  EXPECT_EQ(after.save_id, before.save_id);
+}
+
 TEST_F(RemoveKeysTest, RemovingEveryKeyLeavesAnEmptyCheckpoint) {
   TrainState state(5, 100);
   ASSERT_OK(Save(state.Dict(), path_, save_));
