@@ -198,6 +198,13 @@ class Storage {
   // Like `mkdir -p`. OK when the directory exists.
   virtual Status CreateDirs(const std::string& path) = 0;
   virtual Result<FileType> Stat(const std::string& path) = 0;
+  // Whether `path` itself is a symbolic link (not followed; false when it does not exist). The
+  // manager never deletes through a link: a step directory that is one may point anywhere. The
+  // default is false: a store without links (memory, object stores).
+  virtual Result<bool> IsSymlink(const std::string& path) {
+    (void)path;
+    return false;
+  }
   // Names (not paths) of the entries of `dir`, sorted. kNotFound when `dir` does not exist.
   virtual Result<std::vector<std::string>> ListDir(const std::string& dir) = 0;
   // Atomically replaces `to` with `from`. Durable after SyncDir of the parent directory.

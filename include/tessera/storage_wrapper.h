@@ -43,6 +43,7 @@ class StorageWrapper : public Storage {
   }
   Status CreateDirs(const std::string& path) override { return target_->CreateDirs(path); }
   Result<FileType> Stat(const std::string& path) override { return target_->Stat(path); }
+  Result<bool> IsSymlink(const std::string& path) override { return target_->IsSymlink(path); }
   Result<std::vector<std::string>> ListDir(const std::string& dir) override {
     return target_->ListDir(dir);
   }

@@ -4,6 +4,7 @@ back, against moto's server on loopback (started by tessera_moto_server, signing
 AWS variables set as a user sets them). A server that cannot start fails every test."""
 
 import os
+import subprocess
 
 import pytest
 import torch
@@ -128,6 +129,37 @@ def test_checkpoint_manager_on_a_root_uri(s3):
     assert torch.equal(state["w"], torch.full((8, 4), 3.0))
     resumed.close()
     assert tessera.verify(f"{root}/iter_0000003").bytes_checked >= 8 * 4 * 4
+
+
+def _saved_steps(root, steps):
+    with tessera.CheckpointManager(root) as manager:
+        for step in steps:
+            manager.save(step, {"w": torch.full((4, 4), float(step)), "step": step})
+    return tessera.CheckpointManager(root)
+
+
+@pytest.mark.parametrize("scheme", ["s3", "file"])
+def test_explicit_prune_on_a_root_uri(s3, tmp_path, scheme):
+    """Issue 30, defect 5: prune on an s3:// or file:// root found "0 of 0 step directories"
+    and exited 0 while latest named the newest step."""
+    root = s3 + "/prune" if scheme == "s3" else f"file://{tmp_path}/prune"
+    manager = _saved_steps(root, [1, 2, 3, 4])
+    assert manager.all_steps() == [1, 2, 3, 4]
+    dry = manager.prune(keep_last=3, dry_run=True)
+    assert [d.step for d in dry.steps] == [1, 2, 3, 4] and dry.deleted == 1
+    assert all(d.path.startswith(root) for d in dry.steps), [d.path for d in dry.steps]
+    report = manager.prune(keep_last=3)
+    assert report.deleted == 1 and manager.all_steps() == [2, 3, 4]
+    manager.close()
+    cli = os.environ.get("TESSERA_CLI")
+    assert cli and os.path.exists(cli), f"TESSERA_CLI={cli!r}: build the tessera tool"
+    out = subprocess.run([cli, "prune", root, "--keep-last", "1"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "2 of 3 step directories" in out.stdout, out.stdout
+    latest = subprocess.run([cli, "latest", root], capture_output=True, text=True, timeout=120)
+    assert latest.returncode == 0 and latest.stdout.strip().endswith("iter_0000004"), latest
+    assert tessera.CheckpointManager(root).all_steps() == [4]
 
 
 def test_errors_name_the_uri(s3):

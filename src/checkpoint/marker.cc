@@ -50,6 +50,13 @@ std::string StartTimeOf(int64_t pid) {
   return "";
 }
 
+// "pid:[4026531836]", or "" where /proc has no namespace link.
+std::string PidNamespace() {
+  char link[128] = {};
+  const ssize_t n = ::readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
+  return n > 0 ? std::string(link, static_cast<size_t>(n)) : std::string();
+}
+
 MarkerOwner ThisProcess() {
   MarkerOwner me;
   char host[256] = {};
@@ -58,6 +65,7 @@ MarkerOwner ThisProcess() {
   me.pid = static_cast<int64_t>(getpid());
   me.process_start = StartTimeOf(me.pid);
   me.created_unix_ms = NowUnixMs();
+  me.pid_namespace = PidNamespace();
   return me;
 }
 
@@ -96,13 +104,15 @@ bool OwnerOfFields(std::map<std::string, std::string>& fields, MarkerOwner* owne
   owner->pid = std::strtoll(fields["pid"].c_str(), nullptr, 10);
   owner->process_start = fields["process_start"];
   owner->created_unix_ms = std::strtoll(fields["created_unix_ms"].c_str(), nullptr, 10);
+  owner->pid_namespace = fields["pid_ns"];  // absent in older records
   return true;
 }
 
 std::string OwnerRecordOf(const MarkerOwner& owner) {
   return "host=" + owner.host + "\nboot_id=" + owner.boot_id +
          "\npid=" + std::to_string(owner.pid) + "\nprocess_start=" + owner.process_start +
-         "\ncreated_unix_ms=" + std::to_string(owner.created_unix_ms) + "\n";
+         "\ncreated_unix_ms=" + std::to_string(owner.created_unix_ms) +
+         (owner.pid_namespace.empty() ? "" : "\npid_ns=" + owner.pid_namespace) + "\n";
 }
 
 Result<MarkerContent> ParseMarker(const std::string& text, const std::string& path) {
@@ -193,6 +203,11 @@ OwnerState StateOf(const MarkerOwner& owner) {
   const MarkerOwner me = ThisProcess();  // not cached: a forked child is another process
   if (owner.host != me.host) return OwnerState::kUnknowable;
   if (owner.boot_id != me.boot_id) return OwnerState::kDead;  // the machine rebooted since
+  // Another pid namespace on the same host and boot (a container sharing the host name): its
+  // pids mean other processes here, so nothing can be proved dead.
+  if (!owner.pid_namespace.empty() && owner.pid_namespace != me.pid_namespace) {
+    return OwnerState::kUnknowable;
+  }
   if (owner.pid == me.pid && owner.process_start == me.process_start) {
     return OwnerState::kThisProcess;
   }

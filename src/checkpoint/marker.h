@@ -25,6 +25,11 @@ struct MarkerOwner {
   int64_t pid = 0;
   std::string process_start;  // field 22 of /proc/<pid>/stat: a reused pid is another process
   int64_t created_unix_ms = 0;
+  // The pid namespace (readlink /proc/self/ns/pid, "pid:[4026531836]"). Containers that share
+  // the node's host name (Kubernetes hostNetwork, docker --network=host) share its boot id but
+  // not its pids: an owner of another namespace is judged like one of another host. Empty in
+  // records written before the field existed (judged as before) or where /proc has no ns link.
+  std::string pid_namespace;
 };
 
 // The owner as this process sees it.
@@ -32,7 +37,7 @@ enum class OwnerState {
   kThisProcess,  // this very process (same host, boot, pid and start time)
   kAlive,        // another process of this host and boot, running
   kDead,         // of this host: its process ended, or the host rebooted since
-  kUnknowable,   // of another host: its processes cannot be checked from here
+  kUnknowable,   // of another host or pid namespace: its processes cannot be checked from here
 };
 
 struct MarkerContent {

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "checkpoint/commit.h"
+#include "core/utf8.h"
 #include "manager/per_rank.h"
 #include "manager/retention.h"
 #include "manager/root_files.h"
@@ -358,6 +359,12 @@ Result<ManagedSave> CheckpointManager::Save(int64_t step, const StateDict& state
 
   // What is saved: the state, this rank's per-rank values, the step and the record.
   StateDict to_save = state;
+  // The record is JSON in the user metadata (UTF-8): a layout that is not UTF-8 is the caller's
+  // mistake, named here, not an exception from the JSON writer.
+  if (!IsValidUtf8(s.options.layout)) {
+    return InvalidArgument("CheckpointManagerOptions::layout " + QuoteBytes(s.options.layout) +
+                           " is not valid UTF-8");
+  }
   ManagerRecord record{.world_size = comm.size(), .layout = s.options.layout};
   for (const auto& [name, value] : extras.per_rank) {
     record.per_rank.push_back(name);
@@ -545,12 +552,19 @@ Status CheckpointManager::Delete(int64_t step) {
 
 Result<PruneReport> CheckpointManager::Prune(const RetentionPolicy& policy, bool dry_run) {
   State& s = *state_;
-  manager::RootView view{s.storage, root_, s.FailedSteps(), std::nullopt};
+  // The store's own path of the root (s.root), never the root as given: for a URI root
+  // (s3://, file://) the store knows no such path, found no step and reported "0 of 0".
+  manager::RootView view{s.storage, s.root, s.FailedSteps(), std::nullopt};
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (!s.finished) view.in_flight = s.in_flight;
   }
-  return manager::Prune(view, policy, dry_run, s.sync, [&s](const std::string& m) { s.Warn(m); });
+  TESSERA_ASSIGN_OR_RETURN(
+      PruneReport report,
+      manager::Prune(view, policy, dry_run, s.sync, [&s](const std::string& m) { s.Warn(m); }));
+  // The report names each step as the caller spells the root (a URI stays a URI).
+  for (RetentionDecision& d : report.steps) d.path = StepPath(d.step);
+  return report;
 }
 
 // ---- restoring ---------------------------------------------------------------------------------
@@ -564,6 +578,7 @@ struct Candidate {
   std::map<std::string, std::string> user_metadata;
   std::vector<SkippedStep> skipped;  // passed over by rank 0 before this one
   std::string session;
+  int32_t saved_ranks = 0;  // Metadata::num_ranks of the step (0: the format does not say)
 };
 
 Bytes EncodeCandidate(const Candidate& c) {
@@ -577,7 +592,8 @@ Bytes EncodeCandidate(const Candidate& c) {
                       {"message", c.error.message()},
                       {"user_metadata", c.user_metadata},
                       {"skipped", skipped},
-                      {"session", c.session}};
+                      {"session", c.session},
+                      {"saved_ranks", c.saved_ranks}};
   // Replace: user metadata is UTF-8 (the manifest reader checks), messages may quote bytes.
   return ToBytes(j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
 }
@@ -596,17 +612,19 @@ Result<Candidate> DecodeCandidate(const Bytes& bytes) {
                          k[3].get<bool>()});
   }
   c.session = j["session"].get<std::string>();
+  c.saved_ranks = j["saved_ranks"].get<int32_t>();
   return c;
 }
 
-// Rank 0's pick: the next step to try, below `below` (or `wanted` only), with a lease on it.
-// Steps passed over go to `skipped` (failures are warned about by the caller).
-Candidate PickCandidate(CheckpointManager::State& s, std::optional<int64_t> wanted, int64_t below,
-                        std::optional<ReadLease>& lease) {
+// Rank 0's pick: the next step to try, below `below` (nullopt: no bound, so that every step up
+// to INT64_MAX is a candidate), or `wanted` only, with a lease on it. Steps passed over go to
+// `skipped` (failures are warned about by the caller).
+Candidate PickCandidate(CheckpointManager::State& s, std::optional<int64_t> wanted,
+                        std::optional<int64_t> below, std::optional<ReadLease>& lease) {
   Candidate c;
   std::vector<int64_t> steps;
   if (wanted) {
-    if (*wanted < below) steps.push_back(*wanted);
+    if (!below || *wanted < *below) steps.push_back(*wanted);
   } else {
     Result<std::vector<int64_t>> listed = manager::ListStepNumbers(*s.storage, s.root);
     if (!listed.ok() && listed.status().code() != StatusCode::kNotFound) {
@@ -617,7 +635,7 @@ Candidate PickCandidate(CheckpointManager::State& s, std::optional<int64_t> want
   }
   const std::set<int64_t> bad = s.FailedSteps();
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    if (*it >= below) continue;
+    if (below && *it >= *below) continue;
     if (bad.count(*it) && !wanted) continue;  // reported when it failed
     Metadata metadata;
     Result<ReadLease> taken = s.TakeLease(*it, &metadata);
@@ -625,6 +643,7 @@ Candidate PickCandidate(CheckpointManager::State& s, std::optional<int64_t> want
       lease = std::move(*taken);
       c.step = *it;
       c.user_metadata = std::move(metadata.user_metadata);
+      c.saved_ranks = metadata.num_ranks;
       return c;
     }
     if (wanted) {
@@ -698,7 +717,7 @@ Result<RestoreReport> CheckpointManager::RestoreWith(Comm& comm, const RestoreOp
   s.Join();
   TESSERA_RETURN_IF_ERROR(s.TakeUnseen().WithContext("nothing was restored"));
   RestoreReport report;
-  int64_t below = INT64_MAX;
+  std::optional<int64_t> below;  // none yet: the newest step may be INT64_MAX
   while (true) {
     std::optional<ReadLease> lease;  // rank 0's, held until every rank has loaded
     Candidate candidate;
@@ -727,8 +746,9 @@ Result<RestoreReport> CheckpointManager::RestoreWith(Comm& comm, const RestoreOp
     const std::string path = StepPath(step);  // as the root was given
     // Per-rank state: this rank's values, and whether the world size allows them.
     auto record_it = candidate.user_metadata.find(kManagerMetadataKey);
-    Result<ManagerRecord> record = manager::DecodeRecord(
-        record_it == candidate.user_metadata.end() ? "" : record_it->second, step);
+    Result<ManagerRecord> record =
+        manager::DecodeRecord(record_it == candidate.user_metadata.end() ? "" : record_it->second,
+                              step, candidate.saved_ranks);
     Result<manager::PerRankPlan> plan =
         record.ok() ? manager::PlanPerRank(*record, comm.size(), s.options.layout,
                                            options.map_per_rank, step)

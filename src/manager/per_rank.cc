@@ -16,7 +16,7 @@ std::string EncodeRecord(const ManagerRecord& record) {
   return j.dump();
 }
 
-Result<ManagerRecord> DecodeRecord(const std::string& text, int64_t step) {
+Result<ManagerRecord> DecodeRecord(const std::string& text, int64_t step, int32_t saved_ranks) {
   ManagerRecord record;
   if (text.empty()) return record;
   const auto bad = [&](const std::string& why) {
@@ -35,6 +35,19 @@ Result<ManagerRecord> DecodeRecord(const std::string& text, int64_t step) {
   if (layout == j.end() || !layout->is_string()) return bad("no layout string");
   if (names == j.end() || !names->is_array()) return bad("no per_rank list");
   record.world_size = world->get<int>();
+  // Every rank of the saving job wrote its per-rank values into this checkpoint, so the
+  // checkpoint's own rank count bounds the record's. Without a count (0), the per_rank objects
+  // are loaded by name and a missing one fails the load; the plan is still bounded below.
+  if (saved_ranks > 0 && record.world_size > saved_ranks) {
+    return bad("world_size " + std::to_string(record.world_size) + " is more than the " +
+               std::to_string(saved_ranks) + " ranks that saved the checkpoint");
+  }
+  constexpr int kMaxWorldSizeWithoutCount = 1 << 20;
+  if (saved_ranks <= 0 && record.world_size > kMaxWorldSizeWithoutCount) {
+    return bad("world_size " + std::to_string(record.world_size) +
+               " is more than tessera plans for (" + std::to_string(kMaxWorldSizeWithoutCount) +
+               ") and the checkpoint does not say how many ranks saved it");
+  }
   record.layout = layout->get<std::string>();
   for (const nlohmann::json& name : *names) {
     if (!name.is_string()) return bad("a per_rank name that is not a string");

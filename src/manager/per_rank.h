@@ -24,7 +24,10 @@ struct ManagerRecord {
 std::string EncodeRecord(const ManagerRecord& record);
 // An absent record (""): world_size 0, nothing per rank. kDataLoss naming the step when the
 // text is not such a record.
-Result<ManagerRecord> DecodeRecord(const std::string& text, int64_t step);
+// `saved_ranks`: the checkpoint's own count of the ranks that saved it (Metadata::num_ranks;
+// 0 when unknown): a record claiming more ranks than that is kDataLoss, so that a crafted
+// world_size cannot make a restore plan (and allocate) for 2^31 ranks.
+Result<ManagerRecord> DecodeRecord(const std::string& text, int64_t step, int32_t saved_ranks);
 
 // The keys of per-rank state each rank of a restore of `world_size` ranks loads, given the
 // saved record: rank r gets the values of saved rank r when the world size and layout match;

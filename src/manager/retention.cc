@@ -62,9 +62,10 @@ std::vector<RetentionDecision> PlanRetention(const std::vector<StepFacts>& facts
   return decisions;
 }
 
-Result<std::vector<StepFacts>> GatherFacts(const RootView& view, const RetentionPolicy& policy) {
+Result<std::vector<StepFacts>> GatherFacts(const RootView& view, const RetentionPolicy& policy,
+                                           std::vector<std::string>* links) {
   Storage& storage = *view.storage;
-  Result<std::vector<int64_t>> steps = ListStepNumbers(storage, view.root);
+  Result<std::vector<int64_t>> steps = ListStepNumbers(storage, view.root, links);
   if (steps.status().code() == StatusCode::kNotFound) return std::vector<StepFacts>{};
   TESSERA_RETURN_IF_ERROR(steps.status());
   std::vector<StepFacts> facts(steps->size());
@@ -114,7 +115,15 @@ Result<PruneReport> Prune(const RootView& view, const RetentionPolicy& policy, b
   if (policy.keep_every < 0) {
     return InvalidArgument("keep_every must be >= 0, not " + std::to_string(policy.keep_every));
   }
-  TESSERA_ASSIGN_OR_RETURN(std::vector<StepFacts> facts, GatherFacts(view, policy));
+  std::vector<std::string> links;
+  TESSERA_ASSIGN_OR_RETURN(std::vector<StepFacts> facts, GatherFacts(view, policy, &links));
+  for (const std::string& name : links) {
+    if (warn) {
+      warn(JoinPath(view.root, name) +
+           " is a symbolic link (or could not be examined), not a step directory of the root: "
+           "left alone");
+    }
+  }
   PruneReport report;
   report.dry_run = dry_run;
   report.steps = PlanRetention(facts, policy);

@@ -47,7 +47,9 @@ struct RootView {
   std::set<int64_t> failed;          // steps a restore of this manager failed on
   std::optional<int64_t> in_flight;  // this manager's save in flight
 };
-Result<std::vector<StepFacts>> GatherFacts(const RootView& view, const RetentionPolicy& policy);
+// Step names that are symbolic links are left out and, when `links` is given, added to it.
+Result<std::vector<StepFacts>> GatherFacts(const RootView& view, const RetentionPolicy& policy,
+                                           std::vector<std::string>* links = nullptr);
 
 // PlanRetention on GatherFacts, then (unless dry_run) the deletions. A deletion that finds a
 // reader or writer keeps the step (the decision says who); one that fails otherwise is

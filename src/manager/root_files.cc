@@ -160,11 +160,17 @@ StepInfo ExamineStep(const std::shared_ptr<Storage>& storage, const std::string&
   return info;
 }
 
-Result<std::vector<int64_t>> ListStepNumbers(Storage& storage, const std::string& root) {
+Result<std::vector<int64_t>> ListStepNumbers(Storage& storage, const std::string& root,
+                                             std::vector<std::string>* links) {
   TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(root));
   std::vector<int64_t> steps;
   for (const std::string& name : names) {
     if (std::optional<int64_t> step = ParseStepDirName(name)) {
+      Result<bool> link = storage.IsSymlink(JoinPath(root, name));
+      if (!link.ok() || *link) {  // an lstat that fails: not known to be a directory of ours
+        if (links != nullptr) links->push_back(name);
+        continue;
+      }
       // A file of that name is not a step directory.
       Result<FileType> type = storage.Stat(JoinPath(root, name));
       if (type.ok() && *type == FileType::kDirectory) steps.push_back(*step);
@@ -197,6 +203,10 @@ Status TakeTombstone(Storage& storage, const std::string& dir, bool sync) {
 }  // namespace
 
 Status DeleteStepDir(Storage& storage, const std::string& root, const std::string& dir, bool sync) {
+  TESSERA_ASSIGN_OR_RETURN(bool link, storage.IsSymlink(dir));
+  if (link) {
+    return FailedPrecondition(dir + " is a symbolic link: tessera deletes nothing through it");
+  }
   TESSERA_RETURN_IF_ERROR(TakeTombstone(storage, dir, sync));
   // Readers write their lease before they look for a tombstone; this looks for leases after
   // writing the tombstone: a reader this misses sees the tombstone and backs off.

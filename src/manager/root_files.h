@@ -61,15 +61,19 @@ StepInfo ExamineStep(const std::shared_ptr<Storage>& storage, const std::string&
                      Status* damage = nullptr);
 
 // The steps of the directories under `root`, ascending ("iter_0000100" -> 100; other names
-// are ignored). kNotFound when `root` does not exist.
-Result<std::vector<int64_t>> ListStepNumbers(Storage& storage, const std::string& root);
+// are ignored). kNotFound when `root` does not exist. A step name that is a symbolic link is not
+// a step of the root (it may point anywhere, and deleting "its" files would delete the
+// target's): it is left out, and its name is added to *links when given.
+Result<std::vector<int64_t>> ListStepNumbers(Storage& storage, const std::string& root,
+                                             std::vector<std::string>* links = nullptr);
 
 // Removes the step directory `dir`: the tombstone first (which hides it from every manager:
 // a dir with one is being deleted), then, unless a reader holds a live lease on it or a save
 // runs in it (then it removes its tombstone again and returns kFailedPrecondition naming who),
 // its files: indexes and every other small file first, data files (*.safetensors, *.distcp)
 // last, so a crash part way leaves a directory that is not a checkpoint, and then the
-// directory. A tombstone left by a deletion whose owner died is taken over.
+// directory. A tombstone left by a deletion whose owner died is taken over. `dir` must be a
+// directory of its own, not a symbolic link (kFailedPrecondition, nothing touched).
 Status DeleteStepDir(Storage& storage, const std::string& root, const std::string& dir, bool sync);
 
 }  // namespace tessera::manager

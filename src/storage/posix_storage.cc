@@ -324,6 +324,15 @@ class PosixStorage : public Storage {
     return S_ISDIR(st.st_mode) ? FileType::kDirectory : FileType::kFile;
   }
 
+  Result<bool> IsSymlink(const std::string& path) override {
+    struct stat st;
+    if (::lstat(OsPath(path), &st) != 0) {
+      if (errno == ENOENT || errno == ENOTDIR) return false;
+      return IOErrorFromErrno("lstat " + path, errno);
+    }
+    return S_ISLNK(st.st_mode);
+  }
+
   Result<std::vector<std::string>> ListDir(const std::string& dir) override {
     DIR* d = ::opendir(OsPath(dir));
     if (d == nullptr) return ErrnoStatus("opendir " + dir, errno);
