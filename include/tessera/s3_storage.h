@@ -51,6 +51,12 @@ namespace s3 {
 class S3Client;
 }
 
+// Bounds of S3StorageOptions (and of an msc:// profile's max_concurrency and
+// retries.max_attempts): a thread per unit of concurrency, so a typo of 100000 would try to start
+// that many threads; beyond these, more buys nothing against one endpoint.
+inline constexpr size_t kMaxS3Concurrency = 256;
+inline constexpr int kMaxS3Attempts = 10000;
+
 struct S3StorageOptions {
   std::string bucket;
   // Where empty, looked up as the AWS CLI does.
@@ -62,11 +68,11 @@ struct S3StorageOptions {
   // Transfers (see s3_client.h): part size (>= 5 MiB), parallel requests, bytes of parts in
   // flight, the size of each ranged GET of a long read.
   uint64_t part_bytes = 8u << 20;
-  size_t max_concurrency = 8;
+  size_t max_concurrency = 8;  // 1 to kMaxS3Concurrency
   uint64_t max_inflight_bytes = 256u << 20;
   uint64_t read_chunk_bytes = 8u << 20;
   // Retries of one request, and the time they may take together.
-  int max_attempts = 10;
+  int max_attempts = 10;  // 1 to kMaxS3Attempts
   std::chrono::milliseconds retry_base_delay{50};
   std::chrono::milliseconds retry_max_delay{5'000};
   std::chrono::milliseconds retry_max_total{120'000};

@@ -70,16 +70,17 @@ void Flatten(const YAML::Node& node, const std::string& prefix, const s3::GetEnv
 }
 
 Result<YAML::Node> Load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return IOErrorFromErrno("reading MSC config " + path, errno);
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (text.str().size() > kMaxConfigBytes) {
-    return InvalidArgument("MSC config " + path + " is larger than 4 MiB");
+  // Bounded while reading: an `include:` of /dev/zero must not fill memory first.
+  Result<std::string> text = s3::ReadBoundedFile(path, kMaxConfigBytes, "MSC config");
+  if (!text.ok()) {
+    if (text.status().code() == StatusCode::kNotFound) {
+      return IOErrorFromErrno("reading MSC config " + path, ENOENT);
+    }
+    return text.status();
   }
   try {
     // yaml-cpp reports errors by exception; they stop here.
-    YAML::Node root = YAML::Load(text.str());
+    YAML::Node root = YAML::Load(*text);
     if (!root.IsNull() && !root.IsMap()) {
       return InvalidArgument("MSC config " + path + " is not a mapping of sections");
     }

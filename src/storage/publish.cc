@@ -58,8 +58,8 @@ StorageCapabilities Storage::capabilities() const {
                              .conditional_create = true};
 }
 
-Status Storage::Publish(const std::string& path, std::span<const std::byte> bytes,
-                        PublishMode mode, bool sync) {
+Status Storage::Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
+                        bool sync) {
   return PublishThroughRename(path, bytes, mode, sync);
 }
 

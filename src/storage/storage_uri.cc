@@ -96,13 +96,22 @@ Status ApplyMscS3Profile(const MscProfile& p, S3StorageOptions& options, std::st
   if (const std::string v = get("multipart_chunksize"); !v.empty()) {
     TESSERA_ASSIGN_OR_RETURN(options.part_bytes, ParseBytes(v, where + ": multipart_chunksize"));
   }
-  if (const std::string v = get("max_concurrency"); !v.empty()) {
-    TESSERA_ASSIGN_OR_RETURN(const uint64_t n, ParseBytes(v, where + ": max_concurrency"));
-    options.max_concurrency = static_cast<size_t>(std::max<uint64_t>(1, n));
+  // Each a whole number within bounds, or an error naming the file, the field and the range.
+  auto bounded = [&](const std::string& field, uint64_t max) -> Result<uint64_t> {
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t n, ParseBytes(get(field), where + ": " + field));
+    if (n < 1 || n > max) {
+      return InvalidArgument(where + ": " + field + " " + std::to_string(n) + " is outside [1, " +
+                             std::to_string(max) + "]");
+    }
+    return n;
+  };
+  if (!get("max_concurrency").empty()) {
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t n, bounded("max_concurrency", kMaxS3Concurrency));
+    options.max_concurrency = static_cast<size_t>(n);
   }
-  if (const std::string v = get("retries.max_attempts"); !v.empty()) {
-    TESSERA_ASSIGN_OR_RETURN(const uint64_t n, ParseBytes(v, where + ": retries.max_attempts"));
-    options.max_attempts = static_cast<int>(std::max<uint64_t>(1, n));
+  if (!get("retries.max_attempts").empty()) {
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t n, bounded("retries.max_attempts", kMaxS3Attempts));
+    options.max_attempts = static_cast<int>(n);
   }
   if (p.credentials_type.empty()) return Status::Ok();  // the AWS default chain
   if (p.credentials_type != "S3Credentials") {

@@ -218,6 +218,37 @@ TEST_F(StorageUriTest, MscConfigErrorsNameTheProfileAndProvider) {
   EXPECT_THAT(bad.message(), HasSubstr(dir_ + "/bad.yaml"));
 }
 
+// Issue 30, defects 13 and 18: max_concurrency 100000 started that many threads (the process
+// aborted on std::system_error), and an include of /dev/zero was read whole before its size was
+// checked.
+TEST_F(StorageUriTest, MscConfigValuesAndFilesAreBounded) {
+  const std::string s3_profile =
+      "profiles:\n  big:\n    storage_provider:\n      type: s3\n"
+      "      options:\n        base_path: bucket\n        endpoint_url: http://127.0.0.1:9\n";
+  for (const auto& [field, value] :
+       std::vector<std::pair<std::string, std::string>>{{"max_concurrency", "100000"},
+                                                        {"max_concurrency", "0"},
+                                                        {"retries.max_attempts", "4294967297"}}) {
+    const size_t dot = field.find('.');
+    const std::string yaml_field = dot == std::string::npos
+                                       ? "        " + field + ": " + value + "\n"
+                                       : "        " + field.substr(0, dot) + ":\n          " +
+                                             field.substr(dot + 1) + ": " + value + "\n";
+    WriteConfig("big.yaml", s3_profile + yaml_field);
+    env_.Set("MSC_CONFIG", dir_ + "/big.yaml");
+    const Status opened = OpenStorage("msc://big/x").status();
+    EXPECT_EQ(opened.code(), StatusCode::kInvalidArgument) << field << " " << opened.ToString();
+    EXPECT_THAT(opened.message(), HasSubstr(field + " " + value));
+    EXPECT_THAT(opened.message(), HasSubstr("outside [1, "));
+    EXPECT_THAT(opened.message(), HasSubstr(dir_ + "/big.yaml"));
+  }
+  WriteConfig("zero.yaml", "include:\n  - /dev/zero\n" + s3_profile);
+  env_.Set("MSC_CONFIG", dir_ + "/zero.yaml");
+  const Status zero = OpenStorage("msc://big/x").status();
+  EXPECT_EQ(zero.code(), StatusCode::kInvalidArgument) << zero.ToString();
+  EXPECT_THAT(zero.message(), HasSubstr("/dev/zero is longer than"));
+}
+
 TEST_F(StorageUriTest, MscConfigIsFoundWhereMscLooks) {
   const Status none = OpenStorage("msc://p/x").status();
   EXPECT_EQ(none.code(), StatusCode::kNotFound);

@@ -262,9 +262,12 @@ HttpOutcome HttpClient::Perform(const HttpRequest& request) {
   curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
   curl_easy_setopt(curl, CURLOPT_XFERINFOFUNCTION, &Progress);
   curl_easy_setopt(curl, CURLOPT_XFERINFODATA, &transfer);
-  if (options_.request_timeout.count() > 0) {
-    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, static_cast<long>(options_.request_timeout.count()));
+  std::chrono::milliseconds total = options_.request_timeout;
+  if (request.timeout.count() > 0 && (total.count() == 0 || request.timeout < total)) {
+    total = request.timeout;
   }
+  if (total.count() > 0)
+    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, static_cast<long>(total.count()));
   curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, options_.verify_tls ? 1L : 0L);
   curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, options_.verify_tls ? 2L : 0L);
   if (!options_.ca_bundle.empty())

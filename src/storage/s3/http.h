@@ -29,6 +29,11 @@ struct HttpRequest {
   // Where the body of a 2xx reply goes (a GET into the caller's buffer). A reply longer than
   // the sink fails with TransportError::kTooLong. Empty: into HttpResponse::body.
   std::span<std::byte> sink;
+  // This request's limit on its total time (curl's CURLOPT_TIMEOUT_MS): the S3 client passes
+  // what is left of the request's retry budget (RetryPolicy::max_total), so that a reply
+  // trickled a byte at a time, which the stall timeout never catches, cannot outlive it. Zero:
+  // HttpOptions::request_timeout alone; with both, the smaller.
+  std::chrono::milliseconds timeout{0};
 };
 
 struct HttpResponse {

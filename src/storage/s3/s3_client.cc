@@ -8,6 +8,8 @@
 #include <random>
 #include <thread>
 
+#include "tessera/s3_storage.h"
+
 namespace tessera::s3 {
 namespace {
 
@@ -155,6 +157,14 @@ Result<std::shared_ptr<S3Client>> S3Client::Create(S3ClientOptions options) {
   options.max_part_bytes = std::clamp(options.max_part_bytes, options.part_bytes, kMaxPartBytes);
   if (options.read_chunk_bytes == 0) options.read_chunk_bytes = S3ClientOptions().read_chunk_bytes;
   if (options.retry.max_attempts < 1) options.retry.max_attempts = 1;
+  if (options.max_concurrency < 1 || options.max_concurrency > kMaxS3Concurrency) {
+    return InvalidArgument("S3 max_concurrency " + std::to_string(options.max_concurrency) +
+                           " is outside [1, " + std::to_string(kMaxS3Concurrency) + "]");
+  }
+  if (options.retry.max_attempts > kMaxS3Attempts) {
+    return InvalidArgument("S3 max_attempts " + std::to_string(options.retry.max_attempts) +
+                           " is outside [1, " + std::to_string(kMaxS3Attempts) + "]");
+  }
   std::shared_ptr<S3Client> client(new S3Client(std::move(options)));
   const std::string& url = client->options_.config.endpoint_url;
   if (url.empty()) {
@@ -163,12 +173,13 @@ Result<std::shared_ptr<S3Client>> S3Client::Create(S3ClientOptions options) {
   } else {
     const size_t sep = url.find("://");
     if (sep == std::string::npos) {
-      return InvalidArgument("S3 endpoint URL '" + url + "' has no scheme (http:// or https://)");
+      return InvalidArgument("S3 endpoint URL '" + RedactUrl(url) +
+                             "' has no scheme (http:// or https://)");
     }
     client->scheme_ = url.substr(0, sep);
     if (client->scheme_ != "http" && client->scheme_ != "https") {
-      return InvalidArgument("S3 endpoint URL '" + url + "': scheme '" + client->scheme_ +
-                             "' is neither http nor https");
+      return InvalidArgument("S3 endpoint URL '" + RedactUrl(url) + "': scheme '" +
+                             client->scheme_ + "' is neither http nor https");
     }
     std::string rest = url.substr(sep + 3);
     const size_t slash = rest.find('/');
@@ -179,7 +190,11 @@ Result<std::shared_ptr<S3Client>> S3Client::Create(S3ClientOptions options) {
     }
     if (client->authority_.empty() ||
         client->authority_.find_first_of("?#@ ") != std::string::npos) {
-      return InvalidArgument("S3 endpoint URL '" + url + "' has no valid host");
+      return InvalidArgument("S3 endpoint URL '" + RedactUrl(url) + "' has no valid host" +
+                             (client->authority_.find('@') != std::string::npos
+                                  ? " (credentials go in the environment or a profile, never "
+                                    "in the URL)"
+                                  : ""));
     }
     // The Host header (and so the signature) leaves out a scheme's default port.
     const std::string default_port = client->scheme_ == "https" ? ":443" : ":80";
@@ -258,7 +273,13 @@ S3CallResult S3Client::Execute(const S3Call& call) {
     result.attempts = attempt;
     requests_[static_cast<size_t>(call.op)].fetch_add(1, std::memory_order_relaxed);
     if (attempt > 1) retries_.fetch_add(1, std::memory_order_relaxed);
-    HttpOutcome outcome = http_->Perform(BuildRequest(call, std::chrono::system_clock::now()));
+    HttpRequest request = BuildRequest(call, std::chrono::system_clock::now());
+    // What is left of the budget bounds this try as a whole (docs/S3.md: at most max_total per
+    // request, retries included), whatever the stall timeout lets through.
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(policy.max_total -
+                                                                            (Clock::now() - start));
+    request.timeout = std::max(left, std::chrono::milliseconds(1));
+    HttpOutcome outcome = http_->Perform(request);
     if (outcome.maybe_sent) bytes_sent_.fetch_add(call.body.size(), std::memory_order_relaxed);
     bytes_received_.fetch_add(outcome.response.body_bytes, std::memory_order_relaxed);
 

@@ -1,6 +1,8 @@
 #include "storage/s3/s3_config.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
@@ -29,6 +31,9 @@ std::string Lower(std::string s) {
   return s;
 }
 
+// AWS's config and credentials files are a few kilobytes; more is not one.
+constexpr size_t kMaxSettingsFileBytes = 4u << 20;
+
 // An INI file's text, or nullopt when it does not exist.
 Result<std::optional<std::string>> ReadOptionalFile(const std::string& path) {
   struct stat st;
@@ -36,11 +41,9 @@ Result<std::optional<std::string>> ReadOptionalFile(const std::string& path) {
     if (errno == ENOENT || errno == ENOTDIR) return std::optional<std::string>();
     return IOErrorFromErrno("reading AWS settings file " + path, errno);
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return IOErrorFromErrno("reading AWS settings file " + path, errno);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return std::optional<std::string>(text.str());
+  TESSERA_ASSIGN_OR_RETURN(std::string text,
+                           ReadBoundedFile(path, kMaxSettingsFileBytes, "AWS settings file"));
+  return std::optional<std::string>(std::move(text));
 }
 
 std::string ExpandHome(const std::string& path, const GetEnv& getenv) {
@@ -235,6 +238,47 @@ Result<IniFile> ParseAwsIni(const std::string& text, const std::string& file_nam
     parent = value.empty() ? key : "";
   }
   return ini;
+}
+
+std::string RedactUrl(std::string_view url) {
+  const size_t scheme = url.find("://");
+  const size_t start = scheme == std::string_view::npos ? 0 : scheme + 3;
+  const size_t end = url.find_first_of("/?#", start);
+  const std::string_view authority =
+      url.substr(start, end == std::string_view::npos ? std::string_view::npos : end - start);
+  const size_t at = authority.rfind('@');
+  if (at == std::string_view::npos) return std::string(url);
+  return std::string(url.substr(0, start)) + "***@" + std::string(url.substr(start + at + 1));
+}
+
+Result<std::string> ReadBoundedFile(const std::string& path, size_t max_bytes,
+                                    const std::string& what) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return NotFound(what + " " + path + " does not exist");
+    return IOErrorFromErrno("reading " + what + " " + path, err);
+  }
+  std::string text;
+  char buffer[64 << 10];
+  while (true) {
+    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      return IOErrorFromErrno("reading " + what + " " + path, err);
+    }
+    if (n == 0) break;
+    if (text.size() + static_cast<size_t>(n) > max_bytes) {
+      ::close(fd);
+      return InvalidArgument(what + " " + path + " is longer than " + std::to_string(max_bytes) +
+                             " bytes; not a settings file");
+    }
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return text;
 }
 
 Result<S3Config> ResolveS3Config(const S3Overrides& overrides, const GetEnv& getenv) {

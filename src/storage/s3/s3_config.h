@@ -63,6 +63,17 @@ struct S3Config {
 using GetEnv = std::function<std::optional<std::string>(const std::string& name)>;
 GetEnv ProcessEnv();
 
+// `url` with its user-info (the "user:password@" of "http://user:password@host/") replaced by
+// "***@": what every message that names an endpoint URL prints, so that a credential written
+// into the URL never reaches a log.
+std::string RedactUrl(std::string_view url);
+
+// The whole content of the file `path`, read with a bound: more than `max_bytes` is
+// kInvalidArgument naming `what` and the path, found while reading (a config that names
+// /dev/zero, or a huge file, never fills memory). kNotFound when it does not exist.
+Result<std::string> ReadBoundedFile(const std::string& path, size_t max_bytes,
+                                    const std::string& what);
+
 Result<S3Config> ResolveS3Config(const S3Overrides& overrides = {},
                                  const GetEnv& getenv = ProcessEnv());
 

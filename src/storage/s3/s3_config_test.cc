@@ -122,6 +122,14 @@ TEST_F(S3ConfigTest, FilesNamedByTheEnvironment) {
   EXPECT_EQ(c->region, "ap-south-1");
 }
 
+// Issue 30, defect 18: the AWS files were read whole before anything bounded them.
+TEST_F(S3ConfigTest, SettingsFilesAreReadWithABound) {
+  env_["AWS_CONFIG_FILE"] = "/dev/zero";
+  Result<S3Config> c = Resolve();
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << c.status().ToString();
+  EXPECT_THAT(c.status().message(), HasSubstr("AWS settings file /dev/zero is longer than"));
+}
+
 TEST_F(S3ConfigTest, RegionAndEndpointPrecedence) {
   env_["AWS_ACCESS_KEY_ID"] = "A";
   env_["AWS_SECRET_ACCESS_KEY"] = "S";

@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <charconv>
 #include <ctime>
+#include <set>
 #include <thread>
 
+#include "core/utf8.h"
 #include "storage/s3/s3_client.h"
 
 namespace tessera::s3 {
@@ -98,31 +100,86 @@ Result<ObjectInfo> S3Client::HeadObject(const std::string& bucket, const std::st
   return info;
 }
 
+namespace {
+
+// Tries of a ranged GET whose reply held other bytes than asked for.
+constexpr int kRangedReadAttempts = 3;
+
+// OK when `response` holds exactly the bytes [first, last] of the object: a 206 whose
+// Content-Range says that range ("bytes first-last/total", RFC 9110 14.4), or a 200 (a server
+// that ignored Range) for a read from offset 0, whose body then was the whole object and had to
+// fit the buffer; and as many body bytes as asked for.
+Status CheckRangedReply(const HttpResponse& response, uint64_t first, uint64_t last,
+                        uint64_t expected_bytes, const std::string& where) {
+  const auto bad = [&](const std::string& why) {
+    return DataLoss(where + ": HTTP " + std::to_string(response.status) + " " + why);
+  };
+  if (response.status == 200 && first != 0) {
+    return bad("for a ranged read that does not start at 0 (the server ignored Range)");
+  }
+  if (response.status != 200 && response.status != 206) return bad("(expected 206)");
+  if (response.body_bytes != expected_bytes) {
+    return bad("with " + std::to_string(response.body_bytes) + " bytes of " +
+               std::to_string(expected_bytes) + " (object shorter than when opened; truncated?)");
+  }
+  if (response.status == 206) {
+    const std::string* range = response.Header("content-range");
+    uint64_t got_first = 0, got_last = 0;
+    const std::string_view text = range ? std::string_view(*range) : std::string_view();
+    const bool parsed = text.starts_with("bytes ") && [&] {
+      const std::string_view spec = text.substr(6);
+      const size_t dash = spec.find('-');
+      const size_t slash = spec.find('/');
+      if (dash == std::string_view::npos || slash == std::string_view::npos || slash < dash) {
+        return false;
+      }
+      const auto a = std::from_chars(spec.data(), spec.data() + dash, got_first);
+      const auto b = std::from_chars(spec.data() + dash + 1, spec.data() + slash, got_last);
+      return a.ec == std::errc() && a.ptr == spec.data() + dash && b.ec == std::errc() &&
+             b.ptr == spec.data() + slash;
+    }();
+    if (!parsed) {
+      return bad("without a Content-Range of the form 'bytes first-last/size' (got " +
+                 (range ? QuoteBytes(*range) : std::string("none")) + ")");
+    }
+    if (got_first != first || got_last != last) {
+      return bad("carries the bytes " + std::to_string(got_first) + "-" + std::to_string(got_last) +
+                 " (Content-Range), not the ones asked for");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status S3Client::GetRange(const std::string& bucket, const std::string& key, uint64_t offset,
                           std::span<std::byte> dst, const std::string& if_match) {
   if (dst.empty()) return Status::Ok();
   auto one = [&](uint64_t at, std::span<std::byte> into) -> Status {
     const uint64_t last = at + into.size() - 1;
-    S3Call call{.op = S3Op::kGet, .method = "GET", .bucket = bucket, .key = key};
-    call.headers.emplace_back("Range", "bytes=" + std::to_string(at) + "-" + std::to_string(last));
-    if (!if_match.empty()) call.headers.emplace_back("If-Match", if_match);
-    call.sink = into;
-    call.range = std::pair{at, last};
-    S3CallResult r = Execute(call);
-    if (r.status.code() == StatusCode::kFailedPrecondition) {
-      return Rewrap(r.status, StatusCode::kDataLoss,
-                    Uri(bucket, key) + " changed since it was opened (ETag " + if_match + ")");
+    const std::string where =
+        Uri(bucket, key) + " bytes " + std::to_string(at) + "-" + std::to_string(last);
+    // A reply whose bytes are not the ones asked for (a short body, or a 206 for another range:
+    // a faulty proxy or middlebox) is asked for again, a few times, and then is kDataLoss naming
+    // the object and the range. Never accepted: a safetensors file has no checksum to catch it.
+    Status wrong;
+    for (int attempt = 0; attempt < kRangedReadAttempts; ++attempt) {
+      S3Call call{.op = S3Op::kGet, .method = "GET", .bucket = bucket, .key = key};
+      call.headers.emplace_back("Range",
+                                "bytes=" + std::to_string(at) + "-" + std::to_string(last));
+      if (!if_match.empty()) call.headers.emplace_back("If-Match", if_match);
+      call.sink = into;
+      call.range = std::pair{at, last};
+      S3CallResult r = Execute(call);
+      if (r.status.code() == StatusCode::kFailedPrecondition) {
+        return Rewrap(r.status, StatusCode::kDataLoss,
+                      Uri(bucket, key) + " changed since it was opened (ETag " + if_match + ")");
+      }
+      TESSERA_RETURN_IF_ERROR(r.status);
+      wrong = CheckRangedReply(r.response, at, last, into.size(), where);
+      if (wrong.ok()) return wrong;
     }
-    TESSERA_RETURN_IF_ERROR(r.status);
-    const bool whole = r.response.status == 200 && at == 0;  // a server that ignored Range
-    if ((r.response.status != 206 && !whole) || r.response.body_bytes != into.size()) {
-      return DataLoss(Uri(bucket, key) + " bytes " + std::to_string(at) + "-" +
-                      std::to_string(last) + ": HTTP " + std::to_string(r.response.status) +
-                      " with " + std::to_string(r.response.body_bytes) +
-                      " bytes (object shorter "
-                      "than when opened; truncated?)");
-    }
-    return Status::Ok();
+    return wrong.WithContext("after " + std::to_string(kRangedReadAttempts) + " attempts");
   };
   const uint64_t chunk = options_.read_chunk_bytes;
   if (dst.size() <= chunk) return one(offset, dst);
@@ -224,19 +281,64 @@ Result<ListPage> S3Client::ListObjectsPage(const std::string& bucket, const std:
   return page;
 }
 
+namespace {
+
+// Every name a listing returns must lie under the prefix listed (and a common prefix must end
+// with the delimiter): a server that returns anything else is not trusted with the names of a
+// checkpoint's files (a shorter name made substr throw, and the process abort).
+Status CheckListedNames(const ListPage& page, const std::string& where, const std::string& prefix,
+                        const std::string& delimiter) {
+  const auto bad = [&](const std::string& what, const std::string& name) {
+    return DataLoss("listing " + where + "*: the server returned the " + what + " " +
+                    QuoteBytes(name) + ", which is not under the prefix listed");
+  };
+  for (const ListedObject& o : page.objects) {
+    if (!o.key.starts_with(prefix)) return bad("key", o.key);
+  }
+  for (const std::string& p : page.common_prefixes) {
+    if (!p.starts_with(prefix) || p.size() <= prefix.size() ||
+        (!delimiter.empty() && !p.ends_with(delimiter))) {
+      return bad("common prefix", p);
+    }
+  }
+  return Status::Ok();
+}
+
+// Pages in a row that end "truncated" without a single entry before the listing gives up: a
+// real server returns at least one entry per page (max-keys >= 1).
+constexpr int kMaxEmptyTruncatedPages = 100;
+
+}  // namespace
+
 Result<ListResult> S3Client::ListObjects(const std::string& bucket, const std::string& prefix,
                                          const std::string& delimiter, size_t limit) {
   ListResult all;
   std::string token;
+  std::set<std::string> tokens_seen;  // a token seen twice would page forever
+  int empty_pages = 0;
   do {
     const int max_keys = limit == 0 ? 1000 : static_cast<int>(std::min<size_t>(1000, limit));
     TESSERA_ASSIGN_OR_RETURN(ListPage page,
                              ListObjectsPage(bucket, prefix, delimiter, token, max_keys));
+    TESSERA_RETURN_IF_ERROR(CheckListedNames(page, Uri(bucket, prefix), prefix, delimiter));
+    const bool empty = page.objects.empty() && page.common_prefixes.empty();
     for (auto& o : page.objects) all.objects.push_back(std::move(o));
     for (auto& p : page.common_prefixes) all.common_prefixes.push_back(std::move(p));
     token = page.truncated ? page.next_continuation_token : "";
-  } while (!token.empty() &&
-           (limit == 0 || all.objects.size() + all.common_prefixes.size() < limit));
+    if (token.empty()) break;
+    if (!tokens_seen.insert(token).second) {
+      return DataLoss("listing " + Uri(bucket, prefix) +
+                      "*: the server sent the same continuation token twice (a listing that "
+                      "would never end) after " +
+                      std::to_string(all.objects.size() + all.common_prefixes.size()) + " entries");
+    }
+    empty_pages = empty ? empty_pages + 1 : 0;
+    if (empty_pages > kMaxEmptyTruncatedPages) {
+      return DataLoss("listing " + Uri(bucket, prefix) + "*: the server sent " +
+                      std::to_string(empty_pages) +
+                      " truncated pages in a row without an entry (a listing that may never end)");
+    }
+  } while (limit == 0 || all.objects.size() + all.common_prefixes.size() < limit);
   return all;
 }
 

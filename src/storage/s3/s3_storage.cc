@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <mutex>
 
+#include "core/utf8.h"
 #include "storage/s3/object_writer.h"
 #include "storage/s3/s3_client.h"
 
@@ -296,7 +297,15 @@ Result<std::vector<std::string>> S3Storage::ListDir(const std::string& dir) {
   std::vector<std::string> names;
   for (const s3::ListedObject& o : listed.objects) {
     // A key equal to the prefix is a "directory marker" object ("dir/"), not an entry.
-    if (o.key.size() > prefix.size()) names.push_back(o.key.substr(prefix.size()));
+    if (o.key.size() <= prefix.size()) continue;
+    std::string name = o.key.substr(prefix.size());  // ListObjects checked the prefix
+    // Listed with the delimiter "/", a key below the prefix holds no "/": one that does is a
+    // server's mistake, and would name a file in another directory.
+    if (name.find('/') != std::string::npos) {
+      return DataLoss("listing " + dir + ": the server returned the key " + QuoteBytes(o.key) +
+                      " as an entry of the directory, but it lies deeper");
+    }
+    names.push_back(std::move(name));
   }
   for (const std::string& p : listed.common_prefixes) {
     std::string name = p.substr(prefix.size());
