@@ -16,6 +16,13 @@ namespace tessera::tools {
 
 int Fail(const Status& status);
 
+// OK when every prefix in `prefixes` begins some key of the checkpoint at `path`; else NotFound
+// naming the first that does not, with the closest keys and prefixes ("did you mean ...") and
+// `consequence` ("nothing was removed"). Prefixes that are not UTF-8, and a checkpoint that
+// cannot be read, are left to the command (which refuses them with its own error): OK.
+Status CheckEveryPrefixMatches(const std::string& path, const std::vector<std::string>& prefixes,
+                               const std::string& consequence);
+
 // Each Add*Command adds a subcommand to `parent`; when it is chosen, its callback stores the
 // process exit code in *exit_code.
 void AddInspectCommands(CLI::App& app, int* exit_code);  // inspect, verify

@@ -82,6 +82,10 @@ int RunConvert(const ConvertCliOptions& cli) {
   }
   options.torch_dist_flavor =
       cli.torch_dist_flavor == "1.13" ? TorchDistFlavor::kTorch113 : TorchDistFlavor::kTorch2;
+  // Each --keys prefix must select something: one that selects nothing is a typo.
+  if (Status s = CheckEveryPrefixMatches(cli.src, cli.keys, "nothing was converted"); !s.ok()) {
+    return Fail(s);
+  }
   options.keys = cli.keys;
   options.strip_prefix = cli.strip_prefix;
   options.num_threads = cli.threads;

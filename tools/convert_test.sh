@@ -150,8 +150,13 @@ msg="$("$tessera" convert "$work/ck" "$work/x" --to safetensors --dtype i8 2>&1)
 [ $rc -eq 1 ] && echo "$msg" | grep -q "\-\-dtype must be bf16, f16, f32 or f64, not 'I8'"
 check "--dtype takes only float targets" $?
 msg="$("$tessera" convert "$work/ck" "$work/x" --to safetensors --keys nothing. 2>&1)"; rc=$?
-[ $rc -eq 1 ] && echo "$msg" | grep -q "no key to export starts with any of the prefixes 'nothing.'"
+[ $rc -eq 1 ] && echo "$msg" | grep -q "starts with the prefix 'nothing.'; nothing was converted" && [ ! -e "$work/x" ]
 check "--keys that match nothing is an error" $?
+# Issue 30: each prefix must match (one typo among good prefixes is an error too), with a
+# "did you mean" of the closest keys and prefixes.
+msg="$("$tessera" convert "$work/ck" "$work/x" --to safetensors --keys decoder. embeding. 2>&1)"; rc=$?
+[ $rc -eq 1 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "prefix 'embeding.' (did you mean 'embedding.'" && [ ! -e "$work/x" ]
+check "--keys with one prefix that matches nothing: an error naming it, did you mean" $?
 
 # The progress bar: drawn when asked (or on a terminal), never with --quiet.
 "$tessera" convert "$work/ck" "$work/p1" --to safetensors --progress > /dev/null 2> "$work/bar.txt"

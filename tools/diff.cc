@@ -1,6 +1,7 @@
 // tessera diff A B: what differs between two checkpoints (any formats tessera reads): keys on
 // one side only, dtype or shape changes, and with --values which tensors and objects differ
-// and by how much. Exit 0 when identical, 1 when they differ, 2 on error.
+// and by how much. Exit 0 when identical (values compared), 1 when they differ, 2 on error, 3
+// when keys, shapes and dtypes are the same and the values were not compared (no --values).
 //
 // --values reads both checkpoints piece by piece (at most kBatchBytes per side in memory),
 // and skips every chunk whose checksums match on both sides when both were saved with the same
@@ -415,7 +416,15 @@ void PrintText(const std::string& path_a, const Metadata& ma, const std::string&
           std::to_string(r.chunks_skipped) + " chunks and objects equal by checksum, not read)");
     for (const auto& [key, d] : r.value_diffs) print("  " + Printable(key) + ": " + DiffText(d));
   }
-  print(r.Identical() ? "identical" : "different");
+  // Without --values nothing says the values agree: "identical" would claim what was not
+  // checked (a fine-tuned copy has the same keys, shapes and dtypes).
+  if (!r.Identical()) {
+    print("different");
+  } else if (r.values) {
+    print("identical");
+  } else {
+    print("same keys, shapes and dtypes; values not compared");
+  }
 }
 
 nlohmann::json SideJson(const Side& s) {
@@ -428,7 +437,8 @@ void PrintDiffJson(const std::string& path_a, const std::string& path_b, const D
   nlohmann::json doc;
   doc["a"] = path_a;
   doc["b"] = path_b;
-  doc["identical"] = r.Identical();
+  doc["identical"] = r.Identical() && r.values;  // values compared and equal
+  doc["same_keys_shapes_dtypes"] = r.Identical();
   doc["only_in_a"] = r.only_a;
   doc["only_in_b"] = r.only_b;
   doc["changed"] = nlohmann::json::array();
@@ -456,8 +466,9 @@ void PrintDiffJson(const std::string& path_a, const std::string& path_b, const D
   PrintJson(std::move(doc));
 }
 
-// Exit codes: 0 identical, 1 different, 2 error.
-constexpr int kIdentical = 0, kDifferent = 1, kError = 2;
+// Exit codes: 0 identical, 1 different, 2 error, 3 same keys, shapes and dtypes with values not
+// compared (README, `tessera diff --help`).
+constexpr int kIdentical = 0, kDifferent = 1, kError = 2, kValuesNotCompared = 3;
 
 int Error(const Status& status) {
   Fail(status);
@@ -476,7 +487,8 @@ int RunDiff(const std::string& a, const std::string& b, bool values, bool json) 
   } else {
     PrintText(a, *ma, b, *mb, *r);
   }
-  return r->Identical() ? kIdentical : kDifferent;
+  if (!r->Identical()) return kDifferent;
+  return values ? kIdentical : kValuesNotCompared;
 }
 
 }  // namespace
@@ -489,7 +501,8 @@ void AddDiffCommand(CLI::App& app, int* exit_code) {
   CLI::App* diff = app.add_subcommand(
       "diff",
       "Compare two checkpoints: keys on one side only, dtype or shape changes, and with "
-      "--values the tensors that differ (exit 0 identical, 1 different, 2 error)");
+      "--values the tensors that differ. Exit status: 0 identical (with --values), 1 different, "
+      "2 error, 3 same keys, shapes and dtypes but values not compared (no --values)");
   diff->add_option("A", *a, "first checkpoint")->required();
   diff->add_option("B", *b, "second checkpoint")->required();
   diff->add_flag("--values", *values,

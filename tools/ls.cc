@@ -1,4 +1,6 @@
 // tessera ls: the checkpoints under a directory, oldest first.
+#include <unistd.h>
+
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -333,12 +335,14 @@ void PrintTable(const std::vector<Found>& all) {
   for (const auto& row : rows) {
     for (size_t c = 0; c < row.size(); ++c) w[c] = std::max(w[c], DisplayWidth(row[c]));
   }
-  // The path column gives way first (cut in the middle), down to 12 columns; the state, last,
-  // is cut at the end of the line.
+  // On a terminal the path column gives way first (cut in the middle), down to 12 columns; the
+  // state, last, is cut at the end of the line. Off a terminal (a pipe, a file, a script) every
+  // line is whole: a path cut with "..." cannot be used.
+  const bool terminal = isatty(STDOUT_FILENO) == 1;
   size_t others = 0;
   for (size_t c = 1; c < 7; ++c) others += w[c] + 2;
   const size_t state_room = 12;
-  if (w[0] + others + state_room > width) {
+  if (terminal && w[0] + others + state_room > width) {
     w[0] = std::max<size_t>(12, width > others + state_room ? width - others - state_room : 0);
   }
   const bool right[8] = {false, false, true, true, true, true, false, false};
@@ -352,7 +356,7 @@ void PrintTable(const std::vector<Found>& all) {
         line += (right[c] ? PadLeft(cell, w[c]) : PadRight(cell, w[c])) + "  ";
       }
     }
-    std::printf("%s\n", FitEnd(line, width).c_str());
+    std::printf("%s\n", (terminal ? FitEnd(line, width) : line).c_str());
   }
 }
 

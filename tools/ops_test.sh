@@ -33,6 +33,9 @@ PY
 check "demo's progress lines reach the total and end with 'done in'" $?
 ! grep -q "save:" "$work/demo.out"  || grep -q "^save: 4 ranks" "$work/demo.out"
 check "progress stays off stdout" $?
+# Issue 30: off a terminal a rate measured over a burst read as "537 GB/s": the lines give bytes,
+# percent and the time taken, no rate and no estimate.
+! grep -Eq "B/s| left" "$work/demo.err"; check "progress lines off a terminal print no rate" $?
 "$tessera" demo --out "$work/quiet" --size 4MiB --no-sync 2> "$work/quiet.err" > /dev/null
 [ ! -s "$work/quiet.err" ]; check "without a terminal and without --progress, no progress" $?
 "$tessera" verify "$work/runs/a" --progress > /dev/null 2> "$work/verify.err"
@@ -173,6 +176,12 @@ order = [c["path"] for c in doc["checkpoints"]]
 assert order.index("step100") < order.index("nested/step200")
 PY
 check "ls finds every checkpoint (tessera, uncommitted, DCP, HF) with step, bytes, files, ranks, sorted by save time" $?
+# Issue 30: off a terminal (here a file) no path is cut with "...", whatever COLUMNS says.
+mkdir -p "$work/deep/a_rather_long_directory_name_for_a_run/and_another_long_one_below_it"
+cp -r "$work/runs/a" "$work/deep/a_rather_long_directory_name_for_a_run/and_another_long_one_below_it/step_0000100"
+COLUMNS=40 "$tessera" ls "$work/deep" > "$work/ls_deep.txt"; rc=$?
+[ $rc -eq 0 ] && grep -q "^a_rather_long_directory_name_for_a_run/and_another_long_one_below_it/step_0000100  .*committed" "$work/ls_deep.txt" && ! grep -qF "..." "$work/ls_deep.txt"
+check "ls off a terminal prints whole paths and whole lines" $?
 head -n 1 "$work/ls.txt" | grep -q "PATH.*FORMAT.*STEP.*BYTES.*FILES.*RANKS.*SAVED.*STATE"
 check "ls prints a table with a header" $?
 grep -Eq "^broken .* uncommitted" "$work/ls.txt"; check "ls marks an uncommitted save" $?
@@ -198,12 +207,24 @@ PY
 check "ls: a stray .safetensors file hides no checkpoint below it; HF directories are searched on" $?
 
 # ---- diff ----------------------------------------------------------------------------------
-"$tessera" diff "$work/runs/step100" "$work/runs/step100" > /dev/null; rc=$?
-[ $rc -eq 0 ]; check "diff of a checkpoint with itself: exit 0" $?
+# Without --values nothing is said to be identical (issue 30): the values were not compared,
+# and a checkpoint whose values differ has the same keys, shapes and dtypes. Exit 3.
+"$tessera" diff "$work/runs/step100" "$work/runs/step100" > "$work/self.txt"; rc=$?
+[ $rc -eq 3 ] && tail -n 1 "$work/self.txt" | grep -qx "same keys, shapes and dtypes; values not compared"
+check "diff of a checkpoint with itself without --values: exit 3, values not compared" $?
 "$tessera" diff "$work/runs/step100" "$work/runs/nested/step200" > "$work/diff.txt"; rc=$?
-[ $rc -eq 0 ] && grep -q "values not compared" "$work/diff.txt" \
+[ $rc -eq 3 ] && ! grep -q "identical" "$work/diff.txt" \
+  && tail -n 1 "$work/diff.txt" | grep -qx "same keys, shapes and dtypes; values not compared" \
   && { [ $have_python -eq 0 ] || grep -q "metadata step: 100 -> 200" "$work/diff.txt"; }
-check "diff without --values: same keys, dtypes, shapes -> exit 0, metadata noted" $?
+check "diff without --values of checkpoints whose values differ: never 'identical', exit 3, metadata noted" $?
+"$tessera" diff --json "$work/runs/step100" "$work/runs/nested/step200" > "$work/diff3.json"; rc=$?
+[ $rc -eq 3 ] && $python -c "
+import json, sys; d = json.load(open(sys.argv[1]))
+assert d['identical'] is False and d['same_keys_shapes_dtypes'] is True and d['values_compared'] is False, d" "$work/diff3.json"
+check "diff --json without --values: identical false, same_keys_shapes_dtypes true, exit 3" $?
+"$tessera" diff --help > "$work/diff_help.txt"; rc=$?
+[ $rc -eq 0 ] && tr -s ' \n' ' ' < "$work/diff_help.txt" | grep -q "3 same keys, shapes and dtypes but values not compared"
+check "diff --help documents the exit statuses" $?
 if [ $have_python -eq 1 ]; then
 "$tessera" diff --values --json "$work/runs/step100" "$work/runs/nested/step200" > "$work/diff.json"; rc=$?
 [ $rc -eq 1 ]; check "diff --values of checkpoints whose values differ: exit 1" $?
@@ -231,17 +252,26 @@ before="$(md5sum "$work/copy/$(commit "$work/copy")")"
 "$tessera" rm-keys "$work/copy" --prefix optimizer. --dry-run > "$work/dry.txt"; check "rm-keys --dry-run exits 0" $?
 [ "$before" = "$(md5sum "$work/copy/$(commit "$work/copy")")" ] && grep -Eq "^would remove [1-9][0-9]* tensors and 1 objects" "$work/dry.txt"
 check "rm-keys --dry-run says what it would do and changes nothing" $?
+# A prefix that matches nothing is an error naming it, with the closest keys, and nothing is
+# removed (issue 30: it exited 0 saying nothing).
+msg="$("$tessera" rm-keys "$work/copy" --prefix optimizer. --prefix optimzer. 2>&1)"; rc=$?
+[ $rc -eq 1 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "NotFound: no key of .* starts with the prefix 'optimzer.' (did you mean 'optimizer.'" \
+  && echo "$msg" | grep -q "nothing was removed" && [ "$before" = "$(md5sum "$work/copy/$(commit "$work/copy")")" ]
+check "rm-keys with a prefix that matches nothing: exit 1 naming it, did you mean, nothing removed" $?
+msg="$("$tessera" rm-keys "$work/copy" --prefix zzzzzzzzzz --json 2>&1)"; rc=$?
+[ $rc -eq 1 ] && echo "$msg" | grep -q "starts with the prefix 'zzzzzzzzzz'; nothing was removed"
+check "rm-keys --json with a prefix close to nothing: exit 1, no suggestion" $?
 # Issue 30, defect 1: a prefix that is not UTF-8 aborted the process (exit 134, an exception of
 # the JSON writer); now a clear error, nothing removed.
-before="$(ls "$work/copy" | sort)"
+listing_before="$(ls "$work/copy" | sort)"
 for json in "" --json; do
   "$tessera" rm-keys "$work/copy" --prefix $'\xc3' $json > "$work/bad_prefix.out" 2> "$work/bad_prefix.err"
   rc=$?
   [ $rc -eq 1 ] && grep -q 'not valid UTF-8' "$work/bad_prefix.err"
   check "rm-keys --prefix \\xc3 $json: an error naming the prefix, not an abort (rc $rc)" $?
 done
-[ "$(ls "$work/copy" | sort)" = "$before" ]; check "rm-keys with a bad prefix changed nothing" $?
-"$tessera" rm-keys "$work/copy" --prefix optimizer. --prefix none. --progress --json > "$work/rm.json" 2> "$work/rm.err"
+[ "$(ls "$work/copy" | sort)" = "$listing_before" ]; check "rm-keys with a bad prefix changed nothing" $?
+"$tessera" rm-keys "$work/copy" --prefix optimizer. --prefix optimizer.step --progress --json > "$work/rm.json" 2> "$work/rm.err"
 check "rm-keys exits 0" $?
 $python - "$work/rm.json" "$work/copy" "$have_python" <<'PY'
 import json, os, sys
@@ -249,7 +279,7 @@ r = json.load(open(sys.argv[1]))
 removed = r["removed_tensors"] + r["removed_objects"]
 assert removed and all(k.startswith("optimizer.") for k in removed), removed
 assert r["removed_objects"] == ["optimizer.step"]
-assert [p["keys"] for p in r["prefixes"]] == [len(removed), 0]
+assert [p["keys"] for p in r["prefixes"]] == [len(removed), 1]
 assert r["bytes_freed"] > 0 and r["files_rewritten"] >= 1
 if sys.argv[3] == "1":
     assert r["removed_tensors"] == ["optimizer.exp_avg"] and r["files_rewritten"] == 1
@@ -273,8 +303,18 @@ msg="$("$tessera" rm-keys "$work/runs/hf" --prefix w 2>&1)"; rc=$?
 check "rm-keys of a Hugging Face checkpoint: one line naming the format, exit 1" $?
 
 msg="$("$tessera" rm-keys "$work/copy" 2>&1)"; rc=$?
-[ $rc -ne 0 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "^tessera: error: .*--prefix"
-check "a command line that does not parse: one line naming what is missing" $?
+[ $rc -eq 2 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "^tessera: error: .*--prefix"
+check "a command line that does not parse: one line naming what is missing, exit 2" $?
+# CLI11's own codes were 105-109 (issue 30); the README says 2.
+for args in "ls --no-such-flag" "diff onlyone" "rm-keys x --prefix a --io-threads two" "no-such-command" ""; do
+  "$tessera" $args > /dev/null 2>&1; rc=$?
+  [ $rc -eq 2 ]; check "usage error '$args': exit 2 (got $rc)" $?
+done
+"$tessera" --help > /dev/null; check "--help exits 0" $?
+"$tessera" --version > "$work/version.txt"; rc=$?
+[ $rc -eq 0 ] && grep -Eqx "tessera [0-9]+\.[0-9]+\.[0-9]+" "$work/version.txt" \
+  && grep -q "project(tessera VERSION $(cut -d' ' -f2 "$work/version.txt")" "$(dirname "$0")/../CMakeLists.txt"
+check "--version prints the project's version from CMake" $?
 
 # ---- --json and text that is not UTF-8 (issue 22, defects 9 and 10) -------------------------
 # Every JSON document prints, whatever bytes its strings hold: a string that is not UTF-8 comes
@@ -291,9 +331,17 @@ assert entries.get(sys.argv[2]) == sys.argv[3], (sys.argv[2], doc["non_utf8"])
 PY
 }
 cp -r "$work/runs/a" "$work/nu_rm"
-"$tessera" rm-keys "$work/nu_rm" --prefix $'opt\xff' --json > "$work/nu_rm.json"; rc=$?
-[ $rc -eq 0 ] && json_check "$work/nu_rm.json" /prefixes/0/prefix 'opt\xff'
-check "rm-keys --json with a prefix that is not UTF-8 prints JSON" $?
+# Issue 30, defect 1: a prefix that is not UTF-8 aborted (type_error.316, exit 134). Keys are
+# UTF-8: RemoveKeys refuses such a prefix by name, one line, exit 1, nothing changed.
+nu_before="$(ls "$work/nu_rm" | md5sum)"
+for prefix in $'opt\xff' $'\xc3' $'optimizer.\xc3'; do
+  for json in "" --json; do
+    msg="$("$tessera" rm-keys "$work/nu_rm" --prefix "$prefix" $json 2>&1)"; rc=$?
+    [ $rc -eq 1 ] && [ "$(echo "$msg" | wc -l)" -eq 1 ] && echo "$msg" | grep -q "InvalidArgument: RemoveKeys: the key prefix .* is not valid UTF-8" \
+      && [ "$(ls "$work/nu_rm" | md5sum)" = "$nu_before" ]
+    check "rm-keys $json with the prefix $(printf '%q' "$prefix") (not UTF-8): exit 1 naming it (got $rc)" $?
+  done
+done
 "$tessera" convert "$work/runs/a" "$work/nu_dst_"$'\xff' --to safetensors --json --no-sync \
   > "$work/nu_convert.json"; rc=$?
 [ $rc -eq 0 ] && json_check "$work/nu_convert.json" /destination "$work/nu_dst_\\xff"
@@ -320,8 +368,40 @@ check "ls --json of a directory whose name is not UTF-8 prints JSON" $?
 [ $rc -eq 0 ] && json_check "$work/nu_inspect.json" /objects/0/key 'optimizer.st\xff\xfe'
 check "inspect --json of a checkpoint whose key is not UTF-8 prints JSON" $?
 "$tessera" diff --json "$work/nu_dcp" "$work/nu_dcp" > "$work/nu_diff.json"; rc=$?
-[ $rc -eq 0 ] && $python -c 'import json,sys; json.loads(open(sys.argv[1],"rb").read().decode())' "$work/nu_diff.json"
+[ $rc -eq 3 ] && $python -c 'import json,sys; json.loads(open(sys.argv[1],"rb").read().decode())' "$work/nu_diff.json"
 check "diff --json of checkpoints with a key that is not UTF-8 prints JSON" $?
+
+# Issue 30, defect 1, for every command: arguments that are not UTF-8 (paths, keys, prefixes)
+# never abort (nlohmann's dump throws on such strings unless told not to): each command exits
+# with its status (< 128), prints at most one error line, and --json output that is printed is
+# strict UTF-8 JSON.
+bad=$'\xc3'
+sweep() {  # sweep NAME ARGS...: run `tessera ARGS...`, check the outcome
+  local name="$1"; shift
+  "$tessera" "$@" > "$work/sweep.out" 2> "$work/sweep.err"; local rc=$?
+  [ $rc -lt 128 ] && [ "$(wc -l < "$work/sweep.err")" -le 1 ] \
+    && { [ ! -s "$work/sweep.out" ] || ! printf '%s ' "$@" | grep -q -- "--json" \
+         || $python -c 'import json,sys; json.loads(open(sys.argv[1],"rb").read().decode())' "$work/sweep.out"; }
+  check "not UTF-8: $name exits $rc, no abort, at most one error line" $?
+}
+cp -r "$work/runs/a" "$work/sweep_ck"
+for json in "" --json; do
+  sweep "inspect --keys $json" inspect "$work/sweep_ck" --keys "model.${bad}*" $json
+  sweep "inspect path $json" inspect "$work/nope_$bad" $json
+  sweep "ls $json" ls "$work/nope_$bad" $json
+  sweep "diff $json" diff "$work/sweep_ck" "$work/nope_$bad" $json
+  sweep "rm-keys path $json" rm-keys "$work/nope_$bad" --prefix model. $json
+  sweep "rm-keys prefix $json" rm-keys "$work/sweep_ck" --prefix "model.$bad" $json
+  sweep "convert --keys $json" convert "$work/sweep_ck" "$work/sweep_dst1$json" --keys "$bad" --to safetensors --no-sync $json
+  sweep "convert --strip-prefix $json" convert "$work/sweep_ck" "$work/sweep_dst2$json" --strip-prefix "$bad" --to safetensors --no-sync $json
+  sweep "convert destination $json" convert "$work/sweep_ck" "$work/sweep_dst3_$bad$json" --to tessera --no-sync $json
+  sweep "latest $json" latest "$work/nope_$bad" $json
+  sweep "prune $json" prune "$work/nope_$bad" --keep-last 1 $json
+done
+sweep "verify" verify "$work/nope_$bad"
+sweep "finalize" finalize "$work/nope_$bad"
+sweep "demo --out" demo --out "$work/sweep_demo_$bad" --size 1MiB --no-sync
+sweep "unknown option" inspect "$work/sweep_ck" "--$bad"
 
 # Defect 10: error lines carry no control character raw (a hostile key's or path's escape
 # sequences), escaped \xNN as the tables escape them.

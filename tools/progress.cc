@@ -12,6 +12,9 @@ namespace {
 
 // How often a bar is redrawn (or a line printed) at most, but for the last one.
 constexpr auto kRedrawInterval = std::chrono::milliseconds(100);
+// The shortest time a rate is measured over before it is shown: over less, a burst (chunks
+// equal by checksum, bytes in the page cache) reads as hundreds of GB/s.
+constexpr double kMinRateSeconds = 1.0;
 
 int TerminalColumns(FILE* out) {
   winsize ws{};
@@ -97,8 +100,12 @@ std::string ProgressBar::Line(bool final) const {
   // Up to now, or to when the work reached its total (what follows is not its time).
   const Clock::time_point end = reached_total_ ? reached_at_ : Clock::now();
   const double elapsed = std::chrono::duration<double>(end - start_).count();
-  // The rate over what this bar saw; none yet over a too short time.
-  const double rate = elapsed >= 0.05 ? (done_ - std::min(done_, done_at_start_)) / elapsed : 0;
+  // The rate over what this bar saw, on a terminal only and over at least kMinRateSeconds. Off a
+  // terminal (a log) the lines give bytes and percent, and the last one the time taken: a rate
+  // there is read long after and out of context, and one measured over a burst is meaningless.
+  const double rate = mode_ == Mode::kTerminal && elapsed >= kMinRateSeconds
+                          ? (done_ - std::min(done_, done_at_start_)) / elapsed
+                          : 0;
   const int percent = total_ ? static_cast<int>(done_ * 100 / total_) : 100;
   const std::string amounts = FormatBytes(done_) + " / " + FormatBytes(total_);
   const std::string speed = rate > 0 ? FormatBytes(static_cast<uint64_t>(rate)) + "/s" : "";

@@ -1,8 +1,10 @@
 // tessera rm-keys: RemoveKeys from the command line.
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "core/utf8.h"
 #include "tessera/checkpoint.h"
 #include "tessera/remove_keys.h"
 #include "tools/commands.h"
@@ -83,6 +85,11 @@ void PrintText(const RmKeysOptions& o, const RemoveKeysReport& r) {
 }
 
 int RunRmKeys(const RmKeysOptions& o) {
+  // A prefix that matches no key is a mistake (a typo, the wrong checkpoint), not a removal of
+  // nothing: refused before anything is removed.
+  if (Status s = CheckEveryPrefixMatches(o.path, o.prefixes, "nothing was removed"); !s.ok()) {
+    return Fail(s);
+  }
   ProgressBar bar("rm-keys", o.dry_run ? ProgressMode::kQuiet : o.progress.Mode());
   RemoveKeysOptions options;
   options.dry_run = o.dry_run;
@@ -101,6 +108,33 @@ int RunRmKeys(const RmKeysOptions& o) {
 }
 
 }  // namespace
+
+Status CheckEveryPrefixMatches(const std::string& path, const std::vector<std::string>& prefixes,
+                               const std::string& consequence) {
+  for (const std::string& p : prefixes) {
+    if (p.empty() || !IsValidUtf8(p)) return Status::Ok();
+  }
+  if (prefixes.empty()) return Status::Ok();
+  Result<Metadata> m = ReadMetadata(path);
+  if (!m.ok()) return Status::Ok();
+  std::vector<std::string> keys;
+  for (const TensorInfo& t : m->tensors) keys.push_back(t.key);
+  for (const ObjectInfo& ob : m->objects) keys.push_back(ob.key);
+  for (const std::string& p : prefixes) {
+    if (std::any_of(keys.begin(), keys.end(),
+                    [&](const std::string& k) { return k.starts_with(p); })) {
+      continue;
+    }
+    std::string hint;
+    for (const std::string& c : ClosestNames(p, keys)) {
+      hint += (hint.empty() ? " (did you mean '" : " or '") + Printable(c) + "'";
+    }
+    if (!hint.empty()) hint += "?)";
+    return NotFound("no key of " + Printable(path) + " starts with the prefix '" + Printable(p) +
+                    "'" + hint + "; " + consequence);
+  }
+  return Status::Ok();
+}
 
 void AddRmKeysCommand(CLI::App& app, int* exit_code) {
   auto o = std::make_shared<RmKeysOptions>();

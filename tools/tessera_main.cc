@@ -6,6 +6,9 @@
 #include "core/utf8.h"
 #include "tools/commands.h"
 
+// The exit status of a command line that does not parse (README, "Command line").
+constexpr int kUsageError = 2;
+
 int main(int argc, char** argv) {
   using namespace tessera::tools;
   CLI::App app{"tessera: distributed checkpoints of sharded tensors"};
@@ -15,6 +18,8 @@ int main(int argc, char** argv) {
     return "tessera: error: " + tessera::EscapeControlCharacters(e.what()) +
            " (--help for usage)\n";
   });
+  // The project's version (CMake's project(VERSION)), e.g. "tessera 0.1.0".
+  app.set_version_flag("--version", std::string("tessera ") + TESSERA_VERSION);
   int exit_code = 0;
   AddInspectCommands(app, &exit_code);
   AddDemoCommand(app, &exit_code);
@@ -32,7 +37,11 @@ int main(int argc, char** argv) {
   AddBenchRankLocalCommand(*bench, &exit_code);
   AddBenchConvertCommand(*bench, &exit_code);
   try {
-    CLI11_PARSE(app, argc, argv);
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version exit 0; every command line that does not parse exits 2 (the README's
+    // usage-error status), not CLI11's own codes (105, 106, ...).
+    return app.exit(e) == 0 ? 0 : kUsageError;
   } catch (const std::bad_alloc&) {
     // The library reports errors as statuses; memory exhaustion in a command's own buffers is
     // the one failure that arrives as an exception. A clear error, not an abort.

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <ctime>
+#include <set>
+#include <vector>
 
 #include "core/utf8.h"
 
@@ -117,6 +119,52 @@ bool NaturalLess(std::string_view a, std::string_view b) {
     ++i, ++j;
   }
   return a.size() - i < b.size() - j;
+}
+
+namespace {
+
+// Levenshtein distance, stopping early past `cap` (returns cap + 1).
+size_t EditDistance(std::string_view a, std::string_view b, size_t cap) {
+  if (a.size() > b.size() + cap || b.size() > a.size() + cap) return cap + 1;
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    size_t best = row[0];
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+      best = std::min(best, row[j]);
+    }
+    if (best > cap) return cap + 1;
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+std::vector<std::string> ClosestNames(const std::string& wanted,
+                                      const std::vector<std::string>& keys, size_t limit) {
+  std::set<std::string> names;
+  for (const std::string& key : keys) {
+    for (size_t dot = key.find('.'); dot != std::string::npos; dot = key.find('.', dot + 1)) {
+      names.insert(key.substr(0, dot + 1));
+    }
+    names.insert(key);
+  }
+  const size_t cap = std::max<size_t>(1, wanted.size() / 2);
+  std::vector<std::pair<size_t, std::string>> scored;
+  for (const std::string& name : names) {
+    // A prefix of the wanted text's length compares like for like ("optimzer." ~ "optimizer.").
+    const size_t d = EditDistance(wanted, name, cap);
+    if (d <= cap) scored.emplace_back(d, name);
+  }
+  std::sort(scored.begin(), scored.end());
+  std::vector<std::string> out;
+  for (size_t i = 0; i < scored.size() && i < limit; ++i) out.push_back(scored[i].second);
+  return out;
 }
 
 }  // namespace tessera::tools

@@ -32,6 +32,12 @@ std::string PadLeft(const std::string& s, size_t width);
 // "2024-05-01 12:00:03" in local time, or "-" for 0.
 std::string FormatTime(int64_t unix_ms);
 
+// The names among `keys` and their dotted prefixes ("a.b.c" gives "a.", "a.b.", "a.b.c") closest
+// to `wanted` by edit distance, at most `limit`, closest first; none when nothing is close (more
+// than half of `wanted`'s length away). For "did you mean" in an error.
+std::vector<std::string> ClosestNames(const std::string& wanted,
+                                      const std::vector<std::string>& keys, size_t limit = 3);
+
 // Keys in the order people read them: digit runs compare as numbers, so "layers.2" comes
 // before "layers.10"; otherwise bytewise.
 bool NaturalLess(std::string_view a, std::string_view b);

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -39,12 +40,12 @@ struct Needed {
 Result<uint64_t> NewestCommitNow(Storage& storage, const std::string& dir,
                                  const std::vector<std::string>& names) {
   uint64_t top = HighestCommit(names);
-  while (true) {
-    TESSERA_ASSIGN_OR_RETURN(FileType next,
-                             storage.Stat(JoinPath(dir, CommitName(top + 1))));
+  while (top < std::numeric_limits<uint64_t>::max()) {  // nothing can lie above the last number
+    TESSERA_ASSIGN_OR_RETURN(FileType next, storage.Stat(JoinPath(dir, CommitName(top + 1))));
     if (next == FileType::kNotFound) return top;
     ++top;
   }
+  return top;
 }
 
 // Whether every rank 0..num_ranks-1 of `save_id` has its part among `names`.
@@ -74,7 +75,9 @@ Result<Needed> WhatIsNeeded(Storage& storage, const std::string& dir,
     uint64_t seq = 0;
     if (ParseCommitName(name, &seq) && seq > 0) seqs.insert(seq);
   }
-  for (uint64_t seq = HighestCommit(names) + 1; seq <= top; ++seq) seqs.insert(seq);
+  // Overflow-safe at the top of the range: counts up from the highest listed to `top`, never
+  // past it (seq <= top with top = 2^64 - 1 would never end).
+  for (uint64_t seq = HighestCommit(names); seq < top;) seqs.insert(++seq);
   for (uint64_t seq : seqs) {
     Result<Metadata> commit = ReadCommit(storage, dir, CommitName(seq));
     // Below N, what cannot be read is not needed; above it, the newest commit must be read
@@ -98,8 +101,7 @@ Result<Needed> WhatIsNeeded(Storage& storage, const std::string& dir,
   for (const RankManifestSet& set : sets) {
     // Version 3 saves that no reference places (rank 0 has not committed), while young.
     if (!set.legacy() && !referenced.count(set.save_id) &&
-        (!set.header_read ||
-         NowUnixMs() - set.save_time_unix_ms < kUnreferencedSaveLifetimeMs)) {
+        (!set.header_read || NowUnixMs() - set.save_time_unix_ms < kUnreferencedSaveLifetimeMs)) {
       needed.save_ids.insert(set.save_id);
     }
   }
@@ -184,8 +186,8 @@ void RemoveStaleFiles(Storage& storage, const std::string& dir, const std::strin
     } else if (!MarkerSaveId(name).empty()) {
       continue;  // markers: below
     } else if (const std::string id = SaveIdOf(name); !id.empty()) {
-      stale = !markers.running.count(id) && !needed->save_ids.count(id) &&
-              !needed->files.count(name);
+      stale =
+          !markers.running.count(id) && !needed->save_ids.count(id) && !needed->files.count(name);
     }
     if (stale) storage.Remove(JoinPath(dir, name)).IgnoreError();
   }

@@ -77,7 +77,10 @@ void RecordRemovedPrefixes(const std::vector<std::string>& prefixes,
   for (size_t i = 0; i < prefixes.size(); ++i) {
     if (matches[i] > 0) all.insert(prefixes[i]);
   }
-  kept.user_metadata[kRemovedKeyPrefixesKey] = nlohmann::json(all).dump();
+  // Every prefix is UTF-8 (CheckArguments) and the old record parsed as JSON; `replace` only
+  // keeps dump() from ever throwing.
+  kept.user_metadata[kRemovedKeyPrefixesKey] =
+      nlohmann::json(all).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 bool Matches(const std::string& key, const std::vector<std::string>& prefixes,
@@ -311,12 +314,11 @@ Status CheckArguments(const std::vector<std::string>& prefixes, const RemoveKeys
     if (p.empty()) {
       return InvalidArgument("RemoveKeys: an empty key prefix would remove every key");
     }
-    // Keys are UTF-8 (ShardedTensor and the manifest readers check), and the prefixes removed
-    // are recorded in the user metadata, which is UTF-8 too: a prefix that is not UTF-8 (say,
-    // the first byte of a two-byte character) is refused rather than matched as bytes.
+    // Keys are UTF-8 (ShardedTensor, docs/FORMAT.md): a prefix that is not could only match
+    // part of a character, and could not be recorded in the manifest's JSON. Refused, named.
     if (!IsValidUtf8(p)) {
       return InvalidArgument("RemoveKeys: the key prefix " + QuoteBytes(p) +
-                             " is not valid UTF-8 (keys are UTF-8); nothing was removed");
+                             " is not valid UTF-8 (keys are UTF-8 text)");
     }
   }
   if (o.num_io_threads < 1) {
@@ -356,8 +358,9 @@ Status Changed(Storage& storage, const std::string& path, uint64_t seq) {
 // commit below then finds taken.
 Status CheckBaseIsNewest(Storage& storage, const std::string& path, const Base& base) {
   TESSERA_ASSIGN_OR_RETURN(FileType witness, storage.Stat(JoinPath(path, base.witness)));
-  TESSERA_ASSIGN_OR_RETURN(FileType next, storage.Stat(JoinPath(path, CommitName(base.seq + 1))));
-  if (next != FileType::kNotFound) return Changed(storage, path, base.seq + 1);
+  TESSERA_ASSIGN_OR_RETURN(const uint64_t after, NextCommitNumber(path, base.seq));
+  TESSERA_ASSIGN_OR_RETURN(FileType next, storage.Stat(JoinPath(path, CommitName(after))));
+  if (next != FileType::kNotFound) return Changed(storage, path, after);
   if (witness == FileType::kNotFound) {
     return Aborted("the checkpoint at " + path + " changed while keys were being removed (" +
                    base.witness + " was superseded and removed); nothing was removed");
@@ -370,7 +373,7 @@ Status CheckBaseIsNewest(Storage& storage, const std::string& path, const Base& 
 // way. `visible` as CommitManifest's.
 Status CommitAfterBase(Storage& storage, const std::string& path, Metadata& kept, const Base& base,
                        SyncPolicy sync, bool& visible) {
-  kept.commit_seq = base.seq + 1;
+  TESSERA_ASSIGN_OR_RETURN(kept.commit_seq, NextCommitNumber(path, base.seq));
   kept.part_rank = -1;
   kept.rank_local_reference = false;
   const Bytes bytes = EncodeManifest(kept);
@@ -452,6 +455,9 @@ Result<RemoveKeysReport> RemoveKeys(const std::string& path,
                               " checkpoint, and RemoveKeys rewrites tessera checkpoints only "
                               "(convert it to tessera first)");
   }
+  // A directory whose newest commit is the last number takes no further commit: refused before
+  // anything is planned or written (a dry run says so too).
+  TESSERA_RETURN_IF_ERROR(NextCommitNumber(path, BaseOf(index).seq).status());
   RemoveKeysReport report;
   report.dry_run = options.dry_run;
   report.save_id = old.save_id;

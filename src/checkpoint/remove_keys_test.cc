@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <set>
 #include <thread>
 
+#include "core/utf8.h"
 #include "format/manifest.h"
 #include "format/safetensors.h"
 #include "tessera/checkpoint.h"
@@ -284,6 +286,77 @@ TEST_F(RemoveKeysTest, BadArgumentsAndOtherFormatsAreRefusedNamingWhy) {
   EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_THAT(r.status().message(), HasSubstr("it is a safetensors checkpoint"));
   EXPECT_THAT(r.status().message(), HasSubstr("tessera checkpoints only"));
+}
+
+TEST_F(RemoveKeysTest, APrefixThatIsNotUtf8IsRefusedNamingItAndNothingChanges) {
+  TrainState state(7, 100);
+  ASSERT_OK(Save(state.Dict(), path_, save_));
+  const std::vector<std::string> names = Names();
+  // "\xc3" alone: the first byte of a two-byte character (the CLI's `--prefix $'\xc3'`).
+  for (const std::string& bad :
+       {std::string("\xc3"), std::string("model.\xff"), std::string("\xed\xa0\x80")}) {
+    remove_.dry_run = false;
+    Result<RemoveKeysReport> r = RemoveKeys(path_, {"model.", bad}, remove_);
+    ASSERT_EQ(r.status().code(), StatusCode::kInvalidArgument) << QuoteBytes(bad);
+    EXPECT_THAT(r.status().message(), HasSubstr(QuoteBytes(bad)));
+    EXPECT_THAT(r.status().message(), HasSubstr("not valid UTF-8"));
+    remove_.dry_run = true;
+    EXPECT_EQ(RemoveKeys(path_, {bad}, remove_).status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(Names(), names);
+  ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path_, storage_));
+  EXPECT_NE(m.FindTensor("model.w"), nullptr);
+}
+
+// Moves the committed checkpoint of `dir` to commit number `seq` (the manifest says its own
+// number, so it is re-encoded), and drops the hint.
+void MoveCommitTo(MemoryStorage& storage, const std::string& dir, uint64_t seq) {
+  const std::string from = testing::CommitPath(storage, dir);
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> bytes, storage.GetFileContents(from));
+  ASSERT_OK_AND_ASSIGN(Metadata m, DecodeManifest(bytes, from));
+  m.commit_seq = seq;
+  ASSERT_OK(storage.Remove(from));
+  storage.Remove(dir + "/" + kSequenceHintFileName).IgnoreError();
+  storage.SetFileContents(dir + "/" + CommitName(seq), EncodeManifest(m));
+}
+
+constexpr uint64_t kLastCommit = std::numeric_limits<uint64_t>::max();
+
+TEST_F(RemoveKeysTest, AtTheLastCommitNumberNothingMoreIsCommittedAndTheErrorSaysWhy) {
+  TrainState state(8, 100);
+  ASSERT_OK(Save(state.Dict(), path_, save_));
+  MoveCommitTo(*storage_, path_, kLastCommit);
+  const std::vector<std::string> names = Names();
+  for (bool dry_run : {false, true}) {
+    remove_.dry_run = dry_run;
+    Result<RemoveKeysReport> r = RemoveKeys(path_, {"optimizer."}, remove_);
+    ASSERT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << dry_run;
+    EXPECT_THAT(r.status().message(), HasSubstr(path_));
+    EXPECT_THAT(r.status().message(), HasSubstr("18446744073709551615"));
+  }
+  // A save into the directory is refused the same way; what is there still loads.
+  const Status saved = Save(state.Dict(), path_, save_).status();
+  ASSERT_EQ(saved.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(saved.message(), HasSubstr("18446744073709551615"));
+  EXPECT_EQ(Names(), names);
+  ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path_, storage_));
+  EXPECT_EQ(m.commit_seq, kLastCommit);
+  EXPECT_NE(m.FindTensor("optimizer.m.w"), nullptr);
+}
+
+TEST_F(RemoveKeysTest, OneBelowTheLastCommitNumberARemovalTakesTheLastAndItsCleanupEnds) {
+  TrainState state(9, 100);
+  ASSERT_OK(Save(state.Dict(), path_, save_));
+  MoveCommitTo(*storage_, path_, kLastCommit - 1);
+  // Before: the cleanup's loop `seq <= top` over the numbers up to 2^64 - 1 never ended.
+  ASSERT_OK_AND_ASSIGN(RemoveKeysReport r, RemoveKeys(path_, {"optimizer."}, remove_));
+  EXPECT_EQ(r.removed_tensors.size(), 2u);
+  ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(path_, storage_));
+  EXPECT_EQ(m.commit_seq, kLastCommit);
+  ExpectModelOnly(state);
+  ExpectNoStrayFiles();
+  Result<RemoveKeysReport> again = RemoveKeys(path_, {"model.b"}, remove_);
+  EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition);
 }
 
 // Flips one byte of `key`'s chunk 0 at `at` bytes into it.

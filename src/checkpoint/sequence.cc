@@ -1,6 +1,7 @@
 #include "checkpoint/sequence.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "format/manifest.h"
 
@@ -62,6 +63,16 @@ Result<bool> AboveEveryEarlierCommit(Storage& storage, const std::string& dir, u
 
 }  // namespace
 
+Result<uint64_t> NextCommitNumber(const std::string& dir, uint64_t seq) {
+  if (seq == std::numeric_limits<uint64_t>::max()) {
+    return FailedPrecondition("cannot commit into " + dir + ": its newest commit is number " +
+                              std::to_string(seq) +
+                              ", the last a commit can take (2^64 - 1); save into another "
+                              "directory or convert the checkpoint into one");
+  }
+  return seq + 1;
+}
+
 uint64_t HighestCommit(const std::vector<std::string>& names) {
   uint64_t highest = 0;
   for (const std::string& name : names) {
@@ -77,6 +88,7 @@ Result<uint64_t> FindHighestCommit(Storage& storage, const std::string& dir) {
   TESSERA_ASSIGN_OR_RETURN(bool there, Exists(storage, JoinPath(dir, CommitName(seq))));
   if (!there) return HighestByListing(storage, dir);  // stale: removed as superseded
   for (int probe = 0; probe < kMaxProbes; ++probe) {
+    if (seq == std::numeric_limits<uint64_t>::max()) return seq;  // nothing above it
     TESSERA_ASSIGN_OR_RETURN(bool next, Exists(storage, JoinPath(dir, CommitName(seq + 1))));
     if (!next) return seq;
     ++seq;
@@ -95,16 +107,16 @@ void WriteSequenceHint(Storage& storage, const std::string& dir, uint64_t seq) {
 
 Result<uint64_t> PublishNewestCommit(Storage& storage, const std::string& dir, Metadata metadata,
                                      uint64_t highest_known, bool sync, bool* visible) {
-  uint64_t seq = highest_known + 1;
+  TESSERA_ASSIGN_OR_RETURN(uint64_t seq, NextCommitNumber(dir, highest_known));
   for (int claim = 0; claim < kMaxClaims; ++claim) {
     metadata.commit_seq = seq;
     const Bytes bytes = EncodeManifest(metadata);
     const std::string path = JoinPath(dir, CommitName(seq));
     *visible = true;
-    const Status published =
-        storage.Publish(path, AsBytes(bytes), PublishMode::kCreateOnly, sync);
+    const Status published = storage.Publish(path, AsBytes(bytes), PublishMode::kCreateOnly, sync);
     if (published.code() == StatusCode::kAlreadyExists) {
-      ++seq;  // another commit took the number first: the next
+      // another commit took the number first: the next
+      TESSERA_ASSIGN_OR_RETURN(seq, NextCommitNumber(dir, seq));
       continue;
     }
     TESSERA_RETURN_IF_ERROR(published);
@@ -118,7 +130,7 @@ Result<uint64_t> PublishNewestCommit(Storage& storage, const std::string& dir, M
       return withdrawn.WithContext("withdrawing " + path + ", published below a newer commit");
     }
     TESSERA_ASSIGN_OR_RETURN(uint64_t highest, HighestByListing(storage, dir));
-    seq = std::max(seq, highest) + 1;
+    TESSERA_ASSIGN_OR_RETURN(seq, NextCommitNumber(dir, std::max(seq, highest)));
   }
   return Aborted("could not commit into " + dir + ": " + std::to_string(kMaxClaims) +
                  " commit numbers were taken by others first");
@@ -126,8 +138,8 @@ Result<uint64_t> PublishNewestCommit(Storage& storage, const std::string& dir, M
 
 Status PublishCommitAt(Storage& storage, const std::string& dir, uint64_t seq, const Bytes& bytes,
                        bool sync) {
-  return storage.Publish(JoinPath(dir, CommitName(seq)), AsBytes(bytes),
-                         PublishMode::kCreateOnly, sync);
+  return storage.Publish(JoinPath(dir, CommitName(seq)), AsBytes(bytes), PublishMode::kCreateOnly,
+                         sync);
 }
 
 std::string DescribeCommit(Storage& storage, const std::string& dir, uint64_t seq) {

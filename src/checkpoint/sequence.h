@@ -23,6 +23,12 @@
 
 namespace tessera {
 
+// The commit after `seq` in `dir`: `seq` + 1, or kFailedPrecondition naming the directory and
+// `seq` when `seq` is the last number a commit can take (2^64 - 1, docs/FORMAT.md section 4):
+// the numbers never wrap, so a directory at the top takes no further commit (save into a new
+// directory, or convert the checkpoint into one).
+Result<uint64_t> NextCommitNumber(const std::string& dir, uint64_t seq);
+
 // The highest commit number among `names` (entries of a directory): a numbered manifest's, 0
 // for the version 2 manifest or when there is none.
 uint64_t HighestCommit(const std::vector<std::string>& names);

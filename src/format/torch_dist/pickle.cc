@@ -1,9 +1,12 @@
 #include "format/torch_dist/pickle.h"
 
 #include <charconv>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <unordered_map>
+
+#include "core/utf8.h"
 
 namespace tessera::torch_dist {
 namespace {
@@ -408,6 +411,7 @@ class PickleParser {
   Status OpTextNumber();
 
   Status Finalize();
+  Status CheckNoKeySetTwice() const;
 
   const uint8_t* data_;
   uint64_t size_;
@@ -953,7 +957,92 @@ Status PickleParser::Run() {
   }
   TESSERA_ASSIGN_OR_RETURN(t_.root_, Pop());
   t_.end_offset_ = pos_;
-  return Finalize();
+  TESSERA_RETURN_IF_ERROR(Finalize());
+  return CheckNoKeySetTwice();
+}
+
+namespace {
+
+// A dict key as Python compares it, for the keys whose equality is plain: str by its text,
+// bytes by theirs, and numbers by value (1 == True == 1.0 in Python: one key). nullopt for the
+// others (tuples, objects, ...), which tessera never looks up by value.
+std::optional<std::string> KeyIdentity(const PickleValue& k) {
+  switch (k.kind()) {
+    case PickleKind::kStr:
+      return "s" + std::string(*k.AsStr());
+    case PickleKind::kBytes:
+      return "b" + std::string(*k.AsBytes());
+    case PickleKind::kInt:
+    case PickleKind::kBool:
+      return "i" + std::to_string(*k.AsInt());
+    case PickleKind::kFloat: {
+      const double f = *k.AsFloat();
+      if (f != f) return std::nullopt;  // NaN: equal to nothing
+      if (f == std::floor(f) && f >= -9.2e18 && f <= 9.2e18) {
+        return "i" + std::to_string(static_cast<int64_t>(f));
+      }
+      std::string bits(sizeof(f), '\0');
+      std::memcpy(bits.data(), &f, sizeof(f));
+      return "f" + bits;
+    }
+    default:
+      return std::nullopt;
+  }
+}
+
+}  // namespace
+
+// Python's unpickler lets a later SETITEM(S) (or a key repeated in one SETITEMS, or a BUILD's
+// slots dict naming an attribute its dict also names) overwrite an earlier value, where a
+// lookup here would find the first; a set keeps an item added twice once. Rather than give such
+// pickles a meaning that could differ from Python's in some corner, every dict must hold each key
+// once, and a BUILD's (dict, slots) state must not name one attribute in both: kDataLoss naming the
+// key. No pickler writes such a stream (a dict cannot hold a key twice); only a crafted or damaged
+// one does.
+Status PickleParser::CheckNoKeySetTwice() const {
+  auto refuse = [&](const PickleValue& key, const std::string& what) -> Status {
+    const std::optional<uint64_t> at = t_.OffsetOf(key);
+    const std::string name = key.is(PickleKind::kStr)
+                                 ? "'" + EscapeControlCharacters(*key.AsStr()) + "'"
+                                 : "of kind " + std::string(PickleKindName(key.kind()));
+    return DataLoss(std::string(source_) + ": pickle: " + what + " " + name + " is set twice" +
+                    (at ? " (the key at offset " + std::to_string(*at) + ")" : "") +
+                    "; Python keeps the last value, and tessera refuses a pickle whose meaning "
+                    "depends on which");
+  };
+  std::unordered_map<std::string, size_t> seen;
+  for (uint32_t id = kFirstFreeId; id < t_.kinds_.size(); ++id) {
+    const PickleValue v(&t_, id);
+    if (v.is(PickleKind::kDict) && v.size() > 1) {
+      seen.clear();
+      for (size_t i = 0; i < v.size(); ++i) {
+        const std::optional<std::string> k = KeyIdentity(v.key(i));
+        if (k && !seen.emplace(*k, i).second) return refuse(v.key(i), "dict key");
+      }
+    }
+    if (v.is(PickleKind::kSet) && v.size() > 1) {  // a set (or frozenset) holds an item once
+      seen.clear();
+      for (size_t i = 0; i < v.size(); ++i) {
+        const std::optional<std::string> k = KeyIdentity(v.item(i));
+        if (k && !seen.emplace(*k, i).second) return refuse(v.item(i), "set item");
+      }
+    }
+    if (v.is(PickleKind::kReduce) || v.is(PickleKind::kNewObj)) {
+      const std::optional<PickleValue> state = v.state();
+      if (!state || !state->is(PickleKind::kTuple) || state->size() != 2) continue;
+      const PickleValue dict = state->item(0), slots = state->item(1);
+      if (!dict.is(PickleKind::kDict) || !slots.is(PickleKind::kDict)) continue;
+      seen.clear();
+      for (size_t i = 0; i < dict.size(); ++i) {
+        if (std::optional<std::string> k = KeyIdentity(dict.key(i))) seen.emplace(*k, i);
+      }
+      for (size_t i = 0; i < slots.size(); ++i) {
+        const std::optional<std::string> k = KeyIdentity(slots.key(i));
+        if (k && seen.count(*k)) return refuse(slots.key(i), "attribute");
+      }
+    }
+  }
+  return Status();
 }
 
 Result<PickleTree> ParsePickle(std::span<const uint8_t> bytes, std::string_view source) {

@@ -9,6 +9,12 @@
 //   APPEND(S) / SETITEM(S) on an object (a list or dict subclass) -> its list_items / dict_items
 //   PERSID / BINPERSID           -> persid(pid)
 //
+// A dict that would hold one key twice (a key repeated by SETITEM(S), which Python resolves by
+// keeping the last value) and a BUILD whose (dict, slots) state names one attribute in both are
+// refused (kDataLoss naming the key): tessera never reads such a stream with a meaning that
+// could differ from Python's. Keys compare as Python's do for str, bytes and numbers
+// (1 == True == 1.0).
+//
 // The memo (PUT/BINPUT/LONG_BINPUT/MEMOIZE, GET/BINGET/LONG_BINGET) shares nodes, so an object
 // referenced twice is one node and mutations made through either reference are seen by both
 // (as in Python). Sets and frozensets are sequences like lists. Out-of-band buffers

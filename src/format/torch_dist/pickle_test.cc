@@ -1,13 +1,18 @@
 // Tests of the restricted pickle reader and writer (pickle.h, pickle_writer.h) and of CRC-32.
 #include "format/torch_dist/pickle.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
 
 #include "format/torch_dist/crc32.h"
 #include "format/torch_dist/pickle_writer.h"
@@ -399,6 +404,130 @@ TEST(TorchDTypeTest, EveryTesseraDTypeHasATorchName) {
   EXPECT_EQ(FindTorchDTypeByStorageClass("BFloat16Storage")->name, "bfloat16");
   EXPECT_EQ(FindTorchDType("qint8"), nullptr);
   EXPECT_THAT(DTypeFromTorchName("complex64").status().message(), HasSubstr("no tessera"));
+}
+
+// ---- differential: tessera's reader against Python's unpickler (issue 30, item 8) ---------
+// testdata/pickle_differential/: crafted pickles and Python's `pickle.loads` of each, rendered
+// as text by make_cases.py. Render() renders tessera's tree the same way.
+
+std::string Hex(std::string_view bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) out += {digits[c >> 4], digits[c & 15]};
+  return out;
+}
+
+// make_cases.py's render(), over tessera's tree. Objects: argparse.Namespace-like records
+// whose attributes are the BUILD state (a dict, or a (dict, slots) pair, merged in order).
+std::string Render(const PickleValue& v) {
+  auto join = [](const PickleValue& seq, bool sorted) {
+    std::vector<std::string> parts;
+    for (size_t i = 0; i < seq.size(); ++i) parts.push_back(Render(seq.item(i)));
+    if (sorted) std::sort(parts.begin(), parts.end());
+    std::string out;
+    for (size_t i = 0; i < parts.size(); ++i) out += (i ? "," : "") + parts[i];
+    return out;
+  };
+  auto pairs = [](const std::vector<PickleValue>& dicts) {
+    std::string out;
+    for (const PickleValue& d : dicts) {
+      for (size_t i = 0; i < d.size(); ++i) {
+        out += (out.empty() ? "" : ",") + Render(d.key(i)) + ":" + Render(d.value(i));
+      }
+    }
+    return "{" + out + "}";
+  };
+  switch (v.kind()) {
+    case PickleKind::kNone:
+      return "None";
+    case PickleKind::kBool:
+      return *v.AsInt() ? "True" : "False";
+    case PickleKind::kInt:
+      return std::to_string(*v.AsInt());
+    case PickleKind::kFloat: {
+      char buf[40];
+      std::snprintf(buf, sizeof(buf), "%.17g", *v.AsFloat());
+      return std::string("f") + buf;
+    }
+    case PickleKind::kStr:
+      return "s" + Hex(*v.AsStr());
+    case PickleKind::kBytes:
+      return "b" + Hex(*v.AsBytes());
+    case PickleKind::kList:
+      return "[" + join(v, false) + "]";
+    case PickleKind::kTuple:
+      return "(" + join(v, false) + ")";
+    case PickleKind::kSet:
+      return "{" + join(v, true) + "}";
+    case PickleKind::kDict:
+      return pairs({v});
+    case PickleKind::kNewObj:
+    case PickleKind::kReduce: {
+      const std::optional<PickleValue> cls = v.ObjectClass();
+      std::vector<PickleValue> attrs;
+      if (std::optional<PickleValue> state = v.state()) {
+        if (state->is(PickleKind::kTuple)) {
+          for (size_t i = 0; i < state->size(); ++i) attrs.push_back(state->item(i));
+        } else {
+          attrs.push_back(*state);
+        }
+      }
+      return "obj(" +
+             (cls ? std::string(cls->global_module()) + "." + std::string(cls->global_name())
+                  : "?") +
+             "," + pairs(attrs) + ")";
+    }
+    default:
+      return "<" + std::string(PickleKindName(v.kind())) + ">";
+  }
+}
+
+TEST(PickleDifferentialTest, EveryCraftedPickleReadsAsPythonReadsItOrIsRefusedNamingTheKey) {
+  const std::string dir =
+      std::string(TESSERA_SOURCE_DIR) + "/src/format/torch_dist/testdata/pickle_differential/";
+  std::ifstream in(dir + "cases.json");
+  ASSERT_TRUE(in) << dir << "cases.json";
+  const nlohmann::json cases = nlohmann::json::parse(in);
+  ASSERT_GE(cases.size(), 15u);
+  int refused = 0, equal = 0;
+  for (const nlohmann::json& c : cases) {
+    const std::string name = c["name"];
+    std::ifstream f(dir + c["file"].get<std::string>(), std::ios::binary);
+    std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), {});
+    ASSERT_FALSE(bytes.empty()) << name;
+    Result<PickleTree> tree = ParsePickle(std::move(bytes), name);
+    if (c["sets_a_key_twice"].get<bool>()) {
+      // Python keeps the last value; tessera refuses, naming what is set twice.
+      ASSERT_FALSE(tree.ok()) << name << ": read as " << Render(tree->root()) << ", Python reads "
+                              << c["python"].get<std::string>();
+      EXPECT_EQ(tree.status().code(), StatusCode::kDataLoss) << name;
+      EXPECT_THAT(tree.status().message(),
+                  ::testing::AnyOf(HasSubstr("is set twice"), HasSubstr("second BUILD")))
+          << name;
+      EXPECT_THAT(tree.status().message(), HasSubstr(name)) << "names the source";
+      ++refused;
+    } else {
+      ASSERT_TRUE(tree.ok()) << name << ": " << tree.status().ToString();
+      EXPECT_EQ(Render(tree->root()), c["python"].get<std::string>()) << name;
+      ++equal;
+    }
+  }
+  EXPECT_GE(refused, 8);
+  EXPECT_GE(equal, 8);
+}
+
+TEST(PickleDifferentialTest, TheRefusalNamesTheKeySetTwice) {
+  const std::string dir =
+      std::string(TESSERA_SOURCE_DIR) + "/src/format/torch_dist/testdata/pickle_differential/";
+  for (const char* file :
+       {"dup_key_setitems.pkl", "dup_build_attr.pkl", "dup_build_dict_and_slots.pkl"}) {
+    std::ifstream f(dir + file, std::ios::binary);
+    std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), {});
+    Result<PickleTree> tree = ParsePickle(std::move(bytes), file);
+    ASSERT_FALSE(tree.ok()) << file;
+    EXPECT_THAT(tree.status().message(), ::testing::ContainsRegex("'[ax]' is set twice")) << file;
+    EXPECT_THAT(tree.status().message(), HasSubstr("Python keeps the last value")) << file;
+  }
 }
 
 }  // namespace
