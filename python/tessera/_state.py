@@ -469,7 +469,7 @@ def _add_tensor(builder, key, value, rank, for_load):
     else:
         spec = dict(replica_id=[rank])
     if _dtypes.is_torch_tensor(data):
-        return _add_torch(builder, key, data, dtype, spec)
+        return _add_torch(builder, key, data, dtype, spec, for_load)
     if _dtypes.is_numpy_array(data):
         name = dtype or _dtypes.numpy_dtype_name(data.dtype)
         if name is None:
@@ -482,7 +482,42 @@ def _add_tensor(builder, key, value, rank, for_load):
         f"{type(data).__name__}")
 
 
-def _add_torch(builder, key, tensor, dtype, spec):
+def lazy_view_bit(tensor):
+    """'conjugate' or 'negative' when a torch tensor is a lazy view whose memory holds other
+    values than the tensor (its conjugate or negative bit: `z.conj()`, `z.conj().imag`,
+    `torch._neg_view(t)`), else None. data_ptr() of such a tensor points at the unresolved
+    values: saving from it would store the wrong sign, loading into it would write it."""
+    if getattr(tensor, "is_conj", None) is not None and tensor.is_conj():
+        return "conjugate"
+    if getattr(tensor, "is_neg", None) is not None and tensor.is_neg():
+        return "negative"
+    return None
+
+
+def resolve_lazy_view(tensor):
+    """`tensor` itself, or for a conjugate/negative view a new tensor of its values."""
+    if lazy_view_bit(tensor) is None:
+        return tensor
+    return tensor.resolve_conj().resolve_neg()
+
+
+def refuse_lazy_view_target(tensor, what):
+    """A load target must be memory that holds its own values: refuse a conj/neg view."""
+    bit = lazy_view_bit(tensor)
+    if bit is not None:
+        raise invalid_argument(
+            f"{what}: the load target is a view with torch's {bit} bit set (e.g. z.conj(), "
+            "z.conj().imag, torch._neg_view(t)): its memory holds other values than the "
+            "tensor, so a load would store wrong-signed data; load into a tensor of its own "
+            "(e.g. t.resolve_conj().resolve_neg() or t.clone()) and copy")
+
+
+def _add_torch(builder, key, tensor, dtype, spec, for_load=False):
+    if for_load:
+        refuse_lazy_view_target(tensor, f"tensor '{key}'")
+    else:
+        # A new tensor of the values (the builder keeps it alive as the pointer's owner).
+        tensor = resolve_lazy_view(tensor)
     device = tensor.device
     if device.type not in ("cpu", "cuda"):
         raise invalid_argument(
