@@ -34,6 +34,9 @@ STRUCTURE_VERSION = 1
 # (include/tessera/remove_keys.h, kRemovedKeyPrefixesKey): the structure record still names
 # those keys, and they are taken out of it when it is read.
 REMOVED_PREFIXES_KEY = "tessera.removed_key_prefixes"
+# torch_dist (DCP, Megatron) checkpoints: planner_data's path of each key in the nested state dict
+# torch saved (src/format/torch_dist/dcp_codec.h, kPlannerPathsKey).
+PLANNER_PATHS_KEY = "torch_dist.planner_paths"
 
 
 def _as_ints(value, what):
@@ -862,14 +865,71 @@ def template_from_metadata(metadata, tensor_type, source="the checkpoint", impor
             f"structure's root is a {type(root).__name__}, not a dict")
     lib = tensor_type or extra.get("lib", "numpy")
     encodings = extra.get("objects", {})
+    # A DCP / Megatron torch_dist checkpoint saved by torch from a nested state dict: each
+    # key's path in it (planner_data), to rebuild the nesting as torch does.
+    paths = _planner_paths(metadata, source, len(tensors) + len(objects)) \
+        if structure is None else {}
     for key in rest:
         if key in tensors:
             value = _allocate(tensors[key], lib, key)
         else:
             # The encoding Python saved, else the stored one (other formats, C++ saves).
             value = ShardedObject(_placeholder(encodings.get(key, objects[key])), key=key)
-        _place(root, key, value)
+        if key in paths:
+            _set_element(root, paths[key], value, key, source)
+        else:
+            _place(root, key, value)
     return root
+
+
+def _planner_paths(metadata, source, num_keys):
+    """{key: path} from a torch_dist checkpoint's planner_data (user_metadata
+    PLANNER_PATHS_KEY, written by the C++ reader), or {}. A path is a non-empty list of str
+    keys and int list indices; an index is below the number of keys (each list element holds
+    at least one leaf), so a crafted one cannot make a huge list."""
+    if metadata.format != "torch_dist":
+        return {}
+    text = metadata.user_metadata.get(PLANNER_PATHS_KEY)
+    if text is None:
+        return {}
+    try:
+        paths = json.loads(text)
+    except (ValueError, RecursionError):
+        raise _malformed(source, "its planner_data paths are not JSON") from None
+    if not isinstance(paths, dict):
+        raise _malformed(source, "its planner_data paths are not a mapping")
+    for key, path in paths.items():
+        if not isinstance(path, list) or not path or not all(
+                isinstance(e, str) or (type(e) is int and 0 <= e < num_keys) for e in path):
+            raise _malformed(source, f"planner_data gives key {key!r} the path {path!r} (a "
+                             "path is str keys and int list indices below the number of keys)")
+    return paths
+
+
+def _set_element(root, path, value, key, source):
+    """torch.distributed.checkpoint._traverse.set_element: `value` at `path` below `root`,
+    making a dict for a str path element and a list (holes None) for an int one."""
+    try:
+        node = root
+        for i in range(1, len(path)):
+            prev, default = path[i - 1], {} if type(path[i]) is str else []
+            if isinstance(node, dict):
+                node = node.setdefault(prev, default)
+            else:
+                node.extend([None] * (prev + 1 - len(node)))
+                if node[prev] is None:
+                    node[prev] = default
+                node = node[prev]
+        last = path[-1]
+        if type(last) is int:
+            node.extend([None] * (last + 1 - len(node)))
+        if not isinstance(node, (dict, list)) or (isinstance(node, dict) and last in node) or (
+                isinstance(node, list) and node[last] is not None):
+            raise TypeError("another key's value is there")
+        node[last] = value
+    except (TypeError, AttributeError, IndexError, KeyError) as e:
+        raise _malformed(source, f"planner_data's path {path!r} of key {key!r} collides with "
+                         f"another key's ({e})") from None
 
 
 def _child(container, name):
