@@ -19,6 +19,7 @@
 #include "format/bounded_json.h"
 #include "format/checkpoint_index.h"
 #include "format/manifest.h"
+#include "format/torch_dist/dcp_codec.h"
 #include "format/torch_dist/pickle.h"
 #include "tessera/checkpoint.h"
 #include "tessera/storage_uri.h"
@@ -340,7 +341,11 @@ void PrintSummary(const std::string& path, const Metadata& m, bool rank_local,
   }
   const char* label = "  metadata   ";
   for (const auto& [k, v] : m.user_metadata) {
-    const std::string value = k == kStructureKey ? SummariseStructure(v) : Printable(v);
+    // planner_data's paths (one per key of a DCP checkpoint) are summarised, not dumped.
+    const std::string value = k == kStructureKey ? SummariseStructure(v)
+                              : k == torch_dist::kPlannerPathsKey
+                                  ? "(the path of each key in the nested state dict torch saved)"
+                                  : Printable(v);
     print(label + Printable(k) + " = " + value);
     label = "             ";
   }

@@ -483,6 +483,39 @@ _default_comm_submit_lock = threading.Lock()
 _in_flight = set()  # handles of async saves not yet seen done (waited for at exit)
 
 
+# Kept alive forever in a forked child (see _after_fork_in_child): never destroyed there.
+_abandoned = []
+
+
+def _keep_forever(obj):
+    """One more reference to `obj` that is never released, not even at interpreter exit (a
+    destructor that would wait for a parent's thread must never run in a forked child)."""
+    import ctypes  # noqa: PLC0415
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    _abandoned.append(obj)
+
+
+def _after_fork_in_child():
+    """os.register_at_fork(after_in_child=...): the child has none of its parent's threads.
+    The parent's asynchronous saves (their handles, and the managers that made them) are
+    abandoned in the child: never waited for, never destroyed, not reported at its exit (the
+    parent commits or reports them). The C++ side does the same for the savers' threads and
+    gives the child a saver of its own (src/checkpoint/async_save.cc), so the child's own
+    async_save works. Locks a parent thread may have held at the fork are made anew."""
+    global _default_comm_lock, _default_comm_submit_lock
+    _default_comm_lock = threading.Lock()
+    _default_comm_submit_lock = threading.Lock()
+    for handle in list(_in_flight):
+        _keep_forever(handle)
+    _in_flight.clear()
+    for hook in _after_fork_hooks:
+        hook()
+
+
+_after_fork_hooks = []  # more of the child's resets (tessera/_manager.py adds its own)
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _single_rank_comm():
     # One for the process: the asynchronous saver and its staging buffers live with the Comm,
     # and are reused from save to save.

@@ -107,7 +107,10 @@ class CheckpointManager:
     step (``tessera ls`` shows it); ``latest_checkpointed_iteration.txt`` names the newest one,
     replaced after each commit (write_tracker=False: not written).
 
-    comm: every rank passes its tessera.Comm (save and restore are COLLECTIVE); None: one process.
+    comm: every rank passes its tessera.Comm (save and restore are COLLECTIVE). None (the
+    default): as every tessera call without ``comm=``, the default process group when
+    torch.distributed is initialised with several ranks (e.g. under torchrun: the whole job,
+    and every rank must make the manager), else one process.
 
     keep_last: keep the newest N committed checkpoints, delete older ones once a newer one has
     committed (0: keep all). keep_every: also keep steps that are multiples of M. Steps marked
@@ -372,3 +375,14 @@ def _unseen_at_exit() -> List[str]:
 
 
 _api._exit_checks.append(_unseen_at_exit)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child abandons its parent's managers (their background saves have no thread
+    in the child): never closed, waited for or destroyed there; the child makes its own."""
+    for manager in list(_live):
+        _api._keep_forever(manager)
+    _live.clear()
+
+
+_api._after_fork_hooks.append(_after_fork_in_child)

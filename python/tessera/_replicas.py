@@ -46,6 +46,12 @@ def _raw(data: Any) -> Any:
     if _dtypes.is_torch_tensor(data):
         if data.device.type != "cpu" or not data.is_contiguous():
             return None  # the save itself refuses it, naming why
+        from ._state import lazy_view_bit, resolve_lazy_view  # noqa: PLC0415
+        if lazy_view_bit(data) is not None:
+            # A conj/neg view: hash its values (a copy: the resolved tensor dies on return).
+            data = resolve_lazy_view(data)
+            n = data.numel() * data.element_size()
+            return bytes((ctypes.c_char * n).from_address(data.data_ptr())) if n else b""
         n = data.numel() * data.element_size()
         return (ctypes.c_char * n).from_address(data.data_ptr()) if n else b""
     if _dtypes.is_numpy_array(data):

@@ -34,6 +34,9 @@ STRUCTURE_VERSION = 1
 # (include/tessera/remove_keys.h, kRemovedKeyPrefixesKey): the structure record still names
 # those keys, and they are taken out of it when it is read.
 REMOVED_PREFIXES_KEY = "tessera.removed_key_prefixes"
+# torch_dist (DCP, Megatron) checkpoints: planner_data's path of each key in the nested state dict
+# torch saved (src/format/torch_dist/dcp_codec.h, kPlannerPathsKey).
+PLANNER_PATHS_KEY = "torch_dist.planner_paths"
 
 
 def _as_ints(value, what):
@@ -469,7 +472,7 @@ def _add_tensor(builder, key, value, rank, for_load):
     else:
         spec = dict(replica_id=[rank])
     if _dtypes.is_torch_tensor(data):
-        return _add_torch(builder, key, data, dtype, spec)
+        return _add_torch(builder, key, data, dtype, spec, for_load)
     if _dtypes.is_numpy_array(data):
         name = dtype or _dtypes.numpy_dtype_name(data.dtype)
         if name is None:
@@ -482,7 +485,42 @@ def _add_tensor(builder, key, value, rank, for_load):
         f"{type(data).__name__}")
 
 
-def _add_torch(builder, key, tensor, dtype, spec):
+def lazy_view_bit(tensor):
+    """'conjugate' or 'negative' when a torch tensor is a lazy view whose memory holds other
+    values than the tensor (its conjugate or negative bit: `z.conj()`, `z.conj().imag`,
+    `torch._neg_view(t)`), else None. data_ptr() of such a tensor points at the unresolved
+    values: saving from it would store the wrong sign, loading into it would write it."""
+    if getattr(tensor, "is_conj", None) is not None and tensor.is_conj():
+        return "conjugate"
+    if getattr(tensor, "is_neg", None) is not None and tensor.is_neg():
+        return "negative"
+    return None
+
+
+def resolve_lazy_view(tensor):
+    """`tensor` itself, or for a conjugate/negative view a new tensor of its values."""
+    if lazy_view_bit(tensor) is None:
+        return tensor
+    return tensor.resolve_conj().resolve_neg()
+
+
+def refuse_lazy_view_target(tensor, what):
+    """A load target must be memory that holds its own values: refuse a conj/neg view."""
+    bit = lazy_view_bit(tensor)
+    if bit is not None:
+        raise invalid_argument(
+            f"{what}: the load target is a view with torch's {bit} bit set (e.g. z.conj(), "
+            "z.conj().imag, torch._neg_view(t)): its memory holds other values than the "
+            "tensor, so a load would store wrong-signed data; load into a tensor of its own "
+            "(e.g. t.resolve_conj().resolve_neg() or t.clone()) and copy")
+
+
+def _add_torch(builder, key, tensor, dtype, spec, for_load=False):
+    if for_load:
+        refuse_lazy_view_target(tensor, f"tensor '{key}'")
+    else:
+        # A new tensor of the values (the builder keeps it alive as the pointer's owner).
+        tensor = resolve_lazy_view(tensor)
     device = tensor.device
     if device.type not in ("cpu", "cuda"):
         raise invalid_argument(
@@ -827,14 +865,71 @@ def template_from_metadata(metadata, tensor_type, source="the checkpoint", impor
             f"structure's root is a {type(root).__name__}, not a dict")
     lib = tensor_type or extra.get("lib", "numpy")
     encodings = extra.get("objects", {})
+    # A DCP / Megatron torch_dist checkpoint saved by torch from a nested state dict: each
+    # key's path in it (planner_data), to rebuild the nesting as torch does.
+    paths = _planner_paths(metadata, source, len(tensors) + len(objects)) \
+        if structure is None else {}
     for key in rest:
         if key in tensors:
             value = _allocate(tensors[key], lib, key)
         else:
             # The encoding Python saved, else the stored one (other formats, C++ saves).
             value = ShardedObject(_placeholder(encodings.get(key, objects[key])), key=key)
-        _place(root, key, value)
+        if key in paths:
+            _set_element(root, paths[key], value, key, source)
+        else:
+            _place(root, key, value)
     return root
+
+
+def _planner_paths(metadata, source, num_keys):
+    """{key: path} from a torch_dist checkpoint's planner_data (user_metadata
+    PLANNER_PATHS_KEY, written by the C++ reader), or {}. A path is a non-empty list of str
+    keys and int list indices; an index is below the number of keys (each list element holds
+    at least one leaf), so a crafted one cannot make a huge list."""
+    if metadata.format != "torch_dist":
+        return {}
+    text = metadata.user_metadata.get(PLANNER_PATHS_KEY)
+    if text is None:
+        return {}
+    try:
+        paths = json.loads(text)
+    except (ValueError, RecursionError):
+        raise _malformed(source, "its planner_data paths are not JSON") from None
+    if not isinstance(paths, dict):
+        raise _malformed(source, "its planner_data paths are not a mapping")
+    for key, path in paths.items():
+        if not isinstance(path, list) or not path or not all(
+                isinstance(e, str) or (type(e) is int and 0 <= e < num_keys) for e in path):
+            raise _malformed(source, f"planner_data gives key {key!r} the path {path!r} (a "
+                             "path is str keys and int list indices below the number of keys)")
+    return paths
+
+
+def _set_element(root, path, value, key, source):
+    """torch.distributed.checkpoint._traverse.set_element: `value` at `path` below `root`,
+    making a dict for a str path element and a list (holes None) for an int one."""
+    try:
+        node = root
+        for i in range(1, len(path)):
+            prev, default = path[i - 1], {} if type(path[i]) is str else []
+            if isinstance(node, dict):
+                node = node.setdefault(prev, default)
+            else:
+                node.extend([None] * (prev + 1 - len(node)))
+                if node[prev] is None:
+                    node[prev] = default
+                node = node[prev]
+        last = path[-1]
+        if type(last) is int:
+            node.extend([None] * (last + 1 - len(node)))
+        if not isinstance(node, (dict, list)) or (isinstance(node, dict) and last in node) or (
+                isinstance(node, list) and node[last] is not None):
+            raise TypeError("another key's value is there")
+        node[last] = value
+    except (TypeError, AttributeError, IndexError, KeyError) as e:
+        raise _malformed(source, f"planner_data's path {path!r} of key {key!r} collides with "
+                         f"another key's ({e})") from None
 
 
 def _child(container, name):

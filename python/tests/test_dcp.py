@@ -140,11 +140,14 @@ def test_load_all_of_what_torch_saved(job):
     path = os.path.join(job, "by_torch")
     loaded = tessera.load_all(path, tensor_type="torch")
     for key, full in flat_expected().items():
-        assert raw_bytes(loaded[key]) == raw_bytes(full) and loaded[key].dtype == full.dtype, key
-    # Non-tensor values as torch's own load gives them (keys as torch flattened them).
+        got = loaded
+        for part in key.split(".", 1):  # nested as torch saved it: model -> {name: tensor}
+            got = got[part]
+        assert raw_bytes(got) == raw_bytes(full) and got.dtype == full.dtype, key
+    # Non-tensor values as torch's own load gives them, nested as saved (planner_data).
     assert loaded["step"] == 1000 and loaded["name"] == "run-7" and loaded["blob"] == b"\x00\xff"
-    assert loaded["cfg.lr"] == 0.5 and loaded["cfg.betas"] == (0.9, 0.95)
-    assert loaded["cfg.sizes"] == [1.5, 2.5]
+    assert loaded["cfg"]["lr"] == 0.5 and loaded["cfg"]["betas"] == (0.9, 0.95)
+    assert loaded["cfg"]["sizes"] == [1.5, 2.5] and "cfg.lr" not in loaded
     assert loaded["stream"].getvalue() == BYTES_IO  # the io.BytesIO torch saved
 
 
@@ -337,3 +340,68 @@ def test_optimizer_state_both_ways_through_dcp(tmp_path):
         torch_keys = set(pickle.load(f).state_dict_metadata)
     with open(os.path.join(tmp_path / "torch", ".metadata"), "rb") as f:
         assert torch_keys == set(pickle.load(f).state_dict_metadata)
+
+
+def _same(a, b, where="root"):
+    """Equal values of the same container types; tensors by dtype, shape and bytes."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b) or set(a) == set(b), (where, list(a), list(b))
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+NESTED_STATES = {
+    "issue_example": lambda: {"layer.w": torch.arange(6.0).reshape(2, 3), "step": 77,
+                              "cfg": {"lr": 0.5}},
+    "deep_dicts_lists_tuples": lambda: {
+        "model": {"enc": {"w": torch.ones(2, 2), "b": torch.zeros(2)}},
+        "lists": {"tensors": [torch.full((2,), 1.0), torch.full((3,), 2.0)],
+                  "mixed": [torch.arange(3), {"inner": torch.ones(1), "n": 4}, 5],
+                  "plain": [1.5, 2.5], "nested": [[torch.ones(2)], [torch.zeros(1)]]},
+        "tup": (1, "a", 2.0),
+        "tensor_tuple": (torch.ones(2), torch.zeros(2)),
+        "int_keys": {0: torch.ones(1), 1: {"x": 3}},
+        "none": None, "blob": b"\x00\xff", "step": 3},
+    "optimizer": lambda: adam_state(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NESTED_STATES))
+def test_load_all_rebuilds_torch_nesting_like_dcp_to_torch_save(tmp_path, name):
+    """Issue 30, item 2: load_all of a torch dcp.save of a nested state dict gives what torch's
+    own dcp_to_torch_save gives (planner_data's paths: dicts, lists, int keys), not dotted keys."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    state = NESTED_STATES[name]()
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "torch.pt"))
+    want = torch.load(tmp_path / "torch.pt", weights_only=False)
+    got = tessera.load_all(tmp_path / "dcp", tensor_type="torch")
+    _same(got, want)
+    if name == "issue_example":
+        assert got["cfg"] == {"lr": 0.5} and "cfg.lr" not in got and got["step"] == 77
+
+
+def test_crafted_planner_paths_are_refused_naming_the_key(tmp_path):
+    """A .metadata whose planner_data puts two keys at one place, or gives an index beyond any
+    list, is a CorruptCheckpointError naming the key (never a silent overwrite or a huge list)."""
+    dcp.save({"a": {"x": torch.ones(1)}, "b": torch.zeros(1)},
+             checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    meta_path = tmp_path / "c" / ".metadata"
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)
+    for bad, match in (({"a.x": ("a", "x"), "b": ("a", "x")}, "collides"),
+                       ({"a.x": ("a", 10**12), "b": ("b",)}, "path")):
+        meta.planner_data = bad
+        with open(meta_path, "wb") as f:
+            pickle.dump(meta, f)
+        with pytest.raises(tessera.CorruptCheckpointError, match=match):
+            tessera.load_all(tmp_path / "c")

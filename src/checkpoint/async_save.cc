@@ -12,8 +12,13 @@
 #include <mutex>
 #include <new>
 #include <set>
+#include <string>
 #include <thread>
 #include <utility>
+#include <vector>
+
+#include <pthread.h>
+#include <unistd.h>
 
 #include "checkpoint/rank_local_save.h"
 #include "device/device_staging.h"
@@ -591,6 +596,47 @@ class AsyncSaver {
 
 }  // namespace
 
+namespace {
+
+// Fork safety. A forked child has none of its parent's threads: a saver made before the fork
+// (its worker and copy threads, its mutexes and condition variables, the state its handles
+// share) must never be joined, waited on or destroyed there, or the child hangs (waiting for a
+// thread that does not exist) or aborts (joining one). The child handler keeps every such saver
+// alive forever (a leaked reference: its destructor never runs), and savers are attached to a
+// Comm under a name with the creating process's pid, so the child's own AsyncSave makes a new
+// saver with threads of its own.
+std::mutex& SaverRegistryMu() {
+  static std::mutex* mu = new std::mutex;  // never destroyed: used by the fork handlers
+  return *mu;
+}
+std::vector<std::weak_ptr<AsyncSaver>>& SaverRegistry() {
+  static auto* savers = new std::vector<std::weak_ptr<AsyncSaver>>;
+  return *savers;
+}
+void ForkPrepare() { SaverRegistryMu().lock(); }
+void ForkParent() { SaverRegistryMu().unlock(); }
+void ForkChild() {
+  for (const std::weak_ptr<AsyncSaver>& weak : SaverRegistry()) {
+    if (std::shared_ptr<AsyncSaver> saver = weak.lock()) {
+      new std::shared_ptr<AsyncSaver>(std::move(saver));  // leaked on purpose (see above)
+    }
+  }
+  SaverRegistry().clear();
+  SaverRegistryMu().unlock();  // locked by ForkPrepare in this (the forking) thread
+}
+void RegisterSaver(const std::shared_ptr<AsyncSaver>& saver) {
+  static const bool registered = [] {
+    return pthread_atfork(ForkPrepare, ForkParent, ForkChild) == 0;
+  }();
+  (void)registered;
+  std::lock_guard<std::mutex> lock(SaverRegistryMu());
+  std::vector<std::weak_ptr<AsyncSaver>>& savers = SaverRegistry();
+  std::erase_if(savers, [](const std::weak_ptr<AsyncSaver>& w) { return w.expired(); });
+  savers.push_back(saver);
+}
+
+}  // namespace
+
 Result<AsyncSaveHandle> AsyncSave(const StateDict& state, const std::string& path, Comm& comm,
                                   const AsyncSaveOptions& options) {
   if (!options.save.storage) {  // a URI (s3://, msc://, file://) or a local path
@@ -601,9 +647,16 @@ Result<AsyncSaveHandle> AsyncSave(const StateDict& state, const std::string& pat
   }
   // Rank-local saves have their own saver, which never communicates (not even to set up).
   const bool collective = options.save.collective;
-  std::shared_ptr<AsyncSaver> saver = comm.GetOrCreateAttachment<AsyncSaver>(
-      collective ? "tessera.async_saver" : "tessera.async_saver.rank_local",
-      [&] { return new AsyncSaver(comm, collective); });
+  // The pid: a forked child makes its own saver (its parent's has no threads there).
+  const std::string name =
+      std::string(collective ? "tessera.async_saver." : "tessera.async_saver.rank_local.") +
+      std::to_string(getpid());
+  bool created = false;
+  std::shared_ptr<AsyncSaver> saver = comm.GetOrCreateAttachment<AsyncSaver>(name, [&] {
+    created = true;
+    return new AsyncSaver(comm, collective);
+  });
+  if (created) RegisterSaver(saver);
   return saver->Submit(state, path, comm, options);
 }
 

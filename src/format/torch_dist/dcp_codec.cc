@@ -307,6 +307,28 @@ Result<Metadata> DcpToMetadata(const DcpMetadata& dcp,
   if (dcp.megatron_metadata_class || dcp.has_mcore_data || dcp.has_all_local_plans) {
     m.user_metadata["torch_dist.megatron"] = "true";
   }
+  if (dcp.planner_data_kind == DcpPlannerData::kFlattenMapping) {
+    nlohmann::json paths = nlohmann::json::object();
+    bool nested = false;
+    for (const DcpPlannerPath& p : dcp.planner_data) {
+      nlohmann::json path = nlohmann::json::array();
+      for (const DcpPathElement& e : p.path) {
+        if (const std::string* s = std::get_if<std::string>(&e)) {
+          path.push_back(*s);
+        } else {
+          path.push_back(std::get<int64_t>(e));
+        }
+      }
+      nested = nested || p.path.size() != 1 || !std::holds_alternative<std::string>(p.path[0]) ||
+               std::get<std::string>(p.path[0]) != p.fqn;
+      paths[p.fqn] = std::move(path);
+    }
+    // Bytes that are not UTF-8 are replaced (such a key then matches no fqn and stays flat).
+    if (nested) {
+      m.user_metadata[kPlannerPathsKey] =
+          paths.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    }
+  }
   FileTable files(m, file_sizes, source);
   std::map<std::string, const std::vector<int64_t>*> reformulated;
   for (const DcpMcoreEntry& e : dcp.mcore_data) {

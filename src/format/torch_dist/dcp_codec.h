@@ -44,6 +44,11 @@ inline constexpr char kMegatronCommon[] = "common.pt";
 // with a payload_offset into the same item). Their keys are listed in this user_metadata entry
 // (a JSON array), so the resolution (on any rank) knows their items are flat runs.
 inline constexpr char kNdReformulatedKeys[] = "torch_dist.nd_reformulated";
+// user_metadata key: planner_data's path of each key in the saved nested state dict (torch
+// 2.x's flatten_state_dict), a JSON object {fqn: [str key or int index, ...]}; present only
+// when some path is not (fqn,). tessera.load_all rebuilds the nesting from it as torch's
+// unflatten_state_dict does.
+inline constexpr char kPlannerPathsKey[] = "torch_dist.planner_paths";
 // The keys that entry lists.
 std::set<std::string> NdReformulatedKeys(const Metadata& metadata);
 
