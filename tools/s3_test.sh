@@ -81,7 +81,7 @@ check "the local copy verifies" $?
 check "convert from a local directory to S3" $?
 "$tessera" verify "$s3/back" > /dev/null
 check "the copy on S3 verifies" $?
-"$tessera" diff "$s3/ck" "$s3/back" > "$work/diff.txt"
+"$tessera" diff --values "$s3/ck" "$s3/back" > "$work/diff.txt"
 check "diff of the two S3 checkpoints finds no difference" $?
 "$tessera" convert "$s3/ck" "$s3/hf" --to safetensors --quiet &&
   "$tessera" verify "$s3/hf" > /dev/null
