@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <fstream>
+#include <functional>
 #include <mutex>
 #include <set>
 
@@ -12,6 +14,7 @@
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
+#include "tessera/storage_wrapper.h"
 #include "testing/commits.h"
 #include "testing/test_util.h"
 
@@ -691,6 +694,94 @@ TEST(CheckpointManagerCrashTest, ACrashAtEveryOperationLeavesALatestThatLoads) {
     if (!fired) break;  // the save and its retention ran to the end
   }
   EXPECT_GT(operations, 20);
+}
+
+// A storage whose Publish is made of its own calls (as on POSIX) and whose writable files call
+// `hook` with their path before their first write: a pause between a file's creation and its
+// bytes, where another process can run.
+class PauseBeforeWriteStorage : public StorageWrapper {
+ public:
+  using StorageWrapper::StorageWrapper;
+  std::function<void(const std::string&)> hook;
+
+  Status Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
+                 bool sync) override {
+    return PublishThroughRename(path, bytes, mode, sync);
+  }
+  using Storage::NewWritableFile;
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
+                                                        CreateMode mode) override {
+    TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
+                             target().NewWritableFile(path, mode));
+    return std::unique_ptr<WritableFile>(new Paused(std::move(file), path, this));
+  }
+
+ private:
+  class Paused : public WritableFile {
+   public:
+    Paused(std::unique_ptr<WritableFile> file, std::string path, PauseBeforeWriteStorage* owner)
+        : file_(std::move(file)), path_(std::move(path)), owner_(owner) {}
+    Status WriteAt(uint64_t offset, const void* data, size_t size) override {
+      if (owner_->hook) owner_->hook(path_);
+      return file_->WriteAt(offset, data, size);
+    }
+    Status Sync() override { return file_->Sync(); }
+    Status Close() override { return file_->Close(); }
+    const std::string& path() const override { return file_->path(); }
+
+   private:
+    std::unique_ptr<WritableFile> file_;
+    std::string path_;
+    PauseBeforeWriteStorage* owner_;
+  };
+};
+
+// Issue 30, item 4: a second deleter that runs while the first is writing its tombstone never
+// sees a tombstone without its owner (once created with its own create and then written, an
+// empty tombstone read as a dead deletion's, and the second deleter took the live one over).
+// Every small file is published whole: under its name, a tombstone always names a live owner,
+// and of the two deleters exactly one deletes the step.
+TEST(CheckpointManagerTest, ASecondDeleterInsideTheTombstoneWindowDoesNotTakeOver) {
+  auto memory = std::make_shared<MemoryStorage>();
+  {
+    CheckpointManager manager("/r", Options(memory));
+    SaveSteps(manager, 1, 2);
+  }
+  auto paused = std::make_shared<PauseBeforeWriteStorage>(memory);
+  const std::string dir = "/r/iter_0000001";
+  const std::string tombstone = dir + "/" + manager::kTombstoneFileName;
+  bool ran = false;
+  bool visible = false;
+  bool visible_alive = false;
+  Status second;
+  paused->hook = [&](const std::string& path) {
+    if (ran || path.find(manager::kTombstoneFileName) == std::string::npos) return;
+    ran = true;
+    // The first deleter is between creating its tombstone's file and writing its bytes.
+    ASSERT_OK_AND_ASSIGN(FileType type, memory->Stat(tombstone));
+    visible = type == FileType::kFile;
+    if (visible) {
+      ASSERT_OK_AND_ASSIGN(std::string text, manager::ReadSmallFile(*memory, tombstone));
+      visible_alive = OwnerRecordMayBeAlive(text);
+    }
+    second = manager::DeleteStepDir(*memory, "/r", dir, /*sync=*/false);
+  };
+  Status first = manager::DeleteStepDir(*paused, "/r", dir, /*sync=*/false);
+  ASSERT_TRUE(ran) << "the tombstone was never written";
+  EXPECT_TRUE(!visible || visible_alive)
+      << "a tombstone was visible under its name without a live owner";
+  if (visible) {
+    EXPECT_EQ(second.code(), StatusCode::kFailedPrecondition) << second.ToString();
+    EXPECT_THAT(second.message(), HasSubstr("is being deleted by process"));
+  }
+  EXPECT_NE(first.ok(), second.ok())
+      << "first: " << first.ToString() << "; second: " << second.ToString();
+  ASSERT_OK_AND_ASSIGN(FileType gone, memory->Stat(dir));
+  EXPECT_EQ(gone, FileType::kNotFound);
+  // Step 2 is untouched.
+  CheckpointManager manager("/r", Options(memory));
+  ASSERT_OK_AND_ASSIGN(std::vector<int64_t> all, manager.AllSteps());
+  EXPECT_THAT(all, ElementsAre(2));
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cstdio>
 #include <random>
+#include <span>
 
 #include "checkpoint/commit.h"
 
@@ -34,45 +35,26 @@ namespace manager {
 
 constexpr uint64_t kMaxSmallFile = 64 << 10;
 
+namespace {
+
+std::span<const std::byte> AsBytes(std::string_view text) {
+  return std::as_bytes(std::span(text.data(), text.size()));
+}
+
+}  // namespace
+
+// Both on the commit primitive (Storage::Publish): the file appears under its name with all of
+// its bytes or not at all. A file created empty and then written would let another process
+// read it in between: a tombstone without its owner lines looks like a dead deletion's, and a
+// second deleter would take over a live one.
 Status CreateSmallFile(Storage& storage, const std::string& path, std::string_view text,
                        bool sync) {
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
-                           storage.NewWritableFile(path, CreateMode::kExclusive));
-  TESSERA_RETURN_IF_ERROR(file->WriteAt(0, text.data(), text.size()));
-  if (sync) TESSERA_RETURN_IF_ERROR(file->Sync());
-  TESSERA_RETURN_IF_ERROR(file->Close());
-  if (sync) {
-    const size_t slash = path.rfind('/');
-    TESSERA_RETURN_IF_ERROR(
-        storage.SyncDir(slash == std::string::npos ? "." : path.substr(0, slash)));
-  }
-  return Status::Ok();
+  return storage.Publish(path, AsBytes(text), PublishMode::kCreateOnly, sync);
 }
 
 Status ReplaceSmallFile(Storage& storage, const std::string& path, std::string_view text,
                         bool sync) {
-  // A fixed temporary name: one writer per root (rank 0 of the job), and a stale one left by a
-  // crash is truncated by the next write.
-  const std::string temp = path + ".tmp";
-  const size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash);
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
-                           storage.NewWritableFile(temp, CreateMode::kTruncate));
-  TESSERA_RETURN_IF_ERROR(file->WriteAt(0, text.data(), text.size()));
-  if (sync) TESSERA_RETURN_IF_ERROR(file->Sync());
-  TESSERA_RETURN_IF_ERROR(file->Close());
-  Status renamed = storage.Rename(temp, path);
-  if (renamed.code() == StatusCode::kUnimplemented) {
-    // A store without rename puts whole objects atomically: write the name itself.
-    storage.Remove(temp).IgnoreError();
-    TESSERA_ASSIGN_OR_RETURN(file, storage.NewWritableFile(path, CreateMode::kTruncate));
-    TESSERA_RETURN_IF_ERROR(file->WriteAt(0, text.data(), text.size()));
-    if (sync) TESSERA_RETURN_IF_ERROR(file->Sync());
-    return file->Close();
-  }
-  TESSERA_RETURN_IF_ERROR(renamed);
-  if (sync) TESSERA_RETURN_IF_ERROR(storage.SyncDir(dir));
-  return Status::Ok();
+  return storage.Publish(path, AsBytes(text), PublishMode::kReplace, sync);
 }
 
 Result<std::string> ReadSmallFile(Storage& storage, const std::string& path) {
@@ -98,6 +80,8 @@ Result<StepDirFiles> ListStepDir(Storage& storage, const std::string& dir) {
   StepDirFiles files;
   TESSERA_ASSIGN_OR_RETURN(files.names, storage.ListDir(dir));
   for (const std::string& name : files.names) {
+    // A small file being published ("tessera.reading.<hex>.tsr-tmp-<hex>") is none yet.
+    if (ParsePublishTemporaryName(name, nullptr)) continue;
     if (name == kKeepFileName) files.marked = true;
     if (name == kTombstoneFileName) files.tombstone = true;
     if (name.starts_with(kLeasePrefix)) files.leases.push_back(name);

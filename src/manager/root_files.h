@@ -23,13 +23,13 @@ inline constexpr char kKeepFileName[] = "tessera.keep";
 inline constexpr char kLeasePrefix[] = "tessera.reading.";
 inline constexpr char kTombstoneFileName[] = "tessera.deleting";
 
-// Writes `text` as the whole content of `path`, atomically: the reader sees the old content or
-// the new one. Through a temporary name beside it and Rename; a store without rename (an object
-// store, where one put of a whole object is atomic already) gets the bytes written directly.
-// With `sync`, durable on return (the file and its directory entry).
+// Every small file goes through Storage::Publish (the commit primitive): readers see the whole
+// file or none, never one created but not yet written. ReplaceSmallFile: `text` becomes the
+// whole content of `path` atomically (PublishMode::kReplace). CreateSmallFile: `path` created
+// with `text` only if it does not exist (kAlreadyExists when it does; of racing creators exactly
+// one wins). With `sync`, durable on return (the file and its directory entry).
 Status ReplaceSmallFile(Storage& storage, const std::string& path, std::string_view text,
                         bool sync);
-// Creates `path` exclusively with `text` (kAlreadyExists when it exists). With `sync`, durable.
 Status CreateSmallFile(Storage& storage, const std::string& path, std::string_view text, bool sync);
 // The content of a small file (at most 64 KiB; longer is kDataLoss naming it).
 Result<std::string> ReadSmallFile(Storage& storage, const std::string& path);
