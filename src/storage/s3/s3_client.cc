@@ -285,6 +285,7 @@ S3CallResult S3Client::Execute(const S3Call& call) {
 
     bool retryable = false;
     std::string what;
+    Status wrong_reply;  // a 2xx that call.check_reply refused
     if (outcome.error != TransportError::kNone) {
       retryable = RetryableTransport(outcome.error);
       maybe_applied = maybe_applied || outcome.maybe_sent;
@@ -295,12 +296,17 @@ S3CallResult S3Client::Execute(const S3Call& call) {
       result.response = std::move(outcome.response);
       const long status = result.response.status;
       if (status >= 200 && status < 300) {
-        result.status = Status::Ok();
-        return result;
+        wrong_reply = call.check_reply ? call.check_reply(result.response) : Status::Ok();
+        if (wrong_reply.ok()) {
+          result.status = Status::Ok();
+          return result;
+        }
+        retryable = true;
+      } else {
+        result.error = ParseErrorBody(result.response.body);
+        retryable = RetryableStatus(status, result.error.code);
+        if (status >= 500) maybe_applied = true;
       }
-      result.error = ParseErrorBody(result.response.body);
-      retryable = RetryableStatus(status, result.error.code);
-      if (status >= 500) maybe_applied = true;
     }
     const std::chrono::milliseconds delay = Backoff(policy, attempt);
     const bool give_up = !retryable || attempt >= policy.max_attempts ||
@@ -314,6 +320,8 @@ S3CallResult S3Client::Execute(const S3Call& call) {
                                         : "";
     if (outcome.error != TransportError::kNone) {
       result.status = IOError(Describe(call) + ": " + what + tries);
+    } else if (!wrong_reply.ok()) {
+      result.status = Status(wrong_reply.code(), wrong_reply.message() + tries);
     } else {
       result.status = Check(call, result);
       if (retryable) result.status = Status(result.status.code(), result.status.message() + tries);

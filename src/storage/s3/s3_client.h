@@ -122,6 +122,10 @@ struct S3Call {
   // For messages: the byte range [first, last] a ranged request moves.
   std::optional<std::pair<uint64_t, uint64_t>> range;
   std::string service = "s3";  // the signing scope's service
+  // A 2xx reply whose content is wrong (a ranged GET answered with other bytes, a short body):
+  // the check's error is retried like a 5xx, under the same RetryPolicy (attempts, backoff,
+  // max_total), and is the call's status when the retries are spent. Null: every 2xx is OK.
+  std::function<Status(const HttpResponse&)> check_reply;
 };
 
 struct S3CallResult {

@@ -102,9 +102,6 @@ Result<ObjectInfo> S3Client::HeadObject(const std::string& bucket, const std::st
 
 namespace {
 
-// Tries of a ranged GET whose reply held other bytes than asked for.
-constexpr int kRangedReadAttempts = 3;
-
 // OK when `response` holds exactly the bytes [first, last] of the object: a 206 whose
 // Content-Range says that range ("bytes first-last/total", RFC 9110 14.4), or a 200 (a server
 // that ignored Range) for a read from offset 0, whose body then was the whole object and had to
@@ -157,29 +154,25 @@ Status S3Client::GetRange(const std::string& bucket, const std::string& key, uin
   if (dst.empty()) return Status::Ok();
   auto one = [&](uint64_t at, std::span<std::byte> into) -> Status {
     const uint64_t last = at + into.size() - 1;
+    S3Call call{.op = S3Op::kGet, .method = "GET", .bucket = bucket, .key = key};
+    call.headers.emplace_back("Range", "bytes=" + std::to_string(at) + "-" + std::to_string(last));
+    if (!if_match.empty()) call.headers.emplace_back("If-Match", if_match);
+    call.sink = into;
+    call.range = std::pair{at, last};
+    // A reply with other bytes than asked for (a short body, or a 206 for another range: a
+    // faulty proxy or middlebox) is retried like a 5xx, then is kDataLoss naming the object and
+    // the range. Never accepted: a safetensors file has no checksum to catch it.
     const std::string where =
         Uri(bucket, key) + " bytes " + std::to_string(at) + "-" + std::to_string(last);
-    // A reply whose bytes are not the ones asked for (a short body, or a 206 for another range:
-    // a faulty proxy or middlebox) is asked for again, a few times, and then is kDataLoss naming
-    // the object and the range. Never accepted: a safetensors file has no checksum to catch it.
-    Status wrong;
-    for (int attempt = 0; attempt < kRangedReadAttempts; ++attempt) {
-      S3Call call{.op = S3Op::kGet, .method = "GET", .bucket = bucket, .key = key};
-      call.headers.emplace_back("Range",
-                                "bytes=" + std::to_string(at) + "-" + std::to_string(last));
-      if (!if_match.empty()) call.headers.emplace_back("If-Match", if_match);
-      call.sink = into;
-      call.range = std::pair{at, last};
-      S3CallResult r = Execute(call);
-      if (r.status.code() == StatusCode::kFailedPrecondition) {
-        return Rewrap(r.status, StatusCode::kDataLoss,
-                      Uri(bucket, key) + " changed since it was opened (ETag " + if_match + ")");
-      }
-      TESSERA_RETURN_IF_ERROR(r.status);
-      wrong = CheckRangedReply(r.response, at, last, into.size(), where);
-      if (wrong.ok()) return wrong;
+    call.check_reply = [&](const HttpResponse& response) {
+      return CheckRangedReply(response, at, last, into.size(), where);
+    };
+    S3CallResult r = Execute(call);
+    if (r.status.code() == StatusCode::kFailedPrecondition) {
+      return Rewrap(r.status, StatusCode::kDataLoss,
+                    Uri(bucket, key) + " changed since it was opened (ETag " + if_match + ")");
     }
-    return wrong.WithContext("after " + std::to_string(kRangedReadAttempts) + " attempts");
+    return r.status;
   };
   const uint64_t chunk = options_.read_chunk_bytes;
   if (dst.size() <= chunk) return one(offset, dst);
