@@ -1,6 +1,7 @@
 // tessera latest / tessera prune: the checkpoints of a CheckpointManager's root.
 #include <cstdio>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "core/utf8.h"
@@ -18,16 +19,27 @@ Status CheckJsonText(const std::string& root, const std::string& text) {
                          "(without --json it is shown escaped)");
 }
 
+// The manager of `root` with the step naming the command was given (a preset or a pattern).
+Result<std::unique_ptr<CheckpointManager>> OpenRoot(const std::string& root,
+                                                    const std::string& step_naming) {
+  TESSERA_ASSIGN_OR_RETURN(StepNaming naming, ParseStepNaming(step_naming));
+  CheckpointManagerOptions options;
+  options.step_naming = std::move(naming);
+  return std::make_unique<CheckpointManager>(root, std::move(options));
+}
+
 struct LatestOptions {
   std::string root;
+  std::string step_naming = "megatron";
   bool json = false;
   bool step_only = false;
 };
 
 // Prints the latest step's directory (or step); the damaged steps newer than it as warnings.
 int RunLatest(const LatestOptions& o) {
-  CheckpointManager manager(o.root);
-  Result<std::vector<StepInfo>> steps = manager.Steps();
+  Result<std::unique_ptr<CheckpointManager>> manager = OpenRoot(o.root, o.step_naming);
+  if (!manager.ok()) return Fail(manager.status());
+  Result<std::vector<StepInfo>> steps = (*manager)->Steps();
   if (!steps.ok()) return Fail(steps.status());
   const StepInfo* latest = nullptr;
   for (const StepInfo& info : *steps) {
@@ -70,6 +82,7 @@ int RunLatest(const LatestOptions& o) {
 
 struct PruneOptions {
   std::string root;
+  std::string step_naming = "megatron";
   int keep_last = 0;
   int64_t keep_every = 0;
   bool dry_run = false;
@@ -77,9 +90,10 @@ struct PruneOptions {
 };
 
 int RunPrune(const PruneOptions& o) {
-  CheckpointManager manager(o.root);
+  Result<std::unique_ptr<CheckpointManager>> manager = OpenRoot(o.root, o.step_naming);
+  if (!manager.ok()) return Fail(manager.status());
   Result<PruneReport> report =
-      manager.Prune({.keep_last = o.keep_last, .keep_every = o.keep_every}, o.dry_run);
+      (*manager)->Prune({.keep_last = o.keep_last, .keep_every = o.keep_every}, o.dry_run);
   if (!report.ok()) return Fail(report.status());
   if (o.json) {
     nlohmann::json list = nlohmann::json::array();
@@ -100,7 +114,7 @@ int RunPrune(const PruneOptions& o) {
   const size_t width = static_cast<size_t>(std::max(OutputWidth(), 20));
   const char* deleted = o.dry_run ? "would delete" : "deleted";
   for (const RetentionDecision& d : report->steps) {
-    const std::string line = Printable(StepDirName(d.step)) + "  " +
+    const std::string line = Printable(d.path.substr(d.path.find_last_of('/') + 1)) + "  " +
                              PadRight(d.deleted ? deleted : "kept", 12) + "  " +
                              Printable(d.reason);
     std::printf("%s\n", FitEnd(line, width).c_str());
@@ -111,6 +125,17 @@ int RunPrune(const PruneOptions& o) {
   return 0;
 }
 
+void AddStepNamingOption(CLI::App* cmd, std::string* step_naming) {
+  std::string presets;
+  for (const StepNamingPreset& p : StepNamingPresets()) {
+    presets += std::string(presets.empty() ? "" : ", ") + p.name + " " + p.pattern;
+  }
+  cmd->add_option("--step-naming", *step_naming,
+                  "how the step directories are named: a preset (" + presets +
+                      ") or a pattern such as ckpt_{step:06}")
+      ->capture_default_str();
+}
+
 }  // namespace
 
 void AddManagerCommands(CLI::App& app, int* exit_code) {
@@ -119,7 +144,8 @@ void AddManagerCommands(CLI::App& app, int* exit_code) {
       "latest",
       "Print the newest committed, whole checkpoint of a CheckpointManager's root (its step "
       "directory); exit status 1 when there is none");
-  cmd->add_option("ROOT", latest->root, "the root: step directories iter_<step>")->required();
+  cmd->add_option("ROOT", latest->root, "the root: one directory per step")->required();
+  AddStepNamingOption(cmd, &latest->step_naming);
   cmd->add_flag("--step", latest->step_only, "print the step number instead of the directory");
   cmd->add_flag("--json", latest->json, "print one JSON document (every step directory's state)");
   cmd->callback([=] { *exit_code = RunLatest(*latest); });
@@ -129,7 +155,8 @@ void AddManagerCommands(CLI::App& app, int* exit_code) {
       "prune",
       "Delete the step directories of a CheckpointManager's root that a retention policy does "
       "not keep (never the newest committed, a marked one, or one being read or written)");
-  cmd->add_option("ROOT", prune->root, "the root: step directories iter_<step>")->required();
+  cmd->add_option("ROOT", prune->root, "the root: one directory per step")->required();
+  AddStepNamingOption(cmd, &prune->step_naming);
   cmd->add_option("--keep-last", prune->keep_last, "keep the newest N committed checkpoints")
       ->required()
       ->check(CLI::PositiveNumber);

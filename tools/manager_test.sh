@@ -101,5 +101,35 @@ check "a dead reader's lease protects nothing; the marked step stays" $?
 "$tessera" ls "$root" > "$work/ls.txt"; check "ls of the root exits 0" $?
 grep -q "iter_0000006" "$work/ls.txt"; check "ls lists the step directories" $?
 
+# Other step names (issue 30, item 3): a torchtitan root (step-<N>), read with --step-naming.
+titan="$work/titan"
+mkdir "$titan" "$titan/logs"
+for step in 10 20 30; do
+  "$tessera" demo --out "$titan/step-$step" --size 1MiB --save-layout tp1,dp1 \
+    --load-layout tp1,dp1 --no-sync --quiet > /dev/null || { echo "demo failed"; exit 1; }
+done
+msg="$("$tessera" latest "$titan" 2>&1)"; rc=$?
+echo "$msg"
+[ $rc -eq 1 ] && echo "$msg" | grep -q '"step-10", "step-20", "step-30"' \
+  && echo "$msg" | grep -q 'pass the step naming "torchtitan"' \
+  && ! echo "$msg" | grep -q "no committed checkpoint"
+check "latest of a torchtitan root without --step-naming names what it found and the preset" $?
+msg="$("$tessera" prune "$titan" --keep-last 1 2>&1)"; rc=$?
+[ $rc -eq 1 ] && echo "$msg" | grep -q "torchtitan" && [ -e "$titan/step-10" ]
+check "prune of that root without --step-naming fails and deletes nothing" $?
+[ "$("$tessera" latest --step-naming torchtitan --step "$titan")" = "30" ]
+check "latest --step-naming torchtitan names step 30" $?
+[ "$("$tessera" latest --step-naming 'step-{step}' "$titan")" = "$titan/step-30" ]
+check "a pattern works as the preset does" $?
+"$tessera" prune "$titan" --step-naming torchtitan --keep-last 1 > "$work/titan.txt"
+check "prune --step-naming torchtitan exits 0" $?
+cat "$work/titan.txt"
+grep -q "^step-10 *deleted" "$work/titan.txt" && grep -q "deleted 2 of 3 step directories" "$work/titan.txt" \
+  && [ ! -e "$titan/step-20" ] && [ -e "$titan/step-30" ] && [ -e "$titan/logs" ]
+check "it deletes step-10 and step-20, keeps step-30 and logs" $?
+msg="$("$tessera" latest --step-naming 'ckpt/{step}' "$titan" 2>&1)"; rc=$?
+[ $rc -ne 0 ] && echo "$msg" | grep -q "names one directory"
+check "a bad --step-naming is refused, saying why" $?
+
 if [ $failures -ne 0 ]; then echo "$failures check(s) failed"; exit 1; fi
 echo "all manager CLI checks passed"

@@ -14,14 +14,14 @@
 //   }
 //   TESSERA_RETURN_IF_ERROR(manager.Close());  // the last save committed, or its error
 //
-// The root (docs/FORMAT.md, section 5): one directory per step, "iter_<step>" with the step in
-// decimal zero-padded to at least 7 digits (Megatron-LM's names: "iter_0001000"; they sort
-// as text up to step 9,999,999, and the manager sorts by number), each a checkpoint of its own
-// (docs/FORMAT.md) whose user metadata records "step"; `latest_checkpointed_iteration.txt`
-// (Megatron-LM's tracker: the step in decimal), replaced atomically after a commit, never before
-// one. The manager never trusts the tracker: which steps exist is decided by IsCommitted on each
-// step directory (checkpoint.h), so a crash at any moment leaves LatestStep() naming a checkpoint
-// whose index reads and whose files are all there.
+// The root (docs/FORMAT.md, section 5): one directory per step, by default "iter_<step>" with the
+// step in decimal zero-padded to at least 7 digits (Megatron-LM's names: "iter_0001000"; they sort
+// as text up to step 9,999,999, and the manager sorts by number; StepNaming names others), each a
+// checkpoint of its own (docs/FORMAT.md) whose user metadata records "step";
+// `latest_checkpointed_iteration.txt` (Megatron-LM's tracker: the step in decimal), replaced
+// atomically after a commit, never before one. The manager never trusts the tracker: which steps
+// exist is decided by IsCommitted on each step directory (checkpoint.h), so a crash at any moment
+// leaves LatestStep() naming a checkpoint whose index reads and whose files are all there.
 //
 // Retention deletes a checkpoint only when a newer one has committed (the newest committed one
 // is always kept), never one the user marked (Mark), one being written (the manager's save in
@@ -51,6 +51,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -64,10 +65,41 @@
 
 namespace tessera {
 
-// "iter_0001000" for step 1000 (at least 7 digits, more when the step needs them).
+// How the step directories under a root are named: `prefix`, the step in decimal zero-padded to
+// at least `min_digits` digits (more when the step needs them), then `suffix`. The default is
+// Megatron-LM's "iter_0001000". One spelling per step: a name padded otherwise ("iter_00001000",
+// or "step-007" for "step-{step}") is not a step directory, so no two names mean one step.
+struct StepNaming {
+  std::string prefix = "iter_";
+  int min_digits = 7;  // 0..19
+  std::string suffix;
+
+  std::string Name(int64_t step) const;  // "iter_0001000" for step 1000
+  // The step `name` stands for; nullopt for any other name.
+  std::optional<int64_t> Parse(std::string_view name) const;
+  // The pattern ParseStepNaming reads back: "iter_{step:07}", "step-{step}".
+  std::string Pattern() const;
+};
+
+// The documented presets: a name, its pattern, and who writes such directories.
+struct StepNamingPreset {
+  const char* name;
+  const char* pattern;
+  const char* written_by;
+};
+// "megatron" iter_{step:07} (Megatron-LM, NeMo; the default), "torchtitan" step-{step},
+// "huggingface" checkpoint-{step} (transformers' Trainer, accelerate), "step" step{step},
+// "global_step" global_step{step} (DeepSpeed, Lightning's DeepSpeed strategy).
+std::span<const StepNamingPreset> StepNamingPresets();
+
+// A preset's name ("torchtitan"; "hf" is "huggingface") or a pattern: a directory name with one
+// "{step}" (no padding) or "{step:0N}" (at least N digits, N <= 19), e.g. "ckpt_{step:06}". A
+// pattern holds no '/', '{' or '}' besides its one placeholder, and no NUL. kInvalidArgument
+// naming what is wrong and the presets.
+Result<StepNaming> ParseStepNaming(std::string_view preset_or_pattern);
+
+// StepNaming{}.Name / Parse: Megatron-LM's "iter_0001000".
 std::string StepDirName(int64_t step);
-// The step a directory name stands for; nullopt for any other name (including a non-canonical
-// spelling such as "iter_00001000", so that no two names mean one step).
 std::optional<int64_t> ParseStepDirName(std::string_view name);
 // The tracker file in the root (Megatron-LM's name and content: the step in decimal).
 inline constexpr char kTrackerFileName[] = "latest_checkpointed_iteration.txt";
@@ -114,6 +146,12 @@ struct CheckpointManagerOptions {
   // not there yet does not count as committed, so up to a step or two more than keep_last may
   // stay until the next save's retention (or a Prune).
   RetentionPolicy retention;
+  // How the step directories are named (ParseStepNaming reads a preset or a pattern). Default:
+  // Megatron-LM's iter_<step>. Every listing (LatestStep, Steps, Restore, Prune) looks at the
+  // directories of this naming only; one that finds none, in a root that holds directories named
+  // as another preset names steps (or holding a checkpoint), is kInvalidArgument listing them and
+  // the naming to pass, not "no committed checkpoint".
+  StepNaming step_naming;
   // Replace kTrackerFileName after every commit (rank 0). Default true.
   bool write_tracker = true;
   // The parallel layout of the run, e.g. "tp2,pp1,dp4": recorded with the per-rank state; a

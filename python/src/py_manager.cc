@@ -94,8 +94,10 @@ void NoGilStatus(const std::function<Status()>& call) {
 std::unique_ptr<PyManager> MakeManager(const std::string& root, const AsyncSaveOptions& save,
                                        bool async, const std::string& when_busy, int keep_last,
                                        int64_t keep_every, bool write_tracker,
-                                       const std::string& layout, py::object warn) {
+                                       const std::string& layout, const std::string& step_naming,
+                                       py::object warn) {
   CheckpointManagerOptions options;
+  options.step_naming = ValueOrThrow(ParseStepNaming(step_naming));
   options.save = save;
   options.storage = save.save.storage;
   options.async = async;
@@ -262,7 +264,7 @@ void RegisterManager(py::module_& m) {
   py::class_<PyManager>(m, "_CheckpointManager")
       .def(py::init(&MakeManager), py::arg("root"), py::arg("save"), py::arg("async_save"),
            py::arg("when_busy"), py::arg("keep_last"), py::arg("keep_every"),
-           py::arg("write_tracker"), py::arg("layout"), py::arg("warn"))
+           py::arg("write_tracker"), py::arg("layout"), py::arg("step_naming"), py::arg("warn"))
       .def(
           "save",
           [](PyManager& self, int64_t step, py::object state, const CommHandle& comm,

@@ -102,10 +102,19 @@ class CheckpointManager:
     """Saves a training run's state every few steps under `root`, keeps the right checkpoints,
     and resumes from the newest one that is whole. See docs/PYTHON.md, "Checkpoint manager".
 
-    root: a directory (created on the first save). Each step's checkpoint is the directory
-    ``iter_<step>`` (7 digits at least, Megatron-LM's names), whose user metadata records the
-    step (``tessera ls`` shows it); ``latest_checkpointed_iteration.txt`` names the newest one,
-    replaced after each commit (write_tracker=False: not written).
+    root: a directory (created on the first save). Each step's checkpoint is a directory named
+    by step_naming, by default ``iter_<step>`` (7 digits at least, Megatron-LM's names), whose
+    user metadata records the step (``tessera ls`` shows it);
+    ``latest_checkpointed_iteration.txt`` names the newest one, replaced after each commit
+    (write_tracker=False: not written).
+
+    step_naming: how the step directories are named, a preset or a pattern: "megatron"
+    (``iter_{step:07}``, the default), "torchtitan" (``step-{step}``), "huggingface" or "hf"
+    (``checkpoint-{step}``, transformers' Trainer), "step" (``step{step}``), "global_step"
+    (``global_step{step}``, DeepSpeed), or a pattern such as ``"ckpt_{step:06}"``. Every listing
+    (latest_step, steps, restore, prune) sees the directories of that naming only; a root that
+    holds none of them but directories named as another preset names steps raises
+    InvalidArgumentError naming them and the preset to pass.
 
     comm: every rank passes its tessera.Comm (save and restore are COLLECTIVE). None (the
     default): as every tessera call without ``comm=``, the default process group when
@@ -133,7 +142,8 @@ class CheckpointManager:
                  when_busy: str = "wait", staging: str = "blocking",
                  staging_threads: Optional[int] = None,
                  check_unchanged_until_staged: bool = False, layout: Optional[str] = None,
-                 write_tracker: bool = True, **save_options: Any) -> None:
+                 write_tracker: bool = True, step_naming: str = "megatron",
+                 **save_options: Any) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', not {when_busy!r}")
         if staging not in ("blocking", "deferred"):
@@ -166,7 +176,7 @@ class CheckpointManager:
         opts.check_unchanged_until_staged = bool(check_unchanged_until_staged)
         self._impl = _tessera._CheckpointManager(self._root, opts, bool(async_save), when_busy,
                                                  keep_last, keep_every, bool(write_tracker),
-                                                 layout or "", _warn)
+                                                 layout or "", step_naming, _warn)
         _live.add(self)
 
     # ---- saving -------------------------------------------------------------------------

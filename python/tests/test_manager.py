@@ -4,6 +4,7 @@ and a training loop killed with SIGKILL at random moments."""
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -326,3 +327,50 @@ def test_a_loop_killed_at_random_moments_resumes_from_a_latest_that_loads(tmp_pa
                 f"seed {seed}, trial {trial}: step {restored.step} restored other bytes")
         previous = latest
     assert previous is not None, f"seed {seed}: no save ever committed"
+
+
+def test_torchtitan_and_hugging_face_roots_with_their_step_naming(tmp_path, cli):
+    """Issue 30, item 3: roots written by torch DCP as torchtitan names steps (step-<N>) and by
+    safetensors as transformers' Trainer does (checkpoint-<N>) are read with step_naming; without
+    it, every reader says what it found and which naming to pass, never "a fresh run"."""
+    import torch  # noqa: PLC0415
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    titan = tmp_path / "titan"
+    for step in (100, 200, 300):
+        dcp.save({"w": torch.full((4, 8), float(step))}, checkpoint_id=str(titan / f"step-{step}"))
+    (titan / "tb_logs").mkdir()
+    with pytest.raises(tessera.InvalidArgumentError) as error:
+        tessera.CheckpointManager(titan).latest_step()
+    assert '"step-100", "step-200", "step-300"' in str(error.value)
+    assert 'step_naming="torchtitan"' in str(error.value)
+    with pytest.raises(tessera.InvalidArgumentError):
+        tessera.CheckpointManager(titan).restore({"w": np.zeros((4, 8), np.float32)})
+    with pytest.raises(tessera.InvalidArgumentError):
+        tessera.CheckpointManager(titan).prune(keep_last=1)
+
+    manager = tessera.CheckpointManager(titan, step_naming="torchtitan")
+    assert manager.latest_step() == 300 and manager.all_steps() == [100, 200, 300]
+    state = {"w": np.zeros((4, 8), np.float32)}
+    restored = manager.restore(state)
+    assert restored.step == 300 and restored.path == str(titan / "step-300")
+    assert (state["w"] == 300).all()
+    report = manager.prune(keep_last=2)
+    assert report.deleted == 1
+    assert sorted(os.listdir(titan)) == ["step-200", "step-300", "tb_logs"]
+    out = subprocess.run([cli, "latest", "--step-naming", "torchtitan", "--step", str(titan)],
+                         check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "300"
+
+    hf = tmp_path / "hf"
+    for step in (500, 1000):
+        (hf / f"checkpoint-{step}").mkdir(parents=True)
+        save_file({"w": torch.full((2, 2), float(step))},
+                  str(hf / f"checkpoint-{step}" / "model.safetensors"))
+    (hf / "runs").mkdir()
+    with pytest.raises(tessera.InvalidArgumentError, match='step_naming="huggingface"'):
+        tessera.CheckpointManager(hf, step_naming="torchtitan").latest_step()
+    assert tessera.CheckpointManager(hf, step_naming="hf").latest_step() == 1000
+    with pytest.raises(tessera.InvalidArgumentError, match=re.escape("{step:0N}")):
+        tessera.CheckpointManager(hf, step_naming="checkpoint-{step:4}")

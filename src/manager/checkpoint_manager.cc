@@ -77,7 +77,9 @@ struct CheckpointManager::State {
     }
   }
 
-  std::string StepPath(int64_t step) const { return JoinPath(root, StepDirName(step)); }
+  std::string StepPath(int64_t step) const {
+    return JoinPath(root, options.step_naming.Name(step));
+  }
 
   // A lease on `step`, and the checkpoint's metadata, once it is known committed.
   Result<ReadLease> TakeLease(int64_t step, Metadata* metadata);
@@ -106,7 +108,8 @@ struct CheckpointManager::State {
   }
 
   Result<std::optional<int64_t>> Latest() const {
-    Result<std::vector<int64_t>> steps = manager::ListStepNumbers(*storage, root);
+    Result<std::vector<int64_t>> steps =
+        manager::ListStepsOfRoot(storage, root, options.step_naming);
     if (steps.status().code() == StatusCode::kNotFound) return std::optional<int64_t>();
     TESSERA_RETURN_IF_ERROR(steps.status());
     const std::set<int64_t> bad = FailedSteps();
@@ -114,7 +117,8 @@ struct CheckpointManager::State {
       if (bad.count(*it)) continue;
       Result<StepDirFiles> files = manager::ListStepDir(*storage, StepPath(*it));
       if (!files.ok()) continue;  // deleted meanwhile
-      if (manager::ExamineStep(storage, root, *it, *files).state == StepState::kCommitted) {
+      if (manager::ExamineStep(storage, StepPath(*it), *it, *files).state ==
+          StepState::kCommitted) {
         return std::optional<int64_t>(*it);
       }
     }
@@ -148,7 +152,7 @@ struct CheckpointManager::State {
       }
     }
     if (options.retention.keep_last < 1) return;
-    manager::RootView view{storage, root, FailedSteps(), std::nullopt};
+    manager::RootView view{storage, root, options.step_naming, FailedSteps(), std::nullopt};
     Result<PruneReport> pruned = manager::Prune(view, options.retention, /*dry_run=*/false, sync,
                                                 [this](const std::string& m) { Warn(m); });
     if (!pruned.ok()) {
@@ -245,6 +249,9 @@ CheckpointManager::CheckpointManager(std::string root, CheckpointManagerOptions 
     s.storage = std::make_shared<UnopenedStorage>(location.status());
     s.root = root_;
   }
+  if (Status naming = manager::CheckStepNaming(options.step_naming); !naming.ok()) {
+    s.storage = std::make_shared<UnopenedStorage>(naming);  // every operation fails with it
+  }
   s.sync = options.save.save.sync == SyncPolicy::kFull;
   s.options = std::move(options);
   s.options.save.save.storage = s.storage;
@@ -269,7 +276,7 @@ CheckpointManager::~CheckpointManager() {
 
 // The root as given (a URI stays a URI), so that the path works without the storage.
 std::string CheckpointManager::StepPath(int64_t step) const {
-  return JoinPath(root_, StepDirName(step));
+  return JoinPath(root_, state_->options.step_naming.Name(step));
 }
 
 // ---- saving ------------------------------------------------------------------------------------
@@ -285,7 +292,8 @@ namespace {
 // kFailedPrecondition when a committed checkpoint of `step` or a later step is under the root
 // (other than steps whose restore failed here).
 Status CheckNothingAhead(CheckpointManager::State& s, int64_t step) {
-  Result<std::vector<int64_t>> steps = manager::ListStepNumbers(*s.storage, s.root);
+  Result<std::vector<int64_t>> steps =
+      manager::ListStepNumbers(*s.storage, s.root, s.options.step_naming);
   if (steps.status().code() == StatusCode::kNotFound) return Status::Ok();
   TESSERA_RETURN_IF_ERROR(steps.status());
   const std::set<int64_t> bad = s.FailedSteps();
@@ -293,7 +301,8 @@ Status CheckNothingAhead(CheckpointManager::State& s, int64_t step) {
     if (bad.count(*it)) continue;
     Result<StepDirFiles> files = manager::ListStepDir(*s.storage, s.StepPath(*it));
     if (!files.ok()) continue;
-    if (manager::ExamineStep(s.storage, s.root, *it, *files).state != StepState::kCommitted) {
+    if (manager::ExamineStep(s.storage, s.StepPath(*it), *it, *files).state !=
+        StepState::kCommitted) {
       continue;
     }
     return FailedPrecondition(
@@ -436,7 +445,8 @@ Result<std::optional<int64_t>> CheckpointManager::LatestStep() { return state_->
 Result<std::vector<StepInfo>> CheckpointManager::Steps() {
   State& s = *state_;
   std::vector<StepInfo> out;
-  Result<std::vector<int64_t>> steps = manager::ListStepNumbers(*s.storage, s.root);
+  Result<std::vector<int64_t>> steps =
+      manager::ListStepsOfRoot(s.storage, s.root, s.options.step_naming);
   if (steps.status().code() == StatusCode::kNotFound) return out;
   TESSERA_RETURN_IF_ERROR(steps.status());
   std::map<int64_t, std::string> failed;
@@ -448,7 +458,7 @@ Result<std::vector<StepInfo>> CheckpointManager::Steps() {
     Result<StepDirFiles> files = manager::ListStepDir(*s.storage, s.StepPath(step));
     if (files.status().code() == StatusCode::kNotFound) continue;  // deleted meanwhile
     TESSERA_RETURN_IF_ERROR(files.status());
-    StepInfo info = manager::ExamineStep(s.storage, s.root, step, *files);
+    StepInfo info = manager::ExamineStep(s.storage, s.StepPath(step), step, *files);
     info.path = StepPath(step);  // as the root was given (a URI stays a URI)
     if (auto it = failed.find(step); it != failed.end() && info.state == StepState::kCommitted) {
       info.state = StepState::kDamaged;
@@ -492,7 +502,7 @@ Result<ReadLease> CheckpointManager::State::TakeLease(int64_t step, Metadata* me
   // After the lease: a deletion that started before it shows its tombstone now.
   TESSERA_ASSIGN_OR_RETURN(StepDirFiles files, manager::ListStepDir(*s.storage, dir));
   Status damage;
-  const StepInfo info = manager::ExamineStep(s.storage, s.root, step, files, metadata, &damage);
+  const StepInfo info = manager::ExamineStep(s.storage, dir, step, files, metadata, &damage);
   switch (info.state) {
     case StepState::kCommitted:
       return lease;
@@ -554,7 +564,7 @@ Result<PruneReport> CheckpointManager::Prune(const RetentionPolicy& policy, bool
   State& s = *state_;
   // The store's own path of the root (s.root), never the root as given: for a URI root
   // (s3://, file://) the store knows no such path, found no step and reported "0 of 0".
-  manager::RootView view{s.storage, s.root, s.FailedSteps(), std::nullopt};
+  manager::RootView view{s.storage, s.root, s.options.step_naming, s.FailedSteps(), std::nullopt};
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (!s.finished) view.in_flight = s.in_flight;
@@ -626,7 +636,8 @@ Candidate PickCandidate(CheckpointManager::State& s, std::optional<int64_t> want
   if (wanted) {
     if (!below || *wanted < *below) steps.push_back(*wanted);
   } else {
-    Result<std::vector<int64_t>> listed = manager::ListStepNumbers(*s.storage, s.root);
+    Result<std::vector<int64_t>> listed =
+        manager::ListStepsOfRoot(s.storage, s.root, s.options.step_naming);
     if (!listed.ok() && listed.status().code() != StatusCode::kNotFound) {
       c.error = listed.status();
       return c;

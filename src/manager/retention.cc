@@ -65,7 +65,7 @@ std::vector<RetentionDecision> PlanRetention(const std::vector<StepFacts>& facts
 Result<std::vector<StepFacts>> GatherFacts(const RootView& view, const RetentionPolicy& policy,
                                            std::vector<std::string>* links) {
   Storage& storage = *view.storage;
-  Result<std::vector<int64_t>> steps = ListStepNumbers(storage, view.root, links);
+  Result<std::vector<int64_t>> steps = ListStepsOfRoot(view.storage, view.root, view.naming, links);
   if (steps.status().code() == StatusCode::kNotFound) return std::vector<StepFacts>{};
   TESSERA_RETURN_IF_ERROR(steps.status());
   std::vector<StepFacts> facts(steps->size());
@@ -73,7 +73,7 @@ Result<std::vector<StepFacts>> GatherFacts(const RootView& view, const Retention
   for (size_t i = steps->size(); i-- > 0;) {
     StepFacts& f = facts[i];
     f.step = (*steps)[i];
-    f.path = JoinPath(view.root, StepDirName(f.step));
+    f.path = JoinPath(view.root, view.naming.Name(f.step));
     f.failed = view.failed.count(f.step) != 0;
     f.in_flight = view.in_flight == f.step;
     Result<StepDirFiles> files = ListStepDir(storage, f.path);
@@ -86,7 +86,7 @@ Result<std::vector<StepFacts>> GatherFacts(const RootView& view, const Retention
     // Older steps need no index read once keep_last committed ones are found: the plan deletes
     // or keeps them whatever they hold.
     if (found < policy.keep_last || files->tombstone) {
-      const StepInfo info = ExamineStep(view.storage, view.root, f.step, *files);
+      const StepInfo info = ExamineStep(view.storage, f.path, f.step, *files);
       f.state = info.state;
       if (info.state == StepState::kDeleting && info.problem.starts_with("being deleted")) {
         f.live_user = info.problem;

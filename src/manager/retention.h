@@ -44,6 +44,7 @@ std::vector<RetentionDecision> PlanRetention(const std::vector<StepFacts>& facts
 struct RootView {
   std::shared_ptr<Storage> storage;
   std::string root;
+  StepNaming naming;
   std::set<int64_t> failed;          // steps a restore of this manager failed on
   std::optional<int64_t> in_flight;  // this manager's save in flight
 };

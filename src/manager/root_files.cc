@@ -3,33 +3,129 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
+#include <map>
 #include <random>
 #include <span>
 
 #include "checkpoint/commit.h"
+#include "core/utf8.h"
 
 namespace tessera {
 
-std::string StepDirName(int64_t step) {
-  char name[32];
-  std::snprintf(name, sizeof(name), "iter_%07lld", static_cast<long long>(step));
-  return name;
+namespace {
+
+constexpr int kMaxStepDigits = 19;  // INT64_MAX has 19 digits
+
+bool AllDigits(std::string_view text) {
+  return std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
-std::optional<int64_t> ParseStepDirName(std::string_view name) {
-  constexpr std::string_view kPrefix = "iter_";
-  if (!name.starts_with(kPrefix)) return std::nullopt;
-  const std::string_view digits = name.substr(kPrefix.size());
-  if (digits.size() < 7 ||
-      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+constexpr StepNamingPreset kStepNamingPresets[] = {
+    {"megatron", "iter_{step:07}", "Megatron-LM and NeMo"},
+    {"torchtitan", "step-{step}", "torchtitan"},
+    {"huggingface", "checkpoint-{step}", "transformers' Trainer and accelerate"},
+    {"step", "step{step}", "many training scripts"},
+    {"global_step", "global_step{step}", "DeepSpeed"},
+};
+
+std::string PresetList() {
+  std::string list;
+  for (const StepNamingPreset& p : kStepNamingPresets) {
+    list += (list.empty() ? "" : ", ") + std::string(p.name) + " (" + p.pattern + ")";
+  }
+  return list;
+}
+
+// The part of a pattern around its placeholder: no '/', braces or NUL.
+Status CheckPatternText(std::string_view pattern, std::string_view text) {
+  for (char c : text) {
+    if (c == '/' || c == '{' || c == '}' || c == '\0') {
+      return InvalidArgument("the step-name pattern " + QuoteBytes(pattern) +
+                             " holds '/', a brace or NUL besides its one {step} placeholder; a "
+                             "pattern names one directory, e.g. \"ckpt_{step:06}\"");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::string StepNaming::Name(int64_t step) const {
+  std::string digits = std::to_string(step);
+  if (static_cast<int>(digits.size()) < min_digits) {
+    digits.insert(0, min_digits - digits.size(), '0');
+  }
+  return prefix + digits + suffix;
+}
+
+std::optional<int64_t> StepNaming::Parse(std::string_view name) const {
+  if (name.size() <= prefix.size() + suffix.size() || !name.starts_with(prefix) ||
+      !name.ends_with(suffix)) {
     return std::nullopt;
   }
+  const std::string_view digits =
+      name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+  if (digits.size() > kMaxStepDigits || !AllDigits(digits)) return std::nullopt;
   int64_t step = 0;
   const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
   if (error != std::errc() || end != digits.data() + digits.size()) return std::nullopt;
-  if (StepDirName(step) != name) return std::nullopt;  // one spelling per step
+  if (Name(step) != name) return std::nullopt;  // one spelling per step
   return step;
 }
+
+std::string StepNaming::Pattern() const {
+  std::string placeholder = "{step}";
+  if (min_digits > 0) {
+    placeholder = "{step:0" + std::to_string(min_digits) + "}";
+  }
+  return prefix + placeholder + suffix;
+}
+
+std::span<const StepNamingPreset> StepNamingPresets() { return kStepNamingPresets; }
+
+Result<StepNaming> ParseStepNaming(std::string_view preset_or_pattern) {
+  std::string_view pattern = preset_or_pattern;
+  for (const StepNamingPreset& p : kStepNamingPresets) {
+    if (pattern == p.name) pattern = p.pattern;
+  }
+  if (pattern == "hf") pattern = "checkpoint-{step}";
+  const size_t open = pattern.find("{step");
+  const size_t close = open == std::string_view::npos ? open : pattern.find('}', open);
+  if (close == std::string_view::npos) {
+    return InvalidArgument("the step naming " + QuoteBytes(preset_or_pattern) +
+                           " is neither a preset nor a pattern with a {step} placeholder; "
+                           "presets: " +
+                           PresetList() + "; a pattern looks like \"ckpt_{step:06}\"");
+  }
+  StepNaming naming;
+  naming.prefix = std::string(pattern.substr(0, open));
+  naming.suffix = std::string(pattern.substr(close + 1));
+  const std::string_view spec = pattern.substr(open + 5, close - open - 5);  // "" or ":0N"
+  naming.min_digits = 0;
+  if (!spec.empty()) {
+    const std::string_view width = spec.substr(std::min<size_t>(spec.size(), 2));
+    const bool ok = spec.starts_with(":0") && !width.empty() && width.size() <= 2 &&
+                    AllDigits(width) && std::stoi(std::string(width)) <= kMaxStepDigits;
+    if (!ok) {
+      return InvalidArgument("the step-name pattern " + QuoteBytes(preset_or_pattern) +
+                             " has the placeholder " +
+                             QuoteBytes(pattern.substr(open, close - open + 1)) +
+                             "; write {step} (no padding) or {step:0N}, N from 1 to 19 digits");
+    }
+    naming.min_digits = std::stoi(std::string(width));
+  }
+  TESSERA_RETURN_IF_ERROR(CheckPatternText(preset_or_pattern, naming.prefix));
+  TESSERA_RETURN_IF_ERROR(CheckPatternText(preset_or_pattern, naming.suffix));
+  if (naming.prefix.size() + naming.suffix.size() > 200) {
+    return InvalidArgument("the step-name pattern " + QuoteBytes(preset_or_pattern) +
+                           " is too long (at most 200 characters around {step})");
+  }
+  return naming;
+}
+
+std::string StepDirName(int64_t step) { return StepNaming{}.Name(step); }
+
+std::optional<int64_t> ParseStepDirName(std::string_view name) { return StepNaming{}.Parse(name); }
 
 namespace manager {
 
@@ -105,11 +201,11 @@ std::string LiveUser(Storage& storage, const std::string& dir, const StepDirFile
   return "";
 }
 
-StepInfo ExamineStep(const std::shared_ptr<Storage>& storage, const std::string& root, int64_t step,
+StepInfo ExamineStep(const std::shared_ptr<Storage>& storage, const std::string& dir, int64_t step,
                      const StepDirFiles& files, Metadata* metadata, Status* damage) {
   StepInfo info;
   info.step = step;
-  info.path = JoinPath(root, StepDirName(step));
+  info.path = dir;
   info.marked = files.marked;
   if (files.tombstone) {
     info.state = StepState::kDeleting;
@@ -145,11 +241,12 @@ StepInfo ExamineStep(const std::shared_ptr<Storage>& storage, const std::string&
 }
 
 Result<std::vector<int64_t>> ListStepNumbers(Storage& storage, const std::string& root,
+                                             const StepNaming& naming,
                                              std::vector<std::string>* links) {
   TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(root));
   std::vector<int64_t> steps;
   for (const std::string& name : names) {
-    if (std::optional<int64_t> step = ParseStepDirName(name)) {
+    if (std::optional<int64_t> step = naming.Parse(name)) {
       Result<bool> link = storage.IsSymlink(JoinPath(root, name));
       if (!link.ok() || *link) {  // an lstat that fails: not known to be a directory of ours
         if (links != nullptr) links->push_back(name);
@@ -161,6 +258,96 @@ Result<std::vector<int64_t>> ListStepNumbers(Storage& storage, const std::string
     }
   }
   std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+namespace {
+
+// The names of a listing, quoted, at most a few, for a message.
+std::string SomeNames(const std::vector<std::string>& names) {
+  constexpr size_t kShown = 4;
+  std::string text;
+  for (size_t i = 0; i < names.size() && i < kShown; ++i) {
+    text += (i ? ", " : "") + QuoteBytes(names[i]);
+  }
+  if (names.size() > kShown) text += " and " + std::to_string(names.size() - kShown) + " more";
+  return text;
+}
+
+// The preset (other than `naming`) that names `name` a step directory, or null.
+const StepNamingPreset* PresetNaming(std::string_view name, const StepNaming& naming) {
+  for (const StepNamingPreset& p : StepNamingPresets()) {
+    Result<StepNaming> other = ParseStepNaming(p.name);
+    if (other.ok() && other->Pattern() != naming.Pattern() && other->Parse(name)) return &p;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+Status CheckStepNaming(const StepNaming& naming) {
+  if (naming.min_digits < 0 || naming.min_digits > kMaxStepDigits) {
+    return InvalidArgument("StepNaming::min_digits is " + std::to_string(naming.min_digits) +
+                           "; 0 to 19 digits");
+  }
+  return ParseStepNaming(naming.Pattern()).status();
+}
+
+Status ExplainNoSteps(const std::shared_ptr<Storage>& storage, const std::string& root,
+                      const StepNaming& naming) {
+  const std::string looked_for =
+      "no step directory named " + QuoteBytes(naming.Pattern()) + " under " + QuoteBytes(root);
+  Result<bool> itself = IsCommitted(root, storage);
+  if (itself.ok() && *itself) {
+    return InvalidArgument(looked_for +
+                           ": it is itself a checkpoint, not a root of step "
+                           "directories; pass the directory above it as the root");
+  }
+  Result<std::vector<std::string>> names = storage->ListDir(root);
+  if (!names.ok()) return Status::Ok();  // no root: a fresh run
+  std::map<const StepNamingPreset*, std::vector<std::string>> by_preset;
+  std::vector<std::string> checkpoints;  // directories holding one, under other names
+  int examined = 0;
+  for (const std::string& name : *names) {
+    const std::string path = JoinPath(root, name);
+    Result<FileType> type = storage->Stat(path);
+    if (!type.ok() || *type != FileType::kDirectory) continue;
+    if (const StepNamingPreset* preset = PresetNaming(name, naming)) {
+      by_preset[preset].push_back(name);
+    } else if (examined++ < kMaxExplainedDirs) {
+      Result<bool> holds = IsCommitted(path, storage);
+      if (!holds.ok() || *holds) checkpoints.push_back(name);
+    }
+  }
+  if (!by_preset.empty()) {
+    // The preset that names the most of them.
+    auto best = std::max_element(
+        by_preset.begin(), by_preset.end(),
+        [](const auto& a, const auto& b) { return a.second.size() < b.second.size(); });
+    const StepNamingPreset& p = *best->first;
+    const std::string name = p.name;
+    return InvalidArgument(looked_for + "; it holds " + SomeNames(best->second) +
+                           ", step directories as " + p.written_by + " name them (" + p.pattern +
+                           "): pass the step naming \"" + name + "\" (Python: step_naming=\"" +
+                           name + "\"; CLI: --step-naming " + name +
+                           "; C++: CheckpointManagerOptions::step_naming)");
+  }
+  if (!checkpoints.empty()) {
+    return InvalidArgument(looked_for +
+                           "; it holds checkpoints under other names: " + SomeNames(checkpoints) +
+                           ". Pass a step naming that names them: a preset (" + PresetList() +
+                           ") or a pattern such as \"ckpt_{step:06}\"");
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<int64_t>> ListStepsOfRoot(const std::shared_ptr<Storage>& storage,
+                                             const std::string& root, const StepNaming& naming,
+                                             std::vector<std::string>* links) {
+  Result<std::vector<int64_t>> steps = ListStepNumbers(*storage, root, naming, links);
+  const bool none = steps.ok() ? steps->empty() && (links == nullptr || links->empty())
+                               : steps.status().code() == StatusCode::kNotFound;
+  if (none) TESSERA_RETURN_IF_ERROR(ExplainNoSteps(storage, root, naming));
   return steps;
 }
 

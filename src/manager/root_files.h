@@ -52,19 +52,41 @@ Result<StepDirFiles> ListStepDir(Storage& storage, const std::string& dir);
 // decided the same way.
 std::string LiveUser(Storage& storage, const std::string& dir, const StepDirFiles& files);
 
-// The state of the step directory `step` under `root` whose listing is `files`: kDeleting with a
+// The state of the directory `dir` of step `step`, whose listing is `files`: kDeleting with a
 // tombstone; else by IsCommitted (kDamaged with its error, or when the index records another
 // step). Fills *metadata for a committed one, and *damage with the error of a damaged one
 // (StepInfo::problem is its message), when not null.
-StepInfo ExamineStep(const std::shared_ptr<Storage>& storage, const std::string& root, int64_t step,
+StepInfo ExamineStep(const std::shared_ptr<Storage>& storage, const std::string& dir, int64_t step,
                      const StepDirFiles& files, Metadata* metadata = nullptr,
                      Status* damage = nullptr);
 
-// The steps of the directories under `root`, ascending ("iter_0000100" -> 100; other names
-// are ignored). kNotFound when `root` does not exist. A step name that is a symbolic link is not
-// a step of the root (it may point anywhere, and deleting "its" files would delete the
-// target's): it is left out, and its name is added to *links when given.
+// The steps of the directories under `root` named by `naming`, ascending ("iter_0000100" ->
+// 100; other names are ignored). kNotFound when `root` does not exist. A step name that is a
+// symbolic link is not a step of the root (it may point anywhere, and deleting "its" files would
+// delete the target's): it is left out, and its name is added to *links when given.
 Result<std::vector<int64_t>> ListStepNumbers(Storage& storage, const std::string& root,
+                                             const StepNaming& naming,
+                                             std::vector<std::string>* links = nullptr);
+
+// OK when `naming` is one ParseStepNaming accepts (min_digits 0..19; no '/', brace or NUL in
+// its prefix or suffix), else kInvalidArgument naming what is wrong.
+Status CheckStepNaming(const StepNaming& naming);
+
+// Why a root holds no step directory of `naming`, when that is a mistake: kInvalidArgument when
+// `root` is itself a checkpoint, or holds directories named as another preset names steps (the
+// error lists them and names the preset to pass), or directories holding a checkpoint under
+// names no preset knows (it lists them and asks for a pattern). OK for a root that does not
+// exist, is empty, or holds other things only (a fresh run's root beside its logs). Looks at the
+// first kMaxExplainedDirs directories only.
+inline constexpr int kMaxExplainedDirs = 32;
+Status ExplainNoSteps(const std::shared_ptr<Storage>& storage, const std::string& root,
+                      const StepNaming& naming);
+
+// ListStepNumbers, and when it finds no step, ExplainNoSteps's error if there is one: what
+// every reader of a root (LatestStep, Steps, Restore, Prune) lists with. A Save does not: a new
+// run may start in a root that holds other things.
+Result<std::vector<int64_t>> ListStepsOfRoot(const std::shared_ptr<Storage>& storage,
+                                             const std::string& root, const StepNaming& naming,
                                              std::vector<std::string>* links = nullptr);
 
 // Removes the step directory `dir`: the tombstone first (which hides it from every manager:
