@@ -315,6 +315,7 @@ S3CallResult S3Client::Execute(const S3Call& call) {
       std::this_thread::sleep_for(delay);
       continue;
     }
+    result.maybe_applied = maybe_applied;
     const std::string tries = retryable ? " (gave up after " + std::to_string(attempt) +
                                               " attempts in " + Seconds(Clock::now() - start) + ")"
                                         : "";

@@ -137,6 +137,9 @@ struct S3CallResult {
   // after sending, or a 5xx): a create-only request that now fails with 412 may have been
   // ours.
   bool maybe_applied_earlier = false;
+  // A failed call: some try, the last included, may have taken effect on the server (its
+  // reply was lost after the request was sent, or was a 5xx).
+  bool maybe_applied = false;
 };
 
 class S3Client {
@@ -156,7 +159,9 @@ class S3Client {
                   std::span<std::byte> dst, const std::string& if_match = "");
   // A whole (small) object; kNotFound when absent.
   Result<std::string> GetObject(const std::string& bucket, const std::string& key);
-  // One PUT. With `create_only`, kAlreadyExists when the key exists (If-None-Match: *).
+  // One PUT. With `create_only`, kAlreadyExists when the key exists (If-None-Match: *). A PUT
+  // that failed after a try whose reply was lost (or a 5xx) looks at the object: these bytes
+  // there is success; when it cannot look, the error says the PUT may have committed.
   Status PutObject(const std::string& bucket, const std::string& key,
                    std::span<const std::byte> bytes, bool create_only);
   // S3's DELETE succeeds whether or not the key exists.
@@ -220,6 +225,10 @@ class S3Client {
  private:
   explicit S3Client(S3ClientOptions options);
   Status Check(const S3Call& call, const S3CallResult& r) const;
+  // Whether the object `key` is `bytes` (size, and CRC-32C `crc` (base64) or the MD5 ETag);
+  // false when absent, an error when the HEAD fails.
+  Result<bool> ObjectHolds(const std::string& bucket, const std::string& key,
+                           std::span<const std::byte> bytes, const std::string& crc);
 
   S3ClientOptions options_;
   std::string scheme_, authority_, base_path_;  // of the endpoint

@@ -533,6 +533,43 @@ TEST_F(S3ClientTest, ALostReplyToACreateOnlyPutIsRecognisedAsOurs) {
   EXPECT_EQ(again.code(), StatusCode::kAlreadyExists) << again.ToString();
 }
 
+// Every try's reply lost (the PUT reached the server each time): a commit reported an error
+// although it had committed (issue 30, item 20). Now the object is looked at: these bytes there
+// is success, for a replace and a create-only PUT; when it cannot be looked at either, the
+// error says the PUT may have committed; an object that is not there stays an error.
+TEST_F(S3ClientTest, APutWhoseRepliesAreAllLostIsCheckedBeforeFailing) {
+  std::atomic<bool> head_fails{false};
+  std::atomic<bool> never_sent{false};
+  auto faults =
+      std::make_shared<ScriptedFaults>([&](const HttpRequest&, const std::string& kind, int) {
+        if (kind == "PutObject") {
+          return Decision{never_sent ? Action::kReset : Action::kResetAfterSend};
+        }
+        if (kind == "HeadObject" && head_fails) return Decision{Action::kReset};
+        return Decision{};
+      });
+  auto client = NewClient([&](S3ClientOptions& o) {
+    o.http.fault_hook = faults;
+    o.retry.max_attempts = 2;
+  });
+  const std::vector<std::byte> data = Pattern(3000, 31);
+  for (const bool create_only : {false, true}) {
+    const std::string key = prefix_ + (create_only ? "all-lost-create" : "all-lost-replace");
+    S3_ASSERT_OK(client->PutObject(bucket_, key, data, create_only));
+    EXPECT_TRUE(Get(key, 0, data.size()) == data);
+  }
+  head_fails = true;
+  const Status unknown = client->PutObject(bucket_, prefix_ + "all-lost-unknown", data, false);
+  EXPECT_EQ(unknown.code(), StatusCode::kIOError) << unknown.ToString();
+  EXPECT_THAT(unknown.message(), HasSubstr("may have committed"));
+  EXPECT_THAT(unknown.message(), HasSubstr("ask IsCommitted"));
+  head_fails = false;
+  never_sent = true;  // a reset before sending: nothing landed, and the HEAD says so
+  const Status failed = client->PutObject(bucket_, prefix_ + "never-sent", data, false);
+  EXPECT_EQ(failed.code(), StatusCode::kIOError) << failed.ToString();
+  EXPECT_THAT(failed.message(), ::testing::Not(HasSubstr("may have committed")));
+}
+
 TEST_F(S3ClientTest, ALostReplyToACreateOnlyCompletionIsRecognisedAsOurs) {
   auto faults =
       std::make_shared<ScriptedFaults>([](const HttpRequest&, const std::string& kind, int nth) {

@@ -208,21 +208,40 @@ Status S3Client::PutObject(const std::string& bucket, const std::string& key,
   call.headers = {{"x-amz-checksum-crc32c", crc}, {"x-amz-sdk-checksum-algorithm", "CRC32C"}};
   if (create_only) call.headers.emplace_back("If-None-Match", "*");
   S3CallResult r = Execute(call);
-  if (r.status.code() != StatusCode::kFailedPrecondition || !create_only) return r.status;
-  if (r.maybe_applied_earlier) {
-    // An earlier try's reply was lost: the object now there may be ours.
-    Result<ObjectInfo> there = HeadObject(bucket, key, /*with_checksum=*/true);
-    if (there.ok() && there->size == bytes.size() &&
-        (there->checksum_crc32c.empty()
-             ? Unquote(there->etag) ==
-                   Md5Hex(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()),
-                                                   bytes.size()))
-             : there->checksum_crc32c == crc)) {
+  if (r.status.ok()) return r.status;
+  if (r.status.code() == StatusCode::kFailedPrecondition && create_only) {
+    // 412: the object exists. When an earlier try's reply was lost, it may be ours.
+    if (r.maybe_applied_earlier && ObjectHolds(bucket, key, bytes, crc).value_or(false)) {
       return Status::Ok();
     }
+    return Rewrap(r.status, StatusCode::kAlreadyExists,
+                  Uri(bucket, key) + " already exists (a create-only PUT with If-None-Match: *)");
   }
-  return Rewrap(r.status, StatusCode::kAlreadyExists,
-                Uri(bucket, key) + " already exists (a create-only PUT with If-None-Match: *)");
+  if (!r.maybe_applied) return r.status;
+  // Every try failed, and one may have landed (its reply lost after sending, or a 5xx): a
+  // commit (a manifest's Publish) must not report a failure when it committed, so the object
+  // is looked at. These bytes there: the PUT took effect.
+  Result<bool> landed = ObjectHolds(bucket, key, bytes, crc);
+  if (landed.ok() && *landed) return Status::Ok();
+  if (!landed.ok()) {
+    return Status(r.status.code(),
+                  r.status.message() + "; the PUT may have committed (a reply was lost, and " +
+                      "looking at " + Uri(bucket, key) + " failed too: " +
+                      landed.status().message() + "); ask IsCommitted before saving again");
+  }
+  return r.status;
+}
+
+Result<bool> S3Client::ObjectHolds(const std::string& bucket, const std::string& key,
+                                   std::span<const std::byte> bytes, const std::string& crc) {
+  Result<ObjectInfo> there = HeadObject(bucket, key, /*with_checksum=*/true);
+  if (there.status().code() == StatusCode::kNotFound) return false;
+  TESSERA_RETURN_IF_ERROR(there.status());
+  if (there->size != bytes.size()) return false;
+  if (!there->checksum_crc32c.empty()) return there->checksum_crc32c == crc;
+  // A server that keeps no CRC-32C: a single-part object's ETag is its MD5.
+  return Unquote(there->etag) == Md5Hex(std::span<const uint8_t>(
+                                     reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
 }
 
 Status S3Client::DeleteObject(const std::string& bucket, const std::string& key) {
