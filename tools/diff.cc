@@ -1,7 +1,9 @@
 // tessera diff A B: what differs between two checkpoints (any formats tessera reads): keys on
-// one side only, dtype or shape changes, and with --values which tensors and objects differ
-// and by how much. Exit 0 when identical (values compared), 1 when they differ, 2 on error, 3
-// when keys, shapes and dtypes are the same and the values were not compared (no --values).
+// one side only (a list torch DCP keeps as one object and tessera keys per element is one key
+// spelled two ways, not two differences), dtype or shape changes, and with --values which tensors
+// and objects differ and by how much. Exit 0 when identical (values compared), 1 when they differ,
+// 2 on error, 3 when keys, shapes and dtypes are the same and the values were not compared (no
+// --values).
 //
 // --values reads both checkpoints piece by piece (at most kBatchBytes per side in memory),
 // and skips every chunk whose checksums match on both sides when both were saved with the same
@@ -28,6 +30,8 @@ namespace {
 // Bytes of tensor data read per side per round of --values.
 constexpr uint64_t kBatchBytes = 32u << 20;
 constexpr char kStructureKey[] = "tessera.python.structure";
+// Metadata values longer than this (bytes) are not printed in the text output.
+constexpr size_t kLongMetadata = 200;
 
 // ---- element values ---------------------------------------------------------------------------
 
@@ -246,14 +250,36 @@ Status CompareTensors(const std::string& path_a, const Metadata& ma, const std::
   return Status::Ok();
 }
 
+const char* EncodingName(ObjectEncoding encoding) {
+  switch (encoding) {
+    case ObjectEncoding::kBytes:
+      return "bytes";
+    case ObjectEncoding::kPickle:
+      return "a pickle";
+    case ObjectEncoding::kTorchSave:
+      return "a torch.save archive";
+    case ObjectEncoding::kJson:
+      return "JSON";
+  }
+  return "unknown";
+}
+
 // Objects of both sides: equal checksums decide; otherwise their bytes are read and compared.
+// Objects encoded differently (a torch.save archive in a DCP checkpoint, a pickle in tessera's)
+// are not compared: equal values have other bytes. Their keys and why go to `not_compared`.
 Status CompareObjects(const std::string& path_a, const Metadata& ma, const std::string& path_b,
                       const Metadata& mb, const std::vector<std::string>& both,
-                      std::map<std::string, ValueDiff>& diffs, uint64_t& skipped) {
+                      std::map<std::string, ValueDiff>& diffs, uint64_t& skipped,
+                      std::vector<std::pair<std::string, std::string>>& not_compared) {
   StateDict states[2];
   for (const std::string& key : both) {
     const ObjectInfo& a = *ma.FindObject(key);
     const ObjectInfo& b = *mb.FindObject(key);
+    if (a.encoding != b.encoding) {
+      not_compared.emplace_back(key, std::string(EncodingName(a.encoding)) + " in a, " +
+                                         EncodingName(b.encoding) + " in b");
+      continue;
+    }
     if (a.location.length != b.location.length) {
       diffs[key].object = true;
       continue;
@@ -292,8 +318,22 @@ struct Change {
   Side a, b;
 };
 
+// One entry spelled two ways: an object `key` on one side, its elements as the keys
+// "key.0", "key.1", ... (objects, perhaps nested: "key.0.1") on the other. torch DCP keeps a
+// list holding no tensor, or a tuple, as one object ("param_groups.0.params"); tessera's own
+// format keys each element ("param_groups.0.params.0").
+struct Spelling {
+  std::string key;
+  bool whole_in_a = true;  // the object is in a (the elements in b), else the other way round
+  std::vector<std::string> elements;
+};
+
 struct DiffResult {
   std::vector<std::string> only_a, only_b;
+  std::vector<Spelling> spelled_differently;
+  // With --values: objects on both sides whose values were not compared, and why (encoded
+  // differently).
+  std::vector<std::pair<std::string, std::string>> objects_not_compared;
   std::vector<Change> changed;
   std::vector<std::tuple<std::string, std::string, std::string>> metadata;  // key, a, b
   bool values = false;
@@ -303,6 +343,10 @@ struct DiffResult {
   bool Identical() const {
     return only_a.empty() && only_b.empty() && changed.empty() && value_diffs.empty();
   }
+  // Values compared, every one of them: none spelled differently on the two sides.
+  bool AllValuesCompared() const {
+    return values && spelled_differently.empty() && objects_not_compared.empty();
+  }
 };
 
 std::optional<Side> SideOf(const Metadata& m, const std::string& key) {
@@ -311,6 +355,36 @@ std::optional<Side> SideOf(const Metadata& m, const std::string& key) {
   }
   if (m.FindObject(key)) return Side{"object", "", {}};
   return std::nullopt;
+}
+
+// Moves the keys of `whole` (objects of `m_whole` there) whose elements are all that
+// `elements` (keys of `m_elements`) holds under "key." to r.spelled_differently.
+void MatchSpellings(std::vector<std::string>& whole, const Metadata& m_whole,
+                    std::vector<std::string>& elements, const Metadata& m_elements, bool whole_in_a,
+                    DiffResult& r) {
+  const std::set<std::string> pending(elements.begin(), elements.end());
+  std::set<std::string> taken;
+  std::vector<std::string> kept;
+  for (const std::string& key : whole) {
+    Spelling spelling{.key = key, .whole_in_a = whole_in_a};
+    const std::string prefix = key + ".";
+    for (auto it = pending.lower_bound(prefix); it != pending.end() && it->starts_with(prefix);
+         ++it) {
+      spelling.elements.push_back(*it);
+    }
+    const bool all_objects =
+        std::all_of(spelling.elements.begin(), spelling.elements.end(),
+                    [&](const std::string& e) { return m_elements.FindObject(e) != nullptr; });
+    if (m_whole.FindObject(key) == nullptr || spelling.elements.empty() || !all_objects) {
+      kept.push_back(key);
+      continue;
+    }
+    std::sort(spelling.elements.begin(), spelling.elements.end(), NaturalLess);
+    taken.insert(spelling.elements.begin(), spelling.elements.end());
+    r.spelled_differently.push_back(std::move(spelling));
+  }
+  whole = std::move(kept);
+  std::erase_if(elements, [&](const std::string& e) { return taken.count(e) != 0; });
 }
 
 Result<DiffResult> Compare(const std::string& path_a, const Metadata& ma, const std::string& path_b,
@@ -337,6 +411,8 @@ Result<DiffResult> Compare(const std::string& path_a, const Metadata& ma, const 
       (a->kind == "tensor" ? tensors : objects).push_back(key);
     }
   }
+  MatchSpellings(r.only_a, ma, r.only_b, mb, /*whole_in_a=*/true, r);
+  MatchSpellings(r.only_b, mb, r.only_a, ma, /*whole_in_a=*/false, r);
   std::set<std::string> meta_keys;
   for (const auto& [k, v] : ma.user_metadata) meta_keys.insert(k);
   for (const auto& [k, v] : mb.user_metadata) meta_keys.insert(k);
@@ -351,8 +427,8 @@ Result<DiffResult> Compare(const std::string& path_a, const Metadata& ma, const 
   r.objects_compared = objects.size();
   TESSERA_RETURN_IF_ERROR(
       CompareTensors(path_a, ma, path_b, mb, tensors, r.value_diffs, r.chunks_skipped));
-  TESSERA_RETURN_IF_ERROR(
-      CompareObjects(path_a, ma, path_b, mb, objects, r.value_diffs, r.chunks_skipped));
+  TESSERA_RETURN_IF_ERROR(CompareObjects(path_a, ma, path_b, mb, objects, r.value_diffs,
+                                         r.chunks_skipped, r.objects_not_compared));
   for (auto it = r.value_diffs.begin(); it != r.value_diffs.end();) {
     const ValueDiff& d = it->second;
     it = d.object || d.elements_differing > 0 ? std::next(it) : r.value_diffs.erase(it);
@@ -394,6 +470,15 @@ void PrintText(const std::string& path_a, const Metadata& ma, const std::string&
   };
   list("only in a", r.only_a);
   list("only in b", r.only_b);
+  if (!r.spelled_differently.empty()) {
+    print("spelled differently (" + std::to_string(r.spelled_differently.size()) +
+          "; torch DCP keeps a list without tensors, or a tuple, as one object, tessera's format "
+          "keys each element; values not compared):");
+    for (const Spelling& s : r.spelled_differently) {
+      print("  " + Printable(s.key) + ": one object in " + (s.whole_in_a ? "a" : "b") + ", " +
+            std::to_string(s.elements.size()) + " elements in " + (s.whole_in_a ? "b" : "a"));
+    }
+  }
   if (!r.changed.empty()) {
     print("changed (" + std::to_string(r.changed.size()) + "):");
     for (const Change& c : r.changed) {
@@ -403,6 +488,10 @@ void PrintText(const std::string& path_a, const Metadata& ma, const std::string&
   for (const auto& [k, va, vb] : r.metadata) {
     if (k == kStructureKey) {
       print("metadata " + k + " differs");
+    } else if (va.size() > kLongMetadata || vb.size() > kLongMetadata) {
+      // A format's own record (torch_dist.planner_paths) runs to kilobytes: --json has it.
+      print("metadata " + Printable(k) + " differs (" + std::to_string(va.size()) + " bytes -> " +
+            std::to_string(vb.size()) + " bytes; --json shows both)");
     } else {
       print("metadata " + Printable(k) + ": " + (va.empty() ? "-" : Printable(va)) + " -> " +
             (vb.empty() ? "-" : Printable(vb)));
@@ -412,18 +501,33 @@ void PrintText(const std::string& path_a, const Metadata& ma, const std::string&
     print("values not compared (--values compares them)");
   } else {
     print("values: " + std::to_string(r.value_diffs.size()) + " of " +
-          std::to_string(r.tensors_compared + r.objects_compared) + " keys on both sides differ (" +
-          std::to_string(r.chunks_skipped) + " chunks and objects equal by checksum, not read)");
+          std::to_string(r.tensors_compared + r.objects_compared - r.objects_not_compared.size()) +
+          " keys compared differ (" + std::to_string(r.chunks_skipped) +
+          " chunks and objects equal by checksum, not read)");
     for (const auto& [key, d] : r.value_diffs) print("  " + Printable(key) + ": " + DiffText(d));
+    if (!r.objects_not_compared.empty()) {
+      print("objects not compared (" + std::to_string(r.objects_not_compared.size()) +
+            "; encoded differently, equal values have other bytes):");
+      for (const auto& [key, why] : r.objects_not_compared)
+        print("  " + Printable(key) + ": " + why);
+    }
   }
   // Without --values nothing says the values agree: "identical" would claim what was not
   // checked (a fine-tuned copy has the same keys, shapes and dtypes).
+  const std::string spelled =
+      r.spelled_differently.empty()
+          ? ""
+          : " (" + std::to_string(r.spelled_differently.size()) + " spelled differently)";
   if (!r.Identical()) {
     print("different");
-  } else if (r.values) {
+  } else if (r.AllValuesCompared()) {
     print("identical");
+  } else if (r.values) {
+    const size_t unknown = r.spelled_differently.size() + r.objects_not_compared.size();
+    print("same keys" + spelled + ", shapes and dtypes; the values compared are equal; those of " +
+          std::to_string(unknown) + " keys not compared");
   } else {
-    print("same keys, shapes and dtypes; values not compared");
+    print("same keys" + spelled + ", shapes and dtypes; values not compared");
   }
 }
 
@@ -437,10 +541,15 @@ void PrintDiffJson(const std::string& path_a, const std::string& path_b, const D
   nlohmann::json doc;
   doc["a"] = path_a;
   doc["b"] = path_b;
-  doc["identical"] = r.Identical() && r.values;  // values compared and equal
+  doc["identical"] = r.Identical() && r.AllValuesCompared();  // values compared and equal
   doc["same_keys_shapes_dtypes"] = r.Identical();
   doc["only_in_a"] = r.only_a;
   doc["only_in_b"] = r.only_b;
+  doc["spelled_differently"] = nlohmann::json::array();
+  for (const Spelling& s : r.spelled_differently) {
+    doc["spelled_differently"].push_back(
+        {{"key", s.key}, {"object_in", s.whole_in_a ? "a" : "b"}, {"elements", s.elements}});
+  }
   doc["changed"] = nlohmann::json::array();
   for (const Change& c : r.changed) {
     doc["changed"].push_back({{"key", c.key}, {"a", SideJson(c.a)}, {"b", SideJson(c.b)}});
@@ -461,13 +570,17 @@ void PrintDiffJson(const std::string& path_a, const std::string& path_b, const D
     }
     doc["differing_values"].push_back(std::move(j));
   }
-  doc["keys_compared"] = r.tensors_compared + r.objects_compared;
+  doc["objects_not_compared"] = nlohmann::json::array();
+  for (const auto& [key, why] : r.objects_not_compared) {
+    doc["objects_not_compared"].push_back({{"key", key}, {"why", why}});
+  }
+  doc["keys_compared"] = r.tensors_compared + r.objects_compared - r.objects_not_compared.size();
   doc["chunks_equal_by_checksum"] = r.chunks_skipped;
   PrintJson(std::move(doc));
 }
 
 // Exit codes: 0 identical, 1 different, 2 error, 3 same keys, shapes and dtypes with values not
-// compared (README, `tessera diff --help`).
+// compared, or not all of them (keys spelled differently) (README, `tessera diff --help`).
 constexpr int kIdentical = 0, kDifferent = 1, kError = 2, kValuesNotCompared = 3;
 
 int Error(const Status& status) {
@@ -488,7 +601,7 @@ int RunDiff(const std::string& a, const std::string& b, bool values, bool json) 
     PrintText(a, *ma, b, *mb, *r);
   }
   if (!r->Identical()) return kDifferent;
-  return values ? kIdentical : kValuesNotCompared;
+  return r->AllValuesCompared() ? kIdentical : kValuesNotCompared;
 }
 
 }  // namespace
@@ -501,8 +614,10 @@ void AddDiffCommand(CLI::App& app, int* exit_code) {
   CLI::App* diff = app.add_subcommand(
       "diff",
       "Compare two checkpoints: keys on one side only, dtype or shape changes, and with "
-      "--values the tensors that differ. Exit status: 0 identical (with --values), 1 different, "
-      "2 error, 3 same keys, shapes and dtypes but values not compared (no --values)");
+      "--values the tensors that differ. A list or tuple kept as one object on one side (torch "
+      "DCP) and keyed per element on the other (tessera) is the same key spelled differently. "
+      "Exit status: 0 identical (with --values), 1 different, 2 error, 3 same keys, shapes and "
+      "dtypes but values not compared (no --values, or keys spelled differently)");
   diff->add_option("A", *a, "first checkpoint")->required();
   diff->add_option("B", *b, "second checkpoint")->required();
   diff->add_flag("--values", *values,

@@ -130,3 +130,49 @@ def test_data_files_are_safetensors(demo_checkpoint):
     metadata = tessera.read_metadata(demo_checkpoint)
     header = safetensors_header(os.path.join(demo_checkpoint, metadata.files[0].name))
     assert any(isinstance(v, dict) and v.get("dtype") in ("BF16", "F32") for v in header.values())
+
+
+def test_diff_of_a_dcp_and_a_tessera_checkpoint_of_one_state(cli, tmp_path):
+    """Issue 30: torch DCP keeps a list without tensors (Adam's param_groups.0.params) or a tuple
+    (betas) as one object, tessera's format keys each element. diff reports those keys as one key
+    spelled two ways, never as keys on one side only, and compares what it can: tensors, and
+    objects encoded alike; a changed tensor is still a difference."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    tessera.save(state, tmp_path / "tsr")
+
+    def diff(*args):
+        run = subprocess.run([cli, "diff", *args], capture_output=True, text=True)
+        return run.returncode, run.stdout
+
+    rc, out = diff("--values", "--json", str(tmp_path / "dcp"), str(tmp_path / "tsr"))
+    doc = json.loads(out)
+    assert rc == 3, out  # same keys; some values could not be compared
+    assert doc["only_in_a"] == [] and doc["only_in_b"] == [] and doc["changed"] == []
+    spelled = {s["key"]: (s["object_in"], s["elements"]) for s in doc["spelled_differently"]}
+    assert spelled == {
+        "optim.param_groups.0.betas": ("a", ["optim.param_groups.0.betas.0",
+                                             "optim.param_groups.0.betas.1"]),
+        "optim.param_groups.0.params": ("a", [f"optim.param_groups.0.params.{i}"
+                                              for i in range(4)]),
+    }
+    assert doc["differing_values"] == [] and not doc["identical"]
+    assert "optim.param_groups.0.lr" in {o["key"] for o in doc["objects_not_compared"]}
+    rc, out = diff(str(tmp_path / "tsr"), str(tmp_path / "dcp"))
+    assert rc == 3 and "one object in b, 4 elements in a" in out, out
+    assert "only in" not in out, out
+
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1.0
+    tessera.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
+                 tmp_path / "changed")
+    rc, out = diff("--values", "--json", str(tmp_path / "dcp"), str(tmp_path / "changed"))
+    assert rc == 1, out
+    assert [d["key"] for d in json.loads(out)["differing_values"]] == ["model.0.weight"]
