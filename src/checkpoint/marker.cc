@@ -223,8 +223,11 @@ std::string DescribeOwner(const MarkerOwner& owner) {
   if (gmtime_r(&seconds, &utc) && std::strftime(text, sizeof(text), "%Y-%m-%d %H:%M:%S", &utc)) {
     when = std::string(", marked ") + text + " UTC";
   }
+  // The pid namespace tells apart containers that share the host name (marker.h).
+  const std::string ns = owner.pid_namespace.empty() ? "" : ", " + owner.pid_namespace;
   return "process " + std::to_string(owner.pid) + " on host " + owner.host + " (boot " +
-         owner.boot_id.substr(0, 8) + ", started at clock tick " + owner.process_start + ")" + when;
+         owner.boot_id.substr(0, 8) + ", started at clock tick " + owner.process_start + ns + ")" +
+         when;
 }
 
 std::string ThisProcessOwnerRecord() { return OwnerRecordOf(ThisProcess()); }

@@ -147,6 +147,8 @@ TEST(ManagerAttackTest, AnOwnerInAnotherPidNamespaceIsNotTakenForDead) {
   std::string other = record;
   other.replace(ns, ours.size(), "pid_ns=pid:[1]");
   EXPECT_TRUE(OwnerRecordMayBeAlive(other)) << "another namespace cannot be checked from here";
+  // A message naming the owner says which namespace, so two of one pid can be told apart.
+  EXPECT_THAT(DescribeOwnerRecord(other), HasSubstr("pid:[1])"));
   std::string old = record;  // written before the field existed: judged as before
   old.erase(ns, ours.size() + 1);
   EXPECT_FALSE(OwnerRecordMayBeAlive(old));
