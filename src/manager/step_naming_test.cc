@@ -104,15 +104,24 @@ void SaveSteps(CheckpointManager& manager, int n) {
   ASSERT_OK(manager.Wait());
 }
 
+// Options over `storage` naming steps as `naming` says.
+CheckpointManagerOptions Over(std::shared_ptr<MemoryStorage> storage, std::string_view naming) {
+  CheckpointManagerOptions options;
+  options.storage = std::move(storage);
+  options.step_naming = Naming(naming);
+  return options;
+}
+
+// Saves steps 1..n under "/run" with a manager of `options`.
+void SaveRoot(const CheckpointManagerOptions& options, int n) {
+  CheckpointManager manager("/run", options);
+  SaveSteps(manager, n);
+}
+
 TEST(StepNamingTest, AManagerOverATorchtitanRootSavesListsRestoresAndPrunes) {
   auto storage = std::make_shared<MemoryStorage>();
-  CheckpointManagerOptions options;
-  options.storage = storage;
-  options.step_naming = Naming("torchtitan");
-  {
-    CheckpointManager manager("/run", options);
-    SaveSteps(manager, 3);
-  }
+  const CheckpointManagerOptions options = Over(storage, "torchtitan");
+  SaveRoot(options, 3);
   ASSERT_OK_AND_ASSIGN(std::vector<std::string> names, storage->ListDir("/run"));
   EXPECT_THAT(names, ::testing::IsSupersetOf({"step-1", "step-2", "step-3"}));
 
@@ -134,16 +143,8 @@ TEST(StepNamingTest, AManagerOverATorchtitanRootSavesListsRestoresAndPrunes) {
 
 TEST(StepNamingTest, ARootNamedByAnotherPresetIsAnErrorNamingThePreset) {
   auto storage = std::make_shared<MemoryStorage>();
-  CheckpointManagerOptions titan;
-  titan.storage = storage;
-  titan.step_naming = Naming("huggingface");
-  {
-    CheckpointManager manager("/run", titan);
-    SaveSteps(manager, 2);
-  }
-  CheckpointManagerOptions megatron;  // the default naming
-  megatron.storage = storage;
-  CheckpointManager manager("/run", megatron);
+  SaveRoot(Over(storage, "huggingface"), 2);
+  CheckpointManager manager("/run", Over(storage, "megatron"));  // the default naming
   Result<std::optional<int64_t>> latest = manager.LatestStep();
   EXPECT_EQ(latest.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(latest.status().message(), HasSubstr("no step directory named \"iter_{step:07}\""));
