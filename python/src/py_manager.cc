@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <string>
 #include <utility>
@@ -368,6 +369,17 @@ void RegisterManager(py::module_& m) {
       },
       "The failures of background saves whose CheckpointManager was destroyed before any call "
       "returned them (for the exit hook).");
+  m.def(
+      "_forget_unseen_failures_after_fork",
+      [] {
+        // In a forked child only: the parent's failures are the parent's to report (at its
+        // exit). Made anew, not locked or cleared: a parent thread may have held the lock, or
+        // been part way through a push_back, at the fork; the old objects are leaked.
+        new (&unseen_mu) std::mutex;
+        new (&unseen_failures) std::vector<Status>;
+      },
+      "For os.register_at_fork(after_in_child=...): a forked child does not report its "
+      "parent's unseen failures.");
 }
 
 }  // namespace tessera::python

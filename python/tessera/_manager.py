@@ -389,10 +389,14 @@ _api._exit_checks.append(_unseen_at_exit)
 
 def _after_fork_in_child() -> None:
     """A forked child abandons its parent's managers (their background saves have no thread
-    in the child): never closed, waited for or destroyed there; the child makes its own."""
+    in the child): never closed, waited for or destroyed there, and their unseen failures are
+    not reported by the child; the child makes its own."""
     for manager in list(_live):
         _api._keep_forever(manager)
     _live.clear()
+    # Failures the parent's destroyed managers left unseen: the parent reports them at its exit,
+    # so the child, which exits first in most cases, must not (it would exit with status 1).
+    _tessera._forget_unseen_failures_after_fork()
 
 
 _api._after_fork_hooks.append(_after_fork_in_child)

@@ -16,7 +16,13 @@ SCRIPT = textwrap.dedent("""
     import tessera
 
     root, mode = sys.argv[1], sys.argv[2]
-    if mode == "manager":
+    if mode == "parent_failed":
+        os.makedirs(root + "/failed")
+        open(root + "/failed/iter_0000001", "w").write("in the way")
+        m = tessera.CheckpointManager(root + "/failed")
+        m.save(1, {"w": np.arange(4.0)})  # fails in the background
+        del m  # destroyed with its failure unseen: the parent reports it at its exit
+    elif mode == "manager":
         m = tessera.CheckpointManager(root + "/mgr", async_save=True)
         m.save(1, {"w": np.arange(4.0)})
         m.wait()
@@ -44,7 +50,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode", ["child_exits", "child_saves", "manager"])
+@pytest.mark.parametrize("mode", ["child_exits", "child_saves", "manager", "parent_failed"])
 def test_forked_child_after_async_save(tmp_path, mode):
     # Its own session: on a hang, the whole group (the forked child too) is killed.
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path), mode],
@@ -56,5 +62,11 @@ def test_forked_child_after_async_save(tmp_path, mode):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         pytest.fail(f"{mode}: the forked child (or its parent waiting for it) hung")
-    assert proc.returncode == 0, (stdout, stderr)
-    assert "child exit status 0" in stdout
+    assert "child exit status 0" in stdout, (stdout, stderr)
+    if mode == "parent_failed":
+        # The parent's unseen failure is reported once, by the parent, never by the child.
+        assert proc.returncode == 1, (stdout, stderr)
+        assert stderr.count("nothing reported it before exit") == 1, stderr
+        assert "iter_0000001" in stderr
+    else:
+        assert proc.returncode == 0, (stdout, stderr)
