@@ -29,7 +29,7 @@
 #include "checkpoint/data_files.h"
 #include "checkpoint/device_uploads.h"
 #include "checkpoint/item_source.h"
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "plan/save_plan.h"
 #include "tessera/async_save.h"
 #include "tessera/checkpoint.h"

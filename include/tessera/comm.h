@@ -35,11 +35,10 @@
 #include <string>
 #include <vector>
 
+#include "tessera/bytes.h"
 #include "tessera/status.h"
 
 namespace tessera {
-
-using Bytes = std::vector<uint8_t>;
 
 enum class ReduceOp { kSum, kMin, kMax };
 

@@ -72,6 +72,10 @@ Status DataLoss(std::string message);
 Status IOError(std::string message);
 // IOError with ": <strerror(errno_value)>" appended.
 Status IOErrorFromErrno(std::string message, int errno_value);
+// The Status of a failed system call on a path: kNotFound for ENOENT, kAlreadyExists for EEXIST
+// (an exclusive create), kIOError otherwise; ": <strerror(errno_value)>" appended. What every
+// Storage returns, so that callers branch on the code, never on the text.
+Status StatusFromErrno(std::string message, int errno_value);
 Status Unimplemented(std::string message);
 Status Internal(std::string message);
 Status Aborted(std::string message);

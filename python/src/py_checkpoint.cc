@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "core/utf8.h"
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "format/manifest.h"
 #include "py_async.h"
 #include "py_comm.h"

@@ -22,7 +22,7 @@
 
 #include "checkpoint/rank_local_save.h"
 #include "device/device_staging.h"
-#include "format/checksum.h"
+#include "core/checksum.h"
 
 namespace tessera {
 

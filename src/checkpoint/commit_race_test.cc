@@ -177,9 +177,8 @@ TEST(RemoveKeysRaceTest, ASaveCommittingAtAnyMomentWinsAndRemoveKeysGivesWay) {
        [](const std::string& op, const std::string& n) {
          return op == "NewWritableFile" && n.starts_with("tsr-");
        }},
-      {"commit", [](const std::string& op, const std::string& n) {
-         return op == "Publish" && IsCommit(n);
-       }}};
+      {"commit",
+       [](const std::string& op, const std::string& n) { return op == "Publish" && IsCommit(n); }}};
   for (const auto& [moment, when] : moments) {
     for (bool rank_local : {false, true}) {
       SCOPED_TRACE(moment + (rank_local ? ", a rank-local save" : ", a collective save"));
@@ -213,7 +212,7 @@ TEST(RemoveKeysRaceTest, ASaveCommittingAtAnyMomentWinsAndRemoveKeysGivesWay) {
 // A collective save commits while Finalize replaces the reference with the merged manifest:
 // Finalize keeps the rank-local save in its place, below the newer save, which loads.
 TEST(FinalizeRaceTest, ASaveCommittingWhileFinalizeRunsStaysTheNewer) {
-  for (const std::string& op : {"Publish", "SyncDir"}) {
+  for (const std::string op : {"Publish", "SyncDir"}) {
     SCOPED_TRACE("at " + op);
     auto memory = std::make_shared<MemoryStorage>();
     ASSERT_OK(SaveCollective("/ck", 1, memory));
@@ -525,10 +524,10 @@ TEST(KilledMarkerTest, ARankKilledAtEachStepOfItsMarkerRetriesTheTag) {
           [&](const std::string& o, const std::string& n) {
             // The SyncDir after the marker's rename is the first SyncDir of the rank's save
             // once the marker exists.
-            return o == op && (op == "SyncDir" ? std::filesystem::exists(
-                                                     path + "/tessera.saving." +
-                                                     RankLocalSaveId("t") + ".r1")
-                                               : n.starts_with("tessera.saving."));
+            return o == op &&
+                   (op == "SyncDir" ? std::filesystem::exists(path + "/tessera.saving." +
+                                                              RankLocalSaveId("t") + ".r1")
+                                    : n.starts_with("tessera.saving."));
           },
           [] { raise(SIGKILL); });
       (void)SaveRank(path, 1, "t", 1, killing);

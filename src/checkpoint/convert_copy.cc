@@ -7,7 +7,8 @@
 #include <utility>
 
 #include "checkpoint/reader.h"
-#include "format/checksum.h"
+#include "core/checksum.h"
+#include "core/hex.h"
 
 namespace tessera {
 namespace {
@@ -31,12 +32,6 @@ constexpr uint64_t kUncheckedStep = 8u << 20;
 // Ranges shorter than this are read, not mapped: one system call costs less than mapping and
 // unmapping (verify.cc's kMinMappedPiece).
 constexpr uint64_t kMinMappedBytes = 1u << 20;
-
-std::string Hex(uint64_t v) {
-  char buf[19];
-  std::snprintf(buf, sizeof(buf), "%016" PRIx64, v);
-  return buf;
-}
 
 // The first element and the number of elements of `box` in the row-major order of `shape`
 // when they are one run of it; nullopt otherwise.
@@ -112,8 +107,8 @@ class BlockChecker {
                std::to_string(index_ * block_) + ")";
     }
     return DataLoss(where + " of file " + path_ + " at offset " +
-                    std::to_string(BlockBegin(index_)) + ": expected " + Hex(expected) + ", got " +
-                    Hex(actual));
+                    std::to_string(BlockBegin(index_)) + ": expected " + Hex64(expected) +
+                    ", got " + Hex64(actual));
   }
 
   const TensorInfo& tensor_;

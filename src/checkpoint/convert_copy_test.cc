@@ -6,7 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "tessera/memory_storage.h"
 #include "testing/test_util.h"
 

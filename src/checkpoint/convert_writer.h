@@ -10,8 +10,8 @@
 
 #include "format/checkpoint_index.h"
 #include "plan/convert_plan.h"
+#include "tessera/bytes.h"
 #include "tessera/checkpoint.h"
-#include "tessera/comm.h"
 #include "tessera/storage.h"
 
 namespace tessera {

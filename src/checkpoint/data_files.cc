@@ -9,7 +9,7 @@
 #include <mutex>
 #include <thread>
 
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "format/manifest.h"
 #include "format/safetensors.h"
 

@@ -5,7 +5,7 @@
 
 #include <span>
 
-#include "tessera/comm.h"
+#include "tessera/bytes.h"
 #include "tessera/status.h"
 
 namespace tessera {

@@ -17,7 +17,7 @@
 #include "checkpoint/wrapped_chunks.h"
 #include "core/byte_io.h"
 #include "format/checkpoint_index.h"
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "format/manifest.h"
 #include "plan/load_plan.h"
 #include "plan/plan_exchange.h"

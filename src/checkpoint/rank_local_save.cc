@@ -14,7 +14,7 @@
 #include "checkpoint/commit.h"
 #include "checkpoint/data_files.h"
 #include "checkpoint/sequence.h"
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "format/manifest.h"
 #include "plan/save_plan.h"
 

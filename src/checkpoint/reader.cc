@@ -5,8 +5,9 @@
 #include <cstring>
 #include <thread>
 
+#include "core/checksum.h"
 #include "core/dtype_convert.h"
-#include "format/checksum.h"
+#include "core/hex.h"
 #include "format/manifest.h"
 #include "format/torch_dist/crc32.h"
 #include "format/torch_dist/torch_zip.h"
@@ -20,12 +21,6 @@ namespace {
 // large pieces.
 constexpr uint64_t kCheckedReadPiece = 256u << 10;
 constexpr uint64_t kReadPiece = 8u << 20;
-
-std::string Hex(uint64_t v) {
-  char buf[19];
-  std::snprintf(buf, sizeof(buf), "%016" PRIx64, v);
-  return buf;
-}
 
 // The checksum of a unit's bytes, of the kind the index says: XXH3-64 (tessera), or CRC-32
 // (the zip records of a PyTorch DCP checkpoint's items, ChecksumKind::kCrc32).
@@ -261,7 +256,8 @@ std::string ChecksumMismatch(const std::string& dir, const Metadata& metadata, c
              std::to_string(unit.offset - chunk.location.offset) + ")";
   }
   return where + " of file " + JoinPath(dir, metadata.files[unit.file_index].name) + " at offset " +
-         std::to_string(unit.offset) + ": expected " + Hex(unit.checksum) + ", got " + Hex(actual);
+         std::to_string(unit.offset) + ": expected " + Hex64(unit.checksum) + ", got " +
+         Hex64(actual);
 }
 
 // Performs one unit read. `buffer` holds kCheckedReadPiece bytes.
@@ -501,7 +497,7 @@ Status ReadObject(Storage& storage, const std::string& dir, const Metadata& meta
     if (actual != object.location.checksum) {
       return DataLoss("checksum mismatch in " + what + " of file " +
                       JoinPath(dir, metadata.files[object.location.file_index].name) +
-                      ": expected " + Hex(object.location.checksum) + ", got " + Hex(actual));
+                      ": expected " + Hex64(object.location.checksum) + ", got " + Hex64(actual));
     }
   }
   out = std::move(bytes);

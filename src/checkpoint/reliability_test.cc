@@ -175,7 +175,9 @@ TEST(PlantedSymlinkTest, ALinkAtTheCommitsTemporaryOrNextNameIsNeverFollowed) {
       options.storage = nullptr;
     }
     ASSERT_OK(Save(second.dict, path, options));
-    if (!at_the_commit) ASSERT_FALSE(planting->planted().empty());
+    if (!at_the_commit) {
+      ASSERT_FALSE(planting->planted().empty());
+    }
     EXPECT_EQ(ReadAll(victim), "not yours");
     EXPECT_EQ(LoadedValue(path), 2);
   }

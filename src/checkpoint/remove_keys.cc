@@ -22,9 +22,10 @@
 #include "checkpoint/progress.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/sequence.h"
+#include "core/checksum.h"
+#include "core/hex.h"
 #include "core/utf8.h"
 #include "format/checkpoint_index.h"
-#include "format/checksum.h"
 #include "format/manifest.h"
 #include "format/safetensors.h"
 
@@ -188,12 +189,6 @@ Status LayOutRewrite(Storage& storage, const std::string& dir, const Metadata& o
   return Status::Ok();
 }
 
-std::string Hex(uint64_t v) {
-  char buf[19];
-  std::snprintf(buf, sizeof(buf), "%016" PRIx64, v);
-  return buf;
-}
-
 // Copies `piece` from `in` to `out` at `to`, checking every checksum block of it on the way.
 Status CopyPiece(const ReadableFile& in, WritableFile& out, const Metadata& old,
                  const KeptPiece& piece, uint64_t to, std::vector<uint8_t>& buffer,
@@ -213,8 +208,8 @@ Status CopyPiece(const ReadableFile& in, WritableFile& out, const Metadata& old,
                                      : "";
     return DataLoss("checksum mismatch in " + piece.what + in_block + " of file " + in.path() +
                     " at offset " + std::to_string(from.offset) +
-                    ", found while copying it: " + "expected " + Hex(expected(block_index)) +
-                    ", got " + Hex(checksum.Digest()) + "; nothing was removed");
+                    ", found while copying it: " + "expected " + Hex64(expected(block_index)) +
+                    ", got " + Hex64(checksum.Digest()) + "; nothing was removed");
   };
   if (from.length == 0 && check && checksum.Digest() != from.checksum) return mismatch(0);
   for (uint64_t done = 0; done < from.length;) {

@@ -21,7 +21,7 @@
 #include "checkpoint/rank_local_save.h"
 #include "core/byte_io.h"
 #include "core/utf8.h"
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "format/manifest.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "plan/plan_exchange.h"

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "tessera/comm.h"  // Bytes
+#include "tessera/bytes.h"  // Bytes
 #include "tessera/metadata.h"
 #include "tessera/storage.h"
 

@@ -10,7 +10,7 @@
 #include "checkpoint/reader.h"
 #include "checkpoint/wrapped_chunks.h"
 #include "format/checkpoint_index.h"
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "format/manifest.h"
 #include "format/safetensors.h"
 #include "plan/save_plan.h"

@@ -6,6 +6,9 @@
 #include <limits>
 #include <vector>
 
+#include <cerrno>
+
+#include "core/hex.h"
 #include "core/utf8.h"
 #include "tessera/box.h"
 #include "tessera/state_dict.h"
@@ -159,6 +162,24 @@ TEST(Utf8Test, ReplaceInvalidUtf8) {
   EXPECT_EQ(ReplaceInvalidUtf8("\xed\xa0\x80"),
             "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd");  // surrogate
   EXPECT_TRUE(IsValidUtf8(ReplaceInvalidUtf8("\xc3")));
+}
+
+TEST(HexTest, BytesAByteAnd64Bits) {
+  const uint8_t bytes[] = {0xab, 0x01, 0x00, 0xff};
+  EXPECT_EQ(HexEncode(bytes), "ab0100ff");
+  EXPECT_EQ(HexEncode({}), "");
+  EXPECT_EQ(HexByte(0x0a), "0a");
+  EXPECT_EQ(Hex64(0), "0000000000000000");
+  EXPECT_EQ(Hex64(0x0123456789abcdefull), "0123456789abcdef");
+  EXPECT_EQ(Hex64(UINT64_MAX), "ffffffffffffffff");
+}
+
+TEST(StatusTest, FromErrnoMapsTheCodesStoragesBranchOn) {
+  EXPECT_EQ(StatusFromErrno("open /x", ENOENT).code(), StatusCode::kNotFound);
+  EXPECT_EQ(StatusFromErrno("create /x", EEXIST).code(), StatusCode::kAlreadyExists);
+  const Status full = StatusFromErrno("write /x", ENOSPC);
+  EXPECT_EQ(full.code(), StatusCode::kIOError);
+  EXPECT_THAT(full.message(), ::testing::StartsWith("write /x: "));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "tessera/status.h"
 
+#include <cerrno>
 #include <cstring>
 
 namespace tessera {
@@ -74,6 +75,14 @@ Status IOErrorFromErrno(std::string m, int errno_value) {
   m += ": ";
   m += std::strerror(errno_value);
   return Status(StatusCode::kIOError, std::move(m));
+}
+Status StatusFromErrno(std::string m, int errno_value) {
+  const StatusCode code = errno_value == ENOENT   ? StatusCode::kNotFound
+                          : errno_value == EEXIST ? StatusCode::kAlreadyExists
+                                                  : StatusCode::kIOError;
+  m += ": ";
+  m += std::strerror(errno_value);
+  return Status(code, std::move(m));
 }
 Status Unimplemented(std::string m) { return Status(StatusCode::kUnimplemented, std::move(m)); }
 Status Internal(std::string m) { return Status(StatusCode::kInternal, std::move(m)); }

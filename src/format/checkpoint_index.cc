@@ -4,7 +4,7 @@
 #include <map>
 #include <optional>
 
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "format/huggingface/hf_index.h"
 #include "format/manifest.h"
 #include "format/rank_manifests.h"

@@ -16,7 +16,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "format/manifest.h"
 #include "format/safetensors.h"
 #include "tessera/storage.h"

@@ -10,8 +10,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include "core/checksum.h"
 #include "core/tiling.h"
-#include "format/checksum.h"
 #include "format/manifest_internal.h"
 
 namespace tessera {
@@ -163,7 +163,7 @@ class Decoder {
     if (l->length > file_size || l->offset > file_size - l->length) [[unlikely]] {
       return Corrupt(where() + ": bytes [" + std::to_string(l->offset) + ", +" +
                      std::to_string(l->length) + ") lie outside file " +
-                     Quote(m.files[l->file_index].name) + " (" + std::to_string(file_size) +
+                     QuoteBytes(m.files[l->file_index].name) + " (" + std::to_string(file_size) +
                      " bytes)");
     }
     return Status();
@@ -178,7 +178,7 @@ class Decoder {
 
 Status Decoder::ReadTensor(TensorInfo* t, const Metadata& m) {
   TESSERA_RETURN_IF_ERROR(ReadString(&t->key, "tensor key"));
-  auto where = [t] { return "tensor " + Quote(t->key); };
+  auto where = [t] { return "tensor " + QuoteBytes(t->key); };
   TESSERA_RETURN_IF_ERROR(Need(3, "tensor dtype, rank and flags"));
   const uint8_t dtype = p_[0];
   const uint32_t rank = p_[1];
@@ -305,7 +305,7 @@ Result<Metadata> Decoder::Decode(uint32_t version) {
                      " (it would escape the checkpoint directory)");
     }
     if (!names.insert(f.name).second) {
-      return Corrupt("file " + std::to_string(i) + ": name " + Quote(f.name) +
+      return Corrupt("file " + std::to_string(i) + ": name " + QuoteBytes(f.name) +
                      " appears twice in the file table");
     }
   }
@@ -319,8 +319,8 @@ Result<Metadata> Decoder::Decode(uint32_t version) {
     TESSERA_RETURN_IF_ERROR(ReadString(&key, "user metadata key"));
     TESSERA_RETURN_IF_ERROR(ReadString(&value, "user metadata value"));
     if (prev_key && !(*prev_key < key)) {
-      return Corrupt("user metadata key " + Quote(key) + " is not after " + Quote(*prev_key) +
-                     " (keys must be sorted and unique)");
+      return Corrupt("user metadata key " + QuoteBytes(key) + " is not after " +
+                     QuoteBytes(*prev_key) + " (keys must be sorted and unique)");
     }
     prev_key =
         &m.user_metadata.emplace_hint(m.user_metadata.end(), std::move(key), std::move(value))
@@ -333,8 +333,8 @@ Result<Metadata> Decoder::Decode(uint32_t version) {
   for (uint64_t i = 0; i < count; ++i) {
     TESSERA_RETURN_IF_ERROR(ReadTensor(&m.tensors[i], m));
     if (i > 0 && !(m.tensors[i - 1].key < m.tensors[i].key)) {
-      return Corrupt("tensor key " + Quote(m.tensors[i].key) + " is not after " +
-                     Quote(m.tensors[i - 1].key) + " (keys must be sorted and unique)");
+      return Corrupt("tensor key " + QuoteBytes(m.tensors[i].key) + " is not after " +
+                     QuoteBytes(m.tensors[i - 1].key) + " (keys must be sorted and unique)");
     }
   }
 
@@ -345,10 +345,11 @@ Result<Metadata> Decoder::Decode(uint32_t version) {
     ObjectInfo& o = m.objects[i];
     TESSERA_RETURN_IF_ERROR(ReadString(&o.key, "object key"));
     TESSERA_RETURN_IF_ERROR(Need(kLocationBytes, "object location"));
-    TESSERA_RETURN_IF_ERROR(ReadLocation(&o.location, m, [&] { return "object " + Quote(o.key); }));
+    TESSERA_RETURN_IF_ERROR(
+        ReadLocation(&o.location, m, [&] { return "object " + QuoteBytes(o.key); }));
     if (i > 0 && !(m.objects[i - 1].key < o.key)) {
-      return Corrupt("object key " + Quote(o.key) + " is not after " + Quote(m.objects[i - 1].key) +
-                     " (keys must be sorted and unique)");
+      return Corrupt("object key " + QuoteBytes(o.key) + " is not after " +
+                     QuoteBytes(m.objects[i - 1].key) + " (keys must be sorted and unique)");
     }
   }
 
@@ -369,20 +370,6 @@ bool AllDigits(std::string_view s) {
 }  // namespace
 
 namespace manifest_internal {
-
-std::string Quote(std::string_view s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    if (c >= 0x20 && c < 0x7F && c != '"' && c != '\\') {
-      out.push_back(static_cast<char>(c));
-    } else {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
-      out += buf;
-    }
-  }
-  return out + "\"";
-}
 
 bool CountElements(const int64_t* dims, size_t rank, uint64_t* out) {
   for (size_t i = 0; i < rank; ++i) {
@@ -425,17 +412,18 @@ Status ValidateDecoded(const Metadata& m, std::string_view source) {
   }
   if (m.rank_local_reference &&
       (!m.files.empty() || !m.tensors.empty() || !m.objects.empty() || m.num_ranks < 1)) {
-    return corrupt("a reference to a rank-local save must name at least one rank and hold no "
-                   "file, tensor or object");
+    return corrupt(
+        "a reference to a rank-local save must name at least one rank and hold no "
+        "file, tensor or object");
   }
   if (m.save_id.empty() || m.save_id.size() > kMaxSaveIdBytes) {
-    return corrupt("save_id " + Quote(m.save_id) + " must have 1.." +
+    return corrupt("save_id " + QuoteBytes(m.save_id) + " must have 1.." +
                    std::to_string(kMaxSaveIdBytes) + " bytes");
   }
   for (char c : m.save_id) {
     if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '-' ||
           c == '_')) {
-      return corrupt("save_id " + Quote(m.save_id) + " holds a character other than " +
+      return corrupt("save_id " + QuoteBytes(m.save_id) + " holds a character other than " +
                      "[0-9A-Za-z_-]");
     }
   }
@@ -444,7 +432,7 @@ Status ValidateDecoded(const Metadata& m, std::string_view source) {
   for (const ObjectInfo& o : m.objects) {
     while (t != m.tensors.end() && t->key < o.key) ++t;
     if (t != m.tensors.end() && t->key == o.key) {
-      return corrupt("key " + Quote(o.key) + " names both a tensor and an object");
+      return corrupt("key " + QuoteBytes(o.key) + " names both a tensor and an object");
     }
   }
   // The chunks of every tensor are disjoint and, unless it is partial, cover it: the element
@@ -454,7 +442,7 @@ Status ValidateDecoded(const Metadata& m, std::string_view source) {
     // A rank's part of a rank-local save holds only the chunks that rank wrote.
     const bool require_coverage = !tensor.partial && m.part_rank < 0;
     if (auto failure = CheckTiling(tensor.chunks, tensor.global_shape, require_coverage)) {
-      return corrupt("tensor " + Quote(tensor.key) + ": " + failure->message);
+      return corrupt("tensor " + QuoteBytes(tensor.key) + ": " + failure->message);
     }
   }
   return Status();
@@ -626,7 +614,7 @@ Status CheckDataFileName(std::string_view name) {
     why = "contains a NUL byte";
   }
   if (why == nullptr) return Status();
-  return InvalidArgument("file name " + Quote(name) + " is not a plain file name: it " + why);
+  return InvalidArgument("file name " + QuoteBytes(name) + " is not a plain file name: it " + why);
 }
 
 std::string DataFileName(std::string_view save_id, int rank, int file_index,

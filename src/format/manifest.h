@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-#include "tessera/comm.h"
+#include "tessera/bytes.h"
 #include "tessera/metadata.h"
 #include "tessera/status.h"
 

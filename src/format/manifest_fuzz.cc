@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "core/utf8.h"
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "format/manifest.h"
 
 namespace {

@@ -8,7 +8,8 @@
 #include <string>
 #include <string_view>
 
-#include "tessera/comm.h"
+#include "core/utf8.h"
+#include "tessera/bytes.h"
 #include "tessera/metadata.h"
 #include "tessera/status.h"
 
@@ -30,8 +31,9 @@ T LoadLE(const uint8_t* p) {
   return v;
 }
 
-// Quotes a name for an error message, escaping bytes that are not printable ASCII.
-std::string Quote(std::string_view s);
+// Names in error messages are quoted by QuoteBytes (core/utf8.h): printable ASCII as it is,
+// every other byte \xNN.
+using ::tessera::QuoteBytes;
 
 // Number of elements of `dims` (all >= 0) into *out; false when it does not fit an int64.
 bool CountElements(const int64_t* dims, size_t rank, uint64_t* out);

@@ -232,8 +232,8 @@ class DecoderV2 {
     s->assign(previous, 0, shared);
     *s += suffix;
     if (!first && !(previous < *s)) {
-      return Corrupt(std::string(what) + " " + Quote(*s) + " is not after " + Quote(previous) +
-                     " (keys must be sorted and unique)");
+      return Corrupt(std::string(what) + " " + QuoteBytes(*s) + " is not after " +
+                     QuoteBytes(previous) + " (keys must be sorted and unique)");
     }
     return Status();
   }
@@ -353,7 +353,7 @@ Status DecoderV2::Files(Metadata& m) {
                      " (it would escape the checkpoint directory)");
     }
     if (!names.insert(f.name).second) {
-      return Corrupt("file " + std::to_string(i) + ": name " + Quote(f.name) +
+      return Corrupt("file " + std::to_string(i) + ": name " + QuoteBytes(f.name) +
                      " appears twice in the file table");
     }
   }
@@ -369,7 +369,7 @@ Status DecoderV2::Strings(Metadata& m) {
   for (uint64_t i = 0; i < count; ++i) {
     TESSERA_RETURN_IF_ERROR(Str(&m.separate_prefixes[i], "separate prefix"));
     if (i && !(m.separate_prefixes[i - 1] < m.separate_prefixes[i])) {
-      return Corrupt("separate prefix " + Quote(m.separate_prefixes[i]) +
+      return Corrupt("separate prefix " + QuoteBytes(m.separate_prefixes[i]) +
                      " is not after the previous one (prefixes must be sorted and unique)");
     }
   }
@@ -380,8 +380,8 @@ Status DecoderV2::Strings(Metadata& m) {
     TESSERA_RETURN_IF_ERROR(Str(&key, "user metadata key"));
     TESSERA_RETURN_IF_ERROR(Str(&value, "user metadata value"));
     if (i && !(previous < key)) {
-      return Corrupt("user metadata key " + Quote(key) + " is not after " + Quote(previous) +
-                     " (keys must be sorted and unique)");
+      return Corrupt("user metadata key " + QuoteBytes(key) + " is not after " +
+                     QuoteBytes(previous) + " (keys must be sorted and unique)");
     }
     previous = key;
     m.user_metadata.emplace_hint(m.user_metadata.end(), std::move(key), std::move(value));
@@ -399,7 +399,7 @@ Status DecoderV2::Location(const Metadata& m, const ByteLocation& l,
   if (l.length > file_size || l.offset > file_size - l.length) [[unlikely]] {
     return Corrupt(where + ": bytes [" + std::to_string(l.offset) + ", +" +
                    std::to_string(l.length) + ") lie outside file " +
-                   Quote(m.files[l.file_index].name) + " (" + std::to_string(file_size) +
+                   QuoteBytes(m.files[l.file_index].name) + " (" + std::to_string(file_size) +
                    " bytes)");
   }
   return Status();
@@ -526,7 +526,7 @@ Status DecoderV2::StorageOrder(ChunkInfo& c, size_t rank, const std::string& whe
 
 Status DecoderV2::Tensor(Metadata& m, TensorInfo& t, const std::string& previous_key, bool first) {
   TESSERA_RETURN_IF_ERROR(FrontCoded(&t.key, previous_key, first, "tensor key"));
-  const std::string where = "tensor " + Quote(t.key);
+  const std::string where = "tensor " + QuoteBytes(t.key);
   uint8_t dtype = 0, rank = 0, flags = 0;
   TESSERA_RETURN_IF_ERROR(U8(&dtype, "tensor dtype"));
   TESSERA_RETURN_IF_ERROR(U8(&rank, "tensor rank"));
@@ -595,7 +595,7 @@ Status DecoderV2::Objects(Metadata& m) {
     ObjectInfo& o = m.objects[i];
     TESSERA_RETURN_IF_ERROR(
         FrontCoded(&o.key, i ? m.objects[i - 1].key : std::string(), i == 0, "object key"));
-    const std::string where = "object " + Quote(o.key);
+    const std::string where = "object " + QuoteBytes(o.key);
     uint8_t encoding = 0;
     TESSERA_RETURN_IF_ERROR(U8(&encoding, "object encoding"));
     if (encoding > static_cast<uint8_t>(ObjectEncoding::kJson)) {

@@ -11,7 +11,7 @@
 #include <limits>
 #include <random>
 
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "format/manifest.h"
 #include "testing/test_util.h"
 

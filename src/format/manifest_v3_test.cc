@@ -7,7 +7,7 @@
 #include <fstream>
 #include <iterator>
 
-#include "format/checksum.h"
+#include "core/checksum.h"
 #include "format/manifest.h"
 #include "testing/test_util.h"
 
@@ -137,9 +137,15 @@ TEST(ManifestV3Test, FuzzCorpusHasVersion3Seeds) {
     ASSERT_GT(seed.size(), 1u);
     ASSERT_OK_AND_ASSIGN(Metadata m, DecodeManifest(Bytes(seed.begin() + 1, seed.end()), name));
     EXPECT_EQ(m.format_version, 3u);
-    if (std::string(name).starts_with("v3_reference")) EXPECT_TRUE(m.rank_local_reference);
-    if (std::string(name).starts_with("v3_whole")) EXPECT_EQ(m.commit_seq, 3u);
-    if (std::string(name).starts_with("v3_part")) EXPECT_EQ(m.num_ranks, 2147483647);
+    if (std::string(name).starts_with("v3_reference")) {
+      EXPECT_TRUE(m.rank_local_reference);
+    }
+    if (std::string(name).starts_with("v3_whole")) {
+      EXPECT_EQ(m.commit_seq, 3u);
+    }
+    if (std::string(name).starts_with("v3_part")) {
+      EXPECT_EQ(m.num_ranks, 2147483647);
+    }
   }
 }
 

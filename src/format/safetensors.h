@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "tessera/box.h"
-#include "tessera/comm.h"
+#include "tessera/bytes.h"
 #include "tessera/dtype.h"
 #include "tessera/metadata.h"
 #include "tessera/status.h"

@@ -4,7 +4,7 @@
 #include <map>
 
 #include "core/byte_io.h"
-#include "format/checksum.h"
+#include "core/checksum.h"
 
 namespace tessera {
 namespace {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "plan/load_plan.h"
-#include "tessera/comm.h"
+#include "tessera/bytes.h"
 #include "tessera/status.h"
 
 namespace tessera {

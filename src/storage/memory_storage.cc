@@ -34,18 +34,6 @@ struct Node {
 
 using NodePtr = std::shared_ptr<Node>;
 
-// Same messages and codes as the POSIX implementation: "<what>: <strerror>", kNotFound for
-// ENOENT and kIOError otherwise.
-Status ErrnoStatus(const std::string& what, int err) {
-  if (err == ENOENT) {
-    return Status(StatusCode::kNotFound, what + ": " + std::strerror(err));
-  }
-  if (err == EEXIST) {
-    return Status(StatusCode::kAlreadyExists, what + ": " + std::strerror(err));
-  }
-  return IOErrorFromErrno(what, err);
-}
-
 std::vector<std::string> Components(const std::string& path) {
   std::vector<std::string> out;
   size_t i = 0;
@@ -77,9 +65,9 @@ struct MemoryStorage::Impl {
                           const std::string& what) const {
     NodePtr node = root;
     for (size_t i = 0; i < n_comps; ++i) {
-      if (!node->is_dir) return ErrnoStatus(what, ENOTDIR);
+      if (!node->is_dir) return StatusFromErrno(what, ENOTDIR);
       auto it = node->entries.find(comps[i]);
-      if (it == node->entries.end()) return ErrnoStatus(what, ENOENT);
+      if (it == node->entries.end()) return StatusFromErrno(what, ENOENT);
       node = it->second;
     }
     return node;
@@ -91,7 +79,7 @@ struct MemoryStorage::Impl {
   Result<NodePtr> ResolveParent(const std::vector<std::string>& comps,
                                 const std::string& what) const {
     TESSERA_ASSIGN_OR_RETURN(NodePtr parent, Resolve(comps, comps.size() - 1, what));
-    if (!parent->is_dir) return ErrnoStatus(what, ENOTDIR);
+    if (!parent->is_dir) return StatusFromErrno(what, ENOTDIR);
     return parent;
   }
 };
@@ -216,15 +204,15 @@ Result<std::unique_ptr<WritableFile>> MemoryStorage::NewWritableFile(const std::
   const std::string what = "open " + path + " for writing";
   const std::vector<std::string> comps = Components(path);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (comps.empty()) return ErrnoStatus(what, EISDIR);
+  if (comps.empty()) return StatusFromErrno(what, EISDIR);
   TESSERA_ASSIGN_OR_RETURN(NodePtr parent, impl_->ResolveParent(comps, what));
   NodePtr& slot = parent->entries[comps.back()];
   if (slot == nullptr) {
     slot = std::make_shared<Node>(/*dir=*/false);
   } else if (mode == CreateMode::kExclusive) {
-    return ErrnoStatus(what + " as a new file", EEXIST);
+    return StatusFromErrno(what + " as a new file", EEXIST);
   } else if (slot->is_dir) {
-    return ErrnoStatus(what, EISDIR);
+    return StatusFromErrno(what, EISDIR);
   } else {
     slot->data.clear();  // O_TRUNC: same inode, durable bytes unchanged until Sync
   }
@@ -237,7 +225,7 @@ Result<std::unique_ptr<ReadableFile>> MemoryStorage::NewReadableFile(const std::
   const std::vector<std::string> comps = Components(path);
   std::lock_guard<std::mutex> lock(impl_->mu);
   TESSERA_ASSIGN_OR_RETURN(NodePtr node, impl_->Resolve(comps, what));
-  if (node->is_dir) return ErrnoStatus(what, EISDIR);
+  if (node->is_dir) return StatusFromErrno(what, EISDIR);
   const uint64_t size = node->data.size();
   return std::unique_ptr<ReadableFile>(
       std::make_unique<MemoryReadableFile>(impl_, std::move(node), path, size, impl_->epoch));
@@ -275,7 +263,7 @@ Result<std::vector<std::string>> MemoryStorage::ListDir(const std::string& dir) 
   const std::vector<std::string> comps = Components(dir);
   std::lock_guard<std::mutex> lock(impl_->mu);
   TESSERA_ASSIGN_OR_RETURN(NodePtr node, impl_->Resolve(comps, what));
-  if (!node->is_dir) return ErrnoStatus(what, ENOTDIR);
+  if (!node->is_dir) return StatusFromErrno(what, ENOTDIR);
   std::vector<std::string> names;
   names.reserve(node->entries.size());
   for (const auto& [name, child] : node->entries) names.push_back(name);  // map: sorted
@@ -287,23 +275,23 @@ Status MemoryStorage::Rename(const std::string& from, const std::string& to) {
   const std::vector<std::string> from_comps = Components(from);
   const std::vector<std::string> to_comps = Components(to);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (from_comps.empty() || to_comps.empty()) return ErrnoStatus(what, EBUSY);
+  if (from_comps.empty() || to_comps.empty()) return StatusFromErrno(what, EBUSY);
   TESSERA_ASSIGN_OR_RETURN(NodePtr from_parent, impl_->ResolveParent(from_comps, what));
   auto from_it = from_parent->entries.find(from_comps.back());
-  if (from_it == from_parent->entries.end()) return ErrnoStatus(what, ENOENT);
+  if (from_it == from_parent->entries.end()) return StatusFromErrno(what, ENOENT);
   const NodePtr node = from_it->second;
   TESSERA_ASSIGN_OR_RETURN(NodePtr to_parent, impl_->ResolveParent(to_comps, what));
   auto to_it = to_parent->entries.find(to_comps.back());
   if (to_it != to_parent->entries.end()) {
     const NodePtr& target = to_it->second;
     if (target == node) return Status::Ok();  // the same inode: nothing to do
-    if (node->is_dir && !target->is_dir) return ErrnoStatus(what, ENOTDIR);
-    if (!node->is_dir && target->is_dir) return ErrnoStatus(what, EISDIR);
-    if (target->is_dir && !target->entries.empty()) return ErrnoStatus(what, ENOTEMPTY);
+    if (node->is_dir && !target->is_dir) return StatusFromErrno(what, ENOTDIR);
+    if (!node->is_dir && target->is_dir) return StatusFromErrno(what, EISDIR);
+    if (target->is_dir && !target->entries.empty()) return StatusFromErrno(what, ENOTEMPTY);
   }
   if (node->is_dir && to_comps.size() > from_comps.size() &&
       std::equal(from_comps.begin(), from_comps.end(), to_comps.begin())) {
-    return ErrnoStatus(what, EINVAL);  // a directory into its own subtree
+    return StatusFromErrno(what, EINVAL);  // a directory into its own subtree
   }
   to_parent->entries[to_comps.back()] = node;
   from_parent->entries.erase(from_comps.back());
@@ -315,16 +303,16 @@ Status MemoryStorage::RenameNoReplace(const std::string& from, const std::string
   const std::vector<std::string> from_comps = Components(from);
   const std::vector<std::string> to_comps = Components(to);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (from_comps.empty() || to_comps.empty()) return ErrnoStatus(what, EBUSY);
+  if (from_comps.empty() || to_comps.empty()) return StatusFromErrno(what, EBUSY);
   TESSERA_ASSIGN_OR_RETURN(NodePtr from_parent, impl_->ResolveParent(from_comps, what));
   auto from_it = from_parent->entries.find(from_comps.back());
-  if (from_it == from_parent->entries.end()) return ErrnoStatus(what, ENOENT);
+  if (from_it == from_parent->entries.end()) return StatusFromErrno(what, ENOENT);
   TESSERA_ASSIGN_OR_RETURN(NodePtr to_parent, impl_->ResolveParent(to_comps, what));
-  if (to_parent->entries.count(to_comps.back())) return ErrnoStatus(what, EEXIST);
+  if (to_parent->entries.count(to_comps.back())) return StatusFromErrno(what, EEXIST);
   const NodePtr node = from_it->second;
   if (node->is_dir && to_comps.size() > from_comps.size() &&
       std::equal(from_comps.begin(), from_comps.end(), to_comps.begin())) {
-    return ErrnoStatus(what, EINVAL);  // a directory into its own subtree
+    return StatusFromErrno(what, EINVAL);  // a directory into its own subtree
   }
   to_parent->entries[to_comps.back()] = node;
   from_parent->entries.erase(from_comps.back());
@@ -335,11 +323,11 @@ Status MemoryStorage::Remove(const std::string& path) {
   const std::string what = "unlink " + path;
   const std::vector<std::string> comps = Components(path);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (comps.empty()) return ErrnoStatus(what, EISDIR);
+  if (comps.empty()) return StatusFromErrno(what, EISDIR);
   TESSERA_ASSIGN_OR_RETURN(NodePtr parent, impl_->ResolveParent(comps, what));
   auto it = parent->entries.find(comps.back());
-  if (it == parent->entries.end()) return ErrnoStatus(what, ENOENT);
-  if (it->second->is_dir) return ErrnoStatus(what, EISDIR);
+  if (it == parent->entries.end()) return StatusFromErrno(what, ENOENT);
+  if (it->second->is_dir) return StatusFromErrno(what, EISDIR);
   parent->entries.erase(it);
   return Status::Ok();
 }
@@ -348,12 +336,12 @@ Status MemoryStorage::RemoveDir(const std::string& path) {
   const std::string what = "rmdir " + path;
   const std::vector<std::string> comps = Components(path);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (comps.empty()) return ErrnoStatus(what, EBUSY);
+  if (comps.empty()) return StatusFromErrno(what, EBUSY);
   TESSERA_ASSIGN_OR_RETURN(NodePtr parent, impl_->ResolveParent(comps, what));
   auto it = parent->entries.find(comps.back());
-  if (it == parent->entries.end()) return ErrnoStatus(what, ENOENT);
-  if (!it->second->is_dir) return ErrnoStatus(what, ENOTDIR);
-  if (!it->second->entries.empty()) return ErrnoStatus(what, ENOTEMPTY);
+  if (it == parent->entries.end()) return StatusFromErrno(what, ENOENT);
+  if (!it->second->is_dir) return StatusFromErrno(what, ENOTDIR);
+  if (!it->second->entries.empty()) return StatusFromErrno(what, ENOTEMPTY);
   parent->entries.erase(it);
   return Status::Ok();
 }
@@ -371,7 +359,7 @@ Status MemoryStorage::SyncDir(const std::string& dir) {
   const std::vector<std::string> comps = Components(dir);
   std::lock_guard<std::mutex> lock(impl_->mu);
   TESSERA_ASSIGN_OR_RETURN(NodePtr node, impl_->Resolve(comps, what));
-  if (!node->is_dir) return ErrnoStatus(what, ENOTDIR);
+  if (!node->is_dir) return StatusFromErrno(what, ENOTDIR);
   node->durable_entries = node->entries;
   return Status::Ok();
 }
@@ -388,7 +376,7 @@ Result<std::vector<uint8_t>> MemoryStorage::GetFileContents(const std::string& p
   const std::vector<std::string> comps = Components(path);
   std::lock_guard<std::mutex> lock(impl_->mu);
   TESSERA_ASSIGN_OR_RETURN(NodePtr node, impl_->Resolve(comps, what));
-  if (node->is_dir) return ErrnoStatus(what, EISDIR);
+  if (node->is_dir) return StatusFromErrno(what, EISDIR);
   return node->data;
 }
 

@@ -24,18 +24,6 @@
 namespace tessera {
 namespace {
 
-// An errno turned into a Status: kNotFound for a missing path, kAlreadyExists for EEXIST (an
-// exclusive create), kIOError otherwise. The message is "<what>: <strerror>".
-Status ErrnoStatus(const std::string& what, int err) {
-  if (err == ENOENT) {
-    return Status(StatusCode::kNotFound, what + ": " + std::strerror(err));
-  }
-  if (err == EEXIST) {
-    return Status(StatusCode::kAlreadyExists, what + ": " + std::strerror(err));
-  }
-  return IOErrorFromErrno(what, err);
-}
-
 // "" means the current directory to the file system calls.
 const char* OsPath(const std::string& path) { return path.empty() ? "." : path.c_str(); }
 
@@ -273,9 +261,9 @@ class PosixStorage : public Storage {
         mode == CreateMode::kExclusive ? O_CREAT | O_EXCL | O_NOFOLLOW : O_CREAT | O_TRUNC;
     const int fd = OpenRetry(path, O_WRONLY | how | O_CLOEXEC, 0644);
     if (fd < 0) {
-      return ErrnoStatus("open " + path + " for writing" +
-                             (mode == CreateMode::kExclusive ? " as a new file" : ""),
-                         errno);
+      return StatusFromErrno("open " + path + " for writing" +
+                                 (mode == CreateMode::kExclusive ? " as a new file" : ""),
+                             errno);
     }
     return std::unique_ptr<WritableFile>(
         std::make_unique<PosixWritableFile>(path, fd, options_.max_io_bytes));
@@ -283,7 +271,7 @@ class PosixStorage : public Storage {
 
   Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
     const int fd = OpenRetry(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ErrnoStatus("open " + path + " for reading", errno);
+    if (fd < 0) return StatusFromErrno("open " + path + " for reading", errno);
     struct stat st;
     if (::fstat(fd, &st) != 0) {
       const int err = errno;
@@ -335,7 +323,7 @@ class PosixStorage : public Storage {
 
   Result<std::vector<std::string>> ListDir(const std::string& dir) override {
     DIR* d = ::opendir(OsPath(dir));
-    if (d == nullptr) return ErrnoStatus("opendir " + dir, errno);
+    if (d == nullptr) return StatusFromErrno("opendir " + dir, errno);
     std::vector<std::string> names;
     while (true) {
       errno = 0;
@@ -355,7 +343,7 @@ class PosixStorage : public Storage {
 
   Status Rename(const std::string& from, const std::string& to) override {
     if (::rename(OsPath(from), OsPath(to)) != 0) {
-      return ErrnoStatus("rename " + from + " to " + to, errno);
+      return StatusFromErrno("rename " + from + " to " + to, errno);
     }
     return Status::Ok();
   }
@@ -370,10 +358,10 @@ class PosixStorage : public Storage {
       return Status::Ok();
     }
     const int err = errno;
-    if (err != EINVAL && err != ENOSYS && err != EOPNOTSUPP) return ErrnoStatus(what, err);
+    if (err != EINVAL && err != ENOSYS && err != EOPNOTSUPP) return StatusFromErrno(what, err);
     if (::link(OsPath(from), OsPath(to)) != 0) {
       const int link_err = errno;
-      if (link_err == EEXIST || link_err == ENOENT) return ErrnoStatus(what, link_err);
+      if (link_err == EEXIST || link_err == ENOENT) return StatusFromErrno(what, link_err);
       return IOError(what + ": the file system supports neither renameat2(RENAME_NOREPLACE) (" +
                      std::strerror(err) + ") nor link(2) (" + std::strerror(link_err) + ")");
     }
@@ -382,18 +370,18 @@ class PosixStorage : public Storage {
   }
 
   Status Remove(const std::string& path) override {
-    if (::unlink(OsPath(path)) != 0) return ErrnoStatus("unlink " + path, errno);
+    if (::unlink(OsPath(path)) != 0) return StatusFromErrno("unlink " + path, errno);
     return Status::Ok();
   }
 
   Status RemoveDir(const std::string& path) override {
-    if (::rmdir(OsPath(path)) != 0) return ErrnoStatus("rmdir " + path, errno);
+    if (::rmdir(OsPath(path)) != 0) return StatusFromErrno("rmdir " + path, errno);
     return Status::Ok();
   }
 
   Status SyncDir(const std::string& dir) override {
     const int fd = OpenRetry(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return ErrnoStatus("open directory " + dir, errno);
+    if (fd < 0) return StatusFromErrno("open directory " + dir, errno);
     Status status;
     while (::fsync(fd) != 0) {
       if (errno != EINTR) {
@@ -416,7 +404,7 @@ class PosixStorage : public Storage {
       if (S_ISDIR(st.st_mode)) return Status::Ok();
       return IOErrorFromErrno("mkdir " + dir + " (exists and is not a directory)", EEXIST);
     }
-    return ErrnoStatus("mkdir " + dir, err);
+    return StatusFromErrno("mkdir " + dir, err);
   }
 
   PosixStorageOptions options_;

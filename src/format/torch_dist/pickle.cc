@@ -1,4 +1,5 @@
 #include "format/torch_dist/pickle.h"
+#include "core/hex.h"
 
 #include <charconv>
 #include <cmath>
@@ -230,11 +231,6 @@ const char* OpName(uint8_t op) {
   }
 }
 
-std::string Hex2(uint8_t b) {
-  static const char* kDigits = "0123456789abcdef";
-  return std::string{kDigits[b >> 4], kDigits[b & 15]};
-}
-
 // Shared constant nodes, created first in every tree.
 constexpr uint32_t kNoneId = 0;
 constexpr uint32_t kFalseId = 1;
@@ -273,9 +269,9 @@ class PickleParser {
     std::string message =
         std::string(source_) + ": pickle: " + what + " at offset " + std::to_string(op_offset_);
     if (const char* name = OpName(op_)) {
-      message += std::string(" (opcode ") + name + " 0x" + Hex2(op_) + ")";
+      message += std::string(" (opcode ") + name + " 0x" + HexByte(op_) + ")";
     } else {
-      message += " (opcode 0x" + Hex2(op_) + ")";
+      message += " (opcode 0x" + HexByte(op_) + ")";
     }
     return DataLoss(std::move(message));
   }
@@ -1332,8 +1328,8 @@ Result<std::string> Latin1FromUtf8(std::string_view s) {
       out.push_back(static_cast<char>(((c & 0x03) << 6) | (static_cast<uint8_t>(s[i + 1]) & 0x3F)));
       ++i;
     } else {
-      return InvalidArgument("text is not latin-1 (byte 0x" + Hex2(c) + " at " + std::to_string(i) +
-                             ")");
+      return InvalidArgument("text is not latin-1 (byte 0x" + HexByte(c) + " at " +
+                             std::to_string(i) + ")");
     }
   }
   return out;

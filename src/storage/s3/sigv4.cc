@@ -9,7 +9,6 @@
 namespace tessera::s3 {
 namespace {
 
-constexpr char kHexLower[] = "0123456789abcdef";
 constexpr char kHexUpper[] = "0123456789ABCDEF";
 
 std::string ToLower(std::string_view s) {
@@ -57,16 +56,6 @@ std::array<uint8_t, 32> HmacSha256(std::span<const uint8_t> key, std::string_vie
   unsigned int len = 0;
   HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
        reinterpret_cast<const unsigned char*>(data.data()), data.size(), out.data(), &len);
-  return out;
-}
-
-std::string HexEncode(std::span<const uint8_t> bytes) {
-  std::string out;
-  out.reserve(bytes.size() * 2);
-  for (uint8_t b : bytes) {
-    out.push_back(kHexLower[b >> 4]);
-    out.push_back(kHexLower[b & 15]);
-  }
   return out;
 }
 

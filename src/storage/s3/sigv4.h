@@ -20,6 +20,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/hex.h"  // HexEncode
+
 namespace tessera::s3 {
 
 struct Credentials {
@@ -36,7 +38,6 @@ inline constexpr std::string_view kUnsignedPayload = "UNSIGNED-PAYLOAD";
 std::string Sha256Hex(std::span<const std::byte> data);
 std::string Sha256Hex(std::string_view data);
 std::array<uint8_t, 32> HmacSha256(std::span<const uint8_t> key, std::string_view data);
-std::string HexEncode(std::span<const uint8_t> bytes);
 
 // RFC 3986 percent-encoding of every byte but the unreserved ones (A-Z a-z 0-9 - . _ ~), with
 // upper-case hex, as SigV4 requires; with `keep_slash`, '/' is kept (object keys in paths).

@@ -1,6 +1,6 @@
 // Chunk checksums: XXH3-64 with seed 0 (docs/FORMAT.md).
-#ifndef TESSERA_FORMAT_CHECKSUM_H_
-#define TESSERA_FORMAT_CHECKSUM_H_
+#ifndef TESSERA_CORE_CHECKSUM_H_
+#define TESSERA_CORE_CHECKSUM_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -36,4 +36,4 @@ class ChecksumStream {
 
 }  // namespace tessera
 
-#endif  // TESSERA_FORMAT_CHECKSUM_H_
+#endif  // TESSERA_CORE_CHECKSUM_H_

@@ -1,4 +1,4 @@
-#include "format/checksum.h"
+#include "core/checksum.h"
 
 // Debian's libxxhash picks the fastest XXH3 kernel for this CPU at run time (SSE2, AVX2,
 // AVX-512): on AVX-512 machines about twice the speed of the SSE2 code an -O2 build of the
