@@ -19,6 +19,7 @@ See docs/PYTHON.md.
 from . import _tessera
 from . import megatron
 from . import torch
+from ._comm import python_comm, run_local, single_rank_comm
 from ._api import (async_save, convert, finalize, load, load_all, read_metadata, remove_keys, save,
                    verify)
 from ._manager import CheckpointManager, CheckpointWarning, ManagedSave, RestoreResult
@@ -29,7 +30,7 @@ from ._errors import (AlreadyExistsError, CommError, CommTimeoutError, CorruptCh
 from ._state import STRUCTURE_KEY, ShardedObject, ShardedTensor
 from ._torch_comm import torch_dist_comm
 from ._tessera import (AsyncSaveHandle, Comm, ConvertReport, LoadReport, Metadata,
-                       RemoveKeysReport, SaveReport, VerifyReport, python_comm, run_local, single_rank_comm)
+                       RemoveKeysReport, SaveReport, VerifyReport)
 
 __version__ = "0.1.0"
 
