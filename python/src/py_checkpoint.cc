@@ -206,7 +206,7 @@ void RegisterConvert(py::module_& m) {
       .def_readwrite("sync", &ConvertOptions::sync)
       .def_readwrite("torch_dist_flavor", &ConvertOptions::torch_dist_flavor)
       .def_readwrite("verify_checksums", &ConvertOptions::verify_checksums);
-  py::class_<ConvertReport>(m, "ConvertReport")
+  py::class_<ConvertReport>(m, "ConvertReport", "What tessera.convert wrote.")
       .def_property_readonly(
           "source_format",
           [](const ConvertReport& r) { return CheckpointFormatName(r.source_format); })
@@ -260,7 +260,8 @@ void RegisterConvert(py::module_& m) {
 }
 
 void RegisterReports(py::module_& m) {
-  py::class_<SaveReport>(m, "SaveReport")
+  py::class_<SaveReport>(m, "SaveReport",
+                         "What a save wrote (tessera.save, AsyncSaveHandle.wait()).")
       .def_readonly("save_id", &SaveReport::save_id)
       .def_readonly("bytes_written", &SaveReport::bytes_written, "by this rank (data files)")
       .def_readonly("total_bytes", &SaveReport::total_bytes, "by all ranks")
@@ -275,7 +276,9 @@ void RegisterReports(py::module_& m) {
                ", plan_cache_hit=" + (r.plan_cache_hit ? "True" : "False") + ")";
       });
   // dynamic_attr: tessera.load attaches the loaded state dict as `state_dict`.
-  py::class_<LoadReport>(m, "LoadReport", py::dynamic_attr())
+  py::class_<LoadReport>(m, "LoadReport",
+                         "What a load read (tessera.load); `state_dict` is the state dict loaded.",
+                         py::dynamic_attr())
       // Keys of the checkpoint may hold bytes that are not UTF-8 (a corrupt or foreign
       // manifest): escaped, never a UnicodeDecodeError.
       .def_property_readonly("missing_keys",
@@ -297,7 +300,7 @@ void RegisterReports(py::module_& m) {
                ", read_calls=" + std::to_string(r.read_calls) +
                ", bytes_received=" + std::to_string(r.bytes_received) + ")";
       });
-  py::class_<VerifyReport>(m, "VerifyReport")
+  py::class_<VerifyReport>(m, "VerifyReport", "What tessera.verify checked.")
       .def_readonly("chunks_checked", &VerifyReport::chunks_checked)
       .def_readonly("bytes_checked", &VerifyReport::bytes_checked)
       .def_readonly("files_checked", &VerifyReport::files_checked)
@@ -314,7 +317,8 @@ void RegisterReports(py::module_& m) {
 }
 
 void RegisterRemoveKeysReport(py::module_& m) {
-  py::class_<RemoveKeysReport>(m, "RemoveKeysReport")
+  py::class_<RemoveKeysReport>(
+      m, "RemoveKeysReport", "What tessera.remove_keys removed (with dry_run=True: would remove).")
       .def_property_readonly("removed_tensors",
                              [](const RemoveKeysReport& r) { return TextList(r.removed_tensors); })
       .def_property_readonly("removed_objects",
@@ -346,20 +350,20 @@ void RegisterRemoveKeysReport(py::module_& m) {
 }
 
 void RegisterMetadata(py::module_& m) {
-  py::class_<Box>(m, "Box")
+  py::class_<Box>(m, "Box", "A box of a tensor: offsets and sizes.")
       .def_readonly("offsets", &Box::offsets)
       .def_readonly("sizes", &Box::sizes)
       .def("__repr__", &BoxRepr);
-  py::class_<ByteLocation>(m, "ByteLocation")
+  py::class_<ByteLocation>(m, "ByteLocation", "Where a chunk or object's bytes are.")
       .def_readonly("file_index", &ByteLocation::file_index)
       .def_readonly("offset", &ByteLocation::offset)
       .def_readonly("length", &ByteLocation::length)
       .def_readonly("checksum", &ByteLocation::checksum);
-  py::class_<ChunkInfo>(m, "ChunkInfo")
+  py::class_<ChunkInfo>(m, "ChunkInfo", "One saved chunk of a tensor: its box and bytes.")
       .def_readonly("box", &ChunkInfo::box)
       .def_readonly("location", &ChunkInfo::location)
       .def("__repr__", [](const ChunkInfo& c) { return "ChunkInfo(" + c.box.ToString() + ")"; });
-  py::class_<TensorInfo>(m, "TensorInfo")
+  py::class_<TensorInfo>(m, "TensorInfo", "A tensor of a checkpoint (Metadata.tensors).")
       .def_readonly("key", &TensorInfo::key)
       .def_property_readonly("dtype",
                              [](const TensorInfo& t) { return std::string(DTypeName(t.dtype)); })
@@ -376,7 +380,7 @@ void RegisterMetadata(py::module_& m) {
         return "TensorInfo('" + t.key + "', " + std::string(DTypeName(t.dtype)) + ", " +
                ShapeToString(t.global_shape) + ", " + std::to_string(t.chunks.size()) + " chunks)";
       });
-  py::class_<ObjectInfo>(m, "ObjectInfo")
+  py::class_<ObjectInfo>(m, "ObjectInfo", "An object of a checkpoint (Metadata.objects).")
       .def_readonly("key", &ObjectInfo::key)
       .def_readonly("location", &ObjectInfo::location)
       .def_property_readonly("nbytes", [](const ObjectInfo& o) { return o.location.length; })
@@ -387,13 +391,13 @@ void RegisterMetadata(py::module_& m) {
       .def("__repr__", [](const ObjectInfo& o) {
         return "ObjectInfo('" + o.key + "', " + std::to_string(o.location.length) + " bytes)";
       });
-  py::class_<FileInfo>(m, "FileInfo")
+  py::class_<FileInfo>(m, "FileInfo", "A data file of a checkpoint (Metadata.files).")
       .def_readonly("name", &FileInfo::name)
       .def_readonly("size", &FileInfo::size)
       .def("__repr__", [](const FileInfo& f) {
         return "FileInfo('" + f.name + "', " + std::to_string(f.size) + " bytes)";
       });
-  py::class_<Metadata>(m, "Metadata")
+  py::class_<Metadata>(m, "Metadata", "The manifest of a checkpoint (tessera.read_metadata).")
       .def_readonly("format_version", &Metadata::format_version)
       .def_property_readonly(
           "format", [](const Metadata& m) { return CheckpointFormatName(m.format); },

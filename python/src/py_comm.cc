@@ -299,8 +299,10 @@ void RegisterComm(py::module_& m) {
                          "A communicator: the ranks that save or load a checkpoint together.\n"
                          "Made by single_rank_comm(), run_local(), torch_dist_comm(), "
                          "mpi_comm() or python_comm().")
-      .def_property_readonly("rank", [](const CommHandle& c) { return c.get().rank(); })
-      .def_property_readonly("size", [](const CommHandle& c) { return c.get().size(); })
+      .def_property_readonly(
+          "rank", [](const CommHandle& c) { return c.get().rank(); }, "This process's rank.")
+      .def_property_readonly(
+          "size", [](const CommHandle& c) { return c.get().size(); }, "The number of ranks.")
       .def(
           "barrier",
           [](const CommHandle& c) {

@@ -16,9 +16,14 @@ mirrors torch.distributed.checkpoint:
 See docs/PYTHON.md.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from . import _tessera
 from . import megatron
 from . import torch
+from ._comm import python_comm, run_local, single_rank_comm
 from ._api import (async_save, convert, finalize, load, load_all, read_metadata, remove_keys, save,
                    verify)
 from ._manager import CheckpointManager, CheckpointWarning, ManagedSave, RestoreResult
@@ -29,7 +34,10 @@ from ._errors import (AlreadyExistsError, CommError, CommTimeoutError, CorruptCh
 from ._state import STRUCTURE_KEY, ShardedObject, ShardedTensor
 from ._torch_comm import torch_dist_comm
 from ._tessera import (AsyncSaveHandle, Comm, ConvertReport, LoadReport, Metadata,
-                       RemoveKeysReport, SaveReport, VerifyReport, python_comm, run_local, single_rank_comm)
+                       RemoveKeysReport, SaveReport, VerifyReport)
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __version__ = "0.1.0"
 
@@ -44,7 +52,7 @@ def _find_mpi_module() -> bool:
 HAS_MPI = _find_mpi_module()
 
 
-def mpi_comm(comm=None) -> Comm:
+def mpi_comm(comm: MPI.Comm | None = None) -> Comm:
     """COLLECTIVE. A tessera.Comm over an mpi4py communicator (default ``MPI.COMM_WORLD``).
 
     Loads tessera's MPI module (and with it libmpi) on first use. Raises NotImplementedError when

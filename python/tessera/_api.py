@@ -2,18 +2,33 @@
 that flatten the state dict (tessera/_state.py), set the C++ options from keyword arguments and
 call the extension module without the GIL."""
 
+from __future__ import annotations
+
 import atexit
 import json
 import os
 import re
 import sys
 import threading
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Literal, Mapping,
+                    Optional, Set, Tuple, TypeVar, Union, overload)
 
 from . import _replicas
 from . import _state
 from . import _tessera
 from ._errors import _INVALID_ARGUMENT, Error, invalid_argument, warn_partial_load
+from ._tessera import (AsyncSaveHandle, Comm, ConvertReport, LoadReport, Metadata,
+                       RemoveKeysReport, SaveReport, VerifyReport)
 from ._torch_comm import default_comm
+from ._types import ProgressFn, StateDict, StrPath
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._types import AsyncSaveOptions, LoadOptions, SaveOptions
+
+_T = TypeVar("_T")
+_Options = TypeVar("_Options", _tessera.SaveOptions, _tessera.LoadOptions)
 
 # torch_dist_flavor="2.x" or "1.13": SaveOptions::torch_dist_flavor.
 _TORCH_DIST_FLAVORS = {"2.x": "TORCH_2", "1.13": "TORCH_1_13"}
@@ -25,7 +40,7 @@ _TORCH_DIST_FORMAT = "torch_dist"
 _NOT_OPTIONS = {"missing_keys", "unexpected_keys", "storage", "save", "when_busy"}
 
 
-def _set_options(function, opts, options):
+def _set_options(function: str, opts: _Options, options: Mapping[str, Any]) -> _Options:
     """Sets the fields of a C++ options struct (SaveOptions, LoadOptions) from keyword
     arguments of the same names. An enum field also takes its value's name in any case
     (sync="none", read_sharing="broadcast"); sync also takes a bool."""
@@ -33,7 +48,7 @@ def _set_options(function, opts, options):
         if name.startswith("_") or name in _NOT_OPTIONS or not hasattr(opts, name):
             raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
         current = getattr(opts, name)
-        members = getattr(type(current), "__members__", None)
+        members: Any = getattr(type(current), "__members__", None)
         if name == "torch_dist_flavor" and isinstance(value, str):
             if value not in _TORCH_DIST_FLAVORS:
                 raise ValueError(f"{function}(): torch_dist_flavor must be one of "
@@ -60,7 +75,7 @@ def _set_options(function, opts, options):
     return opts
 
 
-def _comm_handle(comm):
+def _comm_handle(comm: Optional[Comm]) -> Optional[Comm]:
     """The Comm a collective call runs over: `comm`; without one, the default process group
     when torch.distributed is initialised with several ranks (as torch.distributed.checkpoint
     does), else None: this process alone. comm=tessera.single_rank_comm() is one process alone,
@@ -74,14 +89,14 @@ def _comm_handle(comm):
                     "communicator with tessera.mpi_comm(comm))")
 
 
-def _status_of(error):
+def _status_of(error: Exception) -> Tuple[int, str]:
     """(status code, message) of an exception raised while preparing a call."""
     if isinstance(error, Error):
         return error.status_code, str(error)
     return _INVALID_ARGUMENT, f"{type(error).__name__}: {error}"
 
 
-def _prepare(comm, prepare, collective=True):
+def _prepare(comm: Optional[Comm], prepare: Callable[[], _T], collective: bool = True) -> _T:
     """Runs prepare() (flattening, checking, options) on this rank. With several ranks, all
     of them then learn whether every rank succeeded (one small collective), so bad input on
     one rank fails the call on every rank instead of leaving the others waiting in the next
@@ -104,7 +119,19 @@ def _prepare(comm, prepare, collective=True):
     return result
 
 
-def _prepare_save(function, state_dict, comm, options):
+@overload
+def _prepare_save(function: str, state_dict: StateDict, comm: Comm, options: Mapping[str, Any]
+                  ) -> Tuple[Comm, _tessera.StateBuilder, _tessera.SaveOptions]: ...
+@overload
+def _prepare_save(function: str, state_dict: StateDict, comm: Optional[Comm],
+                  options: Mapping[str, Any]
+                  ) -> Tuple[Optional[Comm], _tessera.StateBuilder, _tessera.SaveOptions]: ...
+def _prepare_save(function: str, state_dict: StateDict, comm: Optional[Comm],
+                  options: Mapping[str, Any]
+                  ) -> Tuple[Optional[Comm], _tessera.StateBuilder, _tessera.SaveOptions]:
+    """(comm, builder, options) of a save of `state_dict`: the state flattened and checked on
+    every rank (_prepare), the replicas compared, rank 0's structure merged. The comm returned
+    is `comm`, or for None the default one (_comm_handle)."""
     comm = _comm_handle(comm)
     options = dict(options)
     check_replicas = options.pop("check_replicas", "small")
@@ -113,7 +140,8 @@ def _prepare_save(function, state_dict, comm, options):
     collective = options.get("collective", True)
     several = comm is not None and comm.size > 1 and collective
 
-    def prepare():
+    def prepare() -> Tuple[_state.Flat, _tessera.StateBuilder, _tessera.SaveOptions,
+                           Optional[int]]:
         limit = _replicas.limit_of(check_replicas)
         opts = _set_options(function, _tessera.SaveOptions(), options)
         # A DCP checkpoint holds the leaves torch's own flattening makes (a tuple is one
@@ -126,7 +154,7 @@ def _prepare_save(function, state_dict, comm, options):
         return flat, builder, opts, limit
 
     flat, builder, opts, limit = _prepare(comm, prepare, collective)
-    if several:
+    if several and comm is not None:
         replicas = []
         if limit != 0:  # the replica check (_replicas.py): which boxes have several holders
             claimed = _replicas.exchange_claims(comm, flat.leaves, _state.ShardedTensor, limit)
@@ -147,7 +175,8 @@ def _prepare_save(function, state_dict, comm, options):
     return comm, builder, opts
 
 
-def save(state_dict, path, *, comm=None, **options):
+def save(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = None,
+         **options: Unpack[SaveOptions]) -> SaveReport:
     """Saves `state_dict` as a checkpoint directory at `path`. COLLECTIVE over `comm`: every
     rank calls it with the same path and options, in the same order.
 
@@ -185,7 +214,7 @@ def save(state_dict, path, *, comm=None, **options):
     return _tessera._save(builder, os.fspath(path), comm, opts)
 
 
-def _load_options(strict, options):
+def _load_options(strict: bool, options: Mapping[str, Any]) -> _tessera.LoadOptions:
     opts = _tessera.LoadOptions()
     policy = _tessera.KeyPolicy.ERROR if strict else _tessera.KeyPolicy.SKIP
     opts.missing_keys = policy
@@ -196,13 +225,15 @@ def _load_options(strict, options):
 _OBJECTS = ("unpickle", "bytes")
 
 
-def _check_objects(objects):
+def _check_objects(objects: str) -> None:
     if objects not in _OBJECTS:
         raise ValueError(f"objects must be one of {list(_OBJECTS)}, not {objects!r}")
 
 
-def _load_prepared(state_dict, flat, builder, path, comm, opts, function="tessera.load",
-                   objects="unpickle"):
+def _load_prepared(state_dict: Any, flat: _state.Flat, builder: _tessera.StateBuilder, path: str,
+                   comm: Optional[Comm], opts: _tessera.LoadOptions,
+                   function: Optional[str] = "tessera.load",
+                   objects: str = "unpickle") -> LoadReport:
     report = _tessera._load(builder, path, comm, opts)
     if function is not None:
         warn_partial_load(f"{function}(strict=False)", report.missing_keys,
@@ -216,7 +247,9 @@ def _load_prepared(state_dict, flat, builder, path, comm, opts, function="tesser
     return report
 
 
-def load(state_dict, path, *, comm=None, strict=True, objects="unpickle", **options):
+def load(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = None, strict: bool = True,
+         objects: Literal["unpickle", "bytes"] = "unpickle",
+         **options: Unpack[LoadOptions]) -> LoadReport:
     """Loads the checkpoint at `path` into `state_dict`, in place: every tensor and array is
     written straight into its memory (any layout, whatever the layout of the save); every
     object is replaced by the loaded one (in the dict or list holding it; a tuple holding one
@@ -245,7 +278,7 @@ def load(state_dict, path, *, comm=None, strict=True, objects="unpickle", **opti
     """
     comm = _comm_handle(comm)
 
-    def prepare():
+    def prepare() -> Tuple[_state.Flat, _tessera.StateBuilder, _tessera.LoadOptions, str]:
         _check_objects(objects)
         # A DCP checkpoint's keys are those of torch's flattening (a tuple is one object):
         # flatten the request the same way when the two differ for it.
@@ -259,7 +292,10 @@ def load(state_dict, path, *, comm=None, strict=True, objects="unpickle", **opti
     return _load_prepared(state_dict, flat, builder, path, comm, opts, objects=objects)
 
 
-def load_all(path, *, comm=None, tensor_type=None, objects="unpickle", **options):
+def load_all(path: StrPath, *, comm: Optional[Comm] = None,
+             tensor_type: Optional[Literal["numpy", "torch"]] = None,
+             objects: Literal["unpickle", "bytes"] = "unpickle",
+             **options: Unpack[LoadOptions]) -> Any:
     """Loads the whole checkpoint at `path` into a new state dict, built from its metadata.
 
     Security: objects saved pickled are unpickled, and unpickling runs code the checkpoint
@@ -280,7 +316,7 @@ def load_all(path, *, comm=None, tensor_type=None, objects="unpickle", **options
     """
     comm = _comm_handle(comm)
 
-    def prepare():
+    def prepare() -> Tuple[Any, _state.Flat, _tessera.StateBuilder, _tessera.LoadOptions, str]:
         if tensor_type not in (None, "numpy", "torch"):
             raise ValueError(
                 f"tensor_type must be None, 'numpy' or 'torch', not {tensor_type!r}")
@@ -298,13 +334,13 @@ def load_all(path, *, comm=None, tensor_type=None, objects="unpickle", **options
     return _state.unwrap(report.state_dict)
 
 
-def read_metadata(path):
+def read_metadata(path: StrPath) -> Metadata:
     """The Metadata of the checkpoint at `path` (keys, dtypes, shapes, chunks, files, user
     metadata), from its manifest."""
     return _tessera.read_metadata(os.fspath(path))
 
 
-def finalize(path):
+def finalize(path: StrPath) -> Metadata:
     """Merges the rank manifests of the rank-local save at `path` (save(..., collective=False))
     into one committed manifest, atomically, and removes the files of earlier saves. Run it
     from one process. Returns the merged Metadata. Raises a tessera.Error naming the missing
@@ -312,7 +348,8 @@ def finalize(path):
     return _tessera._finalize(os.fspath(path))
 
 
-def verify(path, num_threads=2, progress=None):
+def verify(path: StrPath, num_threads: int = 2,
+           progress: Optional[ProgressFn] = None) -> VerifyReport:
     """Re-reads every chunk and object of the checkpoint at `path`: checksums, file sizes,
     exact coverage, `num_threads` data files at once. Returns a VerifyReport or raises the
     first problem found (usually a CorruptCheckpointError; an InvalidArgumentError for
@@ -320,7 +357,9 @@ def verify(path, num_threads=2, progress=None):
     return _tessera.verify(os.fspath(path), num_threads, progress)
 
 
-def remove_keys(path, prefixes, *, dry_run=False, sync=True, num_io_threads=2, progress=None):
+def remove_keys(path: StrPath, prefixes: Union[str, Iterable[str]], *, dry_run: bool = False,
+                sync: bool = True, num_io_threads: int = 2,
+                progress: Optional[ProgressFn] = None) -> RemoveKeysReport:
     """Removes from the tessera checkpoint at `path` every tensor and object whose key starts
     with one of `prefixes` (a str or a list of them) and frees their bytes: data files that
     hold only removed keys are deleted; files that also hold kept keys are rewritten, their
@@ -358,7 +397,7 @@ _TARGET_DTYPES = {"bf16": "BF16", "bfloat16": "BF16", "f16": "F16", "float16": "
 _FORMATS = ("tessera", "torch_dist", "safetensors")
 
 
-def _size(value, name):
+def _size(value: Union[int, str], name: str) -> int:
     """Bytes from an int or a text such as "5GB", "256MiB"."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
@@ -370,7 +409,7 @@ def _size(value, name):
                      f"not {value!r}")
 
 
-def _target_dtype(dtype):
+def _target_dtype(dtype: Any) -> Optional[str]:
     """The safetensors name of a float dtype given as text, a torch dtype or a NumPy dtype."""
     if dtype is None:
         return None
@@ -388,15 +427,15 @@ def _target_dtype(dtype):
     return _TARGET_DTYPES[text]
 
 
-def _progress_bar():
+def _progress_bar() -> ProgressFn:
     """A progress callback: tqdm's bar when tqdm is installed, else one line on stderr."""
     try:
         from tqdm import tqdm  # noqa: PLC0415
     except ImportError:
         tqdm = None
-    state = {}
+    state: Dict[str, Any] = {}
 
-    def update(done, total):
+    def update(done: int, total: int) -> None:
         if tqdm is not None:
             bar = state.get("bar")
             if bar is None:
@@ -414,9 +453,13 @@ def _progress_bar():
     return update
 
 
-def convert(src, dst, *, to, comm=None, max_shard_size="5GB", keys=None, strip_prefix=None,
-            dtype=None, num_threads=4, buffer_bytes="256MiB", sync=True, verify_checksums=True,
-            progress=None, torch_dist_flavor="2.x"):
+def convert(src: StrPath, dst: StrPath, *, to: Literal["safetensors", "tessera", "torch_dist"],
+            comm: Optional[Comm] = None, max_shard_size: Union[int, str] = "5GB",
+            keys: Union[str, Iterable[str], None] = None, strip_prefix: Optional[str] = None,
+            dtype: Any = None, num_threads: int = 4, buffer_bytes: Union[int, str] = "256MiB",
+            sync: bool = True, verify_checksums: bool = True,
+            progress: Union[ProgressFn, bool, None] = None,
+            torch_dist_flavor: Literal["2.x", "1.13"] = "2.x") -> ConvertReport:
     """Rewrites the checkpoint at `src` (tessera, PyTorch DCP / Megatron torch_dist, Hugging
     Face safetensors files or one .safetensors file: detected) as a new directory `dst` in the
     format `to`: "safetensors" (Hugging Face: model.safetensors, or model-0000i-of-0000N
@@ -477,17 +520,18 @@ def convert(src, dst, *, to, comm=None, max_shard_size="5GB", keys=None, strip_p
 
 # ---- asynchronous saves ------------------------------------------------------------------
 
-_default_comm = None
+_default_comm: Optional[Comm] = None
 _default_comm_lock = threading.Lock()
 _default_comm_submit_lock = threading.Lock()
-_in_flight = set()  # handles of async saves not yet seen done (waited for at exit)
+# Handles of async saves not yet seen done (waited for at exit).
+_in_flight: Set[AsyncSaveHandle] = set()
 
 
 # Kept alive forever in a forked child (see _after_fork_in_child): never destroyed there.
-_abandoned = []
+_abandoned: List[object] = []
 
 
-def _keep_forever(obj):
+def _keep_forever(obj: object) -> None:
     """One more reference to `obj` that is never released, not even at interpreter exit (a
     destructor that would wait for a parent's thread must never run in a forked child)."""
     import ctypes  # noqa: PLC0415
@@ -495,7 +539,7 @@ def _keep_forever(obj):
     _abandoned.append(obj)
 
 
-def _after_fork_in_child():
+def _after_fork_in_child() -> None:
     """os.register_at_fork(after_in_child=...): the child has none of its parent's threads.
     The parent's asynchronous saves (their handles, and the managers that made them) are
     abandoned in the child: never waited for, never destroyed, not reported at its exit (the
@@ -512,11 +556,12 @@ def _after_fork_in_child():
         hook()
 
 
-_after_fork_hooks = []  # more of the child's resets (tessera/_manager.py adds its own)
+# More of the child's resets (tessera/_manager.py adds its own).
+_after_fork_hooks: List[Callable[[], None]] = []
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _single_rank_comm():
+def _single_rank_comm() -> Comm:
     # One for the process: the asynchronous saver and its staging buffers live with the Comm,
     # and are reused from save to save.
     global _default_comm
@@ -526,8 +571,11 @@ def _single_rank_comm():
         return _default_comm
 
 
-def async_save(state_dict, path, *, comm=None, when_busy="wait", staging="blocking",
-               staging_threads=None, check_unchanged_until_staged=False, **options):
+def async_save(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = None,
+               when_busy: Literal["wait", "queue"] = "wait",
+               staging: Literal["blocking", "deferred"] = "blocking",
+               staging_threads: Optional[int] = None, check_unchanged_until_staged: bool = False,
+               **options: Unpack[AsyncSaveOptions]) -> AsyncSaveHandle:
     """Saves like save(), but the checkpoint is written and committed in the background.
     COLLECTIVE over `comm`. The caller may use `comm` at once.
 
@@ -580,7 +628,7 @@ def async_save(state_dict, path, *, comm=None, when_busy="wait", staging="blocki
     return handle
 
 
-def _track(handle):
+def _track(handle: AsyncSaveHandle) -> None:
     """Keeps `handle` for the exit hook until it is done and its outcome shown to its owner."""
     _in_flight.difference_update([h for h in _in_flight if h.done() and h.report is not None])
     _in_flight.add(handle)
@@ -588,11 +636,11 @@ def _track(handle):
 
 # More checks of the exit hook: callables returning the messages of failed saves nobody was told
 # of (tessera/_manager.py adds the open CheckpointManagers').
-_exit_checks = []
+_exit_checks: List[Callable[[], List[str]]] = []
 
 
 @atexit.register
-def _wait_for_async_saves():
+def _wait_for_async_saves() -> None:
     """At exit: waits for the saves in flight; a failed save whose failure nobody was shown
     (by wait(), wait_staged() or exception() of its handle, or a manager's call) is printed and
     the process exits with status 1: it never ends as if the checkpoint had been saved."""

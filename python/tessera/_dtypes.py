@@ -6,7 +6,10 @@ torch without float8, U16/U32/U64 in a torch without unsigned types. Such arrays
 loaded with their tessera dtype (ShardedTensor(dtype=...)), so the bits round-trip exactly.
 """
 
+from __future__ import annotations
+
 import sys
+from typing import Any, Dict, Optional
 
 # tessera name -> NumPy dtype name; None where NumPy has no such type.
 _NUMPY_NAMES = {
@@ -53,8 +56,8 @@ _SIZES = {
 
 DTYPE_NAMES = tuple(_NUMPY_NAMES)
 
-_numpy_to_name = None
-_torch_to_name = None
+_numpy_to_name: Optional[Dict[str, str]] = None
+_torch_to_name: Optional[Dict[Any, str]] = None
 
 
 def _numpy():

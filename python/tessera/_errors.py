@@ -56,7 +56,7 @@ class Error(Exception):
     code = "Unknown"
     status_code = -1
 
-    def __str__(self):
+    def __str__(self) -> str:
         return Exception.__str__(self)
 
 

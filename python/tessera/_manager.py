@@ -24,12 +24,21 @@ import pickle
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Literal, Mapping, Optional,
+                    Sequence, Tuple, TypeVar, Union)
 
 from . import _api
 from . import _state
 from . import _tessera
 from ._errors import Error, invalid_argument
+from ._types import StateDict, StrPath
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._types import LoadOptions, ManagerSaveOptions
+
+_T = TypeVar("_T")
 
 __all__ = ["CheckpointManager", "CheckpointWarning", "ManagedSave", "RestoreResult"]
 
@@ -82,20 +91,20 @@ class RestoreResult:
     #: failed_checks is True for a checkpoint that failed its checks (damaged, a load that
     #: failed on a checksum; a CheckpointWarning said so), False for a directory holding no
     #: committed checkpoint (a save that did not finish) or being deleted.
-    skipped: List[Tuple[int, Exception, bool]]
+    skipped: List[Tuple[int, Error, bool]]
     #: The per-rank values this rank took (save(..., per_rank=...)): name -> value, or name ->
     #: list of values when per_rank_map gave several saved ranks.
     per_rank: Dict[str, Any]
     #: The checkpoint's user metadata ("step" and "tessera.manager" included).
     user_metadata: Dict[str, str]
     #: The LoadReport of the load (None for restores through a loader of tessera.torch).
-    report: Any
+    report: Optional[_tessera.LoadReport]
     #: The state dict loaded: the one given, or a new one when its root is a tuple holding a
     #: replaced object.
     state_dict: Any = None
 
 
-_live = weakref.WeakSet()  # managers to close at exit
+_live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()  # managers to close at exit
 
 
 class CheckpointManager:
@@ -137,13 +146,14 @@ class CheckpointManager:
     separate_prefixes, ...).
     """
 
-    def __init__(self, root: Union[str, os.PathLike], *, comm: Optional[_tessera.Comm] = None,
+    def __init__(self, root: StrPath, *, comm: Optional[_tessera.Comm] = None,
                  keep_last: int = 0, keep_every: int = 0, async_save: bool = True,
-                 when_busy: str = "wait", staging: str = "blocking",
+                 when_busy: Literal["wait", "skip"] = "wait",
+                 staging: Literal["blocking", "deferred"] = "blocking",
                  staging_threads: Optional[int] = None,
                  check_unchanged_until_staged: bool = False, layout: Optional[str] = None,
                  write_tracker: bool = True, step_naming: str = "megatron",
-                 **save_options: Any) -> None:
+                 **save_options: Unpack[ManagerSaveOptions]) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', not {when_busy!r}")
         if staging not in ("blocking", "deferred"):
@@ -158,15 +168,16 @@ class CheckpointManager:
                                    "save_tag": "it tags rank-local saves itself",
                                    "format": "it saves in tessera's format (the step is "
                                              "recorded in the user metadata)"}[name])
-        self._comm = _api._comm_handle(comm)
-        self._lock = None
-        if self._comm is None:
-            self._comm, self._lock = _api._single_rank_comm(), _api._default_comm_submit_lock
+        handle = _api._comm_handle(comm)
+        self._lock: Optional[threading.Lock] = None
+        if handle is None:
+            handle, self._lock = _api._single_rank_comm(), _api._default_comm_submit_lock
+        self._comm: _tessera.Comm = handle
         self._root = os.fspath(root)
         self._collective = bool(save_options.get("collective", True))
         self._user_metadata = dict(save_options.pop("user_metadata", None) or {})
         self._deferred = staging == "deferred"
-        self._last_handle = None
+        self._last_handle: Optional[_tessera.AsyncSaveHandle] = None
         opts = _tessera.AsyncSaveOptions()
         opts.save = _api._set_options("CheckpointManager", _tessera.SaveOptions(), save_options)
         opts.staging = (_tessera.StagingMode.DEFERRED if self._deferred
@@ -186,14 +197,15 @@ class CheckpointManager:
         """The root directory."""
         return self._root
 
-    def _locked(self, call):
+    def _locked(self, call: Callable[[], _T]) -> _T:
         if self._lock is None:
             return call()
         with self._lock:
             return call()
 
-    def save(self, step: int, state_dict: Any, *, per_rank: Optional[Dict[str, Any]] = None,
-             user_metadata: Optional[Dict[str, str]] = None) -> ManagedSave:
+    def save(self, step: int, state_dict: StateDict, *,
+             per_rank: Optional[Mapping[str, Any]] = None,
+             user_metadata: Optional[Mapping[str, str]] = None) -> ManagedSave:
         """COLLECTIVE. Saves `state_dict` (as tessera.save takes it) as the checkpoint of `step`,
         in the background unless async_save=False.
 
@@ -213,7 +225,7 @@ class CheckpointManager:
         options = {"collective": self._collective, "user_metadata": metadata}
         comm, builder, opts = _api._prepare_save("CheckpointManager.save", state_dict, self._comm,
                                                  options)
-        pickled = {}
+        pickled: Dict[str, bytes] = {}
         for name, value in (per_rank or {}).items():
             if not isinstance(name, str):
                 raise TypeError(f"per_rank names must be str, not {type(name).__name__}")
@@ -243,7 +255,7 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if exc_info[0] is None:
             self.close()
             return
@@ -274,9 +286,10 @@ class CheckpointManager:
 
     # ---- restoring -----------------------------------------------------------------------
 
-    def restore(self, state_dict: Any, *, step: Optional[int] = None, strict: bool = True,
-                objects: str = "unpickle", per_rank_map: Optional[PerRankMap] = None,
-                **load_options: Any) -> Optional[RestoreResult]:
+    def restore(self, state_dict: StateDict, *, step: Optional[int] = None, strict: bool = True,
+                objects: Literal["unpickle", "bytes"] = "unpickle",
+                per_rank_map: Optional[PerRankMap] = None,
+                **load_options: Unpack[LoadOptions]) -> Optional[RestoreResult]:
         """COLLECTIVE. Loads the newest committed checkpoint (or `step`) into `state_dict` in
         place, as tessera.load does (strict, objects and load options alike). Returns None when
         the root holds no committed checkpoint (a fresh run).
@@ -297,10 +310,11 @@ class CheckpointManager:
         self.wait()  # a failed save is raised before anything is loaded
         comm = self._comm
         rank = comm.rank
-        loaded = {}
+        loaded: Dict[str, _tessera.LoadReport] = {}
 
-        def load(candidate, path, keys):
-            def prepare():
+        def load(candidate: int, path: str, keys: List[str]) -> List[bytes]:
+            def prepare() -> Tuple[_state.Flat, _tessera.StateBuilder, List[int],
+                                   _tessera.LoadOptions]:
                 flat = _state.Flat(state_dict, for_load=True)
                 builder = flat.build(rank=rank, for_load=True)
                 indices = [builder.add_object(k, b"") for k in keys]
@@ -318,7 +332,9 @@ class CheckpointManager:
         return _result(report, objects, per_rank_map, load_report,
                        load_report.state_dict if load_report is not None else state_dict)
 
-    def _restore_with(self, load, step, per_rank_map):
+    def _restore_with(self, load: Callable[[int, str, List[str]], Sequence[bytes]],
+                      step: Optional[int], per_rank_map: Optional[PerRankMap]
+                      ) -> Optional[_tessera._RestoreReport]:
         """The C++ restore with `load(step, path, per_rank_keys) -> [bytes]` as its loader; None
         when there is nothing to restore (step None only)."""
         return self._locked(lambda: self._impl.restore_with(self._comm, step, per_rank_map,
@@ -357,13 +373,14 @@ class CheckpointManager:
         return self._impl.last_retention()
 
 
-def _check_step(step):
+def _check_step(step: object) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be an int >= 0, not {step!r}")
 
 
-def _result(report, objects, per_rank_map, load_report, state_dict):
-    per_rank = {}
+def _result(report: _tessera._RestoreReport, objects: str, per_rank_map: Optional[PerRankMap],
+            load_report: Optional[_tessera.LoadReport], state_dict: Any) -> RestoreResult:
+    per_rank: Dict[str, Any] = {}
     for name, values in report.per_rank.items():
         decoded = [v if objects == "bytes" else pickle.loads(v) for v in values]
         per_rank[name] = decoded if per_rank_map is not None else decoded[0]
@@ -374,7 +391,7 @@ def _result(report, objects, per_rank_map, load_report, state_dict):
 def _unseen_at_exit() -> List[str]:
     """The exit hook's part (_api._exit_checks): closes the managers still open and returns
     the failures of their saves that nothing raised."""
-    failures = []
+    failures: List[str] = []
     for manager in list(_live):
         try:
             manager._impl.wait()

@@ -23,7 +23,10 @@ Importing this module imports megatron.core (tessera.megatron imports it on firs
 class names).
 """
 
+from __future__ import annotations
+
 import os
+from typing import Any, Optional
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -32,6 +35,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (TorchDistLoadShar
 
 from . import _api
 from . import _state
+from ._tessera import Comm
+from ._types import StateDict, StrPath
 from .megatron import _copy
 
 __all__ = ["TesseraLoadShardedStrategy", "TesseraSaveShardedStrategy"]
@@ -47,7 +52,7 @@ class TesseraSaveShardedStrategy(TorchDistSaveShardedStrategy):
     always torch_dist.
     """
 
-    def __init__(self, *, comm=None, **options):
+    def __init__(self, *, comm: Optional[Comm] = None, **options: Any) -> None:
         super().__init__(backend="torch_dist", version=1)
         if "format" in options:
             raise TypeError("TesseraSaveShardedStrategy writes Megatron's torch_dist format; "
@@ -59,12 +64,13 @@ class TesseraSaveShardedStrategy(TorchDistSaveShardedStrategy):
         if hint is not None:
             self.options.setdefault("separate_prefixes", [hint])
 
-    def save(self, sharded_state_dict, checkpoint_dir):
+    def save(self, sharded_state_dict: StateDict, checkpoint_dir: StrPath) -> None:
         """Saves the sharded state dict (COLLECTIVE), committed when it returns."""
         _api.save(sharded_state_dict, os.fspath(checkpoint_dir), comm=self.comm,
                   format="torch_dist", **self.options)
 
-    def async_save(self, sharded_state_dict, checkpoint_dir, async_strategy="nvrx"):
+    def async_save(self, sharded_state_dict: StateDict, checkpoint_dir: StrPath,
+                   async_strategy: str = "nvrx") -> AsyncRequest:
         """Starts the save in the background now (tessera.async_save: returns once the state is
         staged) and returns Megatron's AsyncRequest with no function to run and the wait for
         the save as its first finalize function, so Megatron's async queue (or the request's
@@ -75,7 +81,7 @@ class TesseraSaveShardedStrategy(TorchDistSaveShardedStrategy):
                                  format="torch_dist", **self.options)
         return AsyncRequest(None, (), [handle.wait])
 
-    def can_handle_sharded_objects(self):
+    def can_handle_sharded_objects(self) -> bool:
         return True
 
 
@@ -92,12 +98,13 @@ class TesseraLoadShardedStrategy(TorchDistLoadShardedStrategy):
     **options: tessera.load options (num_io_threads, read_sharing, cast_dtypes, ...).
     """
 
-    def __init__(self, *, comm=None, **options):
+    def __init__(self, *, comm: Optional[Comm] = None, **options: Any) -> None:
         super().__init__()
         self.comm = comm
         self.options = dict(options)
 
-    def load(self, sharded_state_dict, checkpoint_dir, async_strategy="mcore"):
+    def load(self, sharded_state_dict: StateDict, checkpoint_dir: StrPath,
+             async_strategy: str = "mcore") -> Any:
         del async_strategy
         comm = _api._comm_handle(self.comm)
         path = os.fspath(checkpoint_dir)

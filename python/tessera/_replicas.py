@@ -23,7 +23,7 @@ compared (equal values may pickle differently). A one-rank save and a rank-local
 import ctypes
 import hashlib
 import json
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Type, Union
 
 from . import _dtypes
 from . import _tessera
@@ -72,7 +72,7 @@ def _is_main(replica_id: list) -> bool:
     return not any(replica_id)
 
 
-def _pieces(leaves: Iterable, sharded_type: type,
+def _pieces(leaves: Iterable[Any], sharded_type: Type[Any],
             limit: Optional[int]) -> Iterator[tuple]:
     """(key, box, data, main) of this rank's tensors of at most `limit` bytes (all when None)
     that may be replicas: plain tensors (box ["whole", shape, dtype]: every rank holds one;
@@ -85,7 +85,8 @@ def _pieces(leaves: Iterable, sharded_type: type,
             continue
         value = leaf.value
         data, main = value, False
-        box = ["whole", list(getattr(value, "shape", [])), str(getattr(value, "dtype", ""))]
+        box: List[Any] = ["whole", list(getattr(value, "shape", [])),
+                          str(getattr(value, "dtype", ""))]
         if isinstance(value, sharded_type):
             data, main = value.data, _is_main(value.replica_id)
             shape = list(value.local_shape or getattr(data, "shape", []))
@@ -101,7 +102,7 @@ def _identity(key: str, box: list) -> str:
     return json.dumps([key, box])
 
 
-def claims(leaves: Iterable, sharded_type: type, limit: Optional[int]) -> list:
+def claims(leaves: Iterable[Any], sharded_type: Type[Any], limit: Optional[int]) -> list:
     """The boxes this rank holds under a replica id other than the main one ([key, box]):
     another rank holds the main replica of each. Small: one entry per such piece."""
     if limit == 0:
@@ -110,7 +111,7 @@ def claims(leaves: Iterable, sharded_type: type, limit: Optional[int]) -> list:
             if not main and box[0] != "whole"]
 
 
-def digests(leaves: Iterable, sharded_type: type, limit: Optional[int],
+def digests(leaves: Iterable[Any], sharded_type: Type[Any], limit: Optional[int],
             claimed: set) -> list:
     """[key, box, hash] of this rank's replicas of at most `limit` bytes (all when None),
     hashed from their memory: plain tensors, ShardedTensor pieces with a replica id other than
@@ -130,12 +131,12 @@ def digests(leaves: Iterable, sharded_type: type, limit: Optional[int],
     return out
 
 
-def exchange_claims(comm: Any, leaves: Iterable, sharded_type: type,
+def exchange_claims(comm: Any, leaves: Iterable[Any], sharded_type: Type[Any],
                     limit: Optional[int]) -> set:
     """COLLECTIVE over `comm` (several ranks; skip it when `limit` is 0 on every rank): every
     rank learns which boxes some rank holds as a non-main replica (one small all-gather)."""
     mine = json.dumps(claims(leaves, sharded_type, limit)).encode()
-    claimed = set()
+    claimed: Set[str] = set()
     for payload in comm.all_gather(mine):
         claimed.update(_identity(key, box) for key, box in json.loads(payload))
     return claimed
@@ -153,7 +154,7 @@ def _box_text(box: list) -> str:
 def mismatch(per_rank: list) -> Optional[str]:
     """The message of the first box whose replicas differ, from every rank's digests (a list
     indexed by rank), or None."""
-    holders = {}
+    holders: Dict[Tuple[str, str], Tuple[Any, Dict[str, List[int]]]] = {}
     for rank, entries in enumerate(per_rank):
         for key, box, digest in entries:
             holders.setdefault((key, repr(box)), (box, {}))[1].setdefault(digest, []).append(rank)

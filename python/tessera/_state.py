@@ -17,16 +17,26 @@ element). The container structure is saved as JSON in the user metadata under
 STRUCTURE_KEY, so load_all rebuilds the same container types.
 """
 
+from __future__ import annotations
+
 import collections
 import importlib
 import json
 import pickle
 import sys
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from . import _adapters
 from . import _dtypes
 from . import _tessera
 from ._errors import Error, corrupt_checkpoint, invalid_argument
+
+if TYPE_CHECKING:
+    import numpy
+    import torch
+
+    #: What a ShardedTensor holds: a torch tensor or a NumPy array.
+    TensorLike = Union[torch.Tensor, numpy.ndarray[Any, Any]]
 
 STRUCTURE_KEY = "tessera.python.structure"
 STRUCTURE_VERSION = 1
@@ -79,9 +89,24 @@ class ShardedTensor:
     __slots__ = ("data", "global_shape", "global_offset", "replica_id", "flat_range",
                  "local_shape", "allow_shape_mismatch", "partial", "dtype", "key")
 
-    def __init__(self, data, global_shape=None, global_offset=None, *, replica_id=(),
-                 flat_range=None, local_shape=None, allow_shape_mismatch=False, partial=False,
-                 dtype=None, key=None):
+    data: Any  # TensorLike (a template's may be any tensor a framework leaf wraps)
+    global_shape: Optional[List[int]]
+    global_offset: Optional[List[int]]
+    replica_id: List[int]
+    flat_range: Optional[Tuple[int, ...]]
+    local_shape: Optional[List[int]]
+    allow_shape_mismatch: bool
+    partial: bool
+    dtype: Optional[str]
+    key: Optional[str]
+
+    def __init__(self, data: TensorLike, global_shape: Optional[Sequence[int]] = None,
+                 global_offset: Optional[Sequence[int]] = None, *,
+                 replica_id: Union[int, Sequence[int]] = (),
+                 flat_range: Union[Tuple[int, int], slice, None] = None,
+                 local_shape: Optional[Sequence[int]] = None, allow_shape_mismatch: bool = False,
+                 partial: bool = False, dtype: Optional[str] = None,
+                 key: Optional[str] = None) -> None:
         self.data = data
         self.global_shape = _as_ints(global_shape, "global_shape")
         self.global_offset = _as_ints(global_offset, "global_offset")
@@ -101,7 +126,7 @@ class ShardedTensor:
         self.dtype = dtype
         self.key = key
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         shape = tuple(getattr(self.data, "shape", ()))
         return (f"ShardedTensor(data shape {shape}, global_shape={self.global_shape}, "
                 f"global_offset={self.global_offset}, replica_id={self.replica_id}, "
@@ -116,12 +141,17 @@ class ShardedObject:
 
     __slots__ = ("value", "replica_id", "key")
 
-    def __init__(self, value, replica_id=(), *, key=None):
+    value: Any
+    replica_id: List[int]
+    key: Optional[str]
+
+    def __init__(self, value: Any, replica_id: Union[int, Sequence[int]] = (), *,
+                 key: Optional[str] = None) -> None:
         self.value = value
         self.replica_id = _replica(replica_id)
         self.key = key
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"ShardedObject({self.value!r}, replica_id={self.replica_id})"
 
 
@@ -204,7 +234,7 @@ def _walk(value, path, visit, dcp=False):
     kind, items = _items(value, dcp)
     if kind is None:
         return visit(path, value)
-    node = {kind: []}
+    node: Dict[str, Any] = {kind: []}
     for k, child in items:
         if kind in ("dict", "odict"):
             if type(k) not in (str, int):
@@ -337,7 +367,8 @@ class Flat:
         other ranks hold, and the tensor library all ranks use (if one), so load_all decodes
         and types the leaves rank 0's structure lacks."""
         own = {leaf.key for leaf in self.leaves}
-        objects, libs = {}, set()
+        objects: Dict[str, str] = {}
+        libs: Set[str] = set()
         for summary in summaries:
             summary = json.loads(summary)
             libs.update(summary["libs"])
@@ -413,8 +444,9 @@ class Flat:
         self.entries = []
         # (key, id of the leaf's value) -> its entry: one object at several places under one
         # key is one entry (a tensor tied under two keys is saved under each).
-        entry_of_value = {}
-        sharded_only = {}  # tensor key -> whether every leaf of it so far is a ShardedTensor
+        entry_of_value: Dict[Tuple[str, int], int] = {}
+        # tensor key -> whether every leaf of it so far is a ShardedTensor
+        sharded_only: Dict[str, bool] = {}
         for leaf in self.leaves:
             if leaf.is_tensor:
                 value = leaf.value
@@ -847,8 +879,8 @@ def template_from_metadata(metadata, tensor_type, source="the checkpoint", impor
     CorruptCheckpointError naming `source`."""
     tensors = {t.key: t for t in metadata.tensors}
     objects = {o.key: o.encoding for o in metadata.objects}
-    used = set()
-    allocated = {}
+    used: Set[str] = set()
+    allocated: Dict[str, ShardedTensor] = {}
     structure = _structure(metadata, source)
     root = {}
     extra = {}
@@ -912,7 +944,8 @@ def _set_element(root, path, value, key, source):
     try:
         node = root
         for i in range(1, len(path)):
-            prev, default = path[i - 1], {} if type(path[i]) is str else []
+            prev = path[i - 1]
+            default: Any = {} if type(path[i]) is str else []
             if isinstance(node, dict):
                 node = node.setdefault(prev, default)
             else:

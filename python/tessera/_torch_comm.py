@@ -7,13 +7,20 @@ only (dist.new_group would need every rank of the job), so an asynchronous save 
 of its own and its collectives never mix with the caller's.
 """
 
+from __future__ import annotations
+
 import atexit
 import ctypes
 import datetime
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from ._tessera import Comm
 
 _OPS = None
 
@@ -41,7 +48,7 @@ _OPS = None
 # there the tensors of the last collectives are kept referenced instead (the C++ side then never
 # holds the last reference), and leaked at exit.
 _held_lock = threading.Lock()
-_held = []
+_held: list = []
 _KEPT_WITHOUT_USE_COUNT = 64
 _RELEASE_WAIT = 10.0  # seconds; gloo releases a completed work's tensors within microseconds
 _EXIT_WAIT = 10.0  # seconds the exit waits for tensors of collectives that did not complete
@@ -233,7 +240,8 @@ def _broadcast_options(root):
     return opts
 
 
-def torch_dist_comm(group=None, *, timeout=datetime.timedelta(minutes=30)):
+def torch_dist_comm(group: Optional[ProcessGroup] = None, *,
+                    timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> Comm:
     """A tessera.Comm over a torch.distributed process group (default: the whole job), which
     must be a gloo group (CPU tensors). torch.distributed must be initialised. `timeout` is
     that of the groups made for asynchronous saves. COLLECTIVE: every rank of the group calls
@@ -254,17 +262,17 @@ def torch_dist_comm(group=None, *, timeout=datetime.timedelta(minutes=30)):
     return _tessera.python_comm(impl)
 
 
-def _has_gloo_for_cpu(backend):
+def _has_gloo_for_cpu(backend: object) -> bool:
     """Whether a group of this backend ("gloo", or "cpu:gloo,cuda:nccl" for a group with a
     backend per device) runs collectives of CPU tensors with gloo."""
     backend = str(backend)
     return backend == "gloo" or "cpu:gloo" in backend.split(",")
 
 
-_default_cache = {}
+_default_cache: Dict[str, Tuple[Any, Comm]] = {}
 
 
-def default_comm():
+def default_comm() -> Optional[Comm]:
     """The tessera Comm of a call without `comm=`: when torch.distributed is initialised with
     several ranks, a Comm over its default group (the whole job, as torch.distributed.checkpoint
     uses), made once per default group (over a gloo group made for tessera, once, when the

@@ -29,15 +29,30 @@ group made once for tessera when the job's backend is another, e.g. NCCL), or on
 torch.distributed is not initialised. Pass `comm=` for any other tessera.Comm.
 """
 
+from __future__ import annotations
+
+import enum
 import json
 import os
 import sys
 import warnings
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Union
 
 from . import _adapters
 from . import _api
 from . import _state
 from ._errors import Error, invalid_argument, warn_partial_load
+from ._tessera import AsyncSaveHandle, Comm
+from ._types import StateDict, StrPath
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+    from typing_extensions import Unpack
+
+    # Imported on first use at run time (they import megatron.core): see __getattr__ below.
+    from ._megatron_strategy import TesseraLoadShardedStrategy, TesseraSaveShardedStrategy
+    from ._types import LoadOptions, MegatronSaveOptions
 
 __all__ = ["TesseraLoadShardedStrategy", "TesseraSaveShardedStrategy", "load",
            "load_plain_tensors", "remove_sharded_tensors", "save"]
@@ -67,10 +82,14 @@ TORCH_DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version":
 _FORMATS = ("torch_dist", "tessera")
 
 
-def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, validate_access_integrity=True,
-         async_sharded_save=False, preprocess_common_before_consistancy_check=None,
-         content_metadata=None, async_strategy=None, verify_integrity=False, *,
-         common_strategy=None, comm=None, format="torch_dist", **options):
+def save(sharded_state_dict: StateDict, checkpoint_dir: StrPath,
+         sharded_strategy: Optional[object] = None, validate_access_integrity: bool = True,
+         async_sharded_save: bool = False,
+         preprocess_common_before_consistancy_check: Optional[Callable[..., Any]] = None,
+         content_metadata: Optional[Dict[str, Any]] = None, async_strategy: Optional[str] = None,
+         verify_integrity: bool = False, *, common_strategy: Optional[object] = None,
+         comm: Optional[Comm] = None, format: Literal["torch_dist", "tessera"] = "torch_dist",
+         **options: Unpack[MegatronSaveOptions]) -> Optional[AsyncSaveHandle]:
     """Saves a Megatron sharded state dict at `checkpoint_dir`. COLLECTIVE. Megatron's steps:
     ShardedTensorFactory leaves are built, LocalNonpersistentObject leaves left out,
     ShardedTensors and ShardedObjects saved by their main replicas (replica id all zeros),
@@ -101,8 +120,9 @@ def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, validate_acc
     """
     del validate_access_integrity, preprocess_common_before_consistancy_check, async_strategy
     del verify_integrity
+    save_options: Dict[str, Any] = dict(options)
     if isinstance(sharded_strategy, _strategy_classes()["save"] or ()):
-        options = {**sharded_strategy.options, **options}
+        save_options = {**sharded_strategy.options, **save_options}
         sharded_strategy = None
     _warn_strategies("save", sharded_strategy, common_strategy)
     if format not in _FORMATS:
@@ -116,16 +136,16 @@ def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, validate_acc
     path = os.fspath(checkpoint_dir)
     if format == "torch_dist":
         state = _torch_dist_layout(state, comm.rank if comm is not None else 0)
-        options["format"] = "torch_dist"
+        save_options["format"] = "torch_dist"
         if comm is None or comm.rank == 0:
             write_config(path)
     if async_sharded_save:
-        return _api.async_save(state, path, comm=comm, **options)
-    _api.save(state, path, comm=comm, **options)
+        return _api.async_save(state, path, comm=comm, **save_options)
+    _api.save(state, path, comm=comm, **save_options)
     return None
 
 
-def write_config(path):
+def write_config(path: StrPath) -> None:
     """Writes Megatron's metadata.json (CheckpointingConfig of the torch_dist backend) into the
     directory `path`, creating it: Megatron's load requires it to call a directory a
     checkpoint."""
@@ -151,9 +171,12 @@ def _torch_dist_layout(state, rank):
     return sharded
 
 
-def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, validate_access_integrity=True,
-         strict="assume_ok_unexpected", verify_integrity=False, process_group=None, *,
-         common_strategy=None, comm=None, **options):
+def load(sharded_state_dict: StateDict, checkpoint_dir: StrPath,
+         sharded_strategy: Optional[object] = None, validate_access_integrity: bool = True,
+         strict: Union[str, bool, enum.Enum] = "assume_ok_unexpected",
+         verify_integrity: bool = False, process_group: Optional[ProcessGroup] = None, *,
+         common_strategy: Optional[object] = None, comm: Optional[Comm] = None,
+         **options: Unpack[LoadOptions]) -> Any:
     """Loads the checkpoint at `checkpoint_dir` (Megatron's torch_dist, written by Megatron or
     by tessera, or tessera's own format) into the tensors of a Megatron sharded state dict (in
     place: each ShardedTensor's data) and returns the loaded state dict, as Megatron's load
@@ -226,7 +249,7 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, validate_acc
     return result, (unasked if returned == "all" else set()), absent
 
 
-def remove_sharded_tensors(checkpoint_dir, key_prefix):
+def remove_sharded_tensors(checkpoint_dir: StrPath, key_prefix: str) -> None:
     """Removes every tensor and object whose key starts with `key_prefix` from the checkpoint
     at `checkpoint_dir` and frees their bytes, as Megatron's remove_sharded_tensors does (e.g.
     key_prefix="optimizer." to keep only the model). Crash-safe (tessera.remove_keys); saving
@@ -240,7 +263,8 @@ def remove_sharded_tensors(checkpoint_dir, key_prefix):
                       f'"{key_prefix}".', stacklevel=2)
 
 
-def load_plain_tensors(checkpoint_dir, *, comm=None, **options):
+def load_plain_tensors(checkpoint_dir: StrPath, *, comm: Optional[Comm] = None,
+                       **options: Unpack[LoadOptions]) -> Dict[str, torch.Tensor]:
     """Every tensor of the checkpoint at `checkpoint_dir`, whole, as torch tensors in a flat
     dict by key; common state not included (as Megatron's load_plain_tensors). COLLECTIVE
     like Megatron's (every rank reads everything): over torch.distributed's default group when
@@ -316,8 +340,8 @@ class _Request:
     it does not name."""
 
     def __init__(self, sharded_state_dict):
-        self.factories = []      # (path, factory)
-        self.nonpersistent = []  # (path, object)
+        self.factories: List[Any] = []      # (path, factory)
+        self.nonpersistent: List[Any] = []  # (path, object)
 
         def leaf(path, value):
             if _is_nonpersistent(value):
@@ -388,7 +412,7 @@ class _Request:
         """The state dict Megatron's load returns. `loaded` is the request after the load,
         whose object leaves were replaced by their values (which may be containers): its
         leaves are found through the structure the request had before (flat.root)."""
-        keys = {}
+        keys: Dict[int, str] = {}
         for leaf in flat.leaves:
             keys.setdefault(leaf.index, leaf.key)
 
@@ -422,6 +446,8 @@ def _extract(value, predicate):
     """(matching, rest) of a nested dict: Megatron's dict_utils.extract_matching_values, so the
     common state holds the containers Megatron's holds (one that only held sharded leaves is
     left out; an empty one stays)."""
+    matching: Any
+    rest: Any
     if isinstance(value, dict):
         matching, rest = {}, {}
         for k, v in value.items():
@@ -610,10 +636,13 @@ def _strategy_classes():
     return {"save": module.TesseraSaveShardedStrategy, "load": module.TesseraLoadShardedStrategy}
 
 
-def __getattr__(name):
-    """TesseraSaveShardedStrategy and TesseraLoadShardedStrategy subclass Megatron's own
-    strategies, so Megatron is imported on first use of these names only."""
-    if name in ("TesseraSaveShardedStrategy", "TesseraLoadShardedStrategy"):
-        from . import _megatron_strategy  # noqa: PLC0415 (imports megatron.core)
-        return getattr(_megatron_strategy, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Hidden from type checkers, which see the imports under TYPE_CHECKING above instead (a module
+# __getattr__ would make every attribute of this module valid to them).
+if not TYPE_CHECKING:
+    def __getattr__(name):
+        """TesseraSaveShardedStrategy and TesseraLoadShardedStrategy subclass Megatron's own
+        strategies, so Megatron is imported on first use of these names only."""
+        if name in ("TesseraSaveShardedStrategy", "TesseraLoadShardedStrategy"):
+            from . import _megatron_strategy  # noqa: PLC0415 (imports megatron.core)
+            return getattr(_megatron_strategy, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,15 +34,29 @@ What is saved (one tessera checkpoint; `tessera inspect` shows it):
   state), and each rank gets its own back.
 """
 
+from __future__ import annotations
+
 import json
 import os
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Union, overload
 
 from . import _adapters
 from . import _api
 from . import _manager
 from . import _dtypes
 from . import _state
+from . import _tessera
 from ._errors import invalid_argument
+from ._types import StrPath
+
+if TYPE_CHECKING:
+    from torch.nn import Module
+    from torch.optim import Optimizer
+
+    #: The model argument: a torch module, or a dict (by name) or list of them.
+    Models = Union[Module, Mapping[str, Module], Sequence[Module]]
+    #: The optimizer argument: a torch optimizer, or a dict (by name) or list of them.
+    Optimizers = Union[Optimizer, Mapping[str, Optimizer], Sequence[Optimizer]]
 
 __all__ = ["async_save_state", "load_state", "per_rank", "save_state"]
 
@@ -58,7 +72,9 @@ class per_rank:  # noqa: N801 (used like a function)
 
     __slots__ = ("value",)
 
-    def __init__(self, value):
+    value: Any
+
+    def __init__(self, value: Any) -> None:
         self.value = value
 
 
@@ -115,7 +131,20 @@ def _prepare_state(model, optimizer, comm, save_options, extra):
     return comm, state, options
 
 
-def save_state(path, *, model=None, optimizer=None, comm=None, save_options=None, **extra):
+@overload
+def save_state(path: _manager.CheckpointManager, *, model: Optional[Models] = None,
+               optimizer: Optional[Optimizers] = None, comm: None = None,
+               save_options: None = None, **extra: Any) -> _manager.ManagedSave: ...
+@overload
+def save_state(path: StrPath, *, model: Optional[Models] = None,
+               optimizer: Optional[Optimizers] = None, comm: Optional[_tessera.Comm] = None,
+               save_options: Optional[Mapping[str, Any]] = None,
+               **extra: Any) -> _tessera.SaveReport: ...
+def save_state(path: Union[StrPath, _manager.CheckpointManager], *,
+               model: Optional[Models] = None, optimizer: Optional[Optimizers] = None,
+               comm: Optional[_tessera.Comm] = None,
+               save_options: Optional[Mapping[str, Any]] = None,
+               **extra: Any) -> Union[_tessera.SaveReport, _manager.ManagedSave]:
     """Saves a training run's state at `path`: the model's state dict, the optimizer's state
     and hyperparameters, and every other keyword argument (step, scheduler state, RNG state,
     anything picklable). COLLECTIVE over `comm`, like tessera.save. `save_options`: a dict of
@@ -136,8 +165,11 @@ def save_state(path, *, model=None, optimizer=None, comm=None, save_options=None
     return _api.save(state, os.fspath(path), comm=comm, **options)
 
 
-def async_save_state(path, *, model=None, optimizer=None, comm=None, save_options=None,
-                     **extra):
+def async_save_state(path: StrPath, *, model: Optional[Models] = None,
+                     optimizer: Optional[Optimizers] = None,
+                     comm: Optional[_tessera.Comm] = None,
+                     save_options: Optional[Mapping[str, Any]] = None,
+                     **extra: Any) -> _tessera.AsyncSaveHandle:
     """save_state in the background: returns a tessera.AsyncSaveHandle once the state is
     staged (wait() it; its failure is raised there, and a failure nobody waited for makes the
     interpreter exit with status 1). `save_options` also takes tessera.async_save's (staging,
@@ -161,8 +193,23 @@ def _save_through(manager, model, optimizer, comm, save_options, extra):
     return manager.save(step, state, user_metadata={RESUME_KEY: json.dumps(description)})
 
 
-def load_state(path, *, model=None, optimizer=None, comm=None, strict=True, load_options=None,
-               per_rank_map=None):
+@overload
+def load_state(path: _manager.CheckpointManager, *, model: Optional[Models] = None,
+               optimizer: Optional[Optimizers] = None, comm: None = None, strict: bool = True,
+               load_options: Optional[Mapping[str, Any]] = None,
+               per_rank_map: Optional[_manager.PerRankMap] = None) -> Optional[Dict[str, Any]]:
+    ...
+@overload
+def load_state(path: StrPath, *, model: Optional[Models] = None,
+               optimizer: Optional[Optimizers] = None, comm: Optional[_tessera.Comm] = None,
+               strict: bool = True, load_options: Optional[Mapping[str, Any]] = None,
+               per_rank_map: Optional[_manager.PerRankMap] = None) -> Dict[str, Any]: ...
+def load_state(path: Union[StrPath, _manager.CheckpointManager], *,
+               model: Optional[Models] = None, optimizer: Optional[Optimizers] = None,
+               comm: Optional[_tessera.Comm] = None, strict: bool = True,
+               load_options: Optional[Mapping[str, Any]] = None,
+               per_rank_map: Optional[_manager.PerRankMap] = None
+               ) -> Optional[Dict[str, Any]]:
     """Loads a checkpoint of save_state into `model` (in place) and `optimizer` (fresh or not:
     its state is built from the checkpoint, then optimizer.load_state_dict), under any layout
     of the model's sharded state. Returns the extra values as a dict. COLLECTIVE over `comm`.
@@ -276,7 +323,7 @@ def _describe(description):
 def _param_names(models):
     """{id(parameter): name}: the model's named_parameters(), prefixed "<name>." for a dict or
     list of models."""
-    names = {}
+    names: Dict[int, str] = {}
     for prefix, m in models.items:
         for fqn, p in m.named_parameters():
             names.setdefault(id(p), f"{prefix}.{fqn}" if prefix else fqn)
@@ -296,7 +343,8 @@ class _Holdings:
     A parameter's optimizer state is sharded like its entry."""
 
     def __init__(self, models, model_states):
-        self.by_memory = {}      # memory key -> (state-dict key, tessera ShardedTensor or None)
+        # memory key -> (state-dict key, tessera ShardedTensor or None)
+        self.by_memory: Dict[Any, Any] = {}
         self.any_sharded = False
         for prefix, _ in models.items:
             for key, leaf in model_states[prefix].items():
@@ -405,6 +453,10 @@ def _like(shard, tensor, key=None):
 class _LoadPlan:
     """The template a load_state asks for, and how to hand the loaded state to the model and
     the optimizer."""
+
+    # Set by _load_at: the builder indices of the objects it asked for, and the builder.
+    key_indices: List[int]
+    builder: _tessera.StateBuilder
 
     def __init__(self, metadata, path, model, optimizer, rank, size, strict, per_rank_map=None):
         text = metadata.user_metadata.get(RESUME_KEY)
