@@ -261,11 +261,18 @@ def mypy_env():
     return {k: v for k, v in os.environ.items() if k not in ("MYPYPATH", "PYTHONPATH")}
 
 
-def run_mypy(tmp_path, *args):
-    """`python -m mypy --strict ARGS`, with no configuration file and its cache in tmp_path."""
+@pytest.fixture(scope="module")
+def strict_cache(tmp_path_factory):
+    """One mypy cache for the --strict runs of this module: the second reuses what the first
+    learnt of torch and numpy (some 20 s a run on 2 cores)."""
+    return tmp_path_factory.mktemp("mypy_strict_cache")
+
+
+def run_mypy(tmp_path, cache, *args):
+    """`python -m mypy --strict ARGS`, with no configuration file and its cache in `cache`."""
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--config-file=", "--no-color-output",
-         "--cache-dir", str(tmp_path / "mypy_cache"), *args],
+         "--cache-dir", str(cache), *args],
         cwd=tmp_path, env=mypy_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -277,10 +284,10 @@ def test_the_installed_package_ships_its_type_information():
         assert (package / "_tessera_mpi.pyi").is_file()
 
 
-def test_mypy_strict_accepts_the_documented_use_and_it_runs(tmp_path):
+def test_mypy_strict_accepts_the_documented_use_and_it_runs(tmp_path, strict_cache):
     script = tmp_path / "good.py"
     script.write_text(GOOD)
-    result = run_mypy(tmp_path, str(script))
+    result = run_mypy(tmp_path, strict_cache, str(script))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Success: no issues found" in result.stdout
     work = tmp_path / "work"
@@ -291,10 +298,11 @@ def test_mypy_strict_accepts_the_documented_use_and_it_runs(tmp_path):
     assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.stdout + ran.stderr
 
 
-def test_mypy_strict_names_a_misspelt_attribute_a_wrong_type_and_a_misspelt_option(tmp_path):
+def test_mypy_strict_names_a_misspelt_attribute_a_wrong_type_and_a_misspelt_option(
+        tmp_path, strict_cache):
     script = tmp_path / "bad.py"
     script.write_text(BAD)
-    result = run_mypy(tmp_path, str(script))
+    result = run_mypy(tmp_path, strict_cache, str(script))
     assert result.returncode == 1, result.stdout + result.stderr
     expected = {number: line.split("# error: ")[1]
                 for number, line in enumerate(BAD.splitlines(), 1) if "# error: " in line}
