@@ -138,7 +138,7 @@ bool TemporaryIsStale(const std::string& target, const SaveMarkers& markers) {
 }  // namespace
 
 std::string SaveIdOf(const std::string& name) {
-  if (IsTesseraDataFileName(name)) return name.substr(4, 16);  // "tsr-" + 16 hex digits
+  if (std::string id = SaveIdOfDataFileName(name); !id.empty()) return id;
   if (IsTempManifestName(name)) return name.substr(TempManifestName("").size());
   if (std::string id = MarkerSaveId(name); !id.empty()) return id;
   std::string id;
@@ -146,8 +146,9 @@ std::string SaveIdOf(const std::string& name) {
   const std::string_view committed_name =
       std::string_view(name).substr(0, name.ends_with(".tmp") ? name.size() - 4 : name.size());
   if (ParseRankManifestName(committed_name, &id, &rank)) return id;
-  if (name.starts_with("tessera.saving.") && name.ends_with(".tmp")) {
-    return MarkerSaveId(name.substr(0, name.size() - 4));  // a version 2 marker's temporary
+  if (name.starts_with(kMarkerPrefix) && name.ends_with(kVersion2MarkerTempSuffix)) {
+    // A version 2 marker's temporary.
+    return MarkerSaveId(name.substr(0, name.size() - (sizeof(kVersion2MarkerTempSuffix) - 1)));
   }
   return "";
 }

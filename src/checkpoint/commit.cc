@@ -85,7 +85,7 @@ std::string NewSaveId(const std::vector<std::string>& existing_names) {
     char id[17];
     std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(bits));
     const std::string marker = MarkerName(id);
-    const std::string tagged = "tsr-" + std::string(id);
+    const std::string tagged = DataFileTag(id);
     const bool used = std::any_of(existing_names.begin(), existing_names.end(), [&](const auto& n) {
       // Any name carrying the id: tessera's files and those of other formats (DCP data files
       // "__0_0.tsr-<id>.distcp").
@@ -95,8 +95,8 @@ std::string NewSaveId(const std::vector<std::string>& existing_names) {
   }
 }
 
-Status CommitManifest(Storage& storage, const std::string& dir, Metadata& metadata,
-                      SyncPolicy sync, bool& visible) {
+Status CommitManifest(Storage& storage, const std::string& dir, Metadata& metadata, SyncPolicy sync,
+                      bool& visible) {
   // What the writer writes must pass the reader's validation, or the save would commit a
   // checkpoint nobody can read.
   if (Result<Metadata> check = DecodeManifest(EncodeManifest(metadata), JoinPath(dir, "manifest"));

@@ -13,9 +13,6 @@
 namespace tessera {
 namespace {
 
-constexpr char kMarkerPrefix[] = "tessera.saving.";
-// A version 2 writer published its marker through "<marker>.tmp".
-constexpr char kVersion2MarkerTempSuffix[] = ".tmp";
 // A marker written on another host cannot be checked for liveness; it protects its operation's
 // files for this long after it was created. Longer than any save; afterwards the files of a
 // save that died on another host become garbage for the next cleanup. (A clock decides only
@@ -127,18 +124,6 @@ Result<MarkerContent> ParseMarker(const std::string& text, const std::string& pa
 }
 
 }  // namespace
-
-std::string MarkerName(const std::string& id) { return kMarkerPrefix + id; }
-
-std::string MarkerSaveId(const std::string& name) {
-  if (!name.starts_with(kMarkerPrefix) || name.ends_with(kVersion2MarkerTempSuffix) ||
-      ParsePublishTemporaryName(name, nullptr)) {
-    return "";
-  }
-  std::string id = name.substr(sizeof(kMarkerPrefix) - 1);
-  if (id.size() > 16 && id[16] == '.') id.resize(16);
-  return id;
-}
 
 Status CreateSaveMarker(Storage& storage, const std::string& dir, const std::string& id,
                         SyncPolicy sync, const std::string& attempt) {

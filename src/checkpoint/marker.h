@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "format/tessera/names.h"  // MarkerName, MarkerSaveId
 #include "tessera/checkpoint.h"
 #include "tessera/storage.h"
 
@@ -46,11 +47,6 @@ struct MarkerContent {
   // A rank-local rank's attempt id (its data files carry it, FORMAT.md 1.1); "" otherwise.
   std::string attempt;
 };
-
-// "tessera.saving.<id>"; the save id a marker name protects ("" for other names; a rank's
-// "<save_id>.r<rank>" protects save_id).
-std::string MarkerName(const std::string& id);
-std::string MarkerSaveId(const std::string& name);
 
 // Publishes `dir`/tessera.saving.<id> create-only (kAlreadyExists when it exists, or when
 // another thread of this process holds it), naming this process as the owner, with `attempt`
