@@ -23,6 +23,7 @@ import sys
 
 from . import _dtypes
 from ._errors import invalid_argument
+from ._sharded import ShardedObject, ShardedTensor
 
 _MEGATRON_TENSOR_FIELDS = ("key", "data", "dtype", "local_shape", "global_shape",
                            "global_offset", "axis_fragmentations", "replica_id",
@@ -106,7 +107,6 @@ def _torch_sharded_tensor_class():
 def _from_torch_sharded(st, key):
     """Each local shard is a piece at its shard_offsets; several on one rank are pieces of one
     key, each saved from and loaded into its own tensor."""
-    from ._state import ShardedTensor  # noqa: PLC0415 (_state imports this module)
     metadata = st.metadata()
     global_shape = [int(d) for d in metadata.size]
     shards = st.local_shards()
@@ -133,7 +133,6 @@ def _is_dtensor(leaf):
 
 
 def _from_dtensor(dt, key):
-    from ._state import ShardedTensor  # noqa: PLC0415
     global_shape = [int(d) for d in dt.shape]
     mesh = dt.device_mesh
     placements = tuple(dt.placements)
@@ -201,7 +200,6 @@ def _from_megatron_tensor(st, for_load):
     """Megatron's ShardedTensor: local data viewed as (1,) * prepend_axis_num + local_shape at
     global_offset (which includes the prepended axes) of global_shape; with flattened_range, the
     data is that slice of the flattened local shard."""
-    from ._state import ShardedTensor  # noqa: PLC0415
     key = st.key
     what = f"Megatron ShardedTensor '{key}'"
     prepend = int(st.prepend_axis_num or 0)
@@ -269,7 +267,6 @@ def _view(data, shape, what):
 
 
 def _from_megatron_object(so):
-    from ._state import ShardedObject  # noqa: PLC0415
     offset = [int(o) for o in so.global_offset]
     shape = [int(s) for s in so.global_shape]
     key = megatron_object_key(so.key, offset, shape)

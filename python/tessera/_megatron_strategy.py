@@ -37,7 +37,6 @@ from . import _api
 from . import _state
 from ._tessera import Comm
 from ._types import StateDict, StrPath
-from .megatron import _copy
 
 __all__ = ["TesseraLoadShardedStrategy", "TesseraSaveShardedStrategy"]
 
@@ -110,7 +109,7 @@ class TesseraLoadShardedStrategy(TorchDistLoadShardedStrategy):
         path = os.fspath(checkpoint_dir)
         # A load replaces the ShardedObject leaves of the dict it is given by their values: give
         # it a copy of the containers (Megatron's own strategy leaves the request as it is).
-        sharded_state_dict = _copy(sharded_state_dict, lambda path, value: value)
+        sharded_state_dict = _state.copy_containers(sharded_state_dict, lambda path, value: value)
 
         def prepare():
             flat = _state.Flat(sharded_state_dict, for_load=True)

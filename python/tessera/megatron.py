@@ -295,7 +295,6 @@ def load_plain_tensors(checkpoint_dir: StrPath, *, comm: Optional[Comm] = None,
 
 # ---- the request of a load, and its result ---------------------------------------------------
 
-_DROP = object()
 
 
 def _is_factory(value):
@@ -308,30 +307,14 @@ def _is_nonpersistent(value):
         getattr(value, "unwrap", None))
 
 
-def _copy(value, leaf_fn, path=()):
-    """A copy of the containers of `value` whose leaves are leaf_fn(path, leaf); entries for
-    which it returns _DROP are left out."""
-    kind, items = _state._items(value)
-    if kind is None:
-        return leaf_fn(path, value)
-    copied = [(k, _copy(child, leaf_fn, path + (k,))) for k, child in items]
-    copied = [(k, v) for k, v in copied if v is not _DROP]
-    if kind in ("dict", "odict"):
-        return type(value)(copied)
-    values = [v for _, v in copied]
-    if kind == "list":
-        return values
-    return type(value)._make(values) if kind == "namedtuple" else tuple(values)
-
-
 def _copy_for_save(sharded_state_dict):
     def leaf(path, value):
         if _is_nonpersistent(value):
-            return _DROP
+            return _state.DROP
         if _is_factory(value):
             return value.build()
         return value
-    return _copy(sharded_state_dict, leaf)
+    return _state.copy_containers(sharded_state_dict, leaf)
 
 
 class _Request:
@@ -346,13 +329,13 @@ class _Request:
         def leaf(path, value):
             if _is_nonpersistent(value):
                 self.nonpersistent.append((path, value))
-                return _DROP
+                return _state.DROP
             if _is_factory(value):
                 self.factories.append((path, value))
                 return value.build()
             return value
 
-        self.state = _copy(sharded_state_dict, leaf)
+        self.state = _state.copy_containers(sharded_state_dict, leaf)
         self.common = []  # (path, leaf) of common entries the request lacks
         # torch_dist: the checkpoint's common state dict, loaded whole and merged (Megatron's
         # load_common_state_dict); keys of the layout no caller asks for.
@@ -364,8 +347,8 @@ class _Request:
         the result's common part is the checkpoint's common state dict (the ShardedObject
         "common_state", or the common.pt of Megatron-Core <= 0.15), loaded whole."""
         objects = {o.key for o in metadata.objects}
-        self.state = _copy(self.state, lambda path, value: value if _is_sharded_leaf(value)
-                           else _DROP)
+        self.state = _state.copy_containers(
+            self.state, lambda path, value: value if _is_sharded_leaf(value) else _state.DROP)
         if not isinstance(self.state, dict):
             raise TypeError("a sharded state dict must be a dict")
         placeholders = []
@@ -384,8 +367,9 @@ class _Request:
         and adds placeholders for the saved common leaves the request does not name (found in
         the saved structure; each is loaded and put at its saved path, through dicts only)."""
         saved = {t.key for t in metadata.tensors} | {o.key for o in metadata.objects}
-        self.state = _copy(self.state, lambda path, value: value if _is_sharded_leaf(value)
-                           or _leaf_key(path, value) in saved else _DROP)
+        self.state = _state.copy_containers(
+            self.state, lambda path, value: value if _is_sharded_leaf(value)
+            or _leaf_key(path, value) in saved else _state.DROP)
         root = _state.saved_structure(metadata)  # without what remove_keys removed
         if root is None or not isinstance(self.state, dict):
             return
@@ -417,7 +401,7 @@ class _Request:
             keys.setdefault(leaf.index, leaf.key)
 
         def unwrap(index, value):
-            return _DROP if keys.get(index) in skipped else _unwrap_leaf(value)
+            return _state.DROP if keys.get(index) in skipped else _unwrap_leaf(value)
 
         result = _rebuild(flat.root, loaded, unwrap, [0])
         common = result.pop("\0common", None) if isinstance(result, dict) else None
@@ -496,18 +480,18 @@ def _merge(base, other):
 
 def _rebuild(node, value, leaf_fn, counter):
     """A copy of `value` following the structure `node` (tessera._state's JSON nodes): each
-    leaf node's value becomes leaf_fn(leaf index, value); _DROP leaves it out."""
+    leaf node's value becomes leaf_fn(leaf index, value); _state.DROP leaves it out."""
     if "tensor" in node or "object" in node:
         counter[0] += 1
         return leaf_fn(counter[0] - 1, value)
     for kind in ("dict", "odict"):
         if kind in node:
             items = [(k, _rebuild(child, value[k], leaf_fn, counter)) for k, child in node[kind]]
-            return type(value)((k, v) for k, v in items if v is not _DROP)
+            return type(value)((k, v) for k, v in items if v is not _state.DROP)
     for kind in ("list", "tuple", "namedtuple"):
         if kind in node:
             items = [_rebuild(child, v, leaf_fn, counter) for child, v in zip(node[kind], value)]
-            items = [v for v in items if v is not _DROP]
+            items = [v for v in items if v is not _state.DROP]
             if kind == "list":
                 return items
             return type(value)._make(items) if kind == "namedtuple" else tuple(items)
