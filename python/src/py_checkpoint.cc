@@ -10,8 +10,8 @@
 #include <string>
 #include <utility>
 
-#include "core/utf8.h"
 #include "core/checksum.h"
+#include "core/utf8.h"
 #include "format/manifest.h"
 #include "py_async.h"
 #include "py_comm.h"

@@ -21,8 +21,8 @@
 #include <unistd.h>
 
 #include "checkpoint/rank_local_save.h"
-#include "device/device_staging.h"
 #include "core/checksum.h"
+#include "device/device_staging.h"
 
 namespace tessera {
 

@@ -37,8 +37,8 @@ std::string NewSaveId(const std::vector<std::string>& existing_names);
 // the next commit "tessera.manifest.<n>" (sequence.h: PublishNewestCommit, which sets
 // metadata.commit_seq), reads it back, and replaces the sequence hint. `visible` becomes true
 // once the new manifest may be visible (its data files must then be kept whatever happens).
-Status CommitManifest(Storage& storage, const std::string& dir, Metadata& metadata,
-                      SyncPolicy sync, bool& visible);
+Status CommitManifest(Storage& storage, const std::string& dir, Metadata& metadata, SyncPolicy sync,
+                      bool& visible);
 
 }  // namespace tessera
 

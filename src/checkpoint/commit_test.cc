@@ -133,7 +133,7 @@ class PausingStorage : public StorageWrapper {
  private:
   void Pause() {
     if (std::exchange(paused_, true)) return;  // once
-    if (reached_ < 0) _exit(0);  // no one to wait for: die here, as a killed job does
+    if (reached_ < 0) _exit(0);                // no one to wait for: die here, as a killed job does
     char c = 1;
     EXPECT_EQ(write(reached_, &c, 1), 1);
     EXPECT_EQ(read(resume_, &c, 1), 1);
@@ -227,8 +227,7 @@ TEST(ConcurrentSaveTest, FilesOfADeadSaveAreRemovedByTheNextSave) {
     // Killed right after writing its data files, before any manifest.
     Gen two(2);
     SaveOptions options;
-    options.storage =
-        std::make_shared<PausingStorage>(PausingStorage::At::kBeforeCommit, -1, -1);
+    options.storage = std::make_shared<PausingStorage>(PausingStorage::At::kBeforeCommit, -1, -1);
     (void)Save(two.Dict(), path, options);
     _exit(1);  // not reached: the storage ends the process when the save reaches the manifest
   }

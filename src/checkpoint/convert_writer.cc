@@ -11,8 +11,8 @@
 
 #include "checkpoint/convert_copy.h"
 #include "checkpoint/load_internal.h"
-#include "core/dtype_convert.h"
 #include "core/checksum.h"
+#include "core/dtype_convert.h"
 #include "format/manifest.h"
 #include "format/torch_dist/crc32.h"
 #include "format/torch_dist/dcp_writer.h"

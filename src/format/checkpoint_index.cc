@@ -63,7 +63,8 @@ Result<Metadata> ReadCommit(Storage& storage, const std::string& dir, const std:
                     " of its directory, its name says " + std::to_string(seq));
   }
   if (m.part_rank >= 0 || (seq == 0 && m.rank_local_reference)) {
-    return DataLoss(path + ": corrupt manifest: a rank manifest or a reference under the name of "
+    return DataLoss(path +
+                    ": corrupt manifest: a rank manifest or a reference under the name of "
                     "a commit");
   }
   return m;
@@ -103,9 +104,8 @@ Result<CheckpointIndex> MergedRankLocalSave(Storage& storage, const std::string&
   Result<Metadata> merged = MergeRankManifests(storage, path, set);
   if (merged.status().code() == StatusCode::kDataLoss) return damaged(merged.status());
   if (!merged.ok()) return merged.status();
-  TESSERA_ASSIGN_OR_RETURN(
-      CheckpointIndex checked,
-      Checked(path, *merged, path + " (rank-local save " + set.save_id + ")"));
+  TESSERA_ASSIGN_OR_RETURN(CheckpointIndex checked,
+                           Checked(path, *merged, path + " (rank-local save " + set.save_id + ")"));
   checked.metadata.format_version = kFormatVersion;
   checked.rank_local = true;
   return checked;
@@ -126,8 +126,8 @@ Result<std::optional<CheckpointIndex>> ReadVersion2Commits(
   }
   const RankManifestSet* newest_complete = nullptr;
   for (const RankManifestSet* set : sets) {
-    if (set->complete() && (!newest_complete ||
-                            set->save_time_unix_ms > newest_complete->save_time_unix_ms)) {
+    if (set->complete() &&
+        (!newest_complete || set->save_time_unix_ms > newest_complete->save_time_unix_ms)) {
       newest_complete = set;
     }
   }
@@ -216,8 +216,8 @@ Result<CheckpointIndex> ReadTesseraDirectory(Storage& storage, const std::string
   const RankManifestSet* newest = nullptr;
   for (const RankManifestSet& set : sets) {
     if (!set.header_read) continue;
-    if (!newest || (set.legacy() && newest->legacy() &&
-                    set.save_time_unix_ms > newest->save_time_unix_ms)) {
+    if (!newest ||
+        (set.legacy() && newest->legacy() && set.save_time_unix_ms > newest->save_time_unix_ms)) {
       newest = &set;
     }
   }
@@ -255,11 +255,11 @@ Result<CheckpointIndex> ReadDirectory(Storage& storage, const std::string& path,
     TESSERA_ASSIGN_OR_RETURN(Metadata m, ReadHuggingFaceDirectory(storage, path, names));
     return Checked(path, m, path);
   }
-  return FailedPrecondition(
-      path + " holds no committed checkpoint (no tessera.manifest.<n>" +
-      (uncommitted_tessera ? "; the data files of a save that did not finish are there"
-                           : ", PyTorch DCP .metadata or *.safetensors") +
-      ")");
+  return FailedPrecondition(path + " holds no committed checkpoint (no tessera.manifest.<n>" +
+                            (uncommitted_tessera
+                                 ? "; the data files of a save that did not finish are there"
+                                 : ", PyTorch DCP .metadata or *.safetensors") +
+                            ")");
 }
 
 }  // namespace
@@ -285,8 +285,7 @@ Result<CheckpointIndex> ReadCheckpointIndex(Storage& storage, const std::string&
     TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(path));
     std::sort(names.begin(), names.end());
     Result<CheckpointIndex> index = ReadDirectory(storage, path, names);
-    if (index.ok() || index.status().code() != StatusCode::kNotFound ||
-        attempt == kListAttempts) {
+    if (index.ok() || index.status().code() != StatusCode::kNotFound || attempt == kListAttempts) {
       return index;
     }
   }

@@ -16,8 +16,8 @@
 #include <span>
 #include <vector>
 
-#include "core/utf8.h"
 #include "core/checksum.h"
+#include "core/utf8.h"
 #include "format/manifest.h"
 
 namespace {

@@ -274,11 +274,22 @@ std::string SomeNames(const std::vector<std::string>& names) {
   return text;
 }
 
-// The preset (other than `naming`) that names `name` a step directory, or null.
-const StepNamingPreset* PresetNaming(std::string_view name, const StepNaming& naming) {
+using PresetNamings = std::vector<std::pair<const StepNamingPreset*, StepNaming>>;
+
+// The presets other than `naming`, parsed once.
+PresetNamings OtherPresets(const StepNaming& naming) {
+  PresetNamings others;
   for (const StepNamingPreset& p : StepNamingPresets()) {
     Result<StepNaming> other = ParseStepNaming(p.name);
-    if (other.ok() && other->Pattern() != naming.Pattern() && other->Parse(name)) return &p;
+    if (other.ok() && other->Pattern() != naming.Pattern()) others.emplace_back(&p, *other);
+  }
+  return others;
+}
+
+// The preset of `others` that names `name` a step directory, or null.
+const StepNamingPreset* PresetNaming(std::string_view name, const PresetNamings& others) {
+  for (const auto& [preset, other] : others) {
+    if (other.Parse(name)) return preset;
   }
   return nullptr;
 }
@@ -308,13 +319,19 @@ Status ExplainNoSteps(const std::shared_ptr<Storage>& storage, const std::string
   std::map<const StepNamingPreset*, std::vector<std::string>> by_preset;
   std::vector<std::string> checkpoints;  // directories holding one, under other names
   int examined = 0;
+  const PresetNamings others = OtherPresets(naming);
   for (const std::string& name : *names) {
     const std::string path = JoinPath(root, name);
+    // Names first (no I/O); a name no preset knows costs a Stat and an IsCommitted, for the
+    // first kMaxExplainedDirs of them only.
+    const StepNamingPreset* preset = PresetNaming(name, others);
+    if (preset == nullptr && examined >= kMaxExplainedDirs) continue;
     Result<FileType> type = storage->Stat(path);
     if (!type.ok() || *type != FileType::kDirectory) continue;
-    if (const StepNamingPreset* preset = PresetNaming(name, naming)) {
+    if (preset != nullptr) {
       by_preset[preset].push_back(name);
-    } else if (examined++ < kMaxExplainedDirs) {
+    } else {
+      ++examined;
       Result<bool> holds = IsCommitted(path, storage);
       if (!holds.ok() || *holds) checkpoints.push_back(name);
     }

@@ -162,13 +162,18 @@ TEST(StepNamingTest, ARootNamedByAnotherPresetIsAnErrorNamingThePreset) {
   EXPECT_THAT(names, ::testing::IsSupersetOf({"checkpoint-1", "checkpoint-2"}));  // untouched
 }
 
-TEST(StepNamingTest, CheckpointsUnderUnknownNamesAskForAPattern) {
-  auto storage = std::make_shared<MemoryStorage>();
+// A checkpoint saved at `path` by Save, not by a manager.
+void SaveOneCheckpoint(const std::shared_ptr<MemoryStorage>& storage, const std::string& path) {
   std::vector<float> values(16, 1.0f);
   StateDict dict = OneTensor(values);
   SaveOptions save;
   save.storage = storage;
-  ASSERT_OK(Save(dict, "/run/ckpt_000100", save).status());
+  ASSERT_OK(Save(dict, path, save).status());
+}
+
+TEST(StepNamingTest, CheckpointsUnderUnknownNamesAskForAPattern) {
+  auto storage = std::make_shared<MemoryStorage>();
+  SaveOneCheckpoint(storage, "/run/ckpt_000100");
   ASSERT_OK(storage->CreateDirs("/run/logs"));
   CheckpointManagerOptions options;
   options.storage = storage;
@@ -187,11 +192,7 @@ TEST(StepNamingTest, CheckpointsUnderUnknownNamesAskForAPattern) {
 
 TEST(StepNamingTest, ARootThatIsItselfACheckpointIsSaidSo) {
   auto storage = std::make_shared<MemoryStorage>();
-  std::vector<float> values(16, 1.0f);
-  StateDict dict = OneTensor(values);
-  SaveOptions save;
-  save.storage = storage;
-  ASSERT_OK(Save(dict, "/run/iter_0000005", save).status());
+  SaveOneCheckpoint(storage, "/run/iter_0000005");
   CheckpointManagerOptions options;
   options.storage = storage;
   CheckpointManager manager("/run/iter_0000005", options);
