@@ -15,8 +15,8 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
-#include "format/manifest.h"
 #include "format/safetensors.h"
+#include "format/tessera/manifest.h"
 #include "plan/load_plan.h"
 #include "plan/plan_exchange.h"
 #include "plan/save_plan.h"

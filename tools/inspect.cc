@@ -18,7 +18,7 @@
 #include "core/utf8.h"
 #include "format/bounded_json.h"
 #include "format/checkpoint_index.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "format/torch_dist/dcp_codec.h"
 #include "format/torch_dist/pickle.h"
 #include "tessera/checkpoint.h"

@@ -12,8 +12,8 @@
 #include <set>
 
 #include "format/checkpoint_index.h"
-#include "format/manifest.h"
-#include "format/rank_manifests.h"
+#include "format/tessera/manifest.h"
+#include "format/tessera/rank_manifests.h"
 #include "tessera/checkpoint.h"
 #include "tessera/storage_uri.h"
 #include "tools/commands.h"

@@ -12,7 +12,7 @@
 
 #include "core/checksum.h"
 #include "core/utf8.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "py_async.h"
 #include "py_comm.h"
 #include "py_state.h"

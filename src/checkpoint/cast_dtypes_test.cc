@@ -10,7 +10,7 @@
 #include <random>
 
 #include "core/dtype_convert.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "tessera/checkpoint.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"

@@ -8,7 +8,7 @@
 #include <fstream>
 #include <random>
 
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "format/torch_dist/test_util.h"
 #include "tessera/checkpoint.h"
 #include "tessera/fault_injecting_storage.h"

@@ -11,8 +11,8 @@
 #include "checkpoint/marker.h"
 #include "checkpoint/sequence.h"
 #include "format/checkpoint_index.h"
-#include "format/manifest.h"
-#include "format/rank_manifests.h"
+#include "format/tessera/manifest.h"
+#include "format/tessera/rank_manifests.h"
 
 namespace tessera {
 namespace {

@@ -7,7 +7,7 @@
 
 #include "checkpoint/sequence.h"
 #include "core/utf8.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 
 namespace tessera {
 namespace {

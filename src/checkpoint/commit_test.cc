@@ -11,7 +11,7 @@
 #include <limits>
 #include <thread>
 
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "tessera/checkpoint.h"
 #include "tessera/storage_wrapper.h"
 #include "testing/commits.h"

@@ -15,7 +15,7 @@
 
 #include "checkpoint/hf_test_util.h"
 #include "core/dtype_convert.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "format/torch_dist/dcp_metadata.h"
 #include "tessera/checkpoint.h"
 #include "tessera/convert.h"

@@ -13,7 +13,7 @@
 #include "checkpoint/load_internal.h"
 #include "core/checksum.h"
 #include "core/dtype_convert.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "format/torch_dist/crc32.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_dtype.h"

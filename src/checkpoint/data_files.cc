@@ -10,8 +10,8 @@
 #include <thread>
 
 #include "core/checksum.h"
-#include "format/manifest.h"
 #include "format/safetensors.h"
+#include "format/tessera/manifest.h"
 
 namespace tessera {
 namespace {

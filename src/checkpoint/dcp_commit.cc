@@ -5,7 +5,7 @@
 
 #include "checkpoint/commit.h"
 #include "checkpoint/marker.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "format/torch_dist/dcp_writer.h"
 
 namespace tessera {

@@ -16,7 +16,7 @@
 
 #include "checkpoint/commit.h"
 #include "core/dtype_convert.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "format/torch_dist/dcp_metadata.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/test_util.h"

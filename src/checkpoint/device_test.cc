@@ -12,7 +12,7 @@
 
 #include "device/device_staging.h"
 #include "device/simulated_device.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "tessera/async_save.h"
 #include "tessera/checkpoint.h"
 #include "tessera/fault_injecting_storage.h"

@@ -9,7 +9,7 @@
 #include "checkpoint/commit.h"
 #include "checkpoint/sequence.h"
 #include "format/checkpoint_index.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "tessera/checkpoint.h"
 #include "tessera/storage_uri.h"
 

@@ -18,7 +18,7 @@
 #include "core/byte_io.h"
 #include "core/checksum.h"
 #include "format/checkpoint_index.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "plan/load_plan.h"
 #include "plan/plan_exchange.h"
 #include "plan/read_sharing.h"

@@ -15,7 +15,7 @@
 #include "checkpoint/data_files.h"
 #include "checkpoint/sequence.h"
 #include "core/checksum.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "plan/save_plan.h"
 
 namespace tessera {

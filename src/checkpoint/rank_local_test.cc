@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "checkpoint/rank_local_save.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "tessera/async_save.h"
 #include "tessera/checkpoint.h"
 #include "tessera/fault_injecting_storage.h"

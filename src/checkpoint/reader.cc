@@ -8,7 +8,7 @@
 #include "core/checksum.h"
 #include "core/dtype_convert.h"
 #include "core/hex.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "format/torch_dist/crc32.h"
 #include "format/torch_dist/torch_zip.h"
 

@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "tessera/checkpoint.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"

@@ -26,8 +26,8 @@
 #include "core/hex.h"
 #include "core/utf8.h"
 #include "format/checkpoint_index.h"
-#include "format/manifest.h"
 #include "format/safetensors.h"
+#include "format/tessera/manifest.h"
 
 namespace tessera {
 namespace {

@@ -13,8 +13,8 @@
 #include <thread>
 
 #include "core/utf8.h"
-#include "format/manifest.h"
 #include "format/safetensors.h"
+#include "format/tessera/manifest.h"
 #include "tessera/checkpoint.h"
 #include "tessera/memory_storage.h"
 #include "tessera/storage_wrapper.h"

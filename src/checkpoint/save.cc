@@ -22,7 +22,7 @@
 #include "core/byte_io.h"
 #include "core/checksum.h"
 #include "core/utf8.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "plan/plan_exchange.h"
 #include "plan/save_plan.h"

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 
 namespace tessera {
 namespace {

@@ -6,8 +6,8 @@
 
 #include "core/checksum.h"
 #include "format/huggingface/hf_index.h"
-#include "format/manifest.h"
-#include "format/rank_manifests.h"
+#include "format/tessera/manifest.h"
+#include "format/tessera/rank_manifests.h"
 #include "format/torch_dist/dcp_codec.h"
 #include "format/torch_dist/dcp_writer.h"
 

@@ -17,8 +17,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/checksum.h"
-#include "format/manifest.h"
 #include "format/safetensors.h"
+#include "format/tessera/manifest.h"
 #include "tessera/storage.h"
 #include "testing/test_util.h"
 

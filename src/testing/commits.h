@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "tessera/storage.h"
 
 namespace tessera::testing {

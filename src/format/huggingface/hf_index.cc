@@ -7,8 +7,8 @@
 #include <nlohmann/json.hpp>
 
 #include "format/bounded_json.h"
-#include "format/manifest.h"
 #include "format/safetensors.h"
+#include "format/tessera/manifest.h"
 
 namespace tessera {
 namespace {

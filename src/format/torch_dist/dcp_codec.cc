@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "format/bounded_json.h"
-#include "format/manifest_internal.h"
+#include "format/tessera/manifest_internal.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_dtype.h"
 

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <span>
 
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "format/torch_dist/dcp_codec.h"
 #include "format/torch_dist/torch_dtype.h"
 #include "tessera/memory_storage.h"

@@ -10,7 +10,7 @@
 
 #include <random>
 
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "testing/test_util.h"
 
 namespace tessera::torch_dist {

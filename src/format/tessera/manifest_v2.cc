@@ -9,8 +9,8 @@
 #include <unordered_set>
 #include <vector>
 
-#include "format/manifest.h"
-#include "format/manifest_internal.h"
+#include "format/tessera/manifest.h"
+#include "format/tessera/manifest_internal.h"
 
 namespace tessera::manifest_internal {
 namespace {

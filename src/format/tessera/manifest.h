@@ -1,6 +1,6 @@
 // The manifest: the binary index of a checkpoint (docs/FORMAT.md, "Manifest").
-#ifndef TESSERA_FORMAT_MANIFEST_H_
-#define TESSERA_FORMAT_MANIFEST_H_
+#ifndef TESSERA_FORMAT_TESSERA_MANIFEST_H_
+#define TESSERA_FORMAT_TESSERA_MANIFEST_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -59,4 +59,4 @@ Result<Metadata> DecodeManifest(std::span<const uint8_t> bytes, std::string_view
 
 }  // namespace tessera
 
-#endif  // TESSERA_FORMAT_MANIFEST_H_
+#endif  // TESSERA_FORMAT_TESSERA_MANIFEST_H_

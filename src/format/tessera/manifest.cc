@@ -1,4 +1,4 @@
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 
 #include <algorithm>
 #include <bit>
@@ -12,7 +12,7 @@
 
 #include "core/checksum.h"
 #include "core/tiling.h"
-#include "format/manifest_internal.h"
+#include "format/tessera/manifest_internal.h"
 
 namespace tessera {
 

@@ -12,7 +12,7 @@
 #include <random>
 
 #include "core/checksum.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "testing/test_util.h"
 
 namespace tessera {

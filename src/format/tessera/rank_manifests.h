@@ -2,8 +2,8 @@
 // part, "tessera.manifest.rank-<save_id>-r<rank>" (docs/FORMAT.md, section 4.2). Readers treat
 // the parts of one save id as one checkpoint once all num_ranks of them are there and their
 // union passes every rule of a manifest.
-#ifndef TESSERA_FORMAT_RANK_MANIFESTS_H_
-#define TESSERA_FORMAT_RANK_MANIFESTS_H_
+#ifndef TESSERA_FORMAT_TESSERA_RANK_MANIFESTS_H_
+#define TESSERA_FORMAT_TESSERA_RANK_MANIFESTS_H_
 
 #include <iterator>
 #include <map>
@@ -63,4 +63,4 @@ Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
 
 }  // namespace tessera
 
-#endif  // TESSERA_FORMAT_RANK_MANIFESTS_H_
+#endif  // TESSERA_FORMAT_TESSERA_RANK_MANIFESTS_H_

@@ -1,6 +1,6 @@
 // Pieces shared by the decoders of each manifest version (manifest.cc, manifest_v2.cc).
-#ifndef TESSERA_FORMAT_MANIFEST_INTERNAL_H_
-#define TESSERA_FORMAT_MANIFEST_INTERNAL_H_
+#ifndef TESSERA_FORMAT_TESSERA_MANIFEST_INTERNAL_H_
+#define TESSERA_FORMAT_TESSERA_MANIFEST_INTERNAL_H_
 
 #include <cstdint>
 #include <cstring>
@@ -57,4 +57,4 @@ Bytes EncodeBody(const Metadata& m, uint32_t version);
 
 }  // namespace tessera::manifest_internal
 
-#endif  // TESSERA_FORMAT_MANIFEST_INTERNAL_H_
+#endif  // TESSERA_FORMAT_TESSERA_MANIFEST_INTERNAL_H_

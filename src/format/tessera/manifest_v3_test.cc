@@ -8,7 +8,7 @@
 #include <iterator>
 
 #include "core/checksum.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 #include "testing/test_util.h"
 
 namespace tessera {

@@ -18,7 +18,7 @@
 
 #include "core/checksum.h"
 #include "core/utf8.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 
 namespace {
 

@@ -1,10 +1,10 @@
-#include "format/rank_manifests.h"
+#include "format/tessera/rank_manifests.h"
 
 #include <algorithm>
 #include <set>
 
 #include "core/tiling.h"
-#include "format/manifest.h"
+#include "format/tessera/manifest.h"
 
 namespace tessera {
 namespace {
