@@ -12,6 +12,7 @@
 #include <set>
 
 #include "format/checkpoint_index.h"
+#include "format/registry.h"
 #include "format/tessera/manifest.h"
 #include "format/tessera/rank_manifests.h"
 #include "tessera/checkpoint.h"
@@ -39,6 +40,8 @@ struct Found {
   // Rank-local saves (docs/FORMAT.md 4.2): what ls says about their parts, e.g. "rank-local,
   // 4 of 4 parts, not finalized"; "" when the directory holds no rank manifest.
   std::string rank_local;
+  // Its format's checkpoints may hold others in subdirectories (Format::NestsCheckpoints).
+  bool nests = false;
 };
 
 struct Entry {
@@ -104,30 +107,9 @@ void ListDir(const Place& place, const std::string& dir, std::vector<Entry>& fil
             [](const Entry& a, const Entry& b) { return a.name < b.name; });
 }
 
-const Entry* Find(const std::vector<Entry>& files, const std::string& name) {
-  for (const Entry& e : files) {
-    if (e.name == name) return &e;
-  }
-  return nullptr;
-}
-
-// The tessera commit with the highest number ("tessera.manifest.<n>", or the version 2
-// "tessera.manifest"), or null.
-const Entry* NewestCommit(const std::vector<Entry>& files) {
-  const Entry* newest = nullptr;
-  uint64_t newest_seq = 0;
-  for (const Entry& e : files) {
-    uint64_t seq = 0;
-    if (ParseCommitName(e.name, &seq) && (!newest || seq > newest_seq)) {
-      newest = &e;
-      newest_seq = seq;
-    }
-  }
-  return newest;
-}
-
 // Files whose names satisfy `pick`: counted, summed, newest time.
-void Tally(const std::vector<Entry>& files, bool (*pick)(const std::string&), Found& found) {
+template <typename Pick>
+void Tally(const std::vector<Entry>& files, const Pick& pick, Found& found) {
   for (const Entry& e : files) {
     if (!pick(e.name)) continue;
     found.files += 1;
@@ -136,14 +118,6 @@ void Tally(const std::vector<Entry>& files, bool (*pick)(const std::string&), Fo
   }
 }
 
-bool IsTesseraSaveFile(const std::string& n) {
-  return IsTesseraDataFileName(n) || IsTempManifestName(n);
-}
-bool IsDistcp(const std::string& n) { return n.ends_with(".distcp"); }
-bool IsSafetensors(const std::string& n) {
-  return n.ends_with(".safetensors") || n == "model.safetensors.index.json";
-}
-bool AnyFile(const std::string&) { return true; }
 bool IsRankManifest(const std::string& n) {
   std::string id;
   int rank = 0;
@@ -204,8 +178,11 @@ void FromRankManifests(const Place& place, const std::string& dir, const std::ve
     return;
   }
   found.committed = false;
-  Tally(files, IsTesseraSaveFile, found);
-  Tally(files, IsRankManifest, found);
+  const Format& tessera = FormatOf(CheckpointFormat::kTessera);
+  Tally(
+      files,
+      [&](const std::string& n) { return tessera.CountsFile(n, DirectoryClaim::kUnfinished); },
+      found);
   if (newest) {
     found.rank_local = "rank-local, " + parts(*newest);
     if (newest->header_read) found.ranks = newest->num_ranks;
@@ -215,41 +192,28 @@ void FromRankManifests(const Place& place, const std::string& dir, const std::ve
   }
 }
 
-// The checkpoint `dir` holds, if any (its format decided by its names, as ReadMetadata does).
+// The checkpoint `dir` holds, if any: its format is the one the registry chooses from the
+// names (ChooseFormats), as ReadMetadata does.
 std::optional<Found> Examine(const Place& place, const std::string& dir,
                              const std::vector<Entry>& files) {
+  std::vector<std::string> names;
+  for (const Entry& e : files) names.push_back(e.name);  // sorted by ListDir
+  const FormatChoice choice = ChooseFormats(names);
+  const Format* format = choice.primary();
+  if (!format) return std::nullopt;
+  const DirectoryClaim claim = format->Claim(names);
   Found found;
-  auto any = [&](bool (*pick)(const std::string&)) {
-    return std::any_of(files.begin(), files.end(), [&](const Entry& e) { return pick(e.name); });
-  };
-  if (any(IsRankManifest)) {
-    if (const Entry* manifest = NewestCommit(files)) {
-      found.save_time_ms = manifest->mtime_ms;
-    }
-    FromRankManifests(place, dir, files, found);
-  } else if (const Entry* manifest = NewestCommit(files)) {
-    found.format = "tessera";
-    found.save_time_ms = manifest->mtime_ms;
-    FromMetadata(place, dir, found);
-  } else if (any(IsTesseraSaveFile)) {
-    found.format = "tessera";
+  found.format = format->name();
+  found.nests = format->NestsCheckpoints();
+  Tally(
+      files, [&](const std::string& n) { return format->CountsFile(n, claim); }, found);
+  if (claim == DirectoryClaim::kUnfinished) {
     found.committed = false;
-    Tally(files, IsTesseraSaveFile, found);
-  } else if (const Entry* metadata = Find(files, ".metadata")) {
-    found.format = "torch_dist";
-    Tally(files, AnyFile, found);
-    found.save_time_ms = metadata->mtime_ms;
-    FromMetadata(place, dir, found);
-  } else if (any(IsDistcp)) {
-    found.format = "torch_dist";  // DCP writes .metadata last: without it, no commit
-    found.committed = false;
-    Tally(files, IsDistcp, found);
-  } else if (any(IsSafetensors)) {
-    found.format = "safetensors";
-    Tally(files, IsSafetensors, found);
-    FromMetadata(place, dir, found);
+  } else if (format->id() == CheckpointFormat::kTessera &&
+             std::any_of(names.begin(), names.end(), IsRankManifest)) {
+    FromRankManifests(place, dir, files, found);  // what ls says of rank-local saves
   } else {
-    return std::nullopt;
+    FromMetadata(place, dir, found);
   }
   return found;
 }
@@ -280,7 +244,7 @@ std::vector<Found> Search(const Place& place, const std::string& root) {
     ListDir(place, dir, files, subdirs);
     if (std::optional<Found> found = Examine(place, dir, files)) {
       found->path = RelativePath(place, dir, root);
-      const bool search_on = found->format == "safetensors";
+      const bool search_on = found->nests;
       all.push_back(std::move(*found));
       if (!search_on) continue;
     }

@@ -12,6 +12,7 @@
 
 #include "core/checksum.h"
 #include "core/utf8.h"
+#include "format/registry.h"
 #include "format/tessera/manifest.h"
 #include "py_async.h"
 #include "py_comm.h"
@@ -496,6 +497,14 @@ void RegisterCheckpoint(py::module_& m) {
   RegisterAsync(m);
   RegisterConvert(m);
 
+  m.def(
+      "_format_names",
+      [] {
+        std::vector<std::string> names;
+        for (const Format* format : RegisteredFormats()) names.push_back(format->name());
+        return names;
+      },
+      "The names of the registered checkpoint formats (format/registry.h), in detection order.");
   m.def(
       "_save",
       [](StateBuilder& state, const std::string& path, const CommHandle* comm,

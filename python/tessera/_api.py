@@ -394,7 +394,8 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
 _TARGET_DTYPES = {"bf16": "BF16", "bfloat16": "BF16", "f16": "F16", "float16": "F16",
                   "half": "F16", "f32": "F32", "float32": "F32", "float": "F32", "f64": "F64",
                   "float64": "F64", "double": "F64"}
-_FORMATS = ("tessera", "torch_dist", "safetensors")
+# The formats the library registers (its format registry), for checking `to` before the call.
+_FORMATS: tuple[str, ...] = tuple(_tessera._format_names())
 
 
 def _size(value: Union[int, str], name: str) -> int:

@@ -495,6 +495,8 @@ class AsyncSaveHandle:
 
 # ---- the calls (py_checkpoint.cc) --------------------------------------------------------------
 
+def _format_names() -> list[str]: ...
+
 def _save(
     state: StateBuilder, path: str, comm: Comm | None, options: SaveOptions
 ) -> SaveReport: ...

@@ -13,6 +13,7 @@
 #include "format/checkpoint_index.h"
 #include "format/tessera/manifest.h"
 #include "format/tessera/rank_manifests.h"
+#include "format/tessera/tessera_format.h"
 
 namespace tessera {
 namespace {

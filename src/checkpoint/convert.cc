@@ -24,6 +24,7 @@
 #include "core/byte_io.h"
 #include "format/huggingface/hf_export.h"
 #include "format/huggingface/hf_index.h"
+#include "format/registry.h"
 #include "format/safetensors.h"
 #include "format/tessera/manifest.h"
 #include "format/torch_dist/dcp_writer.h"
@@ -334,12 +335,9 @@ Status Finish(Storage& storage, const std::string& temp, const Destination& dst,
 }  // namespace
 
 Result<CheckpointFormat> CheckpointFormatFromName(const std::string& name) {
-  for (CheckpointFormat f :
-       {CheckpointFormat::kTessera, CheckpointFormat::kTorchDist, CheckpointFormat::kSafetensors}) {
-    if (name == CheckpointFormatName(f)) return f;
-  }
-  return InvalidArgument("unknown checkpoint format '" + name +
-                         "' (expected tessera, torch_dist or safetensors)");
+  if (const Format* format = FindFormat(name)) return format->id();
+  return InvalidArgument("unknown checkpoint format '" + name + "' (expected one of " +
+                         FormatNames() + ")");
 }
 
 namespace {

@@ -9,6 +9,7 @@
 #include "checkpoint/reader.h"
 #include "core/checksum.h"
 #include "core/hex.h"
+#include "format/registry.h"
 
 namespace tessera {
 namespace {
@@ -287,7 +288,8 @@ Status CopyPiece(SourceFiles& files, const CheckpointIndex& index, uint32_t tens
     const ChunkInfo& c = t.chunks[span.chunk];
     Result<const ReadableFile*> src = files.Get(c.location.file_index, what);
     if (!src.ok()) return src.status();
-    if (HasSafetensorsDataFiles(metadata.format)) {  // what Verify and loads check of the file
+    if (FormatOf(metadata.format)
+            .DataFilesHaveHeaders()) {  // what Verify and loads check of the file
       TESSERA_RETURN_IF_ERROR(index.headers->Check(**src, c.location.file_index, c.location,
                                                    t.dtype, StoredShape(c), what));
     }

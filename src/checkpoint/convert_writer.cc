@@ -12,9 +12,9 @@
 #include "checkpoint/convert_copy.h"
 #include "checkpoint/load_internal.h"
 #include "core/checksum.h"
+#include "core/crc32.h"
 #include "core/dtype_convert.h"
 #include "format/tessera/manifest.h"
-#include "format/torch_dist/crc32.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_dtype.h"
 #include "format/torch_dist/torch_zip.h"
@@ -203,7 +203,7 @@ Status RunUnit(Shared& s, Worker& w, const ConvertUnit& unit) {
       const std::byte* data = out + p.out_offset + done;
       TESSERA_RETURN_IF_ERROR(WriteOut(s, unit.file, at + first + done, data, n));
       s.tensor_checksums[p.tensor][(first + done) / block] =
-          dcp ? torch_dist::Crc32(data, n) : Checksum(data, n);
+          dcp ? Crc32(data, n) : Checksum(data, n);
     }
   }
   return Status::Ok();
@@ -289,7 +289,7 @@ Status WriteItemSuffixes(Shared& s, const std::vector<uint32_t>& mine) {
   for (uint32_t f : mine) {
     for (uint32_t ti : s.plan.files[f].tensors) {
       const OutputTensor& t = s.plan.tensors[ti];
-      torch_dist::Crc32Stream crc;
+      Crc32Stream crc;
       const std::vector<uint64_t>& blocks = s.tensor_checksums[ti];
       for (size_t b = 0; b < blocks.size(); ++b) {
         const uint64_t n =

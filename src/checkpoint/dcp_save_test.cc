@@ -99,8 +99,7 @@ Result<DcpContent> ReadDcp(Storage& storage, const std::string& dir) {
       std::vector<uint8_t> data(range.second);
       TESSERA_RETURN_IF_ERROR(
           file->ReadAt(s.offset_in_file + range.first, data.data(), data.size()));
-      if (torch_dist::Crc32(data.data(), data.size()) != item.data_crc32 &&
-          range.second == item.data_size) {
+      if (Crc32(data.data(), data.size()) != item.data_crc32 && range.second == item.data_size) {
         return DataLoss(t.fqn + ": CRC-32 mismatch");
       }
       PlaceBox(Box(chunk.offsets, chunk.sizes), t.size, dtype->element_size, data.data(),

@@ -6,11 +6,11 @@
 #include <thread>
 
 #include "core/checksum.h"
+#include "core/crc32.h"
 #include "core/dtype_convert.h"
 #include "core/hex.h"
+#include "format/registry.h"
 #include "format/tessera/manifest.h"
-#include "format/torch_dist/crc32.h"
-#include "format/torch_dist/torch_zip.h"
 
 namespace tessera {
 namespace {
@@ -29,7 +29,7 @@ class UnitChecksum {
   explicit UnitChecksum(ChecksumKind kind) : crc_(kind == ChecksumKind::kCrc32) {}
   void Update(const void* data, size_t n) {
     if (crc_) {
-      crc32_ = torch_dist::Crc32(data, n, crc32_);
+      crc32_ = Crc32(data, n, crc32_);
     } else {
       xxh3_.Update(data, n);
     }
@@ -371,7 +371,7 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
     }
   }
   // What Verify checks of each file read from: its header describes every chunk read.
-  if (headers != nullptr && HasSafetensorsDataFiles(metadata.format)) {
+  if (headers != nullptr && FormatOf(metadata.format).DataFilesHaveHeaders()) {
     for (size_t i = 0; i < units.size(); ++i) {
       const UnitRead& unit = units[i];
       if (i > 0 && units[i - 1].tensor == unit.tensor && units[i - 1].chunk == unit.chunk) {
@@ -470,13 +470,38 @@ Status ExecutePermutedCopies(Storage& storage, const std::string& dir, const Met
   return sink.Flush();
 }
 
+namespace {
+
+// The checks of an object's bytes read whole: the format's own (DCP: the CRC-32 of every zip
+// record of a torch.save item), else tessera's XXH3 of the object.
+Status CheckObjectBytes(const Format& format, const std::string& dir, const Metadata& metadata,
+                        const ObjectInfo& object, const std::vector<uint8_t>& bytes,
+                        const std::string& what) {
+  const std::string file = JoinPath(dir, metadata.files[object.location.file_index].name);
+  TESSERA_ASSIGN_OR_RETURN(
+      const bool checked,
+      format.CheckObjectBytes(
+          object, bytes,
+          file + " item at " + std::to_string(object.location.offset) + " (" + what + ")"));
+  if (checked || metadata.checksum != ChecksumKind::kXxh3_64) return Status::Ok();
+  const uint64_t actual = Checksum(bytes.data(), bytes.size());
+  if (actual != object.location.checksum) {
+    return DataLoss("checksum mismatch in " + what + " of file " + file + ": expected " +
+                    Hex64(object.location.checksum) + ", got " + Hex64(actual));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status ReadObject(Storage& storage, const std::string& dir, const Metadata& metadata,
                   const ObjectInfo& object, const LoadOptions& options, std::vector<uint8_t>& out,
                   LoadReport& report, DataFileHeaders* headers) {
   const std::string what = "object '" + object.key + "'";
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file,
                            OpenDataFile(storage, dir, metadata, object.location.file_index, what));
-  if (headers != nullptr && HasSafetensorsDataFiles(metadata.format)) {
+  const Format& format = FormatOf(metadata.format);
+  if (headers != nullptr && format.DataFilesHaveHeaders()) {
     TESSERA_RETURN_IF_ERROR(
         headers->Check(*file, object.location.file_index, object.location, DType::kU8,
                        Shape{static_cast<int64_t>(object.location.length)}, what));
@@ -484,21 +509,8 @@ Status ReadObject(Storage& storage, const std::string& dir, const Metadata& meta
   std::vector<uint8_t> bytes(object.location.length);
   TESSERA_RETURN_IF_ERROR_CTX(file->ReadAt(object.location.offset, bytes.data(), bytes.size()),
                               "reading " + what);
-  if (options.verify_checksums && metadata.format == CheckpointFormat::kTorchDist &&
-      object.encoding == ObjectEncoding::kTorchSave) {
-    // A torch.save item: the CRC-32 of every zip record (issue 22).
-    TESSERA_RETURN_IF_ERROR(torch_dist::CheckTorchItemRecords(
-        bytes,
-        JoinPath(dir, metadata.files[object.location.file_index].name) + " item at " +
-            std::to_string(object.location.offset) + " (" + what + ")",
-        nullptr));
-  } else if (options.verify_checksums && metadata.checksum == ChecksumKind::kXxh3_64) {
-    uint64_t actual = Checksum(bytes.data(), bytes.size());
-    if (actual != object.location.checksum) {
-      return DataLoss("checksum mismatch in " + what + " of file " +
-                      JoinPath(dir, metadata.files[object.location.file_index].name) +
-                      ": expected " + Hex64(object.location.checksum) + ", got " + Hex64(actual));
-    }
+  if (options.verify_checksums) {
+    TESSERA_RETURN_IF_ERROR(CheckObjectBytes(format, dir, metadata, object, bytes, what));
   }
   out = std::move(bytes);
   report.bytes_read += object.location.length;

@@ -8,9 +8,9 @@
 
 #include "checkpoint/progress.h"
 #include "checkpoint/reader.h"
-#include "checkpoint/wrapped_chunks.h"
 #include "core/checksum.h"
 #include "format/checkpoint_index.h"
+#include "format/registry.h"
 #include "format/safetensors.h"
 #include "format/tessera/manifest.h"
 #include "plan/save_plan.h"
@@ -142,19 +142,19 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
   // tessera's own checksums (XXH3-64 of every chunk and block), checked file by file below.
   const bool checksummed = metadata.checksum != ChecksumKind::kNone;
   report.checksums = checksummed;
-  // Wrapped chunks (PyTorch DCP items, whose only checksums are their zip records' CRC-32s):
-  // every item's zip structure must be sound and hold the dtype and shape the index says.
-  TESSERA_RETURN_IF_ERROR(
-      CheckWrappedItems(*storage, root, metadata, options.num_threads, /*bytes_read=*/nullptr));
-  // Their bytes: every zip record carries a CRC-32 (issue 22), all checked.
-  if (metadata.format == CheckpointFormat::kTorchDist) {
-    TESSERA_RETURN_IF_ERROR(CheckWrappedItemRecords(*storage, root, metadata, options.num_threads,
-                                                    &report.bytes_checked));
-    report.checksums = true;
-  }
-  // tessera's and Hugging Face's data files are safetensors files whose headers must agree with
-  // the index: checked by the same code as every load's (DataFileHeaders), of every piece here.
-  const bool safetensors_files = HasSafetensorsDataFiles(metadata.format);
+  // What the format wraps (PyTorch DCP's items, whose only checksums are their zip records'
+  // CRC-32s): every item's structure must be sound and hold the dtype and shape the index
+  // says, and the format's own checksums of its bytes hold.
+  const Format& format = FormatOf(metadata.format);
+  bool format_checksummed = false;
+  TESSERA_RETURN_IF_ERROR(format.VerifyItems(*storage, root, metadata, options.num_threads,
+                                             /*structure_bytes=*/nullptr, &report.bytes_checked,
+                                             &format_checksummed));
+  report.checksums = report.checksums || format_checksummed;
+  // Data files that are safetensors files (tessera's, Hugging Face's) have headers that must
+  // agree with the index: checked by the same code as every load's (DataFileHeaders), of every
+  // piece here.
+  const bool headed_files = format.DataFilesHaveHeaders();
   DataFileHeaders headers;
   // What each file holds, in file order, so every file is opened once and read sequentially.
   struct Piece {
@@ -189,11 +189,11 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
     const std::string needed_by = list.empty() ? "no chunk" : list.front().what;
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file,
                              OpenDataFile(*storage, root, metadata, f, needed_by));
-    if (safetensors_files && list.empty()) {  // a file of no chunk: its header still parses
+    if (headed_files && list.empty()) {  // a file of no chunk: its header still parses
       TESSERA_RETURN_IF_ERROR(ReadSafetensorsHeader(*file).status());
     }
     for (const Piece& piece : list) {
-      if (safetensors_files) {
+      if (headed_files) {
         TESSERA_RETURN_IF_ERROR(
             headers.Check(*file, f, piece.where, piece.dtype, piece.shape, piece.what));
       }

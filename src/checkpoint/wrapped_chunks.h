@@ -36,20 +36,6 @@ Result<RankReadPlan> PlanRankReadsResolving(Storage& storage, const std::string&
                                             bool cast_dtypes, int num_threads,
                                             ResolvedIndex& resolved);
 
-// Verify's structure check of wrapped chunks and objects: resolves every wrapped chunk (each
-// item's zip directory and data.pkl must be sound and describe the dtype and shape the index
-// says) and reads the directory of every torch.save object of a torch_dist checkpoint. Adds
-// the bytes read to `bytes_read`.
-Status CheckWrappedItems(Storage& storage, const std::string& root, const Metadata& metadata,
-                         int num_threads, uint64_t* bytes_read);
-
-// Verify's check of the bytes of a torch_dist checkpoint's items: the CRC-32 of every zip record
-// of every item (tensor chunks' and torch.save objects'), each item once, `num_threads` files at
-// a time, each read in offset order. Adds the records' bytes to `bytes_checked`. Errors name
-// the file, the item's offset and the record.
-Status CheckWrappedItemRecords(Storage& storage, const std::string& root, const Metadata& metadata,
-                               int num_threads, uint64_t* bytes_checked);
-
 }  // namespace tessera
 
 #endif  // TESSERA_CHECKPOINT_WRAPPED_CHUNKS_H_

@@ -25,7 +25,8 @@ struct CheckpointIndex {
   std::shared_ptr<DataFileHeaders> headers = std::make_shared<DataFileHeaders>();
 };
 
-// Detects the format of `path` and reads its index:
+// Detects the format of `path` through the registry (format/registry.h: ChooseFormats,
+// FormatOfFile) and reads its index. With the formats registered today:
 //   - a tessera directory (docs/FORMAT.md, section 4): the highest numbered commit
 //     "tessera.manifest.<n>" that is loadable (a whole manifest; or a reference to a rank-local
 //     save whose every rank manifest is there, merged), else what a version 2 directory holds
@@ -41,11 +42,6 @@ struct CheckpointIndex {
 // checkpoint") for a directory with none of these, or with the data files of a tessera save
 // that never committed; the codec's errors (kDataLoss naming the file) for a bad index.
 Result<CheckpointIndex> ReadCheckpointIndex(Storage& storage, const std::string& path);
-
-// The commit `name` ("tessera.manifest.<n>" or the version 2 "tessera.manifest") of `dir`: a
-// whole manifest or a reference, its number checked against its name. Reads nothing it has not
-// bounded first (the size its header declares, at most kMaxManifestBytes, then its checksum).
-Result<Metadata> ReadCommit(Storage& storage, const std::string& dir, const std::string& name);
 
 }  // namespace tessera
 

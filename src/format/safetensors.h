@@ -59,14 +59,6 @@ struct SafetensorsHeader {
 // does (known dtypes, offsets consistent with shapes, no holes or overlaps, inside the file).
 Result<SafetensorsHeader> ReadSafetensorsHeader(const ReadableFile& file);
 
-// The data files of tessera and Hugging Face checkpoints are safetensors files, and other
-// readers go by their headers: Verify and every load (issue 22) check that the header of each
-// file they read from parses and describes each chunk and object they use where the index
-// puts it. (PyTorch DCP data files are not safetensors files.)
-inline bool HasSafetensorsDataFiles(CheckpointFormat format) {
-  return format != CheckpointFormat::kTorchDist;
-}
-
 // The shape of the array a chunk's bytes hold: its box's sizes, in storage_order when it has
 // one (a chunk stored transposed is the row-major array of its sizes permuted).
 inline Shape StoredShape(const ChunkInfo& chunk) {

@@ -18,7 +18,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "format/torch_dist/crc32.h"
+#include "core/crc32.h"
 #include "format/torch_dist/pickle_writer.h"
 #include "format/torch_dist/test_util.h"
 #include "format/torch_dist/torch_dtype.h"

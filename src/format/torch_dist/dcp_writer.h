@@ -19,7 +19,7 @@
 #include <string_view>
 #include <vector>
 
-#include "format/torch_dist/crc32.h"
+#include "core/crc32.h"
 #include "format/torch_dist/dcp_metadata.h"
 #include "format/torch_dist/torch_zip.h"
 #include "tessera/metadata.h"

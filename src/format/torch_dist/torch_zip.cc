@@ -4,7 +4,7 @@
 #include <cstring>
 #include <limits>
 
-#include "format/torch_dist/crc32.h"
+#include "core/crc32.h"
 #include "format/torch_dist/pickle.h"
 #include "format/torch_dist/pickle_writer.h"
 #include "format/torch_dist/torch_dtype.h"

@@ -14,7 +14,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "format/torch_dist/crc32.h"
+#include "core/crc32.h"
 #include "format/torch_dist/dcp_metadata.h"
 #include "format/torch_dist/pickle.h"
 #include "format/torch_dist/test_util.h"

@@ -1,8 +1,8 @@
-#include "format/torch_dist/crc32.h"
+#include "core/crc32.h"
 
 #include <isa-l/crc.h>
 
-namespace tessera::torch_dist {
+namespace tessera {
 
 uint32_t Crc32(const void* data, size_t n, uint32_t crc) {
   if (n == 0) return crc;
@@ -70,4 +70,4 @@ uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b) {
   return MultiplyModP(XPow8n(length_b), crc_a) ^ crc_b;
 }
 
-}  // namespace tessera::torch_dist
+}  // namespace tessera

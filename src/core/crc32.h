@@ -4,13 +4,13 @@
 // run-time dispatch, several GB/s per core).
 //
 // Thread safety: pure functions; a Crc32Stream is a value used by one thread at a time.
-#ifndef TESSERA_FORMAT_TORCH_DIST_CRC32_H_
-#define TESSERA_FORMAT_TORCH_DIST_CRC32_H_
+#ifndef TESSERA_CORE_CRC32_H_
+#define TESSERA_CORE_CRC32_H_
 
 #include <cstddef>
 #include <cstdint>
 
-namespace tessera::torch_dist {
+namespace tessera {
 
 // CRC-32 of `n` bytes, continuing from `crc` (the CRC of the bytes before them; 0 to start):
 // Crc32(b, Crc32(a)) == Crc32(a + b), the same convention as zlib's crc32().
@@ -43,6 +43,6 @@ class Crc32Stream {
   uint64_t length_ = 0;
 };
 
-}  // namespace tessera::torch_dist
+}  // namespace tessera
 
-#endif  // TESSERA_FORMAT_TORCH_DIST_CRC32_H_
+#endif  // TESSERA_CORE_CRC32_H_

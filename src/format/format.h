@@ -1,0 +1,123 @@
+// A checkpoint format as the rest of tessera sees it: one codec per format (src/format/<name>/),
+// found through the registry (registry.h), never by name. The interface speaks core types
+// only (Metadata, Storage, Status): it cannot name a planning or checkpoint type, so a codec
+// cannot call back into the engine that loads and saves (docs/DESIGN.md, "Formats").
+//
+// What a codec does on the read side:
+//   - claims a directory from its file names alone (Claim), or a single file (ClaimsFile);
+//   - reads the directory's index into Metadata (ReadIndex, ReadFileIndex);
+//   - resolves chunks stored inside a wrapper into raw byte ranges (PyTorch DCP's torch.save
+//     items), lazily, for the chunks a load touches (ResolveWrappedChunks);
+//   - says what a read checks of the stored bytes besides tessera's block checksums: whether
+//     each data file carries a safetensors header describing its chunks, and the format's own
+//     checks of wrapped items (VerifyItems, CheckObjectBytes);
+//   - says which file names are its own (CountsFile), for ls and cleanups.
+#ifndef TESSERA_FORMAT_FORMAT_H_
+#define TESSERA_FORMAT_FORMAT_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "tessera/metadata.h"
+#include "tessera/status.h"
+#include "tessera/storage.h"
+
+namespace tessera {
+
+// What a format makes of a directory from its file names (Format::Claim). The registry turns
+// the claims of every format into one choice (ChooseFormats in registry.h).
+enum class DirectoryClaim : uint8_t {
+  kNone = 0,    // none of the format's files
+  kData,        // data files that are a checkpoint without any commit file (Hugging Face)
+  kUnfinished,  // files of a save of this format that never committed (no commit file)
+  kCommitted,   // a commit file of this format (tessera.manifest.<n>, DCP's .metadata)
+};
+
+// A chunk of an index by position: (index into Metadata::tensors, index into its chunks).
+using ChunkRef = std::pair<uint32_t, uint32_t>;
+
+// What a codec read of items' structure (zip directories, pickles) besides their data.
+struct FormatReadStats {
+  uint64_t bytes = 0;
+  int64_t reads = 0;
+};
+
+// An index a codec read.
+struct FormatIndex {
+  std::string root;  // the directory Metadata::files are relative to
+  Metadata metadata;
+  // tessera: the index is the merge of a rank-local save's rank manifests (docs/FORMAT.md, 4.2);
+  // metadata.commit_seq is then its reference's number.
+  bool rank_local = false;
+};
+
+class Format {
+ public:
+  virtual ~Format() = default;
+
+  // The format's enum value and name ("tessera", "torch_dist", "safetensors"): the names users
+  // give to --to and SaveOptions, and that Metadata::format reports.
+  virtual CheckpointFormat id() const = 0;
+  const char* name() const { return CheckpointFormatName(id()); }
+  // What makes a directory one of its checkpoints, for the error that finds none (e.g.
+  // "PyTorch DCP .metadata").
+  virtual std::string_view commit_description() const = 0;
+
+  // ---- Claiming, from names alone (no I/O).
+  // `sorted_names`: the entries of the directory, sorted.
+  virtual DirectoryClaim Claim(const std::vector<std::string>& sorted_names) const = 0;
+  // The files of a directory this format claimed with `claim` that belong to the checkpoint
+  // (or to the unfinished save): what `tessera ls` counts and sums.
+  virtual bool CountsFile(std::string_view name, DirectoryClaim claim) const = 0;
+  // Whether a path to one file (not a directory) is a checkpoint of this format.
+  virtual bool ClaimsFile(std::string_view file_name) const { return false; }
+  // Whether subdirectories of one of its checkpoints may hold other checkpoints (the Hugging
+  // Face Trainer keeps checkpoint-N/ beside its final model); ls searches on below them.
+  virtual bool NestsCheckpoints() const { return false; }
+
+  // ---- The index.
+  // Reads the checkpoint of directory `dir` whose sorted entries are `sorted_names` (a
+  // directory this format claimed). Errors name the file; kFailedPrecondition means the
+  // directory holds no complete checkpoint of this format (another format may still claim
+  // it); kNotFound means a file listed vanished meanwhile (the caller lists again).
+  virtual Result<FormatIndex> ReadIndex(Storage& storage, const std::string& dir,
+                                        const std::vector<std::string>& sorted_names) const = 0;
+  // Reads the checkpoint that is the one file `dir`/`name` (ClaimsFile).
+  virtual Result<FormatIndex> ReadFileIndex(Storage& storage, const std::string& dir,
+                                            const std::string& name) const;
+
+  // ---- Stored bytes.
+  // Whether every data file is a safetensors file whose header must describe each chunk and
+  // object the index places in it. Other readers go by those headers, so Verify and every load
+  // (issue 22) check them (DataFileHeaders) for each chunk and object they use.
+  virtual bool DataFilesHaveHeaders() const = 0;
+  // Whether some chunk of `metadata` is stored inside a wrapper (ChunkEncoding other than
+  // raw) that ResolveWrappedChunks must turn into byte ranges before planning reads.
+  virtual bool HasWrappedChunks(const Metadata& metadata) const { return false; }
+  // The checksum kind of chunks once resolved (e.g. kCrc32 of DCP's zip records).
+  virtual ChecksumKind resolved_checksum() const { return ChecksumKind::kNone; }
+  // Resolves the wrapped chunks among `chunks` (sorted) of `metadata` in place, reading their
+  // items under `root` with `num_threads` threads. Errors name the key, the file and the offset.
+  virtual Status ResolveWrappedChunks(Storage& storage, const std::string& root, Metadata& metadata,
+                                      const std::vector<ChunkRef>& chunks, int num_threads,
+                                      FormatReadStats* stats) const;
+  // Verify's check of what the format wraps: every wrapped item's structure, and the format's
+  // own checksums of its bytes. Adds the bytes read for structure to `structure_bytes` and the
+  // bytes whose checksums it checked to `bytes_checked`; sets *checksummed when the format's
+  // checksums covered the items (DCP: the CRC-32 of every zip record).
+  virtual Status VerifyItems(Storage& storage, const std::string& root, const Metadata& metadata,
+                             int num_threads, uint64_t* structure_bytes, uint64_t* bytes_checked,
+                             bool* checksummed) const;
+  // A read's check of the bytes of `object`, read whole from `where`: true when the format
+  // checked them by its own means (tessera's XXH3 is then not expected), false when it has
+  // none for this object. An error names `where`.
+  virtual Result<bool> CheckObjectBytes(const ObjectInfo& object, const std::vector<uint8_t>& bytes,
+                                        const std::string& where) const;
+};
+
+}  // namespace tessera
+
+#endif  // TESSERA_FORMAT_FORMAT_H_

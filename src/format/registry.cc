@@ -1,0 +1,78 @@
+#include "format/registry.h"
+
+#include "format/huggingface/hf_format.h"
+#include "format/tessera/tessera_format.h"
+#include "format/torch_dist/dcp_format.h"
+
+namespace tessera {
+
+const std::vector<const Format*>& RegisteredFormats() {
+  // Detection order: formats with commit files first (tessera before DCP: a tessera directory
+  // never holds .metadata, and rank manifests beside a DCP checkpoint are tessera's), then the
+  // format whose data files alone are a checkpoint.
+  static const std::vector<const Format*> formats = {
+      &TesseraFormat(),
+      &TorchDistFormat(),
+      &HuggingFaceFormat(),
+  };
+  return formats;
+}
+
+const Format& FormatOf(CheckpointFormat id) {
+  for (const Format* format : RegisteredFormats()) {
+    if (format->id() == id) return *format;
+  }
+  // CheckpointFormat has no value without a registered format (registry_test checks each).
+  return *RegisteredFormats().front();
+}
+
+const Format* FindFormat(std::string_view name) {
+  for (const Format* format : RegisteredFormats()) {
+    if (name == format->name()) return format;
+  }
+  return nullptr;
+}
+
+std::string FormatNames() {
+  std::string names;
+  for (const Format* format : RegisteredFormats()) {
+    if (!names.empty()) names += ", ";
+    names += format->name();
+  }
+  return names;
+}
+
+const Format* FormatChoice::primary() const {
+  if (!committed.empty()) return committed.front();
+  return unfinished ? unfinished : data;
+}
+
+FormatChoice ChooseFormats(const std::vector<std::string>& sorted_names) {
+  FormatChoice choice;
+  for (const Format* format : RegisteredFormats()) {
+    switch (format->Claim(sorted_names)) {
+      case DirectoryClaim::kCommitted:
+        choice.committed.push_back(format);
+        break;
+      case DirectoryClaim::kUnfinished:
+        if (!choice.unfinished) choice.unfinished = format;
+        break;
+      case DirectoryClaim::kData:
+        if (!choice.data) choice.data = format;
+        break;
+      case DirectoryClaim::kNone:
+        break;
+    }
+  }
+  if (choice.unfinished) choice.data = nullptr;  // leftovers are not another format's data
+  return choice;
+}
+
+const Format* FormatOfFile(std::string_view file_name) {
+  for (const Format* format : RegisteredFormats()) {
+    if (format->ClaimsFile(file_name)) return format;
+  }
+  return nullptr;
+}
+
+}  // namespace tessera

@@ -1,0 +1,49 @@
+// The formats tessera reads and writes, in one explicit table (registry.cc), as ADIOS2's engine
+// factory: a static-registration object in each codec would be dropped by the linker from a
+// static library whenever nothing else in its object file is referenced. Adding a format is
+// one module under src/format/<name>/ and one line in the table (docs/DESIGN.md, "Adding a
+// format").
+#ifndef TESSERA_FORMAT_REGISTRY_H_
+#define TESSERA_FORMAT_REGISTRY_H_
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "format/format.h"
+
+namespace tessera {
+
+// Every registered format, in detection order (the order ChooseFormats asks them in).
+const std::vector<const Format*>& RegisteredFormats();
+// The format of `id`; every CheckpointFormat value is registered.
+const Format& FormatOf(CheckpointFormat id);
+// The format named `name` (Format::name), or null.
+const Format* FindFormat(std::string_view name);
+// "tessera, torch_dist, safetensors": the registered names, for messages and option help.
+std::string FormatNames();
+
+// How the formats share a directory whose sorted entries are `sorted_names`:
+//   - `committed`: the formats that found a commit file, in registry order. The first reads
+//     the directory; when it finds no complete checkpoint (kFailedPrecondition) the next one
+//     does (incomplete rank-local saves beside a PyTorch DCP checkpoint do not hide it);
+//   - otherwise `unfinished`: the first format with files of a save that never committed. A
+//     format without commit files (kData) does not make a checkpoint of another format's
+//     leftovers (a tessera save that died wrote .safetensors data files);
+//   - otherwise `data`: the first format whose data files alone are a checkpoint.
+struct FormatChoice {
+  std::vector<const Format*> committed;
+  const Format* unfinished = nullptr;
+  const Format* data = nullptr;
+  // The format that decides what the directory is: committed.front(), else unfinished, else
+  // data; null when no format claims it.
+  const Format* primary() const;
+};
+FormatChoice ChooseFormats(const std::vector<std::string>& sorted_names);
+
+// The format that claims a path to one file (Format::ClaimsFile), or null.
+const Format* FormatOfFile(std::string_view file_name);
+
+}  // namespace tessera
+
+#endif  // TESSERA_FORMAT_REGISTRY_H_

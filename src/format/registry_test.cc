@@ -1,0 +1,103 @@
+#include "format/registry.h"
+
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "format/tessera/names.h"
+
+namespace tessera {
+namespace {
+
+// A save id as NewSaveId draws them (16 lowercase hex digits).
+constexpr char kSaveId[] = "00ab00ab00ab00ab";
+
+TEST(RegistryTest, EveryFormatValueIsRegisteredOnceUnderItsName) {
+  std::set<std::string> names;
+  for (CheckpointFormat id :
+       {CheckpointFormat::kTessera, CheckpointFormat::kTorchDist, CheckpointFormat::kSafetensors}) {
+    const Format& format = FormatOf(id);
+    EXPECT_EQ(format.id(), id);
+    EXPECT_EQ(FindFormat(format.name()), &format);
+    names.insert(format.name());
+  }
+  EXPECT_EQ(names.size(), RegisteredFormats().size());
+  EXPECT_EQ(FindFormat("zarr"), nullptr);
+  EXPECT_EQ(FormatNames(), "tessera, torch_dist, safetensors");
+}
+
+// The names of one directory, sorted as ListDir's callers sort them.
+std::vector<std::string> Sorted(std::vector<std::string> names) {
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST(RegistryTest, ACommitDecides) {
+  const FormatChoice tessera =
+      ChooseFormats(Sorted({NumberedManifestName(3), DataFileName(kSaveId, 0, 0)}));
+  ASSERT_EQ(tessera.committed.size(), 1u);
+  EXPECT_EQ(tessera.primary()->id(), CheckpointFormat::kTessera);
+
+  const FormatChoice dcp = ChooseFormats(Sorted({".metadata", "__0_0.distcp"}));
+  ASSERT_EQ(dcp.committed.size(), 1u);
+  EXPECT_EQ(dcp.primary()->id(), CheckpointFormat::kTorchDist);
+}
+
+TEST(RegistryTest, RankManifestsBesideADcpCheckpointLetItReadNext) {
+  const FormatChoice choice =
+      ChooseFormats(Sorted({RankManifestName(kSaveId, 1), ".metadata", "__0_0.distcp"}));
+  ASSERT_EQ(choice.committed.size(), 2u);
+  EXPECT_EQ(choice.committed[0]->id(), CheckpointFormat::kTessera);
+  EXPECT_EQ(choice.committed[1]->id(), CheckpointFormat::kTorchDist);
+}
+
+TEST(RegistryTest, UnfinishedSaveIsNotAnotherFormatsData) {
+  // A tessera save that died left a data file (a .safetensors file) beside a model file.
+  const FormatChoice choice =
+      ChooseFormats(Sorted({DataFileName(kSaveId, 0, 0), "model.safetensors"}));
+  EXPECT_TRUE(choice.committed.empty());
+  ASSERT_NE(choice.unfinished, nullptr);
+  EXPECT_EQ(choice.unfinished->id(), CheckpointFormat::kTessera);
+  EXPECT_EQ(choice.data, nullptr);
+  EXPECT_EQ(choice.primary(), choice.unfinished);
+
+  const FormatChoice dcp = ChooseFormats({"__0_0.distcp"});  // no .metadata yet
+  ASSERT_NE(dcp.unfinished, nullptr);
+  EXPECT_EQ(dcp.unfinished->id(), CheckpointFormat::kTorchDist);
+}
+
+TEST(RegistryTest, DataFilesAloneAreAHuggingFaceCheckpoint) {
+  const FormatChoice choice =
+      ChooseFormats(Sorted({"config.json", "model-00001-of-00002.safetensors",
+                            "model-00002-of-00002.safetensors", "model.safetensors.index.json"}));
+  ASSERT_NE(choice.data, nullptr);
+  EXPECT_EQ(choice.primary()->id(), CheckpointFormat::kSafetensors);
+  EXPECT_TRUE(choice.primary()->NestsCheckpoints());
+}
+
+TEST(RegistryTest, NoFormatClaimsOtherFiles) {
+  EXPECT_EQ(ChooseFormats({}).primary(), nullptr);
+  EXPECT_EQ(ChooseFormats(Sorted({"README.md", "config.json", "tessera.latest"})).primary(),
+            nullptr);
+}
+
+TEST(RegistryTest, OnlyASafetensorsFileIsACheckpointByItself) {
+  ASSERT_NE(FormatOfFile("model.safetensors"), nullptr);
+  EXPECT_EQ(FormatOfFile("model.safetensors")->id(), CheckpointFormat::kSafetensors);
+  EXPECT_EQ(FormatOfFile(".metadata"), nullptr);
+  EXPECT_EQ(FormatOfFile(NumberedManifestName(1)), nullptr);
+}
+
+TEST(RegistryTest, CountedFilesAreTheFormatsOwn) {
+  const Format& tessera = FormatOf(CheckpointFormat::kTessera);
+  EXPECT_TRUE(tessera.CountsFile(NumberedManifestName(2), DirectoryClaim::kCommitted));
+  EXPECT_TRUE(tessera.CountsFile(DataFileName(kSaveId, 3, 1), DirectoryClaim::kUnfinished));
+  EXPECT_FALSE(tessera.CountsFile("notes.txt", DirectoryClaim::kCommitted));
+  const Format& dcp = FormatOf(CheckpointFormat::kTorchDist);
+  EXPECT_TRUE(dcp.CountsFile("common.pt", DirectoryClaim::kCommitted));  // Megatron's
+  EXPECT_FALSE(dcp.CountsFile("common.pt", DirectoryClaim::kUnfinished));
+  EXPECT_TRUE(dcp.CountsFile("__1_0.distcp", DirectoryClaim::kUnfinished));
+}
+
+}  // namespace
+}  // namespace tessera
