@@ -573,9 +573,12 @@ inline void NullOutputOnOneRankFailsEverywhere(Comm& comm, CommCaseRun& t) {
 inline void AllReduceLengthMismatchFailsEverywhere(Comm& comm, CommCaseRun& t) {
   std::vector<int64_t> v(comm.rank() == 1 ? 3 : 2, 1);
   Status s = comm.AllReduce(v, ReduceOp::kSum);
-  ExpectArgumentError(t, s, "AllReduce on rank ");
-  TESSERA_COMM_EXPECT(t, Contains(s.message(), ": rank 1 passed 3 values, rank 0 passed 2"),
-                      Quote(s));
+  const std::string detail = ": rank 1 passed 3 values, rank 0 passed 2";
+  ExpectArgumentError(t, s, detail);
+  if (s.code() == StatusCode::kInvalidArgument) {
+    TESSERA_COMM_EXPECT_EQ(t, s.message(),
+                           "AllReduce on rank " + std::to_string(comm.rank()) + detail);
+  }
   TESSERA_COMM_EXPECT_EQ(t, comm.Barrier().code(), StatusCode::kAborted);
 }
 
