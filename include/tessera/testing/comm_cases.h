@@ -1,7 +1,7 @@
 // The cases of the Comm conformance suite: what every Comm (include/tessera/comm.h) must do,
-// written against Comm only and free of any test framework, so that one list runs everywhere:
-// GoogleTest runs it on the single-rank Comm, on LocalComm and on MPI (comm_suite.h), and the
-// Python extension runs it on a Comm written in Python (tessera.torch_dist_comm).
+// written against Comm only and free of any test framework, so that one list can run under any
+// harness: GoogleTest runs it on the single-rank Comm, on LocalComm and on MPI (comm_suite.h);
+// a harness without GoogleTest (a binding's test hook) can call RunCommCase on each rank.
 //
 // A case is a body that every rank of a communicator runs at the same time, each on its own
 // Comm, reporting what it found wrong through its CommCaseRun. Checks do not stop the body (as
