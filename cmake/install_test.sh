@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the build tree to a temporary prefix, builds examples/cmake_consumer against it with
-# find_package(tessera), and runs it. Usage: install_test.sh SOURCE_DIR BUILD_DIR
+# find_package(tessera), and runs it: the program, and the conformance suites (the installed
+# tessera/testing/ headers) on a user's own Storage and Comm runner. Usage:
+# install_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 source_dir="$1"
 build_dir="$2"
@@ -13,3 +15,8 @@ cmake -S "$source_dir/examples/cmake_consumer" -B "$work/consumer" -G Ninja \
   -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release > "$work/configure.log"
 cmake --build "$work/consumer" > "$work/build.log"
 "$work/consumer/consumer" "$work/checkpoint"
+test -f "$work/prefix/include/tessera/testing/storage_suite.h" || {
+  echo "the conformance suites (tessera/testing/) were not installed"; exit 1; }
+test -x "$work/consumer/consumer_suites" || {
+  echo "consumer_suites was not built (GoogleTest not found?)"; exit 1; }
+"$work/consumer/consumer_suites" --gtest_brief=1

@@ -9,6 +9,11 @@
 // Recv (blocks until the message is there, the group is aborted, the peer has left, or the
 // timeout expires).
 //
+// Every rank also declares each collective it enters (which one, its root, its reduction) in
+// the Group: not a message, a check. A rank whose call differs from a peer's fails with
+// kInvalidArgument and aborts the group, as MPI's header agreement does, instead of the ranks
+// exchanging the wrong messages or waiting for each other until the deadline.
+//
 // Split builds a new Group, so a child's traffic never mixes with its parent's and both may
 // be used concurrently. The parent keeps weak references to its children: aborting the parent
 // aborts them too, so a failed rank never leaves its peers hanging in a child communicator.
@@ -67,6 +72,70 @@ struct Payload {
   std::shared_ptr<Group> group;         // how Split hands a new group to its members
 };
 
+// The collectives, in the order of MpiComm's (src/mpi/mpi_comm.cc), so that a mismatch between
+// two of them is named in the same words.
+enum class Kind { kBarrier = 1, kBroadcast, kGather, kAllGather, kScatter, kAllReduce, kSplit };
+
+const char* KindName(Kind kind) {
+  switch (kind) {
+    case Kind::kBarrier:
+      return "Barrier";
+    case Kind::kBroadcast:
+      return "Broadcast";
+    case Kind::kGather:
+      return "Gather";
+    case Kind::kAllGather:
+      return "AllGather";
+    case Kind::kScatter:
+      return "Scatter";
+    case Kind::kAllReduce:
+      return "AllReduce";
+    case Kind::kSplit:
+      return "Split";
+  }
+  return "collective";
+}
+
+const char* ReduceOpName(int op) {
+  switch (static_cast<ReduceOp>(op)) {
+    case ReduceOp::kSum:
+      return "kSum";
+    case ReduceOp::kMin:
+      return "kMin";
+    case ReduceOp::kMax:
+      return "kMax";
+  }
+  return "an unknown ReduceOp";
+}
+
+// What a rank declares about a collective it enters; every rank must declare the same.
+struct Call {
+  Kind kind;
+  int root = -1;  // -1 where the collective has none
+  int op = -1;    // AllReduce's ReduceOp, else -1
+};
+
+// What differs between two declarations of one collective ("" when they agree), worded as
+// MpiComm words it: lower value first.
+std::string CallMismatch(const Call& a, const Call& b) {
+  auto ordered = [](int x, int y) { return std::make_pair(std::min(x, y), std::max(x, y)); };
+  if (a.kind != b.kind) {
+    auto [lo, hi] = ordered(static_cast<int>(a.kind), static_cast<int>(b.kind));
+    return std::string("the ranks called different collectives at the same point: ") +
+           KindName(static_cast<Kind>(lo)) + " and " + KindName(static_cast<Kind>(hi));
+  }
+  if (a.root != b.root) {
+    auto [lo, hi] = ordered(a.root, b.root);
+    return "the ranks passed different roots, " + std::to_string(lo) + " and " + std::to_string(hi);
+  }
+  if (a.op != b.op) {
+    auto [lo, hi] = ordered(a.op, b.op);
+    return std::string("the ranks passed different ops, ") + ReduceOpName(lo) + " and " +
+           ReduceOpName(hi);
+  }
+  return "";
+}
+
 std::string Ms(std::chrono::milliseconds d) { return std::to_string(d.count()) + " ms"; }
 
 // "rank 3", "ranks 1, 3".
@@ -99,6 +168,16 @@ class Group {
 
   int size() const { return size_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // `rank` enters collective `seq` as `call`: returns what differs from the declaration of the
+  // first rank that entered it, or "". Forgets a collective once every rank has entered it.
+  std::string Declare(uint64_t seq, const Call& call) {
+    std::lock_guard<std::mutex> lock(calls_mu_);
+    auto [it, first] = calls_.try_emplace(seq, DeclaredCall{call, 0});
+    std::string mismatch = first ? "" : CallMismatch(it->second.call, call);
+    if (++it->second.entered == size_) calls_.erase(it);
+    return mismatch;
+  }
 
   // OK, or the status every collective returns once the group is aborted.
   Status abort_status() const {
@@ -237,6 +316,13 @@ class Group {
   Status abort_status_;
   std::vector<std::weak_ptr<Group>> children_;
   std::vector<Status> departure_reasons_ = std::vector<Status>(size_);  // guarded by mu_
+
+  struct DeclaredCall {
+    Call call;    // the first rank's
+    int entered;  // how many ranks have entered
+  };
+  std::mutex calls_mu_;
+  std::map<uint64_t, DeclaredCall> calls_;  // by sequence number; guarded by calls_mu_
 };
 
 Bytes ToBytes(std::span<const int64_t> values) {
@@ -258,7 +344,7 @@ class LocalComm final : public Comm {
 
   Status Barrier() override {
     uint64_t seq;
-    TESSERA_RETURN_IF_ERROR(Begin(&seq));
+    TESSERA_RETURN_IF_ERROR(Begin({Kind::kBarrier}, &seq));
     // Dissemination barrier: in round k, tell rank + 2^k and hear from rank - 2^k.
     const int n = size();
     int tag = 0;
@@ -271,9 +357,9 @@ class LocalComm final : public Comm {
 
   Status Broadcast(Bytes* data, int root) override {
     uint64_t seq;
-    TESSERA_RETURN_IF_ERROR(Begin(&seq));
+    TESSERA_RETURN_IF_ERROR(Begin({Kind::kBroadcast, root}, &seq));
     TESSERA_RETURN_IF_ERROR(CheckRoot("Broadcast", root));
-    if (data == nullptr) return Fail(InvalidArgument("Broadcast: data is null"));
+    if (data == nullptr) return Fail(InvalidArgument(Where("Broadcast") + ": data is null"));
     if (size() == 1) return Status::Ok();
     std::shared_ptr<const Bytes> buffer;
     if (rank_ == root) buffer = std::make_shared<const Bytes>(*data);
@@ -284,13 +370,15 @@ class LocalComm final : public Comm {
 
   Status Gather(const Bytes& send, std::vector<Bytes>* received, int root) override {
     uint64_t seq;
-    TESSERA_RETURN_IF_ERROR(Begin(&seq));
+    TESSERA_RETURN_IF_ERROR(Begin({Kind::kGather, root}, &seq));
     TESSERA_RETURN_IF_ERROR(CheckRoot("Gather", root));
     if (rank_ != root) {
       Send(root, seq, 0, Payload::Of(Bytes(send)));
       return Status::Ok();
     }
-    if (received == nullptr) return Fail(InvalidArgument("Gather: received is null on the root"));
+    if (received == nullptr) {
+      return Fail(InvalidArgument(Where("Gather") + ": received is null on the root"));
+    }
     std::vector<Bytes> out(size());
     out[rank_] = send;
     for (int r = 0; r < size(); ++r) {
@@ -304,25 +392,27 @@ class LocalComm final : public Comm {
 
   Status AllGather(const Bytes& send, std::vector<Bytes>* received) override {
     uint64_t seq;
-    TESSERA_RETURN_IF_ERROR(Begin(&seq));
-    if (received == nullptr) return Fail(InvalidArgument("AllGather: received is null"));
+    TESSERA_RETURN_IF_ERROR(Begin({Kind::kAllGather}, &seq));
+    if (received == nullptr)
+      return Fail(InvalidArgument(Where("AllGather") + ": received is null"));
     TESSERA_ASSIGN_OR_RETURN(*received, AllGatherImpl(send, seq, "AllGather"));
     return Status::Ok();
   }
 
   Status Scatter(const std::vector<Bytes>& send, Bytes* received, int root) override {
     uint64_t seq;
-    TESSERA_RETURN_IF_ERROR(Begin(&seq));
+    TESSERA_RETURN_IF_ERROR(Begin({Kind::kScatter, root}, &seq));
     TESSERA_RETURN_IF_ERROR(CheckRoot("Scatter", root));
-    if (received == nullptr) return Fail(InvalidArgument("Scatter: received is null"));
+    if (received == nullptr) return Fail(InvalidArgument(Where("Scatter") + ": received is null"));
     if (rank_ != root) {
       TESSERA_ASSIGN_OR_RETURN(Payload payload, Recv(root, seq, 0, "Scatter"));
       *received = std::move(payload.bytes);
       return Status::Ok();
     }
     if (static_cast<int>(send.size()) != size()) {
-      return Fail(InvalidArgument("Scatter: the root passed " + std::to_string(send.size()) +
-                                  " buffers for " + std::to_string(size()) + " ranks"));
+      return Fail(InvalidArgument(Where("Scatter") + ": the root passed " +
+                                  std::to_string(send.size()) + " buffers for " +
+                                  std::to_string(size()) + " ranks"));
     }
     for (int r = 0; r < size(); ++r) {
       if (r != rank_) Send(r, seq, 0, Payload::Of(Bytes(send[r])));
@@ -333,7 +423,7 @@ class LocalComm final : public Comm {
 
   Status AllReduce(std::span<int64_t> values, ReduceOp op) override {
     uint64_t seq;
-    TESSERA_RETURN_IF_ERROR(Begin(&seq));
+    TESSERA_RETURN_IF_ERROR(Begin({Kind::kAllReduce, -1, static_cast<int>(op)}, &seq));
     if (size() == 1) return Status::Ok();
     // Reduce on rank 0, then broadcast the result.
     constexpr int kRoot = 0;
@@ -347,8 +437,8 @@ class LocalComm final : public Comm {
         TESSERA_ASSIGN_OR_RETURN(Payload payload, Recv(r, seq, 0, "AllReduce"));
         const Bytes& in = payload.bytes;
         if (in.size() != values.size_bytes()) {
-          return Fail(InvalidArgument("AllReduce: rank " + std::to_string(r) + " passed " +
-                                      std::to_string(in.size() / sizeof(int64_t)) +
+          return Fail(InvalidArgument(Where("AllReduce") + ": rank " + std::to_string(r) +
+                                      " passed " + std::to_string(in.size() / sizeof(int64_t)) +
                                       " values, rank " + std::to_string(kRoot) + " passed " +
                                       std::to_string(values.size())));
         }
@@ -362,8 +452,8 @@ class LocalComm final : public Comm {
     }
     TESSERA_RETURN_IF_ERROR(TreeBroadcast(&result, kRoot, seq, /*tag=*/1, "AllReduce"));
     if (rank_ != kRoot && result->size() != values.size_bytes()) {
-      return Fail(InvalidArgument("AllReduce: rank " + std::to_string(rank_) + " passed " +
-                                  std::to_string(values.size()) + " values, rank " +
+      return Fail(InvalidArgument(Where("AllReduce") + ": rank " + std::to_string(rank_) +
+                                  " passed " + std::to_string(values.size()) + " values, rank " +
                                   std::to_string(kRoot) + " passed " +
                                   std::to_string(result->size() / sizeof(int64_t))));
     }
@@ -373,7 +463,7 @@ class LocalComm final : public Comm {
 
   Result<std::unique_ptr<Comm>> Split(int color, int key) override {
     uint64_t seq;
-    TESSERA_RETURN_IF_ERROR(Begin(&seq));
+    TESSERA_RETURN_IF_ERROR(Begin({Kind::kSplit}, &seq));
     Bytes mine(2 * sizeof(int));
     std::memcpy(mine.data(), &color, sizeof(int));
     std::memcpy(mine.data() + sizeof(int), &key, sizeof(int));
@@ -411,11 +501,20 @@ class LocalComm final : public Comm {
   void Abort(const Status& reason) override { group_->Abort(Group::AbortStatus(rank_, reason)); }
 
  private:
-  // Starts a collective: numbers it, and fails if the group is aborted.
-  Status Begin(uint64_t* seq) {
+  // Starts a collective: numbers it, fails if the group is aborted, and fails (aborting the
+  // group) if a peer declared another collective, root or reduction at this point.
+  Status Begin(const Call& call, uint64_t* seq) {
     *seq = next_seq_++;
     group_->Enter(rank_, *seq);
-    return group_->abort_status();
+    TESSERA_RETURN_IF_ERROR(group_->abort_status());
+    const std::string mismatch = group_->Declare(*seq, call);
+    if (mismatch.empty()) return Status::Ok();
+    return Fail(InvalidArgument(Where(KindName(call.kind)) + ": " + mismatch));
+  }
+
+  // "Broadcast on rank 3": how an error of this rank's collective begins (as MpiComm's).
+  std::string Where(std::string_view op) const {
+    return std::string(op) + " on rank " + std::to_string(rank_);
   }
 
   // A local argument error in a collective: aborts the group so the peers do not wait for a
@@ -427,7 +526,7 @@ class LocalComm final : public Comm {
 
   Status CheckRoot(const char* op, int root) {
     if (root >= 0 && root < size()) return Status::Ok();
-    return Fail(InvalidArgument(std::string(op) + ": root " + std::to_string(root) +
+    return Fail(InvalidArgument(Where(op) + ": root " + std::to_string(root) +
                                 " is not a rank of a communicator of size " +
                                 std::to_string(size())));
   }

@@ -12,6 +12,7 @@
 #include "storage/s3/s3_client.h"
 #include "storage/s3/testing/moto_server.h"
 #include "storage/s3/testing/s3_test_util.h"
+#include "tessera/testing/storage_suite.h"
 
 namespace tessera {
 namespace {
@@ -22,6 +23,44 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using Decision = s3::HttpFaultHook::Decision;
+
+// ---- the conformance suite ------------------------------------------------------------------
+
+// An S3Storage on moto's server (started by the test, signatures enforced), rooted at a key
+// prefix of its own. Every case must leave no multipart upload behind.
+class S3SuiteEnv : public testing::StorageSuiteEnv {
+ public:
+  S3SuiteEnv(std::shared_ptr<S3Storage> storage, std::string root)
+      : storage_(std::move(storage)), root_(std::move(root)) {}
+  ~S3SuiteEnv() override {
+    Result<std::vector<s3::UploadListing::Upload>> uploads =
+        storage_->client().ListMultipartUploads(storage_->bucket(), root_ + "/");
+    EXPECT_TRUE(uploads.ok() && uploads->empty())
+        << "multipart uploads left behind under " << root_;
+  }
+  Storage& storage() override { return *storage_; }
+  const std::string& root() const override { return root_; }
+
+ private:
+  std::shared_ptr<S3Storage> storage_;
+  std::string root_;
+};
+
+// A server that cannot start fails every case with the reason: none skips.
+Result<std::unique_ptr<testing::StorageSuiteEnv>> MakeS3SuiteEnv() {
+  TESSERA_ASSIGN_OR_RETURN(s3::testing::MotoServer * server, s3::testing::SharedMotoServer());
+  TESSERA_ASSIGN_OR_RETURN(std::shared_ptr<s3::S3Client> client,
+                           s3::S3Client::Create(server->ClientOptions()));
+  return std::unique_ptr<testing::StorageSuiteEnv>(
+      new S3SuiteEnv(std::make_shared<S3Storage>(std::move(client), server->bucket()),
+                     s3::testing::UniquePrefix()));
+}
+
+// No rename, no positional writes, no directories of their own: Publish is a conditional put.
+TESSERA_INSTANTIATE_STORAGE_SUITE(S3, MakeS3SuiteEnv,
+                                  (StorageCapabilities{.conditional_create = true}));
+
+// ---- what is particular to S3 ---------------------------------------------------------------
 
 #define S3S_ASSERT_OK(expr)                                            \
   do {                                                                 \
