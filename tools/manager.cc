@@ -25,7 +25,7 @@ Result<std::unique_ptr<CheckpointManager>> OpenRoot(const std::string& root,
   TESSERA_ASSIGN_OR_RETURN(StepNaming naming, ParseStepNaming(step_naming));
   CheckpointManagerOptions options;
   options.step_naming = std::move(naming);
-  return std::make_unique<CheckpointManager>(root, std::move(options));
+  return CheckpointManager::Open(root, std::move(options));
 }
 
 struct LatestOptions {

@@ -3,16 +3,17 @@
 //
 //   CheckpointManagerOptions options;
 //   options.retention.keep_last = 2;                         // and options.save: as AsyncSave's
-//   CheckpointManager manager("/ckpt/run1", options);
+//   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointManager> manager,
+//                            CheckpointManager::Open("/ckpt/run1", options));
 //   int64_t step = 0;
-//   Result<RestoreReport> restored = manager.Restore(state, comm);   // COLLECTIVE
+//   Result<RestoreReport> restored = manager->Restore(state, comm);  // COLLECTIVE
 //   if (restored.ok()) step = restored->step;                        // kNotFound: a fresh run
 //   else if (restored.status().code() != StatusCode::kNotFound) return restored.status();
 //   for (; step < steps; ++step) {
 //     ... train one step ...
-//     TESSERA_RETURN_IF_ERROR(manager.Save(step + 1, state, comm).status());  // returns at once
+//     TESSERA_RETURN_IF_ERROR(manager->Save(step + 1, state, comm).status());  // returns at once
 //   }
-//   TESSERA_RETURN_IF_ERROR(manager.Close());  // the last save committed, or its error
+//   TESSERA_RETURN_IF_ERROR(manager->Close());  // the last save committed, or its error
 //
 // The root (docs/FORMAT.md, section 5): one directory per step, by default "iter_<step>" with the
 // step in decimal zero-padded to at least 7 digits (Megatron-LM's names: "iter_0001000"; they sort
@@ -271,10 +272,15 @@ class ReadLease;
 
 class CheckpointManager {
  public:
-  // Creates nothing until the first save. `root` is a directory path for `options.storage`;
-  // without one, a local path or a URI (s3://bucket/run, msc://profile/run, file:///run; see
-  // ResolveStorage in storage_uri.h). A URI that cannot be opened fails every operation with
-  // the reason.
+  // Opens the manager of `root`, creating nothing until the first save. `root` is a directory
+  // path for `options.storage`; without one, a local path or a URI (s3://bucket/run,
+  // msc://profile/run, file:///run; see ResolveStorage in storage_uri.h). Fails at once, naming
+  // what is wrong, when the URI cannot be opened (kInvalidArgument for a malformed one, the
+  // store's error otherwise) or options.step_naming is not valid (kInvalidArgument).
+  static Result<std::unique_ptr<CheckpointManager>> Open(std::string root,
+                                                         CheckpointManagerOptions options = {});
+  // Deprecated, kept for one release: use Open. A constructor cannot fail, so a root that
+  // cannot be opened, or step names that are not valid, fail every operation with the reason.
   explicit CheckpointManager(std::string root, CheckpointManagerOptions options = {});
   // Waits for the save in flight (and its retention); see the header comment for a failure.
   ~CheckpointManager();
@@ -359,6 +365,10 @@ class CheckpointManager {
   struct State;
 
  private:
+  // Open's: `storage` and `storage_root` are where `root` resolved to.
+  CheckpointManager(std::string root, std::shared_ptr<Storage> storage, std::string storage_root,
+                    CheckpointManagerOptions options);
+
   const std::string root_;
   std::unique_ptr<State> state_;
 };

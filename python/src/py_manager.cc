@@ -62,8 +62,10 @@ struct PyCallable {
 // for the save in flight, whose retention may warn (which takes the GIL).
 class PyManager {
  public:
+  // Opens the manager (CheckpointManager::Open): a root that cannot be opened or step names
+  // that are not valid raise here, naming what is wrong.
   PyManager(std::string root, CheckpointManagerOptions options)
-      : manager_(std::make_unique<CheckpointManager>(std::move(root), std::move(options))) {}
+      : manager_(ValueOrThrow(CheckpointManager::Open(std::move(root), std::move(options)))) {}
   ~PyManager() {
     py::gil_scoped_release release;
     manager_.reset();

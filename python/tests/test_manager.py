@@ -374,3 +374,10 @@ def test_torchtitan_and_hugging_face_roots_with_their_step_naming(tmp_path, cli)
     assert tessera.CheckpointManager(hf, step_naming="hf").latest_step() == 1000
     with pytest.raises(tessera.InvalidArgumentError, match=re.escape("{step:0N}")):
         tessera.CheckpointManager(hf, step_naming="checkpoint-{step:4}")
+
+
+def test_a_root_that_cannot_be_opened_raises_when_the_manager_is_made() -> None:
+    """The manager opens through CheckpointManager::Open: its error comes at construction."""
+    with pytest.raises(tessera.InvalidArgumentError, match="names no bucket"):
+        tessera.CheckpointManager("s3:///run")
+

@@ -206,8 +206,9 @@ bool FallsBack(const Status& status) { return status.code() == StatusCode::kData
 
 Bytes ToBytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
 
-// The storage of a root URI that could not be opened (the constructor cannot fail): every call
-// returns why, so every operation of the manager fails with it.
+// The storage of the deprecated constructor's root when it could not be opened (a
+// constructor cannot fail; Open reports the error instead): every call returns why, so every
+// operation of the manager fails with it.
 class UnopenedStorage : public Storage {
  public:
   explicit UnopenedStorage(Status why) : why_(std::move(why)) {}
@@ -236,25 +237,49 @@ class UnopenedStorage : public Storage {
 
 // ---- construction ------------------------------------------------------------------------------
 
-CheckpointManager::CheckpointManager(std::string root, CheckpointManagerOptions options)
+Result<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
+    std::string root, CheckpointManagerOptions options) {
+  TESSERA_RETURN_IF_ERROR(manager::CheckStepNaming(options.step_naming));
+  // A root URI (s3://, msc://, file://) or a local path, where the options name no storage.
+  TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(root, options.storage));
+  return std::unique_ptr<CheckpointManager>(new CheckpointManager(
+      std::move(root), std::move(location.first), std::move(location.second), std::move(options)));
+}
+
+CheckpointManager::CheckpointManager(std::string root, std::shared_ptr<Storage> storage,
+                                     std::string storage_root, CheckpointManagerOptions options)
     : root_(std::move(root)), state_(std::make_unique<State>()) {
   State& s = *state_;
-  // A root URI (s3://, msc://, file://) or a local path, where the options name no storage.
-  Result<std::pair<std::shared_ptr<Storage>, std::string>> location =
-      ResolveStorage(root_, options.storage);
-  if (location.ok()) {
-    s.storage = location->first;
-    s.root = location->second;
-  } else {
-    s.storage = std::make_shared<UnopenedStorage>(location.status());
-    s.root = root_;
-  }
-  if (Status naming = manager::CheckStepNaming(options.step_naming); !naming.ok()) {
-    s.storage = std::make_shared<UnopenedStorage>(naming);  // every operation fails with it
-  }
+  s.storage = std::move(storage);
+  s.root = std::move(storage_root);
   s.sync = options.save.save.sync == SyncPolicy::kFull;
   s.options = std::move(options);
   s.options.save.save.storage = s.storage;
+}
+
+namespace {
+
+// Where the deprecated constructor's root is: what Open would open, else a storage failing
+// with Open's error.
+std::pair<std::shared_ptr<Storage>, std::string> ResolveOrUnopened(
+    const std::string& root, const CheckpointManagerOptions& options) {
+  if (Status naming = manager::CheckStepNaming(options.step_naming); !naming.ok()) {
+    return {std::make_shared<UnopenedStorage>(naming), root};
+  }
+  Result<std::pair<std::shared_ptr<Storage>, std::string>> location =
+      ResolveStorage(root, options.storage);
+  if (!location.ok()) return {std::make_shared<UnopenedStorage>(location.status()), root};
+  return std::move(*location);
+}
+
+}  // namespace
+
+CheckpointManager::CheckpointManager(std::string root, CheckpointManagerOptions options)
+    : CheckpointManager(root, nullptr, "", std::move(options)) {
+  auto [storage, storage_root] = ResolveOrUnopened(root_, state_->options);
+  state_->storage = storage;
+  state_->root = std::move(storage_root);
+  state_->options.save.save.storage = std::move(storage);
 }
 
 CheckpointManager::~CheckpointManager() {

@@ -143,6 +143,30 @@ TEST(CheckpointManagerTest, SavesRestoresAndRecordsTheStep) {
   }
 }
 
+TEST(CheckpointManagerTest, OpenFailsAtOnceNamingWhatIsWrong) {
+  // A root URI that names no bucket: the error comes from Open, before any operation.
+  Result<std::unique_ptr<CheckpointManager>> no_bucket = CheckpointManager::Open("s3:///run");
+  EXPECT_EQ(no_bucket.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(no_bucket.status().message(), HasSubstr("names no bucket"));
+  // Step names that are not valid.
+  CheckpointManagerOptions bad_naming = Options(std::make_shared<MemoryStorage>());
+  bad_naming.step_naming.min_digits = 20;  // 0 to 19
+  Result<std::unique_ptr<CheckpointManager>> naming = CheckpointManager::Open("/r", bad_naming);
+  EXPECT_EQ(naming.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(naming.status().message(), HasSubstr("min_digits"));
+  // The deprecated constructor fails every operation with the same error instead.
+  CheckpointManager constructed("s3:///run");
+  EXPECT_EQ(constructed.LatestStep().status().message(), no_bucket.status().message());
+  // A root that opens: the manager works as a constructed one.
+  auto storage = std::make_shared<MemoryStorage>();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<CheckpointManager> opened,
+                       CheckpointManager::Open("/r", Options(storage)));
+  SaveSteps(*opened, 1, 2);
+  ASSERT_OK_AND_ASSIGN(std::optional<int64_t> latest, opened->LatestStep());
+  EXPECT_EQ(latest, 2);
+  EXPECT_OK(opened->Close());
+}
+
 TEST(CheckpointManagerTest, LatestIsTheNewestWholeCheckpoint) {
   auto storage = std::make_shared<MemoryStorage>();
   CheckpointManager manager("/r", Options(storage));
