@@ -120,52 +120,20 @@ Result<VerifyReport> Verify(const std::string& path, std::shared_ptr<Storage> st
   return Verify(path, VerifyOptions{.storage = std::move(storage)});
 }
 
-Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& options) {
-  if (options.num_threads < 1) {
-    return InvalidArgument("VerifyOptions::num_threads must be at least 1, got " +
-                           std::to_string(options.num_threads));
-  }
-  if (!options.storage) {  // a URI (s3://, msc://, file://) or a local path
-    TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(path, nullptr));
-    VerifyOptions resolved = options;
-    resolved.storage = location.first;
-    return Verify(location.second, resolved);
-  }
-  const std::shared_ptr<Storage> storage = options.storage;
-  // Reading the index checks coverage: every tensor's chunks are disjoint and cover it
-  // exactly (unless saved partial), whatever the format.
-  TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadCheckpointIndex(*storage, path));
-  const Metadata& metadata = index.metadata;
-  const std::string& root = index.root;
-  VerifyReport report;
-  report.format = metadata.format;
-  // tessera's own checksums (XXH3-64 of every chunk and block), checked file by file below.
-  const bool checksummed = metadata.checksum != ChecksumKind::kNone;
-  report.checksums = checksummed;
-  // What the format wraps (PyTorch DCP's items, whose only checksums are their zip records'
-  // CRC-32s): every item's structure must be sound and hold the dtype and shape the index
-  // says, and the format's own checksums of its bytes hold.
-  const Format& format = FormatOf(metadata.format);
-  bool format_checksummed = false;
-  TESSERA_RETURN_IF_ERROR(format.VerifyItems(*storage, root, metadata, options.num_threads,
-                                             /*structure_bytes=*/nullptr, &report.bytes_checked,
-                                             &format_checksummed));
-  report.checksums = report.checksums || format_checksummed;
-  // Data files that are safetensors files (tessera's, Hugging Face's) have headers that must
-  // agree with the index: checked by the same code as every load's (DataFileHeaders), of every
-  // piece here.
-  const bool headed_files = format.DataFilesHaveHeaders();
-  DataFileHeaders headers;
-  // What each file holds, in file order, so every file is opened once and read sequentially.
-  struct Piece {
-    ByteLocation where;
-    const std::vector<uint64_t>* blocks;  // null for objects
-    std::string what;
-    DType dtype;
-    Shape shape;
-  };
+namespace {
+
+// A piece of a data file to check: a chunk or an object.
+struct Piece {
+  ByteLocation where;
+  const std::vector<uint64_t>* blocks;  // null for objects
+  std::string what;
+  DType dtype;
+  Shape shape;
+};
+
+// What each file holds, in file order, so every file is opened once and read sequentially.
+std::vector<std::vector<Piece>> PiecesByFile(const Metadata& metadata) {
   std::vector<std::vector<Piece>> pieces(metadata.files.size());
-  ProgressMeter progress(options.progress, 0);
   for (const TensorInfo& tensor : metadata.tensors) {
     for (size_t c = 0; c < tensor.chunks.size(); ++c) {
       const ChunkInfo& chunk = tensor.chunks[c];
@@ -180,56 +148,124 @@ Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& option
         {object.location, nullptr, "object '" + object.key + "'", DType::kU8,
          Shape{static_cast<int64_t>(object.location.length)}});
   }
-  // One file, start to end, by one thread; its own report.
-  auto check_file = [&](uint32_t f, std::vector<uint8_t>& buffer,
-                        VerifyReport& file_report) -> Status {
-    std::vector<Piece>& list = pieces[f];
+  for (std::vector<Piece>& list : pieces) {
     std::sort(list.begin(), list.end(),
               [](const Piece& a, const Piece& b) { return a.where.offset < b.where.offset; });
+  }
+  return pieces;
+}
+
+// Checks the data files of one checkpoint, each start to end by one thread: the headers of
+// files that have them (DataFileHeaders, the same code as every load's) and tessera's own
+// checksums (XXH3-64 of every chunk and block).
+class DataFileChecker {
+ public:
+  DataFileChecker(Storage& storage, const CheckpointIndex& index, bool headed_files,
+                  ProgressMeter& progress)
+      : storage_(storage),
+        index_(index),
+        metadata_(index.metadata),
+        headed_files_(headed_files),
+        checksummed_(metadata_.checksum != ChecksumKind::kNone),
+        pieces_(PiecesByFile(metadata_)),
+        progress_(progress) {}
+
+  // Every file with up to `num_threads` threads; adds what was checked to `report`.
+  Status CheckAll(int num_threads, VerifyReport& report) {
+    const size_t num_files = metadata_.files.size();
+    std::vector<Status> statuses(num_files);
+    std::vector<VerifyReport> file_reports(num_files);
+    std::atomic<size_t> next_file{0};
+    auto work = [&] {
+      std::vector<uint8_t> buffer;
+      for (size_t f; (f = next_file.fetch_add(1)) < num_files;) {
+        statuses[f] = CheckFile(static_cast<uint32_t>(f), buffer, file_reports[f]);
+      }
+    };
+    uint64_t to_check = 0;
+    for (const std::vector<Piece>& list : pieces_) {
+      for (const Piece& piece : list) to_check += checksummed_ ? piece.where.length : 0;
+    }
+    progress_.set_total(to_check);
+    const size_t threads = std::min<size_t>(static_cast<size_t>(num_threads), num_files);
+    progress_.ParallelFor(std::max<size_t>(threads, 1), [&](size_t) { work(); });
+    for (size_t f = 0; f < num_files; ++f) {
+      TESSERA_RETURN_IF_ERROR(statuses[f]);
+      report.chunks_checked += file_reports[f].chunks_checked;
+      report.bytes_checked += file_reports[f].bytes_checked;
+      report.files_checked += file_reports[f].files_checked;
+    }
+    return Status::Ok();
+  }
+
+ private:
+  // File `f`, start to end; its own report.
+  Status CheckFile(uint32_t f, std::vector<uint8_t>& buffer, VerifyReport& report) {
+    const std::vector<Piece>& list = pieces_[f];
     const std::string needed_by = list.empty() ? "no chunk" : list.front().what;
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file,
-                             OpenDataFile(*storage, root, metadata, f, needed_by));
-    if (headed_files && list.empty()) {  // a file of no chunk: its header still parses
+                             OpenDataFile(storage_, index_.root, metadata_, f, needed_by));
+    if (headed_files_ && list.empty()) {  // a file of no chunk: its header still parses
       TESSERA_RETURN_IF_ERROR(ReadSafetensorsHeader(*file).status());
     }
     for (const Piece& piece : list) {
-      if (headed_files) {
+      if (headed_files_) {
         TESSERA_RETURN_IF_ERROR(
-            headers.Check(*file, f, piece.where, piece.dtype, piece.shape, piece.what));
+            headers_.Check(*file, f, piece.where, piece.dtype, piece.shape, piece.what));
       }
-      if (checksummed) {
-        const ExpectedChecksums expected{&piece.where, piece.blocks, metadata.checksum_block_bytes};
-        TESSERA_RETURN_IF_ERROR(
-            CheckBytes(*file, expected, piece.what, buffer, file_report, progress));
+      if (checksummed_) {
+        const ExpectedChecksums expected{&piece.where, piece.blocks,
+                                         metadata_.checksum_block_bytes};
+        TESSERA_RETURN_IF_ERROR(CheckBytes(*file, expected, piece.what, buffer, report, progress_));
       }
-      file_report.chunks_checked += 1;
+      report.chunks_checked += 1;
     }
-    file_report.files_checked = 1;
+    report.files_checked = 1;
     return Status::Ok();
-  };
-  const size_t num_files = metadata.files.size();
-  std::vector<Status> statuses(num_files);
-  std::vector<VerifyReport> file_reports(num_files);
-  std::atomic<size_t> next_file{0};
-  auto work = [&] {
-    std::vector<uint8_t> buffer;
-    for (size_t f; (f = next_file.fetch_add(1)) < num_files;) {
-      statuses[f] = check_file(static_cast<uint32_t>(f), buffer, file_reports[f]);
-    }
-  };
-  uint64_t to_check = 0;
-  for (const std::vector<Piece>& list : pieces) {
-    for (const Piece& piece : list) to_check += checksummed ? piece.where.length : 0;
   }
-  progress.set_total(to_check);
-  const size_t num_threads = std::min<size_t>(static_cast<size_t>(options.num_threads), num_files);
-  progress.ParallelFor(std::max<size_t>(num_threads, 1), [&](size_t) { work(); });
-  for (size_t f = 0; f < num_files; ++f) {
-    TESSERA_RETURN_IF_ERROR(statuses[f]);
-    report.chunks_checked += file_reports[f].chunks_checked;
-    report.bytes_checked += file_reports[f].bytes_checked;
-    report.files_checked += file_reports[f].files_checked;
+
+  Storage& storage_;
+  const CheckpointIndex& index_;
+  const Metadata& metadata_;
+  const bool headed_files_;
+  const bool checksummed_;
+  const std::vector<std::vector<Piece>> pieces_;
+  ProgressMeter& progress_;
+  DataFileHeaders headers_;  // thread-safe: one cache of parsed headers for every thread
+};
+
+}  // namespace
+
+Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& options) {
+  if (options.num_threads < 1) {
+    return InvalidArgument("VerifyOptions::num_threads must be at least 1, got " +
+                           std::to_string(options.num_threads));
   }
+  if (!options.storage) {  // a URI (s3://, msc://, file://) or a local path
+    TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(path, nullptr));
+    VerifyOptions resolved = options;
+    resolved.storage = location.first;
+    return Verify(location.second, resolved);
+  }
+  Storage& storage = *options.storage;
+  // Reading the index checks coverage: every tensor's chunks are disjoint and cover it
+  // exactly (unless saved partial), whatever the format.
+  TESSERA_ASSIGN_OR_RETURN(CheckpointIndex index, ReadCheckpointIndex(storage, path));
+  const Metadata& metadata = index.metadata;
+  VerifyReport report;
+  report.format = metadata.format;
+  // What the format wraps (PyTorch DCP's items, whose only checksums are their zip records'
+  // CRC-32s): every item's structure must be sound and hold the dtype and shape the index
+  // says, and the format's own checksums of its bytes hold.
+  const Format& format = FormatOf(metadata.format);
+  bool format_checksummed = false;
+  TESSERA_RETURN_IF_ERROR(format.VerifyItems(storage, index.root, metadata, options.num_threads,
+                                             /*structure_bytes=*/nullptr, &report.bytes_checked,
+                                             &format_checksummed));
+  report.checksums = metadata.checksum != ChecksumKind::kNone || format_checksummed;
+  ProgressMeter progress(options.progress, 0);
+  DataFileChecker checker(storage, index, format.DataFilesHaveHeaders(), progress);
+  TESSERA_RETURN_IF_ERROR(checker.CheckAll(options.num_threads, report));
   progress.Finish();
   return report;
 }

@@ -210,195 +210,248 @@ std::string DescribeHolders(std::span<const ItemRef> refs, const SavePlanOptions
   return (ranks.size() == 1 ? "rank " : "ranks ") + RanksToString(ranks);
 }
 
-}  // namespace
+// BuildGlobalSavePlan's phases over one set of local plans: group the items by key (sorted),
+// turn each group into an object or a tensor's chunks (checking that the ranks agree and that
+// the chunks tile the tensor), then choose each shard's writer.
+class GlobalPlanBuilder {
+ public:
+  GlobalPlanBuilder(std::span<const LocalPlan> plans, const SavePlanOptions& options)
+      : plans_(plans), options_(options), num_ranks_(static_cast<int32_t>(plans.size())) {}
 
-Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
-                                           const SavePlanOptions& options) {
-  const int32_t num_ranks = static_cast<int32_t>(plans.size());
-  // Group every item by key.
-  std::unordered_map<std::string_view, uint32_t> group_of_key;
-  std::vector<std::vector<ItemRef>> groups;
-  size_t total_items = 0;
-  for (const LocalPlan& p : plans) total_items += p.items.size();
-  group_of_key.reserve(total_items / std::max<int32_t>(num_ranks, 1) * 2 + 16);
-  for (int32_t r = 0; r < num_ranks; ++r) {
-    const auto& items = plans[r].items;
-    for (uint32_t i = 0; i < items.size(); ++i) {
-      auto [it, inserted] = group_of_key.try_emplace(items[i].key, groups.size());
-      if (inserted) groups.emplace_back();
-      groups[it->second].push_back({r, i});
-    }
-  }
-  auto item_of = [&](const ItemRef& ref) -> const LocalItem& {
-    return plans[ref.rank].items[ref.item];
-  };
-  auto who = [&](const ItemRef& ref) {
-    return DescribeHolders(std::span<const ItemRef>(&ref, 1), options);
-  };
-  std::vector<uint32_t> group_order(groups.size());
-  std::iota(group_order.begin(), group_order.end(), 0);
-  std::sort(group_order.begin(), group_order.end(), [&](uint32_t a, uint32_t b) {
-    return item_of(groups[a][0]).key < item_of(groups[b][0]).key;
-  });
-
-  GlobalSavePlan plan;
-  plan.writes.resize(num_ranks);
-  std::vector<Shard> shards;
-  shards.reserve(total_items);
-  std::vector<ItemRef> holders;
-  holders.reserve(total_items);
-  auto holders_of = [&](const Shard& shard) {
-    return std::span<const ItemRef>(holders).subspan(shard.holder_begin, shard.holder_count);
-  };
-  for (uint32_t g : group_order) {
-    const std::vector<ItemRef>& refs = groups[g];
-    const LocalItem& first = item_of(refs[0]);
-    const std::string& key = first.key;
-    for (const ItemRef& ref : refs) {
-      const LocalItem& item = item_of(ref);
-      if (item.kind != first.kind) {
-        return InvalidArgument(
-            "key '" + key + "' is a " + (first.kind == ItemKind::kTensor ? "tensor" : "object") +
-            " on " + who(refs[0]) + " but a " +
-            (item.kind == ItemKind::kTensor ? "tensor" : "object") + " on " + who(ref));
+  Result<GlobalSavePlan> Build() {
+    plan_.writes.resize(num_ranks_);
+    for (const std::vector<ItemRef>& refs : GroupsByKey()) {
+      TESSERA_RETURN_IF_ERROR(CheckSameKind(refs));
+      if (Item(refs[0]).kind == ItemKind::kObject) {
+        AddObject(refs);
+      } else {
+        TESSERA_RETURN_IF_ERROR(AddTensor(refs));
       }
     }
-    if (first.kind == ItemKind::kObject) {
-      Shard shard;
-      shard.holder_begin = static_cast<uint32_t>(holders.size());
-      shard.holder_count = static_cast<uint32_t>(refs.size());
-      holders.insert(holders.end(), refs.begin(), refs.end());
-      shard.num_bytes = first.num_bytes;
-      shard.tensor = -1;
-      shard.index = static_cast<uint32_t>(plan.metadata.objects.size());
-      plan.metadata.objects.push_back(ObjectInfo{key, {}, first.object_encoding});
-      shards.push_back(std::move(shard));
-      continue;
+    TESSERA_RETURN_IF_ERROR(ChooseMainReplicas());
+    if (options_.balance_writes) BalanceWrites();
+    return Finish();
+  }
+
+ private:
+  const LocalItem& Item(const ItemRef& ref) const { return plans_[ref.rank].items[ref.item]; }
+  std::string Who(const ItemRef& ref) const {
+    return DescribeHolders(std::span<const ItemRef>(&ref, 1), options_);
+  }
+  std::span<const ItemRef> HoldersOf(const Shard& shard) const {
+    return std::span<const ItemRef>(holders_).subspan(shard.holder_begin, shard.holder_count);
+  }
+
+  // Every item, grouped by key, the groups sorted by key; each group in rank order.
+  std::vector<std::vector<ItemRef>> GroupsByKey() {
+    std::unordered_map<std::string_view, uint32_t> group_of_key;
+    std::vector<std::vector<ItemRef>> groups;
+    size_t total_items = 0;
+    for (const LocalPlan& p : plans_) total_items += p.items.size();
+    group_of_key.reserve(total_items / std::max<int32_t>(num_ranks_, 1) * 2 + 16);
+    for (int32_t r = 0; r < num_ranks_; ++r) {
+      const auto& items = plans_[r].items;
+      for (uint32_t i = 0; i < items.size(); ++i) {
+        auto [it, inserted] = group_of_key.try_emplace(items[i].key, groups.size());
+        if (inserted) groups.emplace_back();
+        groups[it->second].push_back({r, i});
+      }
     }
-    // A tensor: dtype and shape must agree everywhere.
-    bool partial = false;
+    std::sort(groups.begin(), groups.end(),
+              [&](const std::vector<ItemRef>& a, const std::vector<ItemRef>& b) {
+                return Item(a[0]).key < Item(b[0]).key;
+              });
+    shards_.reserve(total_items);
+    holders_.reserve(total_items);
+    return groups;
+  }
+
+  Status CheckSameKind(const std::vector<ItemRef>& refs) const {
+    const LocalItem& first = Item(refs[0]);
     for (const ItemRef& ref : refs) {
-      const LocalItem& item = item_of(ref);
+      const LocalItem& item = Item(ref);
+      if (item.kind != first.kind) {
+        return InvalidArgument(
+            "key '" + first.key + "' is a " +
+            (first.kind == ItemKind::kTensor ? "tensor" : "object") + " on " + Who(refs[0]) +
+            " but a " + (item.kind == ItemKind::kTensor ? "tensor" : "object") + " on " + Who(ref));
+      }
+    }
+    return Status::Ok();
+  }
+
+  // An object: one shard, held by every rank that has it.
+  void AddObject(const std::vector<ItemRef>& refs) {
+    const LocalItem& first = Item(refs[0]);
+    Shard shard;
+    shard.holder_begin = static_cast<uint32_t>(holders_.size());
+    shard.holder_count = static_cast<uint32_t>(refs.size());
+    holders_.insert(holders_.end(), refs.begin(), refs.end());
+    shard.num_bytes = first.num_bytes;
+    shard.tensor = -1;
+    shard.index = static_cast<uint32_t>(plan_.metadata.objects.size());
+    plan_.metadata.objects.push_back(ObjectInfo{first.key, {}, first.object_encoding});
+    shards_.push_back(std::move(shard));
+  }
+
+  // A tensor's items must agree on dtype and global shape, and each box must lie inside it.
+  // Sets *partial when some rank saves it partial.
+  Status CheckTensorAgrees(const std::vector<ItemRef>& refs, bool* partial) const {
+    const LocalItem& first = Item(refs[0]);
+    const std::string& key = first.key;
+    for (const ItemRef& ref : refs) {
+      const LocalItem& item = Item(ref);
       if (item.dtype != first.dtype) {
         return InvalidArgument("key '" + key + "': dtype " + std::string(DTypeName(first.dtype)) +
-                               " on " + who(refs[0]) + " but " +
-                               std::string(DTypeName(item.dtype)) + " on " + who(ref));
+                               " on " + Who(refs[0]) + " but " +
+                               std::string(DTypeName(item.dtype)) + " on " + Who(ref));
       }
       if (item.global_shape != first.global_shape) {
         return InvalidArgument("key '" + key + "': global shape " +
-                               ShapeToString(first.global_shape) + " on " + who(refs[0]) + " but " +
-                               ShapeToString(item.global_shape) + " on " + who(ref));
+                               ShapeToString(first.global_shape) + " on " + Who(refs[0]) + " but " +
+                               ShapeToString(item.global_shape) + " on " + Who(ref));
       }
       if (!item.box.InBounds(item.global_shape)) {
         return Status(StatusCode::kOutOfRange,
-                      "key '" + key + "': box " + item.box.ToString() + " on " + who(ref) +
+                      "key '" + key + "': box " + item.box.ToString() + " on " + Who(ref) +
                           " is outside the global shape " + ShapeToString(item.global_shape));
       }
-      partial = partial || item.partial;
+      *partial = *partial || item.partial;
     }
-    const int32_t tensor_index = static_cast<int32_t>(plan.metadata.tensors.size());
-    TensorInfo info;
-    info.key = key;
-    info.dtype = first.dtype;
-    info.global_shape = first.global_shape;
-    info.partial = partial;
-    // Unique boxes and who holds each.
+    return Status::Ok();
+  }
+
+  // The items that hold bytes to write, sorted by box, then rank: runs of equal boxes are the
+  // holders of one chunk.
+  std::vector<ItemRef> ItemsByBox(const std::vector<ItemRef>& refs) const {
+    const Shape& shape = Item(refs[0]).global_shape;
     std::vector<ItemRef> sorted;
     sorted.reserve(refs.size());
-    const bool empty_tensor = Box::Whole(first.global_shape).empty();
+    const bool empty_tensor = Box::Whole(shape).empty();
     for (const ItemRef& ref : refs) {
       // An item without bytes holds nothing to write: an empty box, or the empty flat range of
       // a 0-d tensor (whose box, with no dimensions, is never empty).
-      if (item_of(ref).num_bytes > 0 || empty_tensor) sorted.push_back(ref);
+      if (Item(ref).num_bytes > 0 || empty_tensor) sorted.push_back(ref);
     }
     std::sort(sorted.begin(), sorted.end(), [&](const ItemRef& a, const ItemRef& b) {
-      const Box& ba = item_of(a).box;
-      const Box& bb = item_of(b).box;
+      const Box& ba = Item(a).box;
+      const Box& bb = Item(b).box;
       if (ba != bb) return ba < bb;
       return a.rank < b.rank;
     });
     if (empty_tensor && !sorted.empty()) {
       // Nothing to write but the tensor itself: one empty chunk, the whole (empty) box.
-      std::vector<ItemRef> holders;
+      std::vector<ItemRef> whole;
       for (const ItemRef& ref : sorted) {
-        if (item_of(ref).box == Box::Whole(first.global_shape)) holders.push_back(ref);
+        if (Item(ref).box == Box::Whole(shape)) whole.push_back(ref);
       }
-      if (holders.empty()) holders.push_back(sorted[0]);
-      sorted = std::move(holders);
+      if (whole.empty()) whole.push_back(sorted[0]);
+      sorted = std::move(whole);
     }
-    // One chunk per unique box; its holders are the run of equal boxes in `sorted`.
-    const size_t first_shard = shards.size();
+    return sorted;
+  }
+
+  // A tensor: one chunk (and shard) per unique box, whose holders are the items of that box.
+  Status AddTensor(const std::vector<ItemRef>& refs) {
+    const LocalItem& first = Item(refs[0]);
+    bool partial = false;
+    TESSERA_RETURN_IF_ERROR(CheckTensorAgrees(refs, &partial));
+    const int32_t tensor_index = static_cast<int32_t>(plan_.metadata.tensors.size());
+    TensorInfo info;
+    info.key = first.key;
+    info.dtype = first.dtype;
+    info.global_shape = first.global_shape;
+    info.partial = partial;
+    const std::vector<ItemRef> sorted = ItemsByBox(refs);
+    const size_t first_shard = shards_.size();
     info.chunks.reserve(sorted.size());
     for (const ItemRef& ref : sorted) {
-      const Box& box = item_of(ref).box;
+      const Box& box = Item(ref).box;
       if (info.chunks.empty() || info.chunks.back().box != box) {
         info.chunks.push_back(ChunkInfo{.box = box});
         Shard shard;
-        shard.holder_begin = static_cast<uint32_t>(holders.size());
-        shard.num_bytes = item_of(ref).num_bytes;
+        shard.holder_begin = static_cast<uint32_t>(holders_.size());
+        shard.num_bytes = Item(ref).num_bytes;
         shard.tensor = tensor_index;
         shard.index = static_cast<uint32_t>(info.chunks.size() - 1);
-        shards.push_back(shard);
+        shards_.push_back(shard);
       }
-      holders.push_back(ref);
-      shards.back().holder_count += 1;
+      holders_.push_back(ref);
+      shards_.back().holder_count += 1;
     }
-    if (auto failure =
-            CheckTiling(info.chunks, info.global_shape, !partial && options.require_coverage)) {
-      std::string message = "key '" + key + "': " + failure->message;
-      if (failure->first >= 0) {
-        message += " (held by " +
-                   DescribeHolders(holders_of(shards[first_shard + failure->first]), options);
-        if (failure->second >= 0) {
-          message +=
-              " and " + DescribeHolders(holders_of(shards[first_shard + failure->second]), options);
-        }
-        message += ")";
-      }
-      return InvalidArgument(std::move(message));
-    }
-    plan.metadata.tensors.push_back(std::move(info));
+    TESSERA_RETURN_IF_ERROR(CheckChunksTile(info, first_shard));
+    plan_.metadata.tensors.push_back(std::move(info));
+    return Status::Ok();
   }
 
-  // Writers. Default: the lowest-ranked main replica. balance_writes: greedy over all holders.
-  auto describe_shard = [&](const Shard& shard) {
-    if (shard.tensor < 0) return "object '" + plan.metadata.objects[shard.index].key + "'";
-    const TensorInfo& t = plan.metadata.tensors[shard.tensor];
-    return "key '" + t.key + "' box " + t.chunks[shard.index].box.ToString();
-  };
-  for (Shard& shard : shards) {
-    std::span<const ItemRef> held_by = holders_of(shard);
-    auto main = std::find_if(held_by.begin(), held_by.end(), [&](const ItemRef& h) {
-      return IsMainReplica(item_of(h).replica_id);
-    });
-    if (main == held_by.end()) {
-      if (num_ranks == 1) {  // no "rank 0" in a one-rank run: name the replica id instead
-        std::string id;
-        for (int32_t v : item_of(held_by[0]).replica_id)
-          id += (id.empty() ? "" : ", ") + std::to_string(v);
-        return InvalidArgument(describe_shard(shard) + " has replica id [" + id +
-                               "] and nothing holds its main replica (replica id all zeros), "
-                               "the copy that is written");
+  // The chunks of `info` (shards from `first_shard` on) are disjoint, and cover the tensor
+  // unless it is partial or coverage is not required; the error names who holds the culprits.
+  Status CheckChunksTile(const TensorInfo& info, size_t first_shard) const {
+    auto failure =
+        CheckTiling(info.chunks, info.global_shape, !info.partial && options_.require_coverage);
+    if (!failure) return Status::Ok();
+    std::string message = "key '" + info.key + "': " + failure->message;
+    if (failure->first >= 0) {
+      message += " (held by " +
+                 DescribeHolders(HoldersOf(shards_[first_shard + failure->first]), options_);
+      if (failure->second >= 0) {
+        message +=
+            " and " + DescribeHolders(HoldersOf(shards_[first_shard + failure->second]), options_);
       }
-      return InvalidArgument(describe_shard(shard) + " is held by " +
-                             DescribeHolders(held_by, options) +
-                             " but none holds the main replica (replica id all zeros)");
+      message += ")";
     }
-    shard.writer = *main;
+    return InvalidArgument(std::move(message));
   }
-  if (options.balance_writes) {
-    std::vector<uint32_t> order(shards.size());
+
+  std::string DescribeShard(const Shard& shard) const {
+    if (shard.tensor < 0) return "object '" + plan_.metadata.objects[shard.index].key + "'";
+    const TensorInfo& t = plan_.metadata.tensors[shard.tensor];
+    return "key '" + t.key + "' box " + t.chunks[shard.index].box.ToString();
+  }
+
+  // The default writer of each shard: the lowest-ranked holder of its main replica.
+  Status ChooseMainReplicas() {
+    for (Shard& shard : shards_) {
+      std::span<const ItemRef> held_by = HoldersOf(shard);
+      auto main = std::find_if(held_by.begin(), held_by.end(),
+                               [&](const ItemRef& h) { return IsMainReplica(Item(h).replica_id); });
+      if (main == held_by.end()) return NoMainReplica(shard);
+      shard.writer = *main;
+    }
+    return Status::Ok();
+  }
+
+  Status NoMainReplica(const Shard& shard) const {
+    std::span<const ItemRef> held_by = HoldersOf(shard);
+    if (num_ranks_ == 1) {  // no "rank 0" in a one-rank run: name the replica id instead
+      std::string id;
+      for (int32_t v : Item(held_by[0]).replica_id) {
+        id += (id.empty() ? "" : ", ") + std::to_string(v);
+      }
+      return InvalidArgument(DescribeShard(shard) + " has replica id [" + id +
+                             "] and nothing holds its main replica (replica id all zeros), "
+                             "the copy that is written");
+    }
+    return InvalidArgument(DescribeShard(shard) + " is held by " +
+                           DescribeHolders(held_by, options_) +
+                           " but none holds the main replica (replica id all zeros)");
+  }
+
+  // balance_writes: greedy over all holders, the shards with fewest holders and most bytes
+  // first, each to its least loaded holder (ties to the lowest rank).
+  void BalanceWrites() {
+    std::vector<uint32_t> order(shards_.size());
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-      if (shards[a].holder_count != shards[b].holder_count) {
-        return shards[a].holder_count < shards[b].holder_count;
+      if (shards_[a].holder_count != shards_[b].holder_count) {
+        return shards_[a].holder_count < shards_[b].holder_count;
       }
-      return shards[a].num_bytes > shards[b].num_bytes;
+      return shards_[a].num_bytes > shards_[b].num_bytes;
     });
-    std::vector<uint64_t> load(num_ranks, 0);
+    std::vector<uint64_t> load(num_ranks_, 0);
     for (uint32_t s : order) {
-      Shard& shard = shards[s];
-      std::span<const ItemRef> held_by = holders_of(shard);
+      Shard& shard = shards_[s];
+      std::span<const ItemRef> held_by = HoldersOf(shard);
       const ItemRef* best = &held_by[0];
       for (const ItemRef& h : held_by) {
         if (load[h.rank] < load[best->rank]) best = &h;  // holders ascend by rank: ties by rank
@@ -407,20 +460,39 @@ Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
       load[best->rank] += shard.num_bytes;
     }
   }
-  plan.chunk_writers.resize(plan.metadata.tensors.size());
-  for (size_t t = 0; t < plan.metadata.tensors.size(); ++t) {
-    plan.chunk_writers[t].resize(plan.metadata.tensors[t].chunks.size());
+
+  // The writer tables and each rank's writes, from the shards' writers.
+  GlobalSavePlan Finish() {
+    plan_.chunk_writers.resize(plan_.metadata.tensors.size());
+    for (size_t t = 0; t < plan_.metadata.tensors.size(); ++t) {
+      plan_.chunk_writers[t].resize(plan_.metadata.tensors[t].chunks.size());
+    }
+    plan_.object_writers.resize(plan_.metadata.objects.size());
+    for (const Shard& shard : shards_) {
+      (shard.tensor >= 0 ? plan_.chunk_writers[shard.tensor][shard.index]
+                         : plan_.object_writers[shard.index]) = shard.writer;
+      plan_.writes[shard.writer.rank].push_back(shard.writer.item);
+      plan_.total_bytes += shard.num_bytes;
+    }
+    for (auto& w : plan_.writes) std::sort(w.begin(), w.end());
+    plan_.metadata.num_ranks = options_.num_ranks >= 0 ? options_.num_ranks : num_ranks_;
+    return std::move(plan_);
   }
-  plan.object_writers.resize(plan.metadata.objects.size());
-  for (const Shard& shard : shards) {
-    (shard.tensor >= 0 ? plan.chunk_writers[shard.tensor][shard.index]
-                       : plan.object_writers[shard.index]) = shard.writer;
-    plan.writes[shard.writer.rank].push_back(shard.writer.item);
-    plan.total_bytes += shard.num_bytes;
-  }
-  for (auto& w : plan.writes) std::sort(w.begin(), w.end());
-  plan.metadata.num_ranks = options.num_ranks >= 0 ? options.num_ranks : num_ranks;
-  return plan;
+
+  const std::span<const LocalPlan> plans_;
+  const SavePlanOptions& options_;
+  const int32_t num_ranks_;
+  GlobalSavePlan plan_;
+  std::vector<Shard> shards_;
+  // The holders of every shard, in one array (Shard::holder_begin, holder_count).
+  std::vector<ItemRef> holders_;
+};
+
+}  // namespace
+
+Result<GlobalSavePlan> BuildGlobalSavePlan(std::span<const LocalPlan> plans,
+                                           const SavePlanOptions& options) {
+  return GlobalPlanBuilder(plans, options).Build();
 }
 
 // ---- write results ---------------------------------------------------------------------------
