@@ -13,6 +13,7 @@
 #include <string_view>
 #include <utility>
 #include <variant>
+#include <vector>
 
 namespace tessera {
 
@@ -34,6 +35,34 @@ enum class StatusCode : int {
 
 std::string_view StatusCodeName(StatusCode code);
 
+// Typed facts of a failure beside its message, for callers that act on them (the Python layer
+// raises and advises from these fields, never from the text). Arrow's StatusDetail is the
+// model. Travels with the status: through WithContext, and between ranks (AgreeOnStatus).
+struct StatusDetail {
+  // Numbers are part of the Python bindings' contract: do not renumber.
+  enum class Kind : uint8_t {
+    kNone = 0,
+    kMissingKeys = 1,     // keys asked for that the checkpoint lacks
+    kUnexpectedKeys = 2,  // keys in the checkpoint that no rank asked for
+    kShapeMismatch = 3,   // a tensor's shape differs from the checkpoint's
+    kDTypeMismatch = 4,   // a tensor's dtype differs from the checkpoint's
+    kNotCovered = 5,      // a tensor's chunks do not cover it
+    kCorruption = 6,      // stored bytes are not what the index says (`file`, `offset`)
+    kBadOption = 7,       // an option's value is not valid (`options`)
+  };
+  Kind kind = Kind::kNone;
+  std::vector<std::string> keys;  // the keys concerned (at most the ones the message names)
+  // The options the message names, as C++ spells them ("LoadOptions::num_io_threads",
+  // "allow_shape_mismatch"); the first is the one that would change the outcome when `advice`
+  // is set.
+  std::vector<std::string> options;
+  // The advice the message ends with, in parentheses, without them: e.g. "set
+  // LoadOptions::missing_keys = kSkip to load the rest". Empty: none.
+  std::string advice;
+  std::string file;     // kCorruption: the file, as the message names it
+  int64_t offset = -1;  // kCorruption: the byte offset in `file` (-1: unknown)
+};
+
 class [[nodiscard]] Status {
  public:
   Status() = default;  // OK
@@ -48,8 +77,13 @@ class [[nodiscard]] Status {
   // "OK" or "<CodeName>: <message>".
   std::string ToString() const;
 
-  // Returns a copy whose message is "<context>: <message>". OK stays OK.
+  // Returns a copy whose message is "<context>: <message>" (the detail kept). OK stays OK.
   Status WithContext(std::string_view context) const;
+
+  // The typed facts of the failure, or null when it has none (and for OK).
+  const StatusDetail* detail() const { return state_ ? state_->detail.get() : nullptr; }
+  // A copy that carries `detail`. OK stays OK.
+  Status WithDetail(StatusDetail detail) const;
 
   // Explicitly ignores this status (for best-effort cleanup paths).
   void IgnoreError() const {}
@@ -58,6 +92,7 @@ class [[nodiscard]] Status {
   struct State {
     StatusCode code;
     std::string message;
+    std::shared_ptr<const StatusDetail> detail;  // null: none
   };
   // Null when OK, so an OK status costs one pointer and no allocation.
   std::shared_ptr<const State> state_;
@@ -79,6 +114,9 @@ Status StatusFromErrno(std::string message, int errno_value);
 Status Unimplemented(std::string message);
 Status Internal(std::string message);
 Status Aborted(std::string message);
+// kInvalidArgument "<option> <problem>" with a kBadOption detail naming `option` as C++ spells
+// it ("SaveOptions::num_io_threads must be at least 1, got 0").
+Status BadOption(std::string option, std::string_view problem);
 Status DeadlineExceeded(std::string message);
 
 // Either a T or a non-OK Status.

@@ -1,6 +1,10 @@
 #include "py_status.h"
 
+#include <pybind11/stl.h>
+
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -13,10 +17,46 @@ py::str TextToStr(const std::string& text) {
   return py::reinterpret_steal<py::str>(str);
 }
 
+namespace {
+
+// StatusDetail's fields as a dict (_errors.from_status reads it), or None.
+py::object DetailToDict(const StatusDetail* detail) {
+  if (!detail) return py::none();
+  py::dict out;
+  out["kind"] = static_cast<int>(detail->kind);
+  py::list keys, options;
+  for (const std::string& key : detail->keys) keys.append(TextToStr(key));
+  for (const std::string& option : detail->options) options.append(TextToStr(option));
+  out["keys"] = keys;
+  out["options"] = options;
+  out["advice"] = TextToStr(detail->advice);
+  out["file"] = TextToStr(detail->file);
+  out["offset"] = detail->offset;
+  return out;
+}
+
+// The inverse, for _raise_status: a dict with any of StatusDetail's fields.
+StatusDetail DetailFromDict(const py::dict& fields) {
+  StatusDetail detail;
+  if (fields.contains("kind")) {
+    detail.kind = static_cast<StatusDetail::Kind>(fields["kind"].cast<int>());
+  }
+  if (fields.contains("keys")) detail.keys = fields["keys"].cast<std::vector<std::string>>();
+  if (fields.contains("options")) {
+    detail.options = fields["options"].cast<std::vector<std::string>>();
+  }
+  if (fields.contains("advice")) detail.advice = fields["advice"].cast<std::string>();
+  if (fields.contains("file")) detail.file = fields["file"].cast<std::string>();
+  if (fields.contains("offset")) detail.offset = fields["offset"].cast<int64_t>();
+  return detail;
+}
+
+}  // namespace
+
 py::object StatusToException(const Status& status) {
   py::object from_status = py::module_::import("tessera._errors").attr("from_status");
   return from_status(static_cast<int>(status.code()), std::string(StatusCodeName(status.code())),
-                     TextToStr(status.message()));
+                     TextToStr(status.message()), DetailToDict(status.detail()));
 }
 
 Status StatusFromPythonError(py::error_already_set& error, StatusCode fallback,
@@ -53,13 +93,14 @@ void RegisterStatus(py::module_& m) {
   // For tests of the mapping: raises the exception a status of `code` becomes.
   m.def(
       "_raise_status",
-      [](int code, const std::string& message) {
+      [](int code, const std::string& message, std::optional<py::dict> detail) {
         if (code <= 0 || code > static_cast<int>(StatusCode::kDeadlineExceeded)) {
           throw py::value_error("not an error status code: " + std::to_string(code));
         }
-        throw StatusError(Status(static_cast<StatusCode>(code), message));
+        Status status(static_cast<StatusCode>(code), message);
+        throw StatusError(detail ? status.WithDetail(DetailFromDict(*detail)) : status);
       },
-      py::arg("code"), py::arg("message"));
+      py::arg("code"), py::arg("message"), py::arg("detail") = py::none());
 }
 
 }  // namespace tessera::python

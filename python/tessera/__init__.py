@@ -28,7 +28,8 @@ from ._api import (async_save, convert, finalize, load, load_all, read_metadata,
                    verify)
 from ._manager import CheckpointManager, CheckpointWarning, ManagedSave, RestoreResult
 from ._errors import (AlreadyExistsError, CommError, CommTimeoutError, CorruptCheckpointError,
-                      Error, FailedPreconditionError, InternalError, InvalidArgumentError,
+                      Error, ErrorDetail, FailedPreconditionError, InternalError,
+                      InvalidArgumentError,
                       MissingKeysError, NotFoundError, PartialLoadWarning, StorageError,
                       UnimplementedError)
 from ._state import STRUCTURE_KEY, ShardedObject, ShardedTensor
@@ -70,7 +71,7 @@ __all__ = [
     "AlreadyExistsError", "AsyncSaveHandle", "CheckpointManager", "CheckpointWarning", "Comm",
     "CommError", "CommTimeoutError", "ManagedSave", "RestoreResult",
     "ConvertReport", "convert",
-    "CorruptCheckpointError", "Error", "FailedPreconditionError", "HAS_MPI", "InternalError",
+    "CorruptCheckpointError", "Error", "ErrorDetail", "FailedPreconditionError", "HAS_MPI", "InternalError",
     "InvalidArgumentError", "LoadReport", "Metadata", "MissingKeysError", "NotFoundError",
     "PartialLoadWarning", "STRUCTURE_KEY", "SaveReport", "ShardedObject", "ShardedTensor", "StorageError",
     "UnimplementedError", "VerifyReport", "async_save", "finalize", "load", "load_all", "mpi_comm",

@@ -25,15 +25,19 @@ All of them derive from :class:`tessera.Error`, which carries ``code`` (the stat
 e.g. ``"DataLoss"``) and ``status_code`` (its number, see include/tessera/status.h).
 
 Messages speak Python: where the library names a C++ option ("set LoadOptions::missing_keys =
-kSkip"), the exception names the Python argument that sets it ("pass strict=False").
+kSkip"), the exception names the Python argument that sets it ("pass strict=False"). Both the
+class and the wording follow the typed detail of the status (``error.detail``, an
+:class:`ErrorDetail`: its kind, keys, options, file and offset), never its text.
 
 Messages hold no control character raw: a key or a path from a checkpoint may carry terminal
 escape sequences, so control characters (U+0000..U+001F, U+007F..U+009F) appear as ``\\xNN``,
 the bytes of their UTF-8 encoding, as in the library's own messages and the CLI's tables.
 """
 
+import dataclasses
 import re
 import warnings
+from typing import Any, Mapping, Optional, Tuple
 
 # Numbers of include/tessera/status.h (StatusCode); part of the bindings' contract.
 _OK = 0
@@ -55,6 +59,8 @@ class Error(Exception):
 
     code = "Unknown"
     status_code = -1
+    #: The typed facts of the failure (ErrorDetail), or None when the library gave none.
+    detail: "Optional[ErrorDetail]" = None
 
     def __str__(self) -> str:
         return Exception.__str__(self)
@@ -124,26 +130,47 @@ _CLASSES = {
     _DEADLINE_EXCEEDED: CommTimeoutError,
 }
 
-# The one NotFound the library returns for keys rather than files (src/plan/load_plan.cc).
-_MISSING_KEYS_TEXT = " has no key "
+# Numbers of include/tessera/status.h (StatusDetail::Kind); part of the bindings' contract.
+_DETAIL_KINDS = {0: "none", 1: "missing_keys", 2: "unexpected_keys", 3: "shape_mismatch",
+                 4: "dtype_mismatch", 5: "not_covered", 6: "corruption", 7: "bad_option"}
 
 
-# Hints of library messages that name C++ options -> the Python arguments that set them.
-_PYTHON_HINTS = (
-    (" (set LoadOptions::missing_keys = kSkip to load the rest)",
-     " (pass strict=False to load the rest)"),
-    (" (set LoadOptions::unexpected_keys = kSkip to ignore)",
-     " (pass strict=False to load only the keys asked for)"),
-    (" (set allow_shape_mismatch to load the common part)",
-     " (pass allow_shape_mismatch=True to its ShardedTensor to load the common part)"),
-    (" (set LoadOptions::cast_dtypes to convert between float dtypes)",
-     " (pass cast_dtypes=True to convert between float dtypes)"),
-    (" (mark the tensor partial if that is intended)",
-     " (pass partial=True to its ShardedTensor if that is intended)"),
-)
-# Any other option named as a C++ struct field: "LoadOptions::num_io_threads" -> the keyword
-# argument "num_io_threads".
-_OPTION_FIELD = re.compile(r"\b(?:Save|Load|AsyncSave|Verify)Options::(\w+)")
+@dataclasses.dataclass(frozen=True)
+class ErrorDetail:
+    """The typed facts of a failure (C++ StatusDetail), beside its message.
+
+    ``kind``: "missing_keys", "unexpected_keys", "shape_mismatch", "dtype_mismatch",
+    "not_covered", "corruption", "bad_option" or "none". ``keys``: the keys concerned.
+    ``options``: the options the message names, as Python arguments; ``advice``: the advice the
+    message ends with in parentheses, as worded there ("" when none). ``file`` and ``offset``:
+    where corrupt bytes are (offset -1 when unknown)."""
+
+    kind: str = "none"
+    keys: Tuple[str, ...] = ()
+    options: Tuple[str, ...] = ()
+    advice: str = ""
+    file: str = ""
+    offset: int = -1
+
+
+ErrorDetail.__module__ = "tessera"
+
+# The advice of the library's messages, by the option that would change the outcome (the first
+# of StatusDetail::options), as the Python argument that sets it.
+_PYTHON_ADVICE = {
+    "LoadOptions::missing_keys": "pass strict=False to load the rest",
+    "LoadOptions::unexpected_keys": "pass strict=False to load only the keys asked for",
+    "allow_shape_mismatch":
+        "pass allow_shape_mismatch=True to its ShardedTensor to load the common part",
+    "LoadOptions::cast_dtypes": "pass cast_dtypes=True to convert between float dtypes",
+    "partial": "pass partial=True to its ShardedTensor if that is intended",
+}
+
+
+def _python_option(option: str) -> str:
+    """A C++ option as the Python keyword argument that sets it: "LoadOptions::num_io_threads"
+    -> "num_io_threads"."""
+    return option.split("::", 1)[1] if "::" in option else option
 
 
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
@@ -155,11 +182,40 @@ def escape_controls(text):
     return _CONTROL.sub(lambda m: "".join(f"\\x{b:02x}" for b in m.group().encode()), text)
 
 
-def python_wording(message):
-    """`message` with C++ option names replaced by the Python arguments that set them."""
-    for cpp, python in _PYTHON_HINTS:
-        message = message.replace(cpp, python)
-    return _OPTION_FIELD.sub(r"\1", message)
+def _python_advice(detail: Mapping[str, Any]) -> str:
+    """The advice of a StatusDetail's fields in Python's words ("" when it has none)."""
+    options = list(detail.get("options", ()))
+    advice = str(detail.get("advice", ""))
+    if advice and options and options[0] in _PYTHON_ADVICE:
+        return _PYTHON_ADVICE[options[0]]
+    for option in options:
+        advice = advice.replace(option, _python_option(option))
+    return advice
+
+
+def python_wording(message: str, detail: Optional[Mapping[str, Any]]) -> str:
+    """`message` with the C++ options its `detail` names (StatusDetail::options, ::advice)
+    replaced by the Python arguments that set them."""
+    if not detail:
+        return message
+    advice = str(detail.get("advice", ""))
+    if advice:
+        message = message.replace(f"({advice})", f"({_python_advice(detail)})")
+    for option in detail.get("options", ()):
+        message = message.replace(option, _python_option(option))
+    return message
+
+
+def reword_advice(error: "Error", advice: str) -> "Error":
+    """`error` with the advice its message ends with (error.detail.advice) replaced by
+    `advice`, for callers that speak another API's words (tessera.megatron); unchanged when
+    its detail has no advice."""
+    detail = error.detail
+    if detail is None or not detail.advice:
+        return error
+    error.args = (str(error).replace(f"({detail.advice})", f"({advice})"),)
+    error.detail = dataclasses.replace(detail, advice=advice)
+    return error
 
 
 class PartialLoadWarning(UserWarning):
@@ -192,15 +248,25 @@ def _key_list(keys, limit=5):
     return shown + (f", ... ({len(keys)} keys)" if len(keys) > limit else "")
 
 
-def from_status(status_code, code_name, message):
-    """The exception (not raised) for a status; called by the extension module."""
-    message = escape_controls(python_wording(message))
+def from_status(status_code: int, code_name: str, message: str,
+                detail: Optional[Mapping[str, Any]] = None) -> "Error":
+    """The exception (not raised) for a status and its detail (a dict of StatusDetail's
+    fields, or None); called by the extension module. The class follows the code, and the
+    detail's kind where it says more (a NotFound of keys is a MissingKeysError); the message
+    speaks Python where the detail names options."""
+    message = escape_controls(python_wording(message, detail))
     cls = _CLASSES.get(status_code, InternalError)
-    if status_code == _NOT_FOUND and _MISSING_KEYS_TEXT in message:
+    kind = _DETAIL_KINDS.get(int(detail.get("kind", 0)), "none") if detail else "none"
+    if kind == "missing_keys":
         cls = MissingKeysError
     error = cls(message)
     error.code = code_name
     error.status_code = status_code
+    error.detail = None if not detail else ErrorDetail(
+        kind=kind, keys=tuple(detail.get("keys", ())),
+        options=tuple(_python_option(o) for o in detail.get("options", ())),
+        advice=_python_advice(detail),
+        file=str(detail.get("file", "")), offset=int(detail.get("offset", -1)))
     return error
 
 

@@ -22,7 +22,9 @@ _Progress = Callable[[int, int], object]
 
 # ---- statuses (py_status.cc) -------------------------------------------------------------------
 
-def _raise_status(code: int, message: str | bytes) -> NoReturn: ...
+def _raise_status(
+    code: int, message: str | bytes, detail: dict[str, Any] | None = None
+) -> NoReturn: ...
 
 # ---- state dicts (py_state.cc) -----------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, 
 from . import _adapters
 from . import _api
 from . import _state
-from ._errors import Error, invalid_argument, warn_partial_load
+from ._errors import Error, invalid_argument, reword_advice, warn_partial_load
 from ._tessera import AsyncSaveHandle, Comm
 from ._types import StateDict, StrPath
 
@@ -590,16 +590,16 @@ def _parse_strict(strict):
 
 
 def _megatron_wording(error, strict):
-    """A load error with tessera.load's advice ("pass strict=False") in Megatron's terms."""
-    message = str(error)
-    message = message.replace(
-        "(pass strict=False to load the rest)",
-        "(pass strict='log_unexpected' or 'return_unexpected' to load the rest)")
-    message = message.replace(
-        "(pass strict=False to load only the keys asked for)",
-        f"(strict={_strict_name(strict)!r}; the default 'assume_ok_unexpected' loads only the "
-        "keys asked for)")
-    error.args = (message,)
+    """A load error with tessera.load's advice ("pass strict=False") in Megatron's terms,
+    chosen by the error's detail (its kind), never by its text."""
+    kind = error.detail.kind if getattr(error, "detail", None) is not None else "none"
+    if kind == "missing_keys":
+        return reword_advice(
+            error, "pass strict='log_unexpected' or 'return_unexpected' to load the rest")
+    if kind == "unexpected_keys":
+        return reword_advice(
+            error, f"strict={_strict_name(strict)!r}; the default 'assume_ok_unexpected' loads "
+            "only the keys asked for")
     return error
 
 

@@ -34,8 +34,36 @@ def test_status_codes_map_to_exception_classes(code, cls, builtin):
 
 def test_not_found_of_keys_is_a_value_error():
     with pytest.raises(tessera.MissingKeysError) as info:
-        _tessera._raise_status(2, "the checkpoint at /x has no key 'a'")
+        _tessera._raise_status(2, "the checkpoint at /x has no key 'a'",
+                               {"kind": 1, "keys": ["a"], "options": ["LoadOptions::missing_keys"]})
     assert isinstance(info.value, ValueError) and info.value.code == "NotFound"
+    assert info.value.detail == tessera.ErrorDetail(kind="missing_keys", keys=("a",),
+                                                    options=("missing_keys",))
+
+
+def test_errors_map_by_fields_never_by_text():
+    # The words of a missing key, without the detail: a NotFound of a file, as the code says.
+    with pytest.raises(tessera.NotFoundError) as info:
+        _tessera._raise_status(2, "the checkpoint at /x has no key 'a' (set "
+                               "LoadOptions::missing_keys = kSkip to load the rest)")
+    assert not isinstance(info.value, tessera.MissingKeysError) and info.value.detail is None
+    assert "LoadOptions::missing_keys" in str(info.value)  # no detail names it: left as is
+    # The advice is reworded from the detail's option and advice fields.
+    with pytest.raises(tessera.InvalidArgumentError) as info:
+        _tessera._raise_status(1, "key 'w': saved dtype F32, requested I32 (set it up)",
+                               {"kind": 4, "keys": ["w"], "options": ["LoadOptions::cast_dtypes"],
+                                "advice": "set it up"})
+    assert str(info.value) == ("key 'w': saved dtype F32, requested I32 (pass cast_dtypes=True "
+                               "to convert between float dtypes)")
+    assert info.value.detail.kind == "dtype_mismatch"
+
+
+def test_a_bad_option_is_named_as_the_argument(tmp_path):
+    with pytest.raises(tessera.InvalidArgumentError) as info:
+        tessera.save({"w": np.zeros(2, np.float32)}, tmp_path / "c", num_io_threads=0)
+    assert str(info.value).startswith("num_io_threads must be at least 1"), str(info.value)
+    assert info.value.detail == tessera.ErrorDetail(kind="bad_option",
+                                                    options=("num_io_threads",))
 
 
 @pytest.fixture
@@ -185,8 +213,13 @@ def test_corrupt_chunk(saved):
     with pytest.raises(tessera.CorruptCheckpointError, match="checksum mismatch.*'w'") as info:
         tessera.verify(saved)
     assert isinstance(info.value, RuntimeError) and info.value.code == "DataLoss"
-    with pytest.raises(tessera.CorruptCheckpointError):
+    # Where, as fields: the file and the offset of the block whose bytes differ.
+    assert info.value.detail.kind == "corruption"
+    assert info.value.detail.file.endswith(name) and info.value.detail.offset == location.offset
+    with pytest.raises(tessera.CorruptCheckpointError) as info:
         tessera.load({"w": np.zeros((3, 4), np.float32), "step": 0}, saved)
+    assert info.value.detail.kind == "corruption" and info.value.detail.keys == ("w",)
+    assert info.value.detail.file.endswith(name)
 
 
 def test_missing_data_file(saved):

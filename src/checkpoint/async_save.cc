@@ -298,12 +298,12 @@ class StagingPool {
 // Checks the options AsyncSave adds to SaveOptions.
 Status ValidateStagingOptions(const AsyncSaveOptions& options) {
   if (options.staging_threads < 1) {
-    return InvalidArgument("AsyncSaveOptions::staging_threads must be at least 1, not " +
-                           std::to_string(options.staging_threads));
+    return BadOption("AsyncSaveOptions::staging_threads",
+                     "must be at least 1, not " + std::to_string(options.staging_threads));
   }
   if (options.staging_piece_bytes < 4096) {
-    return InvalidArgument("AsyncSaveOptions::staging_piece_bytes must be at least 4096, not " +
-                           std::to_string(options.staging_piece_bytes));
+    return BadOption("AsyncSaveOptions::staging_piece_bytes",
+                     "must be at least 4096, not " + std::to_string(options.staging_piece_bytes));
   }
   return Status::Ok();
 }

@@ -37,12 +37,14 @@ Result<Bytes> ReadWhole(Storage& storage, const std::string& path) {
 Status CheckUserMetadata(const std::map<std::string, std::string>& metadata) {
   for (const auto& [key, value] : metadata) {
     if (!IsValidUtf8(key)) {
-      return InvalidArgument("SaveOptions::user_metadata key " + QuoteBytes(key) +
-                             " is not valid UTF-8");
+      return BadOption("SaveOptions::user_metadata",
+                       "key " + QuoteBytes(key) + " is not valid UTF-8");
     }
     if (!IsValidUtf8(value)) {
       return InvalidArgument("SaveOptions::user_metadata[" + QuoteBytes(key) +
-                             "] = " + QuoteBytes(value) + " is not valid UTF-8");
+                             "] = " + QuoteBytes(value) + " is not valid UTF-8")
+          .WithDetail(
+              {.kind = StatusDetail::Kind::kBadOption, .options = {"SaveOptions::user_metadata"}});
     }
   }
   return Status::Ok();

@@ -68,10 +68,10 @@ Status CheckSaveFormat(const SaveOptions& options, bool coordinator) {
       return Status::Ok();
     case CheckpointFormat::kTorchDist:
       if (coordinator && !options.user_metadata.empty()) {
-        return InvalidArgument(
-            "SaveOptions::user_metadata must be empty with format torch_dist: a PyTorch DCP "
-            "checkpoint has no place for it (key '" +
-            options.user_metadata.begin()->first + "')");
+        return BadOption("SaveOptions::user_metadata",
+                         "must be empty with format torch_dist: a PyTorch DCP "
+                         "checkpoint has no place for it (key '" +
+                             options.user_metadata.begin()->first + "')");
       }
       return Status::Ok();
     default:

@@ -250,9 +250,10 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
           ? PlanRankReadsResolving(storage, root, index.metadata, state, path,
                                    options.missing_keys == KeyPolicy::kSkip, options.cast_dtypes,
                                    options.num_io_threads, resolved)
-          : Result<RankReadPlan>(InvalidArgument("LoadOptions::num_io_threads must be at least "
-                                                 "1, got " +
-                                                 std::to_string(options.num_io_threads)));
+          : Result<RankReadPlan>(BadOption("LoadOptions::num_io_threads",
+                                           "must be at least "
+                                           "1, got " +
+                                               std::to_string(options.num_io_threads)));
   const Metadata& metadata = resolved.metadata ? *resolved.metadata : index.metadata;
   const size_t num_keys = metadata.tensors.size() + metadata.objects.size();
   std::vector<int64_t> asked = planned.ok() ? planned->asked : std::vector<int64_t>(num_keys, 0);
@@ -278,9 +279,14 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
         list += (i ? ", '" : "'") + unexpected[i] + "'";
       }
       if (unexpected.size() > 10) list += ", ... (" + std::to_string(unexpected.size()) + " keys)";
+      StatusDetail detail{.kind = StatusDetail::Kind::kUnexpectedKeys,
+                          .keys = unexpected,
+                          .options = {"LoadOptions::unexpected_keys"},
+                          .advice = "set LoadOptions::unexpected_keys = kSkip to ignore"};
       plan_status =
           InvalidArgument("the checkpoint at " + path + " has keys no rank asked for: " + list +
-                          " (set LoadOptions::unexpected_keys = kSkip to ignore)");
+                          " (" + detail.advice + ")")
+              .WithDetail(std::move(detail));
     }
   }
   // Tensors in device memory are filled through pinned buffers (checkpoint/device_uploads.h);

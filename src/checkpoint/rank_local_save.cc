@@ -24,16 +24,18 @@ namespace {
 Status CheckRankLocalOptions(const SaveOptions& options, int rank, int num_ranks) {
   if (options.save_tag.empty()) {
     return InvalidArgument(
-        "SaveOptions::save_tag is required when SaveOptions::collective is false: it names the "
-        "save on every rank without a message (e.g. \"step-1000\")");
+               "SaveOptions::save_tag is required when SaveOptions::collective is false: it "
+               "names the save on every rank without a message (e.g. \"step-1000\")")
+        .WithDetail({.kind = StatusDetail::Kind::kBadOption,
+                     .options = {"SaveOptions::save_tag", "SaveOptions::collective"}});
   }
   if (options.format != CheckpointFormat::kTessera) {
-    return InvalidArgument(
-        "SaveOptions::collective false writes the tessera format only (rank manifests)");
+    return BadOption("SaveOptions::collective",
+                     "false writes the tessera format only (rank manifests)");
   }
   if (options.num_io_threads < 1) {
-    return InvalidArgument("SaveOptions::num_io_threads must be at least 1, got " +
-                           std::to_string(options.num_io_threads));
+    return BadOption("SaveOptions::num_io_threads",
+                     "must be at least 1, got " + std::to_string(options.num_io_threads));
   }
   if (rank < 0 || rank >= num_ranks) {
     return InvalidArgument("rank " + std::to_string(rank) + " is not one of " +

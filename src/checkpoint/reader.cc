@@ -237,8 +237,8 @@ void PlanUnitReads(const Metadata& metadata, const std::vector<ReadRun>& runs,
   }
 }
 
-std::string ChecksumMismatch(const std::string& dir, const Metadata& metadata, const UnitRead& unit,
-                             uint64_t actual) {
+std::string ChecksumMismatchText(const std::string& dir, const Metadata& metadata,
+                                 const UnitRead& unit, uint64_t actual) {
   const ChunkInfo& chunk = metadata.tensors[unit.tensor].chunks[unit.chunk];
   if (metadata.checksum == ChecksumKind::kCrc32) {
     char crcs[64];
@@ -258,6 +258,17 @@ std::string ChecksumMismatch(const std::string& dir, const Metadata& metadata, c
   return where + " of file " + JoinPath(dir, metadata.files[unit.file_index].name) + " at offset " +
          std::to_string(unit.offset) + ": expected " + Hex64(unit.checksum) + ", got " +
          Hex64(actual);
+}
+
+// kDataLoss naming the chunk, the file and the offset of the unit whose bytes do not match, as
+// text and as a kCorruption detail.
+Status ChecksumMismatch(const std::string& dir, const Metadata& metadata, const UnitRead& unit,
+                        uint64_t actual) {
+  return DataLoss(ChecksumMismatchText(dir, metadata, unit, actual))
+      .WithDetail({.kind = StatusDetail::Kind::kCorruption,
+                   .keys = {metadata.tensors[unit.tensor].key},
+                   .file = JoinPath(dir, metadata.files[unit.file_index].name),
+                   .offset = static_cast<int64_t>(unit.offset)});
 }
 
 // Performs one unit read. `buffer` holds kCheckedReadPiece bytes.
@@ -319,7 +330,7 @@ Status ReadUnit(const ReadableFile& file, const std::string& dir, const Metadata
     bytes_read += unit.length;
   }
   if (unit.check && checksum.Digest() != unit.checksum) {
-    return DataLoss(ChecksumMismatch(dir, metadata, unit, checksum.Digest()));
+    return ChecksumMismatch(dir, metadata, unit, checksum.Digest());
   }
   return Status::Ok();
 }
@@ -487,7 +498,11 @@ Status CheckObjectBytes(const Format& format, const std::string& dir, const Meta
   const uint64_t actual = Checksum(bytes.data(), bytes.size());
   if (actual != object.location.checksum) {
     return DataLoss("checksum mismatch in " + what + " of file " + file + ": expected " +
-                    Hex64(object.location.checksum) + ", got " + Hex64(actual));
+                    Hex64(object.location.checksum) + ", got " + Hex64(actual))
+        .WithDetail({.kind = StatusDetail::Kind::kCorruption,
+                     .keys = {object.key},
+                     .file = file,
+                     .offset = static_cast<int64_t>(object.location.offset)});
   }
   return Status::Ok();
 }

@@ -294,11 +294,12 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
   // global planning and the scatter: each rank reuses its write list, the coordinator its
   // global plan. A bad option is reported through the first collective like a bad state: a
   // rank that returned here would leave its peers waiting.
-  Result<LocalPlan> local = options.num_io_threads >= 1
-                                ? BuildLocalPlan(state)
-                                : Result<LocalPlan>(InvalidArgument(
-                                      "SaveOptions::num_io_threads must be at least 1, got " +
-                                      std::to_string(options.num_io_threads)));
+  Result<LocalPlan> local =
+      options.num_io_threads >= 1
+          ? BuildLocalPlan(state)
+          : Result<LocalPlan>(
+                BadOption("SaveOptions::num_io_threads",
+                          "must be at least 1, got " + std::to_string(options.num_io_threads)));
   if (local.ok() && coordinator) {
     if (Status text = CheckUserMetadata(options.user_metadata); !text.ok()) local = text;
   }

@@ -86,7 +86,10 @@ Status CheckBytes(const ReadableFile& file, const ExpectedChecksums& expected,
                                          ", " + std::to_string(block_end) + ") of it)"
                                    : "";
           return DataLoss("checksum mismatch in " + what + in_block + " of file " + file.path() +
-                          " at offset " + std::to_string(where.offset) + ": " + detail);
+                          " at offset " + std::to_string(where.offset) + ": " + detail)
+              .WithDetail({.kind = StatusDetail::Kind::kCorruption,
+                           .file = file.path(),
+                           .offset = static_cast<int64_t>(where.offset + block_index * block)});
         }
         checksum.Reset();
         ++block_index;
@@ -238,8 +241,8 @@ class DataFileChecker {
 
 Result<VerifyReport> Verify(const std::string& path, const VerifyOptions& options) {
   if (options.num_threads < 1) {
-    return InvalidArgument("VerifyOptions::num_threads must be at least 1, got " +
-                           std::to_string(options.num_threads));
+    return BadOption("VerifyOptions::num_threads",
+                     "must be at least 1, got " + std::to_string(options.num_threads));
   }
   if (!options.storage) {  // a URI (s3://, msc://, file://) or a local path
     TESSERA_ASSIGN_OR_RETURN(auto location, ResolveStorage(path, nullptr));

@@ -342,5 +342,34 @@ TEST(SingleRankCommTest, ArgumentErrorsAbortTheCommunicator) {
   EXPECT_TRUE(comm->Barrier().ok());  // the parent of an aborted communicator goes on
 }
 
+TEST(AgreeOnStatusTest, EveryRankGetsTheFailingRanksDetail) {
+  const StatusDetail sent{.kind = StatusDetail::Kind::kCorruption,
+                          .keys = {"w", "b"},
+                          .options = {"LoadOptions::verify_checksums"},
+                          .advice = "look",
+                          .file = "/c/tsr-0.safetensors",
+                          .offset = 4096};
+  std::vector<Status> agreed(3);
+  std::vector<Status> returned = RunLocalRanks(3, [&](Comm& comm) {
+    const Status local =
+        comm.rank() == 1 ? DataLoss("checksum mismatch").WithDetail(sent) : Status::Ok();
+    agreed[comm.rank()] = AgreeOnStatus(comm, local);
+    return Status::Ok();
+  });
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(returned[r].ok()) << returned[r].ToString();
+    EXPECT_EQ(agreed[r].code(), StatusCode::kDataLoss);
+    EXPECT_EQ(agreed[r].message(), "rank 1: checksum mismatch (1 of 3 ranks failed)");
+    const StatusDetail* got = agreed[r].detail();
+    ASSERT_NE(got, nullptr) << "rank " << r;
+    EXPECT_EQ(got->kind, sent.kind);
+    EXPECT_EQ(got->keys, sent.keys);
+    EXPECT_EQ(got->options, sent.options);
+    EXPECT_EQ(got->advice, sent.advice);
+    EXPECT_EQ(got->file, sent.file);
+    EXPECT_EQ(got->offset, sent.offset);
+  }
+}
+
 }  // namespace
 }  // namespace tessera

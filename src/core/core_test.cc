@@ -182,5 +182,26 @@ TEST(StatusTest, FromErrnoMapsTheCodesStoragesBranchOn) {
   EXPECT_THAT(full.message(), ::testing::StartsWith("write /x: "));
 }
 
+TEST(StatusTest, DetailTravelsWithContextAndBadOptionNamesTheOption) {
+  Status plain = NotFound("no key 'a'");
+  EXPECT_EQ(plain.detail(), nullptr);
+  Status with = plain.WithDetail({.kind = StatusDetail::Kind::kMissingKeys, .keys = {"a"}});
+  ASSERT_NE(with.detail(), nullptr);
+  EXPECT_EQ(with.message(), plain.message());
+  Status outer = with.WithContext("loading /c");
+  EXPECT_EQ(outer.message(), "loading /c: no key 'a'");
+  ASSERT_NE(outer.detail(), nullptr);
+  EXPECT_EQ(outer.detail()->kind, StatusDetail::Kind::kMissingKeys);
+  EXPECT_EQ(outer.detail()->keys, std::vector<std::string>{"a"});
+  EXPECT_EQ(Status::Ok().WithDetail({.keys = {"a"}}).detail(), nullptr);  // OK stays OK
+
+  Status option = BadOption("LoadOptions::num_io_threads", "must be at least 1, got 0");
+  EXPECT_EQ(option.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(option.message(), "LoadOptions::num_io_threads must be at least 1, got 0");
+  ASSERT_NE(option.detail(), nullptr);
+  EXPECT_EQ(option.detail()->kind, StatusDetail::Kind::kBadOption);
+  EXPECT_EQ(option.detail()->options, std::vector<std::string>{"LoadOptions::num_io_threads"});
+}
+
 }  // namespace
 }  // namespace tessera

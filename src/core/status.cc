@@ -37,7 +37,7 @@ std::string_view StatusCodeName(StatusCode code) {
 
 Status::Status(StatusCode code, std::string message) {
   if (code != StatusCode::kOk) {
-    state_ = std::make_shared<const State>(State{code, std::move(message)});
+    state_ = std::make_shared<const State>(State{code, std::move(message), nullptr});
   }
 }
 
@@ -59,7 +59,27 @@ Status Status::WithContext(std::string_view context) const {
   std::string message(context);
   message += ": ";
   message += state_->message;
-  return Status(code(), std::move(message));
+  Status out;
+  out.state_ = std::make_shared<const State>(State{code(), std::move(message), state_->detail});
+  return out;
+}
+
+Status Status::WithDetail(StatusDetail detail) const {
+  if (ok()) return *this;
+  Status out;
+  out.state_ = std::make_shared<const State>(
+      State{code(), state_->message, std::make_shared<const StatusDetail>(std::move(detail))});
+  return out;
+}
+
+Status BadOption(std::string option, std::string_view problem) {
+  std::string message = option;
+  message += ' ';
+  message += problem;
+  StatusDetail detail;
+  detail.kind = StatusDetail::Kind::kBadOption;
+  detail.options.push_back(std::move(option));
+  return InvalidArgument(std::move(message)).WithDetail(std::move(detail));
 }
 
 Status InvalidArgument(std::string m) { return Status(StatusCode::kInvalidArgument, std::move(m)); }

@@ -121,11 +121,11 @@ std::optional<BoxCheckFailure> CheckTilingOf(const Boxes& items, BoxOf box_of, c
     }
   }
   if (require_coverage && (total_overflows || covered != total)) {
+    const std::string advice = "mark the tensor partial if that is intended";
     return BoxCheckFailure{"the boxes cover " + Int128ToString(covered) + " of the " +
                                (total_overflows ? "more than 2^127" : Int128ToString(total)) +
-                               " elements of shape " + ShapeToString(shape) +
-                               " (mark the tensor partial if that is intended)",
-                           -1, -1};
+                               " elements of shape " + ShapeToString(shape) + " (" + advice + ")",
+                           -1, -1, advice};
   }
   return std::nullopt;
 }

@@ -21,6 +21,9 @@ struct BoxCheckFailure {
   std::string message;
   int64_t first = -1;
   int64_t second = -1;
+  // The advice `message` ends with in parentheses, without them ("mark the tensor partial if
+  // that is intended"), or "".
+  std::string advice;
 };
 std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Shape& shape,
                                            bool require_coverage);

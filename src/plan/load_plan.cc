@@ -152,6 +152,9 @@ Result<std::optional<DTypeCast>> CastFor(const TensorInfo& info, const ShardedTe
   if (cast_dtypes && floats) return std::optional<DTypeCast>(DTypeCast{saved, wanted});
   std::string message = "key '" + tensor.key + "': saved dtype " + std::string(DTypeName(saved)) +
                         ", requested " + std::string(DTypeName(wanted));
+  StatusDetail detail{.kind = StatusDetail::Kind::kDTypeMismatch,
+                      .keys = {tensor.key},
+                      .options = {"LoadOptions::cast_dtypes"}};
   if (!floats) {
     if (cast_dtypes) {
       message +=
@@ -159,9 +162,10 @@ Result<std::optional<DTypeCast>> CastFor(const TensorInfo& info, const ShardedTe
           "F8_E5M2)";
     }
   } else {
-    message += " (set LoadOptions::cast_dtypes to convert between float dtypes)";
+    detail.advice = "set LoadOptions::cast_dtypes to convert between float dtypes";
+    message += " (" + detail.advice + ")";
   }
-  return InvalidArgument(message);
+  return InvalidArgument(message).WithDetail(std::move(detail));
 }
 
 Status PlanTensor(const Metadata& metadata, std::vector<std::unique_ptr<ChunkIndex>>& indexes,
@@ -177,12 +181,18 @@ Status PlanTensor(const Metadata& metadata, std::vector<std::unique_ptr<ChunkInd
   const bool shape_differs = tensor.global_shape != info->global_shape;
   if (shape_differs) {
     if (!tensor.allow_shape_mismatch || tensor.global_shape.size() != info->global_shape.size()) {
-      return InvalidArgument("key '" + tensor.key + "': saved global shape " +
-                             ShapeToString(info->global_shape) + ", requested " +
-                             ShapeToString(tensor.global_shape) +
-                             (tensor.allow_shape_mismatch ? " (ranks differ)"
-                                                          : " (set allow_shape_mismatch to load "
-                                                            "the common part)"));
+      StatusDetail detail{.kind = StatusDetail::Kind::kShapeMismatch,
+                          .keys = {tensor.key},
+                          .options = {"allow_shape_mismatch"}};
+      if (!tensor.allow_shape_mismatch) {
+        detail.advice = "set allow_shape_mismatch to load the common part";
+      }
+      return InvalidArgument(
+                 "key '" + tensor.key + "': saved global shape " +
+                 ShapeToString(info->global_shape) + ", requested " +
+                 ShapeToString(tensor.global_shape) +
+                 (tensor.allow_shape_mismatch ? " (ranks differ)" : " (" + detail.advice + ")"))
+          .WithDetail(std::move(detail));
     }
     plan.shape_mismatched_keys.push_back(tensor.key);
   }
@@ -281,8 +291,13 @@ Result<RankReadPlan> PlanRankReads(const Metadata& metadata, StateDict& state,
     for (size_t i = 0; i < missing.size() && i < 10; ++i)
       list += (i ? ", '" : "'") + missing[i] + "'";
     if (missing.size() > 10) list += ", ... (" + std::to_string(missing.size()) + " keys)";
-    return NotFound("the checkpoint at " + path + " has no key " + list +
-                    " (set LoadOptions::missing_keys = kSkip to load the rest)");
+    StatusDetail detail{.kind = StatusDetail::Kind::kMissingKeys,
+                        .keys = missing,
+                        .options = {"LoadOptions::missing_keys"},
+                        .advice = "set LoadOptions::missing_keys = kSkip to load the rest"};
+    return NotFound("the checkpoint at " + path + " has no key " + list + " (" + detail.advice +
+                    ")")
+        .WithDetail(std::move(detail));
   }
   plan.missing_keys = std::move(missing);
   CoalesceRuns(plan.runs);

@@ -400,7 +400,12 @@ class GlobalPlanBuilder {
       }
       message += ")";
     }
-    return InvalidArgument(std::move(message));
+    Status status = InvalidArgument(std::move(message));
+    if (failure->advice.empty()) return status;
+    return status.WithDetail({.kind = StatusDetail::Kind::kNotCovered,
+                              .keys = {info.key},
+                              .options = {"partial"},
+                              .advice = failure->advice});
   }
 
   std::string DescribeShard(const Shard& shard) const {

@@ -135,7 +135,7 @@ Status NoCompleteCheckpoint(const std::string& path, const std::vector<RankManif
                               " has every part, but no commit places it (a newer save "
                               "superseded it before its last rank finished)");
   }
-  return FailedPrecondition(
+  Status status = FailedPrecondition(
       path + " holds no complete checkpoint: the rank-local save " + newest->save_id +
       " lacks the manifests of " + newest->MissingRanks() +
       " (a rank that has not finished or died; the others committed)" +
@@ -144,6 +144,9 @@ Status NoCompleteCheckpoint(const std::string& path, const std::vector<RankManif
                      "SaveOptions::save_tag values? Every rank must give the same tag"
                : "") +
       (newest->problem.ok() ? "" : "; " + newest->problem.message()));
+  if (!several) return status;
+  // The advice names an option: Python words it as its own argument.
+  return status.WithDetail({.options = {"SaveOptions::save_tag"}});
 }
 
 // A tessera directory (docs/FORMAT.md, 4): the highest numbered commit that is loadable (a
