@@ -1,6 +1,6 @@
 #include "checkpoint/envelope.h"
 
-#include "core/byte_io.h"
+#include "core/status_wire.h"
 
 namespace tessera {
 
@@ -12,8 +12,7 @@ Bytes Seal(const Status& status, Bytes payload) {
   Bytes out;
   ByteWriter w(&out);
   w.Put<uint8_t>(0);
-  w.Put<uint32_t>(static_cast<uint32_t>(status.code()));
-  w.PutString(status.message());
+  PutStatus(w, status);
   return out;
 }
 
@@ -22,13 +21,10 @@ Result<std::span<const uint8_t>> Open(const Bytes& message, const std::string& s
   if (message.empty()) return Internal(who + " sent an empty message");
   if (message[0] == 1) return std::span<const uint8_t>(message).subspan(1);
   ByteReader r(std::span<const uint8_t>(message).subspan(1));
-  uint32_t code = 0;
-  std::string text;
-  if (!r.Get(&code).ok() || !r.GetString(&text).ok() || code == 0 ||
-      code > static_cast<uint32_t>(StatusCode::kDeadlineExceeded)) {
+  Status status;
+  if (!GetStatus(r, &status).ok() || status.ok()) {
     return Internal(who + " sent a malformed error message");
   }
-  Status status(static_cast<StatusCode>(code), text);
   return sender.empty() ? status : status.WithContext(sender);
 }
 

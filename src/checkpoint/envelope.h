@@ -10,7 +10,7 @@
 
 namespace tessera {
 
-// OK status: [1][payload]. Error: [0][u32 code][u32 length][message].
+// OK status: [1][payload]. Error: [0][the status as PutStatus writes it, detail included].
 Bytes Seal(const Status& status, Bytes payload = {});
 // The payload, or the sealed error. `sender` (e.g. "rank 3") prefixes errors; empty: no
 // prefix (a rank's own message to itself, in a one-rank run).

@@ -21,6 +21,7 @@
 #include "checkpoint/rank_local_save.h"
 #include "core/byte_io.h"
 #include "core/checksum.h"
+#include "core/status_wire.h"
 #include "core/utf8.h"
 #include "format/tessera/manifest.h"
 #include "format/torch_dist/dcp_writer.h"
@@ -61,8 +62,7 @@ struct Outcome {
 Bytes EncodeOutcome(const Outcome& o) {
   Bytes out;
   ByteWriter w(&out);
-  w.Put<uint32_t>(static_cast<uint32_t>(o.status.code()));
-  w.PutString(o.status.message());
+  PutStatus(w, o.status);
   w.Put<uint8_t>(o.manifest_renamed ? 1 : 0);
   w.Put<uint64_t>(o.total_bytes);
   return out;
@@ -70,15 +70,11 @@ Bytes EncodeOutcome(const Outcome& o) {
 
 Result<Outcome> DecodeOutcome(std::span<const uint8_t> bytes) {
   ByteReader r(bytes);
-  uint32_t code = 0;
-  std::string message;
   uint8_t renamed = 0;
   Outcome o;
-  TESSERA_RETURN_IF_ERROR(r.Get(&code));
-  TESSERA_RETURN_IF_ERROR(r.GetString(&message));
+  TESSERA_RETURN_IF_ERROR(GetStatus(r, &o.status));
   TESSERA_RETURN_IF_ERROR(r.Get(&renamed));
   TESSERA_RETURN_IF_ERROR(r.Get(&o.total_bytes));
-  o.status = Status(static_cast<StatusCode>(code), std::move(message));
   o.manifest_renamed = renamed != 0;
   return o;
 }
