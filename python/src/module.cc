@@ -13,6 +13,7 @@ PYBIND11_MODULE(_tessera, m) {
   tessera::python::RegisterStatus(m);
   tessera::python::RegisterState(m);
   tessera::python::RegisterComm(m);
+  tessera::python::RegisterCommCases(m);
   tessera::python::RegisterCheckpoint(m);
   tessera::python::RegisterManager(m);
 }

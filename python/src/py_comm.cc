@@ -4,11 +4,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cmath>
+#include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -60,7 +64,8 @@ std::vector<Bytes> ListFromPython(const py::handle& object, size_t expected, con
   return out;
 }
 
-const char* ReduceOpName(ReduceOp op) {
+// How the Python side names a reduction (CommImpl.all_reduce's `op`).
+const char* PythonOpName(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
       return "sum";
@@ -72,12 +77,181 @@ const char* ReduceOpName(ReduceOp op) {
   return "?";
 }
 
+// How errors name a reduction (as MpiComm and LocalComm do).
+std::string ReduceOpName(int64_t op) {
+  switch (static_cast<ReduceOp>(op)) {
+    case ReduceOp::kSum:
+      return "kSum";
+    case ReduceOp::kMin:
+      return "kMin";
+    case ReduceOp::kMax:
+      return "kMax";
+  }
+  return "ReduceOp " + std::to_string(op);
+}
+
+// The collectives, numbered as MpiComm's (src/mpi/mpi_comm.cc), so that a mismatch between two
+// of them is named in the same words, lower number first.
+enum class Kind : int64_t {
+  kBarrier = 1,
+  kBroadcast,
+  kGather,
+  kAllGather,
+  kScatter,
+  kAllReduce,
+  kSplit
+};
+
+std::string KindName(int64_t kind) {
+  switch (static_cast<Kind>(kind)) {
+    case Kind::kBarrier:
+      return "Barrier";
+    case Kind::kBroadcast:
+      return "Broadcast";
+    case Kind::kGather:
+      return "Gather";
+    case Kind::kAllGather:
+      return "AllGather";
+    case Kind::kScatter:
+      return "Scatter";
+    case Kind::kAllReduce:
+      return "AllReduce";
+    case Kind::kSplit:
+      return "Split";
+  }
+  return "collective " + std::to_string(kind);
+}
+
+// The header every rank contributes to each collective, reduced with MAX over the ranks (one
+// all_reduce of the Python side): a field and its negation side by side give the maximum and
+// the minimum, so every rank learns whether the ranks agree on the collective, its root, its
+// length and its reduction, and which is the lowest rank that failed.
+enum Field : int {
+  kFailed,         // 1 when this rank failed (a bad argument) or was aborted
+  kNegFailedRank,  // -rank when failed, else INT64_MIN: the maximum names the lowest failed rank
+  kKind,           // Kind
+  kNegKind,
+  kRoot,  // root, or -1 for collectives without one
+  kNegRoot,
+  kCount,  // AllReduce: the number of values
+  kNegCount,
+  kReduceOp,  // AllReduce: the ReduceOp
+  kNegReduceOp,
+  kNumFields,
+};
+
+using Header = std::vector<int64_t>;
+
+void SetPair(Header& h, Field field, int64_t value) {
+  h[field] = value;
+  h[field + 1] = -value;
+}
+
+Header NewHeader(Kind kind) {
+  Header h(kNumFields, 0);
+  SetPair(h, kKind, static_cast<int64_t>(kind));
+  SetPair(h, kRoot, -1);
+  h[kNegFailedRank] = INT64_MIN;
+  return h;
+}
+
+// A status on the wire: the code as 4 little-endian bytes, then the message.
+Bytes EncodeStatus(const Status& status) {
+  const auto code = static_cast<uint32_t>(status.code());
+  Bytes out;
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(code >> (8 * i)));
+  out.insert(out.end(), status.message().begin(), status.message().end());
+  return out;
+}
+
+Status DecodeStatus(const Bytes& in, int from) {
+  uint32_t code = 0;
+  if (in.size() >= 4) {
+    for (int i = 0; i < 4; ++i) code |= static_cast<uint32_t>(in[i]) << (8 * i);
+  }
+  if (in.size() < 4 || code == 0 || code > static_cast<uint32_t>(StatusCode::kDeadlineExceeded)) {
+    return Aborted("rank " + std::to_string(from) + " aborted with a malformed status of " +
+                   std::to_string(in.size()) + " bytes");
+  }
+  return Status(static_cast<StatusCode>(code), std::string(in.begin() + 4, in.end()));
+}
+
+// Whether a communicator is aborted, on this rank (as MpiComm's). `pending`: this rank was
+// aborted (Abort, its parent's abort, a failed call of the Python side) and says so in its next
+// collective's header. `agreed`: every rank knows; collectives return it without communicating.
+// Children (from Split) inherit an abort as pending. Thread-safe: Abort may come from any thread.
+class AbortState {
+ public:
+  // First abort wins; later ones, and aborts of an agreed communicator, are ignored. Returns
+  // whether this one was taken.
+  bool Abort(const Status& status) {
+    std::vector<std::weak_ptr<AbortState>> children;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!pending_.ok() || !agreed_.ok()) return false;
+      pending_ = status;
+      children = children_;
+    }
+    for (const auto& weak : children) {
+      if (auto child = weak.lock()) child->Abort(status);
+    }
+    return true;
+  }
+
+  void Agree(const Status& status) {
+    std::vector<std::weak_ptr<AbortState>> children;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      agreed_ = status;
+      children.swap(children_);
+    }
+    for (const auto& weak : children) {
+      if (auto child = weak.lock()) child->Abort(status);
+    }
+  }
+
+  // (agreed, pending)
+  std::pair<Status, Status> Get() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {agreed_, pending_};
+  }
+
+  void AddChild(const std::shared_ptr<AbortState>& child) {
+    Status status;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      status = agreed_.ok() ? pending_ : agreed_;
+      if (status.ok()) {
+        std::erase_if(children_, [](const auto& weak) { return weak.expired(); });
+        children_.push_back(child);
+        return;
+      }
+    }
+    child->Abort(status);
+  }
+
+ private:
+  std::mutex mu_;
+  Status pending_;
+  Status agreed_;
+  std::vector<std::weak_ptr<AbortState>> children_;
+};
+
 // A Comm whose collectives are the methods of a Python object: rank and size (attributes),
-// barrier(), broadcast(data_or_None, root) -> bytes, gather(data, root) -> list or None,
+// broadcast(data_or_None, root) -> bytes, gather(data, root) -> list or None,
 // all_gather(data) -> list, scatter(list_or_None, root) -> bytes, all_reduce(list_of_int, op)
 // -> list, split(color, key) -> another such object; optionally abort(message). Each call
 // takes the GIL, whatever the calling thread; a Python exception becomes the status (kAborted
-// unless it is a tessera exception with its own code).
+// unless it is a tessera exception with its own code) and aborts the communicator.
+//
+// As MpiComm, every collective of several ranks begins with a header (one
+// all_reduce(header, "max") of the Python side; for a Barrier, the whole collective): a rank
+// that found a bad argument or was aborted takes part flagged, and every rank then adopts the
+// status of the lowest flagged rank, broadcast from it; ranks that called different
+// collectives, roots, lengths or reductions at the same point all fail with the same
+// kInvalidArgument. Either way the communicator is aborted for later collectives, which return
+// that status at once. So an argument error is agreed on every rank (the suite's
+// agreed_argument_errors), and the Python side never sees mismatched calls or missing outputs.
 class PythonComm final : public Comm {
  public:
   // Requires the GIL.
@@ -103,11 +277,18 @@ class PythonComm final : public Comm {
   int size() const override { return size_; }
 
   Status Barrier() override {
-    return Call("barrier", [&] { impl_.attr("barrier")(); });
+    // The header's all_reduce is the barrier: no rank leaves it before every rank entered.
+    Header h = NewHeader(Kind::kBarrier);
+    return Begin(Kind::kBarrier, h, Status::Ok());
   }
 
   Status Broadcast(Bytes* data, int root) override {
-    TESSERA_RETURN_IF_ERROR(CheckRoot("broadcast", root));
+    constexpr std::string_view kOp = "Broadcast";
+    Status local = CheckRoot(kOp, root);
+    if (local.ok() && data == nullptr) local = InvalidArgument(Where(kOp) + ": data is null");
+    Header h = NewHeader(Kind::kBroadcast);
+    SetPair(h, kRoot, root);
+    TESSERA_RETURN_IF_ERROR(Begin(Kind::kBroadcast, h, local));
     return Call("broadcast", [&] {
       py::object out =
           impl_.attr("broadcast")(rank_ == root ? py::object(ToPython(*data)) : py::none(), root);
@@ -116,7 +297,14 @@ class PythonComm final : public Comm {
   }
 
   Status Gather(const Bytes& send, std::vector<Bytes>* received, int root) override {
-    TESSERA_RETURN_IF_ERROR(CheckRoot("gather", root));
+    constexpr std::string_view kOp = "Gather";
+    Status local = CheckRoot(kOp, root);
+    if (local.ok() && rank_ == root && received == nullptr) {
+      local = InvalidArgument(Where(kOp) + ": received is null on the root");
+    }
+    Header h = NewHeader(Kind::kGather);
+    SetPair(h, kRoot, root);
+    TESSERA_RETURN_IF_ERROR(Begin(Kind::kGather, h, local));
     return Call("gather", [&] {
       py::object out = impl_.attr("gather")(ToPython(send), root);
       if (rank_ == root) *received = ListFromPython(out, size_, "gather");
@@ -124,17 +312,29 @@ class PythonComm final : public Comm {
   }
 
   Status AllGather(const Bytes& send, std::vector<Bytes>* received) override {
+    constexpr std::string_view kOp = "AllGather";
+    Status local;
+    if (received == nullptr) local = InvalidArgument(Where(kOp) + ": received is null");
+    Header h = NewHeader(Kind::kAllGather);
+    TESSERA_RETURN_IF_ERROR(Begin(Kind::kAllGather, h, local));
     return Call("all_gather", [&] {
       *received = ListFromPython(impl_.attr("all_gather")(ToPython(send)), size_, "all_gather");
     });
   }
 
   Status Scatter(const std::vector<Bytes>& send, Bytes* received, int root) override {
-    TESSERA_RETURN_IF_ERROR(CheckRoot("scatter", root));
-    if (rank_ == root && send.size() != static_cast<size_t>(size_)) {
-      return InvalidArgument("scatter: " + std::to_string(send.size()) + " buffers for " +
-                             std::to_string(size_) + " ranks");
+    constexpr std::string_view kOp = "Scatter";
+    Status local = CheckRoot(kOp, root);
+    if (local.ok() && received == nullptr) {
+      local = InvalidArgument(Where(kOp) + ": received is null");
     }
+    if (local.ok() && rank_ == root && send.size() != static_cast<size_t>(size_)) {
+      local = InvalidArgument(Where(kOp) + ": the root passed " + std::to_string(send.size()) +
+                              " buffers for " + std::to_string(size_) + " ranks");
+    }
+    Header h = NewHeader(Kind::kScatter);
+    SetPair(h, kRoot, root);
+    TESSERA_RETURN_IF_ERROR(Begin(Kind::kScatter, h, local));
     return Call("scatter", [&] {
       py::object chunks = py::none();
       if (rank_ == root) {
@@ -147,29 +347,55 @@ class PythonComm final : public Comm {
   }
 
   Status AllReduce(std::span<int64_t> values, ReduceOp op) override {
+    constexpr std::string_view kOp = "AllReduce";
+    Status local;
+    if (op != ReduceOp::kSum && op != ReduceOp::kMin && op != ReduceOp::kMax) {
+      local = InvalidArgument(Where(kOp) + ": unknown " + ReduceOpName(static_cast<int>(op)));
+    }
+    const auto count = static_cast<int64_t>(values.size());
+    Header h = NewHeader(Kind::kAllReduce);
+    SetPair(h, kCount, count);
+    SetPair(h, kReduceOp, static_cast<int64_t>(op));
+    Header agreed;
+    TESSERA_RETURN_IF_ERROR(Begin(Kind::kAllReduce, h, local, &agreed));
+    if (agreed[kCount] != -agreed[kNegCount]) {
+      // Every rank is here: find who differs from rank 0, for the message (as MpiComm).
+      Header counts(size_, 0);
+      counts[rank_] = count;
+      TESSERA_RETURN_IF_ERROR(
+          Call("all_reduce", [&] { counts = AllReduceInPython(counts, "sum"); }));
+      int other = 1;
+      while (other < size_ - 1 && counts[other] == counts[0]) ++other;
+      return FailEverywhere(InvalidArgument(Where(kOp) + ": rank " + std::to_string(other) +
+                                            " passed " + std::to_string(counts[other]) +
+                                            " values, rank 0 passed " + std::to_string(counts[0])));
+    }
+    if (agreed[kReduceOp] != -agreed[kNegReduceOp]) {
+      return FailEverywhere(InvalidArgument(Where(kOp) + ": the ranks passed different ops, " +
+                                            ReduceOpName(-agreed[kNegReduceOp]) + " and " +
+                                            ReduceOpName(agreed[kReduceOp])));
+    }
+    if (values.empty()) return Status::Ok();
     return Call("all_reduce", [&] {
-      std::vector<int64_t> in(values.begin(), values.end());
-      auto out = impl_.attr("all_reduce")(in, ReduceOpName(op)).cast<std::vector<int64_t>>();
-      if (out.size() != values.size()) {
-        throw std::length_error("all_reduce returned " + std::to_string(out.size()) +
-                                " values for " + std::to_string(values.size()));
-      }
+      const Header out = AllReduceInPython(Header(values.begin(), values.end()), PythonOpName(op));
       std::copy(out.begin(), out.end(), values.begin());
     });
   }
 
   Result<std::unique_ptr<Comm>> Split(int color, int key) override {
-    std::unique_ptr<Comm> split;
+    Header h = NewHeader(Kind::kSplit);
+    TESSERA_RETURN_IF_ERROR(Begin(Kind::kSplit, h, Status::Ok()));
+    std::unique_ptr<PythonComm> split;
     TESSERA_RETURN_IF_ERROR(Call(
         "split", [&] { split = std::make_unique<PythonComm>(impl_.attr("split")(color, key)); }));
-    return split;
+    state_->AddChild(split->state_);
+    return std::unique_ptr<Comm>(std::move(split));
   }
 
   void Abort(const Status& reason) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!abort_status_.ok()) return;
-      abort_status_ = Aborted("rank " + std::to_string(rank_) + " aborted: " + reason.ToString());
+    if (!state_->Abort(
+            Aborted("rank " + std::to_string(rank_) + " aborted: " + reason.ToString()))) {
+      return;
     }
     if (IsFinalizing()) return;
     py::gil_scoped_acquire gil;
@@ -181,35 +407,122 @@ class PythonComm final : public Comm {
   }
 
  private:
-  Status CheckRoot(const char* op, int root) const {
+  // "Broadcast on rank 3": how an error of this rank's collective begins (as MpiComm's).
+  std::string Where(std::string_view op) const {
+    return std::string(op) + " on rank " + std::to_string(rank_);
+  }
+
+  Status CheckRoot(std::string_view op, int root) const {
     if (root >= 0 && root < size_) return Status::Ok();
-    return InvalidArgument(std::string(op) + ": root " + std::to_string(root) +
+    return InvalidArgument(Where(op) + ": root " + std::to_string(root) +
                            " is not a rank of a communicator of size " + std::to_string(size_));
   }
 
-  template <typename F>
-  Status Call(const char* op, F&& body) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!abort_status_.ok()) return abort_status_;
-    }
-    if (IsFinalizing()) return Aborted(std::string("python comm ") + op + ": exiting");
-    py::gil_scoped_acquire gil;
-    try {
-      body();
+  // Starts a collective: returns the agreed abort status at once if there is one; otherwise
+  // exchanges headers (with one rank, decides alone). `local`: this rank's own error (a bad
+  // argument), or OK. When any rank failed or was aborted, every rank adopts the lowest such
+  // rank's abort status and returns it (a rank returns its own `local` error instead). When the
+  // ranks disagree on the collective or its root, every rank fails with kInvalidArgument.
+  // `agreed`, if given, receives the reduced header.
+  Status Begin(Kind kind, const Header& h, const Status& local, Header* agreed = nullptr) {
+    auto [agreed_abort, pending] = state_->Get();
+    if (!agreed_abort.ok()) return agreed_abort;
+    const bool failed = !pending.ok() || !local.ok();
+    if (size_ == 1) {
+      if (failed) {
+        state_->Agree(pending.ok() ? Aborted("rank 0 aborted: " + local.ToString()) : pending);
+        return pending.ok() ? local : pending;
+      }
+      if (agreed != nullptr) *agreed = h;
       return Status::Ok();
-    } catch (py::error_already_set& e) {
-      return StatusFromPythonError(e, StatusCode::kAborted, std::string("python comm ") + op);
-    } catch (const std::exception& e) {
-      return Internal(std::string("python comm ") + op + ": " + e.what());
     }
+    Header mine = h;
+    mine[kFailed] = failed ? 1 : 0;
+    mine[kNegFailedRank] = failed ? -static_cast<int64_t>(rank_) : INT64_MIN;
+    Header result;
+    TESSERA_RETURN_IF_ERROR(Call("all_reduce", [&] { result = AllReduceInPython(mine, "max"); }));
+    if (result.size() != static_cast<size_t>(kNumFields)) {
+      return FailEverywhere(Internal(Where(KindName(static_cast<int64_t>(kind))) +
+                                     ": the header's all_reduce returned " +
+                                     std::to_string(result.size()) + " values"));
+    }
+    if (result[kFailed] != 0) {
+      const int who = static_cast<int>(-result[kNegFailedRank]);
+      Bytes encoded;
+      if (who == rank_) {
+        encoded = EncodeStatus(pending.ok() ? Aborted("rank " + std::to_string(rank_) +
+                                                      " aborted: " + local.ToString())
+                                            : pending);
+      }
+      TESSERA_RETURN_IF_ERROR(Call("broadcast", [&] {
+        py::object out =
+            impl_.attr("broadcast")(who == rank_ ? py::object(ToPython(encoded)) : py::none(), who);
+        if (who != rank_) encoded = FromPython(out);
+      }));
+      Status announced = DecodeStatus(encoded, who);
+      state_->Agree(announced);
+      if (pending.ok() && !local.ok()) return local;
+      return announced;
+    }
+    const std::string op = KindName(static_cast<int64_t>(kind));
+    if (result[kKind] != -result[kNegKind]) {
+      return FailEverywhere(InvalidArgument(
+          Where(op) + ": the ranks called different collectives at the same point: " +
+          KindName(-result[kNegKind]) + " and " + KindName(result[kKind])));
+    }
+    if (result[kRoot] != -result[kNegRoot]) {
+      return FailEverywhere(InvalidArgument(Where(op) + ": the ranks passed different roots, " +
+                                            std::to_string(-result[kNegRoot]) + " and " +
+                                            std::to_string(result[kRoot])));
+    }
+    if (agreed != nullptr) *agreed = std::move(result);
+    return Status::Ok();
+  }
+
+  // An error every rank detected in the same collective: aborts the communicator for later
+  // collectives (every rank does the same) and returns `error`.
+  Status FailEverywhere(Status error) {
+    state_->Agree(Aborted("an earlier collective failed on every rank: " + error.ToString()));
+    return error;
+  }
+
+  // all_reduce of the Python side. Requires the GIL.
+  Header AllReduceInPython(const Header& in, const char* op) {
+    auto out = impl_.attr("all_reduce")(in, op).cast<Header>();
+    if (out.size() != in.size()) {
+      throw std::length_error("all_reduce returned " + std::to_string(out.size()) + " values for " +
+                              std::to_string(in.size()));
+    }
+    return out;
+  }
+
+  // Runs `body` (calls of the Python side `method`) with the GIL. What it raises is the status,
+  // and aborts the communicator: the Python side's state is unknown (the peers learn it in the
+  // next collective's header, if the Python side can still tell them).
+  template <typename F>
+  Status Call(const char* method, F&& body) {
+    if (IsFinalizing()) return Aborted(std::string("python comm ") + method + ": exiting");
+    Status error;
+    {
+      py::gil_scoped_acquire gil;
+      try {
+        body();
+        return Status::Ok();
+      } catch (py::error_already_set& e) {
+        error =
+            StatusFromPythonError(e, StatusCode::kAborted, std::string("python comm ") + method);
+      } catch (const std::exception& e) {
+        error = Internal(std::string("python comm ") + method + ": " + e.what());
+      }
+    }
+    state_->Abort(Aborted("rank " + std::to_string(rank_) + " aborted: " + error.ToString()));
+    return error;
   }
 
   py::object impl_;
   int rank_ = 0;
   int size_ = 1;
-  std::mutex mu_;
-  Status abort_status_;
+  const std::shared_ptr<AbortState> state_ = std::make_shared<AbortState>();
 };
 
 // Chooses which rank's exception run_local raises: the lowest rank whose error is not merely

@@ -46,6 +46,9 @@ inline constexpr const char* kSharedCommCapsule = "tessera.shared_comm";
 
 void RegisterComm(pybind11::module_& m);
 
+// The test hook that runs the Comm conformance cases on a tessera.Comm (py_comm_cases.cc).
+void RegisterCommCases(pybind11::module_& m);
+
 }  // namespace tessera::python
 
 #endif  // TESSERA_PYTHON_PY_COMM_H_

@@ -20,8 +20,17 @@ class CommImpl(Protocol):
 
     rank and size are read once, when the Comm is made. Each method is called with the GIL,
     from whichever thread runs the collective; what it raises fails the collective (a
-    tessera.Error keeps its status, anything else becomes a CommError). An optional
-    abort(message) method, if present, is called when tessera aborts the communicator.
+    tessera.Error keeps its status, anything else becomes a CommError) and aborts the
+    communicator. An optional abort(message) method, if present, is called when tessera aborts
+    the communicator.
+
+    With several ranks, every collective begins with all_reduce(header, "max") over a few
+    int64 values that describe the call (which collective, its root, its length, its op,
+    whether this rank failed or was aborted); a Barrier is that alone. So the methods below are
+    only called once every rank has entered the same collective with the same arguments: ranks
+    that disagree, pass a bad argument or were aborted all fail with the same error, and the
+    failed rank's status reaches the others through broadcast(). A barrier() method, if the
+    object has one, is not called.
     """
 
     @property
@@ -31,9 +40,6 @@ class CommImpl(Protocol):
     @property
     def size(self) -> int:
         """The number of ranks."""
-
-    def barrier(self) -> object:
-        """Returns when every rank has entered."""
 
     def broadcast(self, data: Optional[bytes], root: int, /) -> BytesLike:
         """Root's bytes on every rank (`data` is None on the others)."""
@@ -91,7 +97,7 @@ def python_comm(impl: CommImpl) -> Comm:
 
     Args:
         impl: the communicator's Python side (see CommImpl): rank and size attributes, and
-            barrier, broadcast, gather, all_gather, scatter, all_reduce and split methods.
+            broadcast, gather, all_gather, scatter, all_reduce and split methods.
 
     Returns:
         A tessera.Comm over `impl`.

@@ -158,9 +158,6 @@ class TorchDistImpl:
         return [int(t[0]) for t in out]
 
     # -- the Comm interface --------------------------------------------------------------------
-    def barrier(self):
-        self.pg.barrier().wait()
-
     def broadcast(self, data, root):
         from torch.distributed import BroadcastOptions  # noqa: PLC0415
         opts = BroadcastOptions()

@@ -1,7 +1,9 @@
 // The cases of the Comm conformance suite: what every Comm (include/tessera/comm.h) must do,
 // written against Comm only and free of any test framework, so that one list can run under any
 // harness: GoogleTest runs it on the single-rank Comm, on LocalComm and on MPI (comm_suite.h);
-// a harness without GoogleTest (a binding's test hook) can call RunCommCase on each rank.
+// a harness without GoogleTest calls RunCommCase on each rank, as the Python extension's test
+// hook does (python/src/py_comm_cases.cc) for the torch.distributed Comm in 1, 2 and 3 gloo
+// processes (python/tests/test_comm_suite.py).
 //
 // A case is a body that every rank of a communicator runs at the same time, each on its own
 // Comm, reporting what it found wrong through its CommCaseRun. Checks do not stop the body (as
