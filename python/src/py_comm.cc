@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/abort_state.h"
 #include "py_status.h"
 #include "tessera/local_comm.h"
 
@@ -155,87 +156,7 @@ Header NewHeader(Kind kind) {
   return h;
 }
 
-// A status on the wire: the code as 4 little-endian bytes, then the message.
-Bytes EncodeStatus(const Status& status) {
-  const auto code = static_cast<uint32_t>(status.code());
-  Bytes out;
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(code >> (8 * i)));
-  out.insert(out.end(), status.message().begin(), status.message().end());
-  return out;
-}
-
-Status DecodeStatus(const Bytes& in, int from) {
-  uint32_t code = 0;
-  if (in.size() >= 4) {
-    for (int i = 0; i < 4; ++i) code |= static_cast<uint32_t>(in[i]) << (8 * i);
-  }
-  if (in.size() < 4 || code == 0 || code > static_cast<uint32_t>(StatusCode::kDeadlineExceeded)) {
-    return Aborted("rank " + std::to_string(from) + " aborted with a malformed status of " +
-                   std::to_string(in.size()) + " bytes");
-  }
-  return Status(static_cast<StatusCode>(code), std::string(in.begin() + 4, in.end()));
-}
-
-// Whether a communicator is aborted, on this rank (as MpiComm's). `pending`: this rank was
-// aborted (Abort, its parent's abort, a failed call of the Python side) and says so in its next
-// collective's header. `agreed`: every rank knows; collectives return it without communicating.
-// Children (from Split) inherit an abort as pending. Thread-safe: Abort may come from any thread.
-class AbortState {
- public:
-  // First abort wins; later ones, and aborts of an agreed communicator, are ignored. Returns
-  // whether this one was taken.
-  bool Abort(const Status& status) {
-    std::vector<std::weak_ptr<AbortState>> children;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!pending_.ok() || !agreed_.ok()) return false;
-      pending_ = status;
-      children = children_;
-    }
-    for (const auto& weak : children) {
-      if (auto child = weak.lock()) child->Abort(status);
-    }
-    return true;
-  }
-
-  void Agree(const Status& status) {
-    std::vector<std::weak_ptr<AbortState>> children;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      agreed_ = status;
-      children.swap(children_);
-    }
-    for (const auto& weak : children) {
-      if (auto child = weak.lock()) child->Abort(status);
-    }
-  }
-
-  // (agreed, pending)
-  std::pair<Status, Status> Get() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return {agreed_, pending_};
-  }
-
-  void AddChild(const std::shared_ptr<AbortState>& child) {
-    Status status;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      status = agreed_.ok() ? pending_ : agreed_;
-      if (status.ok()) {
-        std::erase_if(children_, [](const auto& weak) { return weak.expired(); });
-        children_.push_back(child);
-        return;
-      }
-    }
-    child->Abort(status);
-  }
-
- private:
-  std::mutex mu_;
-  Status pending_;
-  Status agreed_;
-  std::vector<std::weak_ptr<AbortState>> children_;
-};
+// Statuses on the wire and the abort state: comm/abort_state.h, as MpiComm's.
 
 // A Comm whose collectives are the methods of a Python object: rank and size (attributes),
 // broadcast(data_or_None, root) -> bytes, gather(data, root) -> list or None,
@@ -459,7 +380,7 @@ class PythonComm final : public Comm {
             impl_.attr("broadcast")(who == rank_ ? py::object(ToPython(encoded)) : py::none(), who);
         if (who != rank_) encoded = FromPython(out);
       }));
-      Status announced = DecodeStatus(encoded, who);
+      Status announced = AnnouncedStatus(encoded, who);
       state_->Agree(announced);
       if (pending.ok() && !local.ok()) return local;
       return announced;

@@ -10,23 +10,12 @@
 namespace tessera {
 namespace {
 
-// Wire form of a status: empty for OK, else PutStatus's.
-Bytes EncodeStatus(const Status& status) {
-  Bytes out;
-  if (status.ok()) return out;
-  ByteWriter w(&out);
-  PutStatus(w, status);
-  return out;
-}
-
-Status DecodeStatus(const Bytes& in) {
-  if (in.empty()) return Status::Ok();
-  ByteReader r(in);
+// A rank's status as it sent it (core/status_wire.h); an error for bytes that are not one.
+Status StatusSentBy(const Bytes& in, int rank) {
   Status status;
-  if (Status read = GetStatus(r, &status); !read.ok()) {
-    return Internal("malformed status: " + read.message());
+  if (Status read = DecodeStatus(in, &status); !read.ok()) {
+    return Internal("malformed status from rank " + std::to_string(rank) + ": " + read.message());
   }
-  if (status.ok()) return Internal("malformed status: an OK status sent as an error");
   return status;
 }
 
@@ -39,7 +28,7 @@ Status AgreeOnStatus(Comm& comm, const Status& local) {
   int num_failed = 0;
   Status first;
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-    Status status = DecodeStatus(all[r]);
+    Status status = StatusSentBy(all[r], r);
     if (status.ok()) continue;
     if (num_failed++ == 0) {
       first_failed = r;

@@ -66,4 +66,21 @@ Status GetStatus(ByteReader& r, Status* status) {
   return Status::Ok();
 }
 
+Bytes EncodeStatus(const Status& status) {
+  Bytes out;
+  ByteWriter w(&out);
+  PutStatus(w, status);
+  return out;
+}
+
+Status DecodeStatus(std::span<const uint8_t> bytes, Status* status) {
+  ByteReader r(bytes);
+  TESSERA_RETURN_IF_ERROR(GetStatus(r, status));
+  if (r.position() != bytes.size()) {
+    return InvalidArgument("status followed by " + std::to_string(bytes.size() - r.position()) +
+                           " more bytes");
+  }
+  return Status::Ok();
+}
+
 }  // namespace tessera

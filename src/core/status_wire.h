@@ -5,6 +5,7 @@
 #define TESSERA_CORE_STATUS_WIRE_H_
 
 #include "core/byte_io.h"
+#include "tessera/bytes.h"
 #include "tessera/status.h"
 
 namespace tessera {
@@ -16,6 +17,11 @@ void PutStatus(ByteWriter& w, const Status& status);
 // Reads what PutStatus wrote into *status. Errors: the reader's (a truncated message), or
 // kInvalidArgument naming an unknown code or detail kind.
 Status GetStatus(ByteReader& r, Status* status);
+
+// A status alone as bytes (what PutStatus appends), and back: DecodeStatus fails
+// (kInvalidArgument) unless `bytes` hold exactly one status.
+Bytes EncodeStatus(const Status& status);
+Status DecodeStatus(std::span<const uint8_t> bytes, Status* status);
 
 }  // namespace tessera
 
