@@ -30,6 +30,7 @@
 #include "checkpoint/device_uploads.h"
 #include "checkpoint/item_source.h"
 #include "core/checksum.h"
+#include "format/tessera/tessera_writer.h"
 #include "plan/save_plan.h"
 #include "tessera/async_save.h"
 #include "tessera/checkpoint.h"
@@ -120,7 +121,8 @@ double PoolToHost(Fixture& f, uint64_t budget, int threads, uint64_t piece) {
   const LocalPlan plan = Must(BuildLocalPlan(state), "plan");
   std::vector<uint32_t> items(plan.items.size());
   for (size_t i = 0; i < items.size(); ++i) items[i] = static_cast<uint32_t>(i);
-  const std::vector<DataFilePlan> files = PlanDataFiles(plan, items, threads, {}, "bench", 0);
+  const std::vector<DataFilePlan> files =
+      PlanDataFiles(plan, items, threads, {}, *NewTesseraWriter(), "bench", 0);
   DataFileWriteOptions o;
   o.num_threads = threads;
   o.device_staging.pinned_bytes = budget;

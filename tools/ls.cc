@@ -201,7 +201,7 @@ std::optional<Found> Examine(const Place& place, const std::string& dir,
   const FormatChoice choice = ChooseFormats(names);
   const Format* format = choice.primary();
   if (!format) return std::nullopt;
-  const DirectoryClaim claim = format->Claim(names);
+  const DirectoryClaim claim = choice.primary_claim();
   Found found;
   found.format = format->name();
   found.nests = format->NestsCheckpoints();

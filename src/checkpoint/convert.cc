@@ -27,6 +27,7 @@
 #include "format/registry.h"
 #include "format/safetensors.h"
 #include "format/tessera/manifest.h"
+#include "format/torch_dist/dcp_format_writer.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_dtype.h"
 #include "format/torch_dist/torch_zip.h"
@@ -305,7 +306,8 @@ Status Finish(Storage& storage, const std::string& temp, const Destination& dst,
     // checkpoint_id (torch 2.x's StorageMeta) names where the checkpoint ends up, not the
     // temporary directory it is committed in.
     Result<torch_dist::DcpMetadata> dcp = torch_dist::ToDcpMetadata(
-        m, {.flavor = DcpFlavorOf(options.torch_dist_flavor), .checkpoint_id = dst.path});
+        m,
+        {.flavor = torch_dist::DcpFlavorOf(options.torch_dist_flavor), .checkpoint_id = dst.path});
     if (!dcp.ok()) return dcp.status().WithContext("describing the converted checkpoint");
     bool renamed = false;
     TESSERA_RETURN_IF_ERROR(CommitDcpMetadata(storage, temp, *dcp, save_id, options.sync, renamed));

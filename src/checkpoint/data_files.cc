@@ -10,8 +10,6 @@
 #include <thread>
 
 #include "core/checksum.h"
-#include "format/safetensors.h"
-#include "format/tessera/manifest.h"
 
 namespace tessera {
 namespace {
@@ -51,97 +49,101 @@ bool InManifestOrder(const LocalItem& a, const LocalItem& b) {
   return a.box < b.box;
 }
 
-struct FileLayout {
-  std::vector<SafetensorsEntry> entries;  // parallel to DataFilePlan::items
-  Bytes header;
-  uint64_t data_bytes = 0;
-};
-
-Result<FileLayout> LayOutFile(const LocalPlan& plan, const DataFilePlan& file,
-                              const std::map<std::string, std::string>& header_metadata) {
-  FileLayout layout;
-  for (uint32_t i : file.items) {
-    const LocalItem& item = plan.items[i];
-    SafetensorsEntry e;
-    if (item.kind == ItemKind::kObject) {
-      e.name = item.key;
-      e.dtype = DType::kU8;
-      e.shape = {static_cast<int64_t>(item.num_bytes)};
-    } else {
-      e.name = ChunkEntryName(item.key, item.box, item.global_shape);
-      e.dtype = item.dtype;
-      e.shape = item.box.sizes;
-    }
-    layout.entries.push_back(std::move(e));
-  }
-  layout.data_bytes = LayOutEntries(layout.entries);
-  TESSERA_ASSIGN_OR_RETURN(layout.header, EncodeSafetensorsHeader(layout.entries, header_metadata));
-  return layout;
-}
-
 // What one file's writer reports.
 struct FileResult {
   std::vector<WrittenItem> items;             // `file` fields are the file's index
   std::vector<std::vector<uint64_t>> blocks;  // per item: checksums of its blocks after the first
+  uint64_t size = 0;                          // the file's size
 };
 
-// Writes one data file: header, then every item in pieces, checksumming each piece just after
-// writing it, while it is in cache. Tensor chunks get one checksum per block of
-// `block_bytes`; objects one for all their bytes.
+// The items of `file` as its format's codec sees them.
+std::vector<ItemToWrite> ItemsOf(const LocalPlan& plan, const DataFilePlan& file) {
+  std::vector<ItemToWrite> items;
+  items.reserve(file.items.size());
+  for (uint32_t i : file.items) {
+    const LocalItem& item = plan.items[i];
+    items.push_back(ItemToWrite{item.key, item.kind == ItemKind::kObject, item.dtype,
+                                item.global_shape, item.box, item.num_bytes, item.object_encoding});
+  }
+  return items;
+}
+
+// Writes one item's bytes through its codec's ItemWriter in pieces, checksumming each piece
+// just after writing it, while it is in cache (with `checksums`): one checksum per block of
+// `block_bytes` for tensor chunks, one for all of an object's bytes. With kFull, hands every
+// kWritebackStep written to the device. Returns the item's stored length; `digests` gets the
+// checksum of each block.
+Result<uint64_t> WriteItem(WritableFile& out, ItemWriter& writer, const LocalItem& item,
+                           ItemReader& data, bool checksums, uint64_t block_bytes, bool durable,
+                           uint64_t& writeback_begin, std::atomic<uint64_t>& written,
+                           std::vector<uint64_t>& digests) {
+  // Objects: one block of any length.
+  const uint64_t block =
+      item.kind == ItemKind::kObject || block_bytes == 0 ? ~uint64_t{0} : block_bytes;
+  // The end of the block that starts at `from`.
+  auto block_end_from = [&](uint64_t from) {
+    return item.num_bytes - from <= block ? item.num_bytes : from + block;
+  };
+  ChecksumStream checksum;
+  uint64_t done = 0, block_end = block_end_from(0);
+  while (true) {
+    size_t n = static_cast<size_t>(std::min(kWritePiece, block_end - done));
+    if (n > 0) {
+      // A device item's bytes come a piece at a time: n may shrink to the piece's end.
+      TESSERA_ASSIGN_OR_RETURN(std::span<const std::byte> bytes, data.Next(n));
+      n = bytes.size();
+      TESSERA_RETURN_IF_ERROR(writer.Append(bytes.data(), n));
+      if (checksums) checksum.Update(bytes.data(), n);
+      written.fetch_add(n, std::memory_order_relaxed);
+    }
+    done += n;
+    const uint64_t end = writer.position();
+    if (durable && end - writeback_begin >= kWritebackStep) {
+      TESSERA_RETURN_IF_ERROR(out.StartWriteback(writeback_begin, end - writeback_begin));
+      writeback_begin = end;
+    }
+    if (done < block_end) continue;
+    if (checksums) digests.push_back(checksum.Digest());
+    checksum.Reset();
+    if (done == item.num_bytes) break;
+    block_end = block_end_from(done);
+  }
+  return writer.Finish();
+}
+
+// Writes one data file: the header its codec laid out, then every item where the codec places
+// it, framed by the codec's ItemWriter.
 Status WriteDataFile(Storage& storage, const std::string& dir, ItemSource& source,
                      const LocalPlan& plan, uint32_t file_index, const DataFilePlan& file,
-                     const FileLayout& layout, const DataFileWriteOptions& options,
-                     std::atomic<uint64_t>& written, FileResult& result, uint8_t& created) {
+                     const DataFileEncoder& layout, bool checksums,
+                     const DataFileWriteOptions& options, std::atomic<uint64_t>& written,
+                     FileResult& result, uint8_t& created) {
   const std::string path = JoinPath(dir, file.name);
   // Created exclusively: a name that exists (a planted link) is an error, never a target.
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
                            storage.NewWritableFile(path, CreateMode::kExclusive));
   created = 1;
-  TESSERA_RETURN_IF_ERROR(out->WriteAt(0, layout.header.data(), layout.header.size()));
-  const uint64_t data_start = layout.header.size();
+  const Bytes& header = layout.header();
+  if (!header.empty()) TESSERA_RETURN_IF_ERROR(out->WriteAt(0, header.data(), header.size()));
   const bool durable = options.sync == SyncPolicy::kFull;
   uint64_t writeback_begin = 0;  // with kFull, bytes before it were handed to StartWriteback
+  uint64_t end = header.size();
   for (size_t k = 0; k < file.items.size(); ++k) {
     const LocalItem& item = plan.items[file.items[k]];
+    const uint64_t at = layout.ItemOffset(k, end);
+    TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ItemWriter> writer, layout.BeginItem(*out, k, at));
     ItemReader data(source, file_index, k, item.num_bytes);
-    const uint64_t at_item = data_start + layout.entries[k].begin;
-    // Objects: one block of any length.
-    const uint64_t block = item.kind == ItemKind::kObject || options.checksum_block_bytes == 0
-                               ? ~uint64_t{0}
-                               : options.checksum_block_bytes;
-    // The end of the block that starts at `from`.
-    auto block_end_from = [&](uint64_t from) {
-      return item.num_bytes - from <= block ? item.num_bytes : from + block;
-    };
     std::vector<uint64_t> digests;
-    ChecksumStream checksum;
-    uint64_t done = 0, block_end = block_end_from(0);
-    while (true) {
-      size_t n = static_cast<size_t>(std::min(kWritePiece, block_end - done));
-      const uint64_t at = at_item + done;
-      if (n > 0) {
-        // A device item's bytes come a piece at a time: n may shrink to the piece's end.
-        TESSERA_ASSIGN_OR_RETURN(std::span<const std::byte> bytes, data.Next(n));
-        n = bytes.size();
-        TESSERA_RETURN_IF_ERROR(out->WriteAt(at, bytes.data(), n));
-        checksum.Update(bytes.data(), n);
-        written.fetch_add(n, std::memory_order_relaxed);
-      }
-      done += n;
-      if (durable && at + n - writeback_begin >= kWritebackStep) {
-        TESSERA_RETURN_IF_ERROR(out->StartWriteback(writeback_begin, at + n - writeback_begin));
-        writeback_begin = at + n;
-      }
-      if (done < block_end) continue;
-      digests.push_back(checksum.Digest());
-      checksum.Reset();
-      if (done == item.num_bytes) break;
-      block_end = block_end_from(done);
-    }
-    result.items.push_back(
-        WrittenItem{file.items[k], file_index, at_item, item.num_bytes, digests.front()});
-    result.blocks.emplace_back(digests.begin() + 1, digests.end());
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t length, WriteItem(*out, *writer, item, data, checksums,
+                                                              options.checksum_block_bytes, durable,
+                                                              writeback_begin, written, digests));
+    const uint64_t first = digests.empty() ? 0 : digests.front();
+    result.items.push_back(WrittenItem{file.items[k], file_index, at, length, first});
+    result.blocks.emplace_back(digests.empty() ? digests.end() : digests.begin() + 1,
+                               digests.end());
+    end = at + length;
   }
+  result.size = end;
   if (durable) TESSERA_RETURN_IF_ERROR(out->Sync());
   TESSERA_RETURN_IF_ERROR(out->Close());
   return Status::Ok();
@@ -160,8 +162,8 @@ const std::byte* ItemData(const StateDict& state, const LocalItem& item) {
 std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector<uint32_t>& items,
                                         int files_per_group,
                                         const std::vector<std::string>& separate_prefixes,
-                                        const std::string& save_id, int rank,
-                                        const std::string& attempt) {
+                                        const FormatWriter& writer, const std::string& save_id,
+                                        int rank, const std::string& attempt) {
   std::vector<std::vector<uint32_t>> groups(1 + separate_prefixes.size());
   for (uint32_t i : items) groups[GroupOf(plan.items[i].key, separate_prefixes)].push_back(i);
   std::vector<DataFilePlan> files;
@@ -182,7 +184,7 @@ std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector
     }
   }
   for (size_t f = 0; f < files.size(); ++f) {
-    files[f].name = DataFileName(save_id, rank, static_cast<int>(f), attempt);
+    files[f].name = writer.DataFileName(save_id, rank, static_cast<int>(f), attempt);
     std::sort(files[f].items.begin(), files[f].items.end(), [&](uint32_t a, uint32_t b) {
       return InManifestOrder(plan.items[a], plan.items[b]);
     });
@@ -266,26 +268,25 @@ Status WriteFilesFromSource(
 
 Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, const StateDict& state,
                                    const LocalPlan& plan, const std::vector<DataFilePlan>& files,
-                                   const std::string& save_id,
+                                   const FormatWriter& writer, const std::string& save_id,
                                    const DataFileWriteOptions& options) {
-  const std::map<std::string, std::string> header_metadata = {{"format", "pt"},
-                                                              {"tessera_save_id", save_id}};
-  std::vector<FileLayout> layouts(files.size());
+  // Every file laid out before any is written: what the codec refuses costs nothing to undo.
+  std::vector<std::unique_ptr<DataFileEncoder>> layouts(files.size());
   for (size_t f = 0; f < files.size(); ++f) {
-    TESSERA_ASSIGN_OR_RETURN(layouts[f], LayOutFile(plan, files[f], header_metadata));
+    TESSERA_ASSIGN_OR_RETURN(layouts[f], writer.NewDataFile(ItemsOf(plan, files[f]), save_id));
   }
+  const bool checksums = writer.EngineChecksums();
   std::vector<FileResult> results(files.size());
   std::atomic<uint64_t> written{0};
   TESSERA_RETURN_IF_ERROR(WriteFilesFromSource(
       storage, dir, state, plan, files, options, written,
       [&](ItemSource& source, size_t f, uint8_t& created) {
         return WriteDataFile(storage, dir, source, plan, static_cast<uint32_t>(f), files[f],
-                             layouts[f], options, written, results[f], created);
+                             *layouts[f], checksums, options, written, results[f], created);
       }));
   WriteResult result;
   for (size_t f = 0; f < files.size(); ++f) {
-    result.files.push_back(
-        FileInfo{files[f].name, layouts[f].header.size() + layouts[f].data_bytes});
+    result.files.push_back(FileInfo{files[f].name, results[f].size});
     for (size_t k = 0; k < results[f].items.size(); ++k) {
       WrittenItem item = results[f].items[k];
       const std::vector<uint64_t>& blocks = results[f].blocks[k];

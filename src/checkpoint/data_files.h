@@ -1,4 +1,7 @@
-// Step 3 of a save on one rank: writing its data files (docs/FORMAT.md, sections 2 and 4).
+// Step 3 of a save on one rank: writing its data files (docs/FORMAT.md, sections 2 and 4), in
+// any format: the one write engine. A format's codec (format/format_writer.h) names the files,
+// lays out their headers and frames each item; the engine does the rest (threads, device
+// staging, progress, writeback, checksums, removing what a failed save created).
 #ifndef TESSERA_CHECKPOINT_DATA_FILES_H_
 #define TESSERA_CHECKPOINT_DATA_FILES_H_
 
@@ -8,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "format/format_writer.h"
 #include "plan/save_plan.h"
 #include "tessera/checkpoint.h"
 #include "tessera/state_dict.h"
@@ -29,12 +33,12 @@ struct DataFilePlan {
 // rest; each group over up to `files_per_group` files, balancing bytes (largest first to the
 // least loaded). Within a file, tensors come first, by key and box, then objects by key: the
 // manifest's order, which its encoding rewards (docs/FORMAT.md, section 3.5). Files are named
-// DataFileName(save_id, rank, f, attempt).
+// writer.DataFileName(save_id, rank, f, attempt).
 std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector<uint32_t>& items,
                                         int files_per_group,
                                         const std::vector<std::string>& separate_prefixes,
-                                        const std::string& save_id, int rank,
-                                        const std::string& attempt = "");
+                                        const FormatWriter& writer, const std::string& save_id,
+                                        int rank, const std::string& attempt = "");
 
 struct DataFileWriteOptions {
   int num_threads = 2;  // files written at once
@@ -75,14 +79,19 @@ Status WriteFilesFromSource(
     std::atomic<uint64_t>& written,
     const std::function<Status(ItemSource& source, size_t f, uint8_t& created)>& write_file);
 
-// Writes the planned files with up to options.num_threads threads, checksumming every piece
-// right after writing it, and reports where every item landed. Items in device memory are
-// copied to pinned host memory piece by piece as the writers go (ItemSource), and
+// Writes the planned files of save `save_id` in `writer`'s format with up to
+// options.num_threads threads, and reports where every item landed (WrittenItem: the item's
+// offset and stored length, framing included). Lays every file out (FormatWriter::NewDataFile)
+// before writing any, so what the codec refuses leaves nothing behind. When the codec asks for
+// them (EngineChecksums), checksums every piece right after writing it (one per block of
+// options.checksum_block_bytes; one per object); otherwise reports none. Items in device memory
+// are copied to pinned host memory piece by piece as the writers go (ItemSource), and
 // options.device_staging.on_staged is called once they all were (or will not be). On failure
 // removes every file it created and returns the first error, naming the file.
 Result<WriteResult> WriteDataFiles(Storage& storage, const std::string& dir, const StateDict& state,
                                    const LocalPlan& plan, const std::vector<DataFilePlan>& files,
-                                   const std::string& save_id, const DataFileWriteOptions& options);
+                                   const FormatWriter& writer, const std::string& save_id,
+                                   const DataFileWriteOptions& options);
 
 }  // namespace tessera
 

@@ -6,6 +6,7 @@
 #include "checkpoint/commit.h"
 #include "checkpoint/marker.h"
 #include "format/tessera/manifest.h"
+#include "format/torch_dist/dcp_format_writer.h"
 #include "format/torch_dist/dcp_writer.h"
 
 namespace tessera {
@@ -31,7 +32,7 @@ std::set<std::string> DataFilesOf(const DcpMetadata& dcp) {
 Status CheckDirectoryBeforeCommit(Storage& storage, const std::string& dir,
                                   const std::set<std::string>& files) {
   TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(dir));
-  TESSERA_RETURN_IF_ERROR(CheckDcpSaveTarget(dir, names));
+  TESSERA_RETURN_IF_ERROR(torch_dist::CheckDcpSaveTarget(dir, names));
   const std::set<std::string> present(names.begin(), names.end());
   for (const std::string& f : files) {
     if (!present.count(f)) {
@@ -61,42 +62,6 @@ Status CheckReadBack(Storage& storage, const std::string& path, const Bytes& wri
 }
 
 }  // namespace
-
-Status CheckSaveFormat(const SaveOptions& options, bool coordinator) {
-  switch (options.format) {
-    case CheckpointFormat::kTessera:
-      return Status::Ok();
-    case CheckpointFormat::kTorchDist:
-      if (coordinator && !options.user_metadata.empty()) {
-        return BadOption("SaveOptions::user_metadata",
-                         "must be empty with format torch_dist: a PyTorch DCP "
-                         "checkpoint has no place for it (key '" +
-                             options.user_metadata.begin()->first + "')");
-      }
-      return Status::Ok();
-    default:
-      return InvalidArgument(std::string("SaveOptions::format ") +
-                             CheckpointFormatName(options.format) +
-                             " cannot be written: save as tessera or torch_dist");
-  }
-}
-
-torch_dist::DcpFlavor DcpFlavorOf(TorchDistFlavor flavor) {
-  return flavor == TorchDistFlavor::kTorch113 ? torch_dist::DcpFlavor::kTorch113
-                                              : torch_dist::DcpFlavor::kTorch2;
-}
-
-Status CheckDcpSaveTarget(const std::string& dir, const std::vector<std::string>& names) {
-  for (const std::string& name : names) {
-    uint64_t seq = 0;
-    if (!ParseCommitName(name, &seq)) continue;
-    return FailedPrecondition(
-        dir + " holds a tessera checkpoint (" + name +
-        "); a PyTorch DCP save there would be hidden by it: save into another directory, or "
-        "convert the checkpoint");
-  }
-  return Status::Ok();
-}
 
 Status CommitDcpCheckpoint(Storage& storage, const std::string& dir, const Metadata& metadata,
                            const DcpCommitOptions& options, bool& renamed) {

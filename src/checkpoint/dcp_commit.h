@@ -23,18 +23,6 @@
 
 namespace tessera {
 
-// The options of a save that names a format (SaveOptions::format): InvalidArgument for a format
-// tessera cannot write (safetensors) and, with kTorchDist on the coordinator (whose
-// user_metadata is the one saved), for user_metadata, which DCP has no place for.
-Status CheckSaveFormat(const SaveOptions& options, bool coordinator);
-
-torch_dist::DcpFlavor DcpFlavorOf(TorchDistFlavor flavor);
-
-// Refuses a directory whose entries (`names`) include a tessera commit (a numbered manifest or
-// the version 2 one): it would hide the DCP checkpoint from tessera's readers, which look for
-// it first. FailedPrecondition naming it.
-Status CheckDcpSaveTarget(const std::string& dir, const std::vector<std::string>& names);
-
 struct DcpCommitOptions {
   torch_dist::DcpFlavor flavor = torch_dist::DcpFlavor::kTorch2;
   SyncPolicy sync = SyncPolicy::kFull;

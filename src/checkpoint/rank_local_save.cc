@@ -16,6 +16,7 @@
 #include "checkpoint/sequence.h"
 #include "core/checksum.h"
 #include "format/tessera/manifest.h"
+#include "format/tessera/tessera_writer.h"
 #include "plan/save_plan.h"
 
 namespace tessera {
@@ -227,6 +228,8 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
   // Every attempt writes files of its own names: nothing an earlier attempt (or another job)
   // wrote is ever removed or overwritten here, so no part can describe bytes it did not write.
   const std::string attempt = NewAttemptId();
+  const std::unique_ptr<FormatWriter> writer =
+      NewTesseraWriter();  // rank-local saves are tessera's
   const std::string marker_id = save_id + ".r" + std::to_string(rank);
   TESSERA_RETURN_IF_ERROR(
       AcquireRankMarker(*storage, path, marker_id, options.save_tag, rank, attempt, options.sync));
@@ -238,7 +241,7 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
   } marker{*storage, path, marker_id};
   const std::vector<DataFilePlan> files =
       PlanDataFiles(split.main, plan.writes[0], options.num_io_threads, options.separate_prefixes,
-                    save_id, rank, attempt);
+                    *writer, save_id, rank, attempt);
 
   DataFileWriteOptions write_options;
   write_options.num_threads = options.num_io_threads;
@@ -251,8 +254,9 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
     write_options.on_progress = [&](uint64_t done) { options.progress(done, my_bytes); };
     options.progress(0, my_bytes);
   }
-  TESSERA_ASSIGN_OR_RETURN(WriteResult written, WriteDataFiles(*storage, path, state, split.main,
-                                                               files, save_id, write_options));
+  TESSERA_ASSIGN_OR_RETURN(
+      WriteResult written,
+      WriteDataFiles(*storage, path, state, split.main, files, *writer, save_id, write_options));
   Result<Metadata> part = FinishMetadata(plan, std::span(&written, 1));
   Status committed = part.status();
   if (part.ok()) {

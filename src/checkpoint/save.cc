@@ -16,14 +16,15 @@
 #include "checkpoint/commit.h"
 #include "checkpoint/data_files.h"
 #include "checkpoint/dcp_commit.h"
-#include "checkpoint/dcp_data_files.h"
 #include "checkpoint/envelope.h"
 #include "checkpoint/rank_local_save.h"
 #include "core/byte_io.h"
 #include "core/checksum.h"
 #include "core/status_wire.h"
 #include "core/utf8.h"
+#include "format/registry.h"
 #include "format/tessera/manifest.h"
+#include "format/torch_dist/dcp_format_writer.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "plan/plan_exchange.h"
 #include "plan/save_plan.h"
@@ -81,14 +82,14 @@ Result<Outcome> DecodeOutcome(std::span<const uint8_t> bytes) {
 
 // Step 0 on the coordinator, before any rank writes: the directory, a fresh save id, and the
 // marker that protects this save's files from the cleanup of other saves into the directory.
+// `writer` (null when its options were refused) says what the directory must not hold.
 Result<std::string> PrepareDirectory(Storage& storage, const std::string& path,
-                                     const SaveOptions& options) {
+                                     const FormatWriter* writer, const SaveOptions& options) {
+  if (writer == nullptr) return Internal("preparing " + path + " for a save with no writer");
   const SyncPolicy sync = options.sync;
   TESSERA_RETURN_IF_ERROR(CreateDurableDirs(storage, path, sync));
   TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(path));
-  if (options.format == CheckpointFormat::kTorchDist) {
-    TESSERA_RETURN_IF_ERROR(CheckDcpSaveTarget(path, names));
-  }
+  TESSERA_RETURN_IF_ERROR(writer->CheckTarget(path, names));
   std::string save_id = NewSaveId(names);
   TESSERA_RETURN_IF_ERROR(CreateSaveMarker(storage, path, save_id, sync));
   return save_id;
@@ -138,7 +139,8 @@ Result<Preamble> AgreeOnPreamble(Comm& comm, bool cache_hit, const Result<std::s
 // already), so a save whose plan is refused leaves no trace. COLLECTIVE; every rank returns
 // the same error.
 Result<std::vector<uint32_t>> PlanWrites(Comm& comm, Storage& storage, const std::string& path,
-                                         const Result<LocalPlan>& local, const SaveOptions& options,
+                                         const Result<LocalPlan>& local, const FormatWriter* writer,
+                                         const SaveOptions& options,
                                          std::shared_ptr<const GlobalSavePlan>& global,
                                          std::string& save_id) {
   const Bytes holdings = local.ok() ? EncodeHoldings(*local) : Bytes();
@@ -175,7 +177,7 @@ Result<std::vector<uint32_t>> PlanWrites(Comm& comm, Storage& storage, const std
           BuildGroupedSavePlan(groups, messages, {.balance_writes = options.balance_writes}));
       global = std::make_shared<const GlobalSavePlan>(std::move(plan));
       if (save_id.empty()) {
-        TESSERA_ASSIGN_OR_RETURN(save_id, PrepareDirectory(storage, path, options));
+        TESSERA_ASSIGN_OR_RETURN(save_id, PrepareDirectory(storage, path, writer, options));
       }
       return Status::Ok();
     }();
@@ -228,11 +230,12 @@ Outcome CommitOnCoordinator(const Comm& comm, Storage& storage, const std::strin
                                      .count();
     if (options.format == CheckpointFormat::kTorchDist) {
       torch_dist::MarkDcpItems(metadata);
-      TESSERA_RETURN_IF_ERROR_CTX(CommitDcpCheckpoint(storage, path, metadata,
-                                                      {DcpFlavorOf(options.torch_dist_flavor),
-                                                       options.sync, &options.torch_dist_key_paths},
-                                                      outcome.manifest_renamed),
-                                  "committing the .metadata of " + path);
+      TESSERA_RETURN_IF_ERROR_CTX(
+          CommitDcpCheckpoint(storage, path, metadata,
+                              {torch_dist::DcpFlavorOf(options.torch_dist_flavor), options.sync,
+                               &options.torch_dist_key_paths},
+                              outcome.manifest_renamed),
+          "committing the .metadata of " + path);
       if (options.remove_stale_files) RemoveStaleDcpFiles(storage, path, save_id);
       return Status::Ok();
     }
@@ -299,9 +302,16 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
   if (local.ok() && coordinator) {
     if (Status text = CheckUserMetadata(options.user_metadata); !text.ok()) local = text;
   }
-  if (local.ok()) {
-    if (Status format = CheckSaveFormat(options, coordinator); !format.ok()) local = format;
-  }
+  // The format's writer: it checks the options the format has no place for.
+  const Format* format = FindFormat(options.format);
+  Result<std::unique_ptr<FormatWriter>> writer =
+      format ? format->NewWriter(options, coordinator)
+             : Result<std::unique_ptr<FormatWriter>>(BadOption(
+                   "SaveOptions::format", "is not a format tessera knows: value " +
+                                              std::to_string(static_cast<int>(options.format)) +
+                                              " (formats: " + FormatNames() + ")"));
+  if (local.ok() && !writer.ok()) local = writer.status();
+  const FormatWriter* format_writer = writer.ok() ? writer->get() : nullptr;
   const Bytes encoded_plan = local.ok() ? EncodeLocalPlan(*local) : Bytes();
   const uint64_t plan_key = Checksum(encoded_plan.data(), encoded_plan.size()) ^
                             (options.balance_writes ? 0x9e3779b97f4a7c15ULL : 0) ^
@@ -309,8 +319,9 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
   std::shared_ptr<SavePlanCache> cache = comm.GetOrCreateAttachment<SavePlanCache>(
       "tessera.save_plan_cache", [] { return new SavePlanCache(); });
   const bool my_hit = options.plan_cache && local.ok() && cache->valid && cache->key == plan_key;
-  Result<std::string> prepared = coordinator && my_hit ? PrepareDirectory(*storage, path, options)
-                                                       : Result<std::string>(std::string());
+  Result<std::string> prepared = coordinator && my_hit
+                                     ? PrepareDirectory(*storage, path, format_writer, options)
+                                     : Result<std::string>(std::string());
   Result<Preamble> preamble = AgreeOnPreamble(comm, my_hit, prepared);
   // The coordinator removes its marker when the save ends, whatever happens.
   std::string save_id = preamble.ok() && preamble->cache_hit ? preamble->save_id : "";
@@ -332,8 +343,8 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
     global = cache->global;  // null except on the coordinator
     items = cache->items;
   } else {
-    TESSERA_ASSIGN_OR_RETURN(items,
-                             PlanWrites(comm, *storage, path, local, options, global, save_id));
+    TESSERA_ASSIGN_OR_RETURN(
+        items, PlanWrites(comm, *storage, path, local, format_writer, options, global, save_id));
   }
 
   // 3. Write this rank's files.
@@ -348,16 +359,11 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
     write_options.on_progress = [&](uint64_t done) { options.progress(done, my_bytes); };
     options.progress(0, my_bytes);  // the start: a bar's clock and total
   }
-  const bool torch_dist = options.format == CheckpointFormat::kTorchDist;
   const std::vector<DataFilePlan> files =
-      torch_dist ? PlanDcpDataFiles(*local, items, options.num_io_threads,
-                                    options.separate_prefixes, save_id, rank)
-                 : PlanDataFiles(*local, items, options.num_io_threads, options.separate_prefixes,
-                                 save_id, rank);
+      PlanDataFiles(*local, items, options.num_io_threads, options.separate_prefixes,
+                    *format_writer, save_id, rank);
   Result<WriteResult> written =
-      torch_dist ? WriteDcpDataFiles(*storage, path, state, *local, files,
-                                     DcpFlavorOf(options.torch_dist_flavor), write_options)
-                 : WriteDataFiles(*storage, path, state, *local, files, save_id, write_options);
+      WriteDataFiles(*storage, path, state, *local, files, *format_writer, save_id, write_options);
   SaveReport report;
   report.save_id = save_id;
   if (written.ok()) {

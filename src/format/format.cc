@@ -1,5 +1,7 @@
 #include "format/format.h"
 
+#include "format/registry.h"
+
 namespace tessera {
 
 // The defaults: a format with no single-file checkpoints, no wrapped chunks and no checks of
@@ -24,6 +26,34 @@ Status Format::VerifyItems(Storage&, const std::string&, const Metadata&, int, u
 Result<bool> Format::CheckObjectBytes(const ObjectInfo&, const std::vector<uint8_t>&,
                                       const std::string&) const {
   return false;
+}
+
+Result<std::unique_ptr<FormatWriter>> Format::NewWriter(const SaveOptions&, bool) const {
+  std::string writable;
+  for (const Format* format : RegisteredFormats()) {
+    if (!format->CanWrite()) continue;
+    writable += std::string(writable.empty() ? "" : " or ") + format->name();
+  }
+  return InvalidArgument(std::string("SaveOptions::format ") + name() +
+                         " cannot be written: save as " + writable);
+}
+
+Status RawItemWriter::Append(const std::byte* data, size_t n) {
+  if (n > num_bytes_ - done_) {
+    return InvalidArgument("an item of " + std::to_string(num_bytes_) + " bytes was given " +
+                           std::to_string(done_ + n));
+  }
+  TESSERA_RETURN_IF_ERROR(out_->WriteAt(offset_ + done_, data, n));
+  done_ += n;
+  return Status::Ok();
+}
+
+Result<uint64_t> RawItemWriter::Finish() {
+  if (done_ != num_bytes_) {
+    return FailedPrecondition("an item of " + std::to_string(num_bytes_) + " bytes ended after " +
+                              std::to_string(done_));
+  }
+  return num_bytes_;
 }
 
 }  // namespace tessera

@@ -12,20 +12,26 @@
 //     each data file carries a safetensors header describing its chunks, and the format's own
 //     checks of wrapped items (VerifyItems, CheckObjectBytes);
 //   - says which file names are its own (CountsFile), for ls and cleanups.
+// and on the write side, makes the FormatWriter of a save (format_writer.h): file names, file
+// headers and the framing of items, for the one write engine (src/checkpoint/data_files.h).
 #ifndef TESSERA_FORMAT_FORMAT_H_
 #define TESSERA_FORMAT_FORMAT_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "format/format_writer.h"
 #include "tessera/metadata.h"
 #include "tessera/status.h"
 #include "tessera/storage.h"
 
 namespace tessera {
+
+struct SaveOptions;  // tessera/checkpoint.h
 
 // What a format makes of a directory from its file names (Format::Claim). The registry turns
 // the claims of every format into one choice (ChooseFormats in registry.h).
@@ -116,6 +122,16 @@ class Format {
   // none for this object. An error names `where`.
   virtual Result<bool> CheckObjectBytes(const ObjectInfo& object, const std::vector<uint8_t>& bytes,
                                         const std::string& where) const;
+
+  // ---- Writing.
+  // Whether tessera saves in this format (NewWriter succeeds for some options).
+  virtual bool CanWrite() const { return false; }
+  // The writer of one save with `options` (whose `format` is this one) on a rank that is the
+  // coordinator or not (the coordinator's user_metadata is the one saved). Checks the options
+  // before anything is written: BadOption naming an option the format has no place for;
+  // InvalidArgument naming the formats that can be written when this one cannot (the default).
+  virtual Result<std::unique_ptr<FormatWriter>> NewWriter(const SaveOptions& options,
+                                                          bool coordinator) const;
 };
 
 }  // namespace tessera

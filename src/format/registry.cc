@@ -18,12 +18,16 @@ const std::vector<const Format*>& RegisteredFormats() {
   return formats;
 }
 
-const Format& FormatOf(CheckpointFormat id) {
+const Format* FindFormat(CheckpointFormat id) {
   for (const Format* format : RegisteredFormats()) {
-    if (format->id() == id) return *format;
+    if (format->id() == id) return format;
   }
-  // CheckpointFormat has no value without a registered format (registry_test checks each).
-  return *RegisteredFormats().front();
+  return nullptr;
+}
+
+const Format& FormatOf(CheckpointFormat id) {
+  const Format* format = FindFormat(id);
+  return format ? *format : *RegisteredFormats().front();
 }
 
 const Format* FindFormat(std::string_view name) {
@@ -45,6 +49,12 @@ std::string FormatNames() {
 const Format* FormatChoice::primary() const {
   if (!committed.empty()) return committed.front();
   return unfinished ? unfinished : data;
+}
+
+DirectoryClaim FormatChoice::primary_claim() const {
+  if (!committed.empty()) return DirectoryClaim::kCommitted;
+  if (unfinished) return DirectoryClaim::kUnfinished;
+  return data ? DirectoryClaim::kData : DirectoryClaim::kNone;
 }
 
 FormatChoice ChooseFormats(const std::vector<std::string>& sorted_names) {

@@ -16,8 +16,12 @@ namespace tessera {
 
 // Every registered format, in detection order (the order ChooseFormats asks them in).
 const std::vector<const Format*>& RegisteredFormats();
-// The format of `id`; every CheckpointFormat value is registered.
+// The format of `id`, which must be registered: an id a codec set (Metadata::format as read).
+// Every CheckpointFormat enumerator is (registry_test checks each); a value outside the enum
+// gets the first format, so an id that comes from a user goes through FindFormat instead.
 const Format& FormatOf(CheckpointFormat id);
+// The format of `id`, or null when none is registered under it (a value outside the enum).
+const Format* FindFormat(CheckpointFormat id);
 // The format named `name` (Format::name), or null.
 const Format* FindFormat(std::string_view name);
 // "tessera, torch_dist, safetensors": the registered names, for messages and option help.
@@ -38,6 +42,8 @@ struct FormatChoice {
   // The format that decides what the directory is: committed.front(), else unfinished, else
   // data; null when no format claims it.
   const Format* primary() const;
+  // What primary() claimed (kNone when null), so no caller claims again.
+  DirectoryClaim primary_claim() const;
 };
 FormatChoice ChooseFormats(const std::vector<std::string>& sorted_names);
 

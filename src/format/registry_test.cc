@@ -23,6 +23,7 @@ TEST(RegistryTest, EveryFormatValueIsRegisteredOnceUnderItsName) {
   }
   EXPECT_EQ(names.size(), RegisteredFormats().size());
   EXPECT_EQ(FindFormat("zarr"), nullptr);
+  EXPECT_EQ(FindFormat(static_cast<CheckpointFormat>(9)), nullptr);
   EXPECT_EQ(FormatNames(), "tessera, torch_dist, safetensors");
 }
 
@@ -37,6 +38,7 @@ TEST(RegistryTest, ACommitDecides) {
       ChooseFormats(Sorted({NumberedManifestName(3), DataFileName(kSaveId, 0, 0)}));
   ASSERT_EQ(tessera.committed.size(), 1u);
   EXPECT_EQ(tessera.primary()->id(), CheckpointFormat::kTessera);
+  EXPECT_EQ(tessera.primary_claim(), DirectoryClaim::kCommitted);
 
   const FormatChoice dcp = ChooseFormats(Sorted({".metadata", "__0_0.distcp"}));
   ASSERT_EQ(dcp.committed.size(), 1u);
@@ -60,6 +62,7 @@ TEST(RegistryTest, UnfinishedSaveIsNotAnotherFormatsData) {
   EXPECT_EQ(choice.unfinished->id(), CheckpointFormat::kTessera);
   EXPECT_EQ(choice.data, nullptr);
   EXPECT_EQ(choice.primary(), choice.unfinished);
+  EXPECT_EQ(choice.primary_claim(), DirectoryClaim::kUnfinished);
 
   const FormatChoice dcp = ChooseFormats({"__0_0.distcp"});  // no .metadata yet
   ASSERT_NE(dcp.unfinished, nullptr);
@@ -73,10 +76,12 @@ TEST(RegistryTest, DataFilesAloneAreAHuggingFaceCheckpoint) {
   ASSERT_NE(choice.data, nullptr);
   EXPECT_EQ(choice.primary()->id(), CheckpointFormat::kSafetensors);
   EXPECT_TRUE(choice.primary()->NestsCheckpoints());
+  EXPECT_EQ(choice.primary_claim(), DirectoryClaim::kData);
 }
 
 TEST(RegistryTest, NoFormatClaimsOtherFiles) {
   EXPECT_EQ(ChooseFormats({}).primary(), nullptr);
+  EXPECT_EQ(ChooseFormats({}).primary_claim(), DirectoryClaim::kNone);
   EXPECT_EQ(ChooseFormats(Sorted({"README.md", "config.json", "tessera.latest"})).primary(),
             nullptr);
 }

@@ -7,6 +7,7 @@
 #include "core/checksum.h"
 #include "format/tessera/manifest.h"
 #include "format/tessera/rank_manifests.h"
+#include "format/tessera/tessera_writer.h"
 
 namespace tessera {
 namespace {
@@ -247,6 +248,11 @@ class TesseraFormatImpl final : public Format {
   }
 
   bool DataFilesHaveHeaders() const override { return true; }
+
+  bool CanWrite() const override { return true; }
+  Result<std::unique_ptr<FormatWriter>> NewWriter(const SaveOptions&, bool) const override {
+    return NewTesseraWriter();
+  }
 };
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include "format/tessera/tessera_format.h"
 #include "format/torch_dist/dcp_codec.h"
+#include "format/torch_dist/dcp_format_writer.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_zip.h"
 
@@ -157,6 +158,12 @@ class TorchDistFormatImpl final : public Format {
     if (object.encoding != ObjectEncoding::kTorchSave) return false;
     TESSERA_RETURN_IF_ERROR(torch_dist::CheckTorchItemRecords(bytes, where, nullptr));
     return true;
+  }
+
+  bool CanWrite() const override { return true; }
+  Result<std::unique_ptr<FormatWriter>> NewWriter(const SaveOptions& options,
+                                                  bool coordinator) const override {
+    return torch_dist::NewDcpWriter(options, coordinator);
   }
 };
 

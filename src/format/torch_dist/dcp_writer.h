@@ -2,8 +2,8 @@
 // names of the files tessera writes into a DCP directory, the streaming of one item into a data
 // file, and the `.metadata` of a checkpoint described by tessera's Metadata.
 //
-// Used by Save with SaveFormat::kTorchDist (src/checkpoint/dcp_data_files.h, dcp_commit.h) and by
-// anything else that produces DCP directories (conversion): write each item with
+// Used by Save with SaveFormat::kTorchDist (dcp_format_writer.h, src/checkpoint/dcp_commit.h) and
+// by anything else that produces DCP directories (conversion): write each item with
 // TorchTensorItemWriter / WriteDcpObjectItem into files named DcpDataFileName, describe what was
 // written in a Metadata (MarkDcpItems), and commit it with CommitDcpCheckpoint
 // (src/checkpoint/dcp_commit.h), which turns it into the `.metadata` with ToDcpMetadata.

@@ -1,0 +1,118 @@
+// The write side of a Format (format.h): what a codec tells the one write engine
+// (src/checkpoint/data_files.h) about its data files. The engine owns everything that does not
+// depend on the format: the threads, device staging, progress, writeback, checksums and the
+// removal of files a failed save created. A codec owns only bytes:
+//   - the name of each data file (DataFileName), and what a save directory must not hold
+//     (CheckTarget);
+//   - each file's header and where each item starts in it, and how an item's bytes are framed
+//     (DataFileEncoder, ItemWriter): tessera writes a safetensors header and the raw bytes;
+//     PyTorch DCP writes every chunk as a torch.save zip item and no header.
+// A codec never calls back into the engine: it sees items only as ItemToWrite (core types).
+//
+// The commit of the index stays with the engine for now (src/checkpoint/commit.h, dcp_commit.h);
+// docs/DESIGN.md, "Formats", says what moves next.
+#ifndef TESSERA_FORMAT_FORMAT_WRITER_H_
+#define TESSERA_FORMAT_FORMAT_WRITER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/bytes.h"
+#include "tessera/metadata.h"
+#include "tessera/status.h"
+#include "tessera/storage.h"
+
+namespace tessera {
+
+// One item as the engine hands it to a codec: a chunk of a tensor or a whole object.
+struct ItemToWrite {
+  std::string key;
+  bool object = false;       // a whole object (its bytes), else a tensor chunk
+  DType dtype = DType::kU8;  // tensors
+  Shape global_shape;        // tensors
+  Box box;                   // tensors: the chunk
+  uint64_t num_bytes = 0;    // the item's data bytes (row-major, little-endian for tensors)
+  ObjectEncoding object_encoding = ObjectEncoding::kBytes;  // objects
+};
+
+// Frames one item's bytes in a data file. The engine calls Append with the item's bytes in
+// order, in pieces of any size (a piece at most kWritePiece in practice), then Finish once.
+// Used by one thread at a time.
+class ItemWriter {
+ public:
+  virtual ~ItemWriter() = default;
+  // Writes the next `n` bytes of the item. InvalidArgument past the item's num_bytes; the
+  // file's errors.
+  virtual Status Append(const std::byte* data, size_t n) = 0;
+  // The file offset just past the last byte written so far (the engine hands what lies before
+  // it to StartWriteback).
+  virtual uint64_t position() const = 0;
+  // Writes what follows the data, once every byte was appended; returns the item's stored
+  // length from where it started (its data bytes plus any framing).
+  virtual Result<uint64_t> Finish() = 0;
+};
+
+// One data file's layout: made by FormatWriter::NewDataFile for its items, before any byte of
+// any file is written (so what a codec refuses costs nothing to undo).
+class DataFileEncoder {
+ public:
+  virtual ~DataFileEncoder() = default;
+  // The bytes at offset 0, before any item (empty for none).
+  virtual const Bytes& header() const = 0;
+  // Where item `k` (in the order given to NewDataFile) starts, `end_of_previous` being where
+  // the previous item ended (header().size() for the first).
+  virtual uint64_t ItemOffset(size_t k, uint64_t end_of_previous) const = 0;
+  // Begins item `k` at `offset` (ItemOffset's answer) in `out`, writing any framing that
+  // precedes its data.
+  virtual Result<std::unique_ptr<ItemWriter>> BeginItem(WritableFile& out, size_t k,
+                                                        uint64_t offset) const = 0;
+};
+
+// What one save writes in a format (Format::NewWriter makes one per save, from its options).
+// Thread safety: const methods, called from every writer thread at once.
+class FormatWriter {
+ public:
+  virtual ~FormatWriter() = default;
+  // The name of data file `file_index` of `rank` in save `save_id`; `attempt` tells apart the
+  // files of a rank-local save's retries (empty otherwise). A save never overwrites a file of
+  // the checkpoint it replaces, so every name carries the save id.
+  virtual std::string DataFileName(const std::string& save_id, int rank, int file_index,
+                                   const std::string& attempt) const = 0;
+  // Refuses a save into `dir` whose entries are `names` when they would hide the checkpoint it
+  // writes from readers (FailedPrecondition naming the file).
+  virtual Status CheckTarget(const std::string& dir, const std::vector<std::string>& names) const {
+    return Status::Ok();
+  }
+  // Whether the engine checksums each item's blocks as it writes them (tessera's XXH3 blocks,
+  // Metadata::checksum_block_bytes). False for a format whose framing carries its own
+  // checksums (DCP's zip CRC-32) or none.
+  virtual bool EngineChecksums() const = 0;
+  // The layout of one data file of save `save_id` holding `items` in this order. Errors name
+  // the key a format cannot store (e.g. a dtype torch 1.13 lacks).
+  virtual Result<std::unique_ptr<DataFileEncoder>> NewDataFile(
+      const std::vector<ItemToWrite>& items, const std::string& save_id) const = 0;
+};
+
+// An ItemWriter for raw bytes at a fixed offset: no framing, the item's length its data size.
+// What a format that stores items as they are (tessera) returns from BeginItem.
+class RawItemWriter final : public ItemWriter {
+ public:
+  RawItemWriter(WritableFile& out, uint64_t offset, uint64_t num_bytes)
+      : out_(&out), offset_(offset), num_bytes_(num_bytes) {}
+  Status Append(const std::byte* data, size_t n) override;
+  uint64_t position() const override { return offset_ + done_; }
+  Result<uint64_t> Finish() override;
+
+ private:
+  WritableFile* out_;
+  uint64_t offset_;
+  uint64_t num_bytes_;
+  uint64_t done_ = 0;
+};
+
+}  // namespace tessera
+
+#endif  // TESSERA_FORMAT_FORMAT_WRITER_H_

@@ -1,0 +1,188 @@
+// The write side of the registered formats as the write engine (src/checkpoint/data_files.h)
+// uses it: file names, layouts, item framing, and what each codec refuses before any byte is
+// written. Whole saves in each format are checkpoint_test's and dcp_save_test's.
+#include "format/format_writer.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "format/registry.h"
+#include "format/safetensors.h"
+#include "format/tessera/names.h"
+#include "format/torch_dist/dcp_writer.h"
+#include "tessera/checkpoint.h"
+#include "tessera/memory_storage.h"
+#include "tessera/testing/gtest_status.h"
+
+namespace tessera {
+namespace {
+
+constexpr char kSaveId[] = "00ab00ab00ab00ab";
+
+ItemToWrite Chunk(const std::string& key, DType dtype, Shape global, Box box) {
+  ItemToWrite item;
+  item.key = key;
+  item.dtype = dtype;
+  item.global_shape = std::move(global);
+  item.num_bytes = static_cast<uint64_t>(box.NumElements()) * DTypeSize(dtype);
+  item.box = std::move(box);
+  return item;
+}
+
+ItemToWrite Object(const std::string& key, uint64_t num_bytes) {
+  ItemToWrite item;
+  item.key = key;
+  item.object = true;
+  item.num_bytes = num_bytes;
+  return item;
+}
+
+std::unique_ptr<FormatWriter> WriterOf(CheckpointFormat id, const SaveOptions& options = {}) {
+  Result<std::unique_ptr<FormatWriter>> writer = FormatOf(id).NewWriter(options, true);
+  EXPECT_TRUE(writer.ok()) << writer.status().ToString();
+  return writer.ok() ? std::move(*writer) : nullptr;
+}
+
+// Writes `items` as `writer` lays them out into `path`, each item's bytes its index repeated;
+// returns where each item starts.
+std::vector<uint64_t> WriteFile(Storage& storage, const std::string& path,
+                                const FormatWriter& writer, const std::vector<ItemToWrite>& items) {
+  std::vector<uint64_t> offsets;
+  Result<std::unique_ptr<DataFileEncoder>> layout = writer.NewDataFile(items, kSaveId);
+  EXPECT_TRUE(layout.ok()) << layout.status().ToString();
+  if (!layout.ok()) return offsets;
+  Result<std::unique_ptr<WritableFile>> out = storage.NewWritableFile(path);
+  EXPECT_TRUE(out.ok());
+  if (!out.ok()) return offsets;
+  const Bytes& header = (*layout)->header();
+  EXPECT_TRUE((*out)->WriteAt(0, header.data(), header.size()).ok());
+  uint64_t end = header.size();
+  for (size_t k = 0; k < items.size(); ++k) {
+    const uint64_t at = (*layout)->ItemOffset(k, end);
+    Result<std::unique_ptr<ItemWriter>> item = (*layout)->BeginItem(**out, k, at);
+    EXPECT_TRUE(item.ok()) << item.status().ToString();
+    if (!item.ok()) return offsets;
+    const std::vector<std::byte> bytes(items[k].num_bytes, std::byte(k + 1));
+    // Two pieces, as the engine hands them.
+    const size_t half = bytes.size() / 2;
+    EXPECT_TRUE((*item)->Append(bytes.data(), half).ok());
+    EXPECT_TRUE((*item)->Append(bytes.data() + half, bytes.size() - half).ok());
+    Result<uint64_t> length = (*item)->Finish();
+    EXPECT_TRUE(length.ok()) << length.status().ToString();
+    offsets.push_back(at);
+    end = at + (length.ok() ? *length : 0);
+  }
+  EXPECT_TRUE((*out)->Close().ok());
+  return offsets;
+}
+
+TEST(FormatWriterTest, OnlyTesseraAndTorchDistAreWritten) {
+  for (const Format* format : RegisteredFormats()) {
+    Result<std::unique_ptr<FormatWriter>> writer = format->NewWriter(SaveOptions{}, true);
+    EXPECT_EQ(writer.ok(), format->CanWrite()) << format->name();
+  }
+  Result<std::unique_ptr<FormatWriter>> hf =
+      FormatOf(CheckpointFormat::kSafetensors).NewWriter(SaveOptions{}, true);
+  EXPECT_EQ(hf.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(hf.status().message(),
+            "SaveOptions::format safetensors cannot be written: save as tessera or torch_dist");
+}
+
+TEST(FormatWriterTest, TesseraFilesAreSafetensorsWithRawItems) {
+  const std::unique_ptr<FormatWriter> writer = WriterOf(CheckpointFormat::kTessera);
+  ASSERT_NE(writer, nullptr);
+  EXPECT_TRUE(writer->EngineChecksums());
+  EXPECT_EQ(writer->DataFileName(kSaveId, 3, 1, ""), DataFileName(kSaveId, 3, 1));
+  MemoryStorage storage;
+  const std::vector<ItemToWrite> items = {Chunk("w", DType::kF32, {4, 3}, Box{{2, 0}, {2, 3}}),
+                                          Object("step", 5)};
+  const std::vector<uint64_t> offsets = WriteFile(storage, "/f.safetensors", *writer, items);
+  ASSERT_EQ(offsets.size(), 2u);
+  TESSERA_ASSIGN_OR_FAIL(std::unique_ptr<ReadableFile> file,
+                         storage.NewReadableFile("/f.safetensors"));
+  TESSERA_ASSIGN_OR_FAIL(SafetensorsHeader header, ReadSafetensorsHeader(*file));
+  ASSERT_EQ(header.entries.size(), 2u);
+  EXPECT_EQ(header.metadata.at("tessera_save_id"), kSaveId);
+  EXPECT_EQ(header.entries[0].name, ChunkEntryName("w", items[0].box, items[0].global_shape));
+  EXPECT_EQ(header.data_start + header.entries[0].begin, offsets[0]);
+  EXPECT_EQ(header.data_start + header.entries[1].begin, offsets[1]);
+  EXPECT_EQ(file->size(), offsets[1] + 5);
+  uint8_t first = 0;
+  TESSERA_ASSERT_OK(file->ReadAt(offsets[1], &first, 1));
+  EXPECT_EQ(first, 2);  // the object's bytes, raw
+}
+
+TEST(FormatWriterTest, TorchDistFilesAreTorchSaveItemsBackToBack) {
+  const std::unique_ptr<FormatWriter> writer = WriterOf(CheckpointFormat::kTorchDist);
+  ASSERT_NE(writer, nullptr);
+  EXPECT_FALSE(writer->EngineChecksums());
+  EXPECT_EQ(writer->DataFileName(kSaveId, 3, 1, ""), torch_dist::DcpDataFileName(kSaveId, 3, 1));
+  MemoryStorage storage;
+  const std::vector<ItemToWrite> items = {Chunk("w", DType::kBF16, {8}, Box{{0}, {8}}),
+                                          Object("step", 3)};
+  const std::vector<uint64_t> offsets = WriteFile(storage, "/f.distcp", *writer, items);
+  ASSERT_EQ(offsets.size(), 2u);
+  EXPECT_EQ(offsets[0], 0u);   // no header
+  EXPECT_GT(offsets[1], 16u);  // after the whole first item, framing included
+  TESSERA_ASSIGN_OR_FAIL(std::unique_ptr<ReadableFile> file, storage.NewReadableFile("/f.distcp"));
+  char magic[2] = {};
+  TESSERA_ASSERT_OK(file->ReadAt(0, magic, 2));
+  EXPECT_EQ(std::string(magic, 2), "PK");  // a zip archive
+  TESSERA_ASSERT_OK(file->ReadAt(offsets[1], magic, 2));
+  EXPECT_EQ(std::string(magic, 2), "PK");
+}
+
+TEST(FormatWriterTest, TorchDistRefusesWhatItCannotHoldBeforeWriting) {
+  SaveOptions options;
+  options.user_metadata = {{"step", "10"}};
+  Result<std::unique_ptr<FormatWriter>> coordinator =
+      FormatOf(CheckpointFormat::kTorchDist).NewWriter(options, true);
+  ASSERT_FALSE(coordinator.ok());
+  ASSERT_NE(coordinator.status().detail(), nullptr);
+  EXPECT_EQ(coordinator.status().detail()->kind, StatusDetail::Kind::kBadOption);
+  EXPECT_EQ(coordinator.status().detail()->options.at(0), "SaveOptions::user_metadata");
+  // Only the coordinator's user_metadata is saved.
+  EXPECT_TRUE(FormatOf(CheckpointFormat::kTorchDist).NewWriter(options, false).ok());
+
+  options = SaveOptions{};
+  options.torch_dist_flavor = TorchDistFlavor::kTorch113;
+  const std::unique_ptr<FormatWriter> old = WriterOf(CheckpointFormat::kTorchDist, options);
+  ASSERT_NE(old, nullptr);
+  Result<std::unique_ptr<DataFileEncoder>> layout =
+      old->NewDataFile({Chunk("scale", DType::kU32, {2}, Box{{0}, {2}})}, kSaveId);
+  EXPECT_EQ(layout.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(layout.status().message().find("key 'scale'"), std::string::npos)
+      << layout.status().ToString();
+  EXPECT_TRUE(WriterOf(CheckpointFormat::kTorchDist)
+                  ->NewDataFile({Chunk("scale", DType::kU32, {2}, Box{{0}, {2}})}, kSaveId)
+                  .ok());
+}
+
+TEST(FormatWriterTest, TorchDistRefusesASaveBesideATesseraCommit) {
+  const std::unique_ptr<FormatWriter> writer = WriterOf(CheckpointFormat::kTorchDist);
+  ASSERT_NE(writer, nullptr);
+  const Status status = writer->CheckTarget("/ckpt", {".metadata", NumberedManifestName(2)});
+  EXPECT_EQ(status.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(status.message().find(NumberedManifestName(2)), std::string::npos);
+  TESSERA_EXPECT_OK(writer->CheckTarget("/ckpt", {".metadata", "__0_0.distcp"}));
+  TESSERA_EXPECT_OK(
+      WriterOf(CheckpointFormat::kTessera)->CheckTarget("/ckpt", {NumberedManifestName(2)}));
+}
+
+TEST(FormatWriterTest, RawItemsHoldExactlyTheirBytes) {
+  MemoryStorage storage;
+  TESSERA_ASSIGN_OR_FAIL(std::unique_ptr<WritableFile> out, storage.NewWritableFile("/raw"));
+  RawItemWriter item(*out, 10, 4);
+  const std::byte bytes[6] = {};
+  TESSERA_ASSERT_OK(item.Append(bytes, 3));
+  EXPECT_EQ(item.position(), 13u);
+  EXPECT_EQ(item.Finish().status().code(), StatusCode::kFailedPrecondition);  // one missing
+  EXPECT_EQ(item.Append(bytes, 2).code(), StatusCode::kInvalidArgument);      // one too many
+  TESSERA_ASSERT_OK(item.Append(bytes, 1));
+  TESSERA_ASSIGN_OR_FAIL(uint64_t length, item.Finish());
+  EXPECT_EQ(length, 4u);
+}
+
+}  // namespace
+}  // namespace tessera

@@ -1,0 +1,75 @@
+#include "format/tessera/tessera_writer.h"
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "format/safetensors.h"
+#include "format/tessera/names.h"
+
+namespace tessera {
+namespace {
+
+// A safetensors header listing the file's items, then their bytes as they are.
+class TesseraDataFile final : public DataFileEncoder {
+ public:
+  TesseraDataFile(std::vector<SafetensorsEntry> entries, Bytes header)
+      : entries_(std::move(entries)), header_(std::move(header)) {}
+
+  const Bytes& header() const override { return header_; }
+  uint64_t ItemOffset(size_t k, uint64_t) const override {
+    return header_.size() + entries_[k].begin;
+  }
+  Result<std::unique_ptr<ItemWriter>> BeginItem(WritableFile& out, size_t k,
+                                                uint64_t offset) const override {
+    return std::unique_ptr<ItemWriter>(
+        new RawItemWriter(out, offset, entries_[k].end - entries_[k].begin));
+  }
+
+ private:
+  std::vector<SafetensorsEntry> entries_;  // parallel to the items
+  Bytes header_;
+};
+
+class TesseraWriter final : public FormatWriter {
+ public:
+  std::string DataFileName(const std::string& save_id, int rank, int file_index,
+                           const std::string& attempt) const override {
+    return tessera::DataFileName(save_id, rank, file_index, attempt);
+  }
+  bool EngineChecksums() const override { return true; }
+
+  // Objects are u8 vectors of their length; chunks are named by key and box
+  // (ChunkEntryName), so any safetensors reader finds them.
+  Result<std::unique_ptr<DataFileEncoder>> NewDataFile(const std::vector<ItemToWrite>& items,
+                                                       const std::string& save_id) const override {
+    std::vector<SafetensorsEntry> entries;
+    entries.reserve(items.size());
+    for (const ItemToWrite& item : items) {
+      SafetensorsEntry e;
+      if (item.object) {
+        e.name = item.key;
+        e.dtype = DType::kU8;
+        e.shape = {static_cast<int64_t>(item.num_bytes)};
+      } else {
+        e.name = ChunkEntryName(item.key, item.box, item.global_shape);
+        e.dtype = item.dtype;
+        e.shape = item.box.sizes;
+      }
+      entries.push_back(std::move(e));
+    }
+    LayOutEntries(entries);
+    const std::map<std::string, std::string> header_metadata = {{"format", "pt"},
+                                                                {"tessera_save_id", save_id}};
+    TESSERA_ASSIGN_OR_RETURN(Bytes header, EncodeSafetensorsHeader(entries, header_metadata));
+    return std::unique_ptr<DataFileEncoder>(
+        new TesseraDataFile(std::move(entries), std::move(header)));
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<FormatWriter> NewTesseraWriter() { return std::make_unique<TesseraWriter>(); }
+
+}  // namespace tessera

@@ -1,0 +1,151 @@
+#include "format/torch_dist/dcp_format_writer.h"
+
+#include <utility>
+
+#include "format/tessera/names.h"
+#include "format/torch_dist/dcp_writer.h"
+#include "format/torch_dist/torch_dtype.h"
+
+namespace tessera::torch_dist {
+namespace {
+
+// One tensor chunk as a torch.save item (TorchTensorItemWriter).
+class TensorItem final : public ItemWriter {
+ public:
+  explicit TensorItem(TorchTensorItemWriter writer) : writer_(std::move(writer)) {}
+  Status Append(const std::byte* data, size_t n) override { return writer_.Append(data, n); }
+  uint64_t position() const override { return writer_.position(); }
+  Result<uint64_t> Finish() override { return writer_.Finish(); }
+
+ private:
+  TorchTensorItemWriter writer_;
+};
+
+// One object as the byte item of its encoding: the archive forms are built whole, so the bytes
+// are gathered first (objects are small) and written by Finish.
+class ObjectItem final : public ItemWriter {
+ public:
+  ObjectItem(WritableFile& out, uint64_t offset, uint64_t num_bytes, ObjectEncoding encoding)
+      : out_(&out), offset_(offset), num_bytes_(num_bytes), encoding_(encoding) {
+    bytes_.reserve(num_bytes);
+  }
+  Status Append(const std::byte* data, size_t n) override {
+    if (n > num_bytes_ - bytes_.size()) {
+      return InvalidArgument("an object of " + std::to_string(num_bytes_) + " bytes was given " +
+                             std::to_string(bytes_.size() + n));
+    }
+    const auto* p = reinterpret_cast<const uint8_t*>(data);
+    bytes_.insert(bytes_.end(), p, p + n);
+    return Status::Ok();
+  }
+  uint64_t position() const override { return offset_ + length_; }
+  Result<uint64_t> Finish() override {
+    if (bytes_.size() != num_bytes_) {
+      return FailedPrecondition("an object of " + std::to_string(num_bytes_) +
+                                " bytes ended after " + std::to_string(bytes_.size()));
+    }
+    TESSERA_ASSIGN_OR_RETURN(length_, WriteDcpObjectItem(*out_, offset_, bytes_, encoding_));
+    return length_;
+  }
+
+ private:
+  WritableFile* out_;
+  uint64_t offset_;
+  uint64_t num_bytes_;
+  ObjectEncoding encoding_;
+  Bytes bytes_;
+  uint64_t length_ = 0;
+};
+
+// Items back to back from offset 0; no header.
+class DcpDataFile final : public DataFileEncoder {
+ public:
+  explicit DcpDataFile(std::vector<ItemToWrite> items) : items_(std::move(items)) {}
+
+  const Bytes& header() const override { return header_; }
+  uint64_t ItemOffset(size_t, uint64_t end_of_previous) const override { return end_of_previous; }
+  Result<std::unique_ptr<ItemWriter>> BeginItem(WritableFile& out, size_t k,
+                                                uint64_t offset) const override {
+    const ItemToWrite& item = items_[k];
+    if (item.object) {
+      return std::unique_ptr<ItemWriter>(
+          new ObjectItem(out, offset, item.num_bytes, item.object_encoding));
+    }
+    const TorchTensorSpec spec{std::string(TorchDTypeOf(item.dtype).name), item.box.sizes, false};
+    TESSERA_ASSIGN_OR_RETURN(TorchTensorItemWriter writer,
+                             TorchTensorItemWriter::Begin(out, offset, spec));
+    if (writer.layout().data_size != item.num_bytes) {
+      return Internal("key '" + item.key + "' box " + item.box.ToString() + ": the item holds " +
+                      std::to_string(writer.layout().data_size) + " data bytes, the chunk " +
+                      std::to_string(item.num_bytes));
+    }
+    return std::unique_ptr<ItemWriter>(new TensorItem(std::move(writer)));
+  }
+
+ private:
+  std::vector<ItemToWrite> items_;
+  Bytes header_;  // empty
+};
+
+class DcpWriter final : public FormatWriter {
+ public:
+  explicit DcpWriter(DcpFlavor flavor) : flavor_(flavor) {}
+
+  // The rank-local attempt is tessera's alone (rank-local saves are tessera's format).
+  std::string DataFileName(const std::string& save_id, int rank, int file_index,
+                           const std::string&) const override {
+    return DcpDataFileName(save_id, rank, file_index);
+  }
+  Status CheckTarget(const std::string& dir, const std::vector<std::string>& names) const override {
+    return CheckDcpSaveTarget(dir, names);
+  }
+  bool EngineChecksums() const override { return false; }  // the zip records' CRC-32
+
+  // torch 1.13 lacks some dtypes: refused before any byte is written.
+  Result<std::unique_ptr<DataFileEncoder>> NewDataFile(const std::vector<ItemToWrite>& items,
+                                                       const std::string&) const override {
+    if (flavor_ == DcpFlavor::kTorch113) {
+      for (const ItemToWrite& item : items) {
+        if (!item.object && !Torch113HasDType(item.dtype)) {
+          return InvalidArgument("key '" + item.key + "': torch 1.13 has no dtype " +
+                                 std::string(TorchDTypeOf(item.dtype).name) +
+                                 "; save with the torch 2.x flavour (TorchDistFlavor::kTorch2)");
+        }
+      }
+    }
+    return std::unique_ptr<DataFileEncoder>(new DcpDataFile(items));
+  }
+
+ private:
+  DcpFlavor flavor_;
+};
+
+}  // namespace
+
+DcpFlavor DcpFlavorOf(TorchDistFlavor flavor) {
+  return flavor == TorchDistFlavor::kTorch113 ? DcpFlavor::kTorch113 : DcpFlavor::kTorch2;
+}
+
+Status CheckDcpSaveTarget(const std::string& dir, const std::vector<std::string>& names) {
+  for (const std::string& name : names) {
+    uint64_t seq = 0;
+    if (!ParseCommitName(name, &seq)) continue;
+    return FailedPrecondition(
+        dir + " holds a tessera checkpoint (" + name +
+        "); a PyTorch DCP save there would be hidden by it: save into another directory, or "
+        "convert the checkpoint");
+  }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<FormatWriter>> NewDcpWriter(const SaveOptions& options, bool coordinator) {
+  if (coordinator && !options.user_metadata.empty()) {
+    return BadOption("SaveOptions::user_metadata",
+                     "must be empty with format torch_dist: a PyTorch DCP "
+                     "checkpoint has no place for it (key '" +
+                         options.user_metadata.begin()->first + "')");
+  }
+  return std::unique_ptr<FormatWriter>(new DcpWriter(DcpFlavorOf(options.torch_dist_flavor)));
+}
+
+}  // namespace tessera::torch_dist

@@ -1,0 +1,33 @@
+// The write side of PyTorch DCP (docs/FORMAT_TORCH_DIST.md, "What tessera writes"): data files
+// named DcpDataFileName, no file header, every tensor chunk one torch.save item streamed with its
+// zip CRC-32, every object the byte item of its ObjectEncoding, back to back. The `.metadata`
+// is committed by src/checkpoint/dcp_commit.h.
+#ifndef TESSERA_FORMAT_TORCH_DIST_DCP_FORMAT_WRITER_H_
+#define TESSERA_FORMAT_TORCH_DIST_DCP_FORMAT_WRITER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "format/format_writer.h"
+#include "format/torch_dist/dcp_metadata.h"
+#include "tessera/checkpoint.h"
+
+namespace tessera::torch_dist {
+
+// The flavour of `.metadata` SaveOptions::torch_dist_flavor names.
+DcpFlavor DcpFlavorOf(TorchDistFlavor flavor);
+
+// Refuses a directory whose entries (`names`) include a tessera commit (a numbered manifest or
+// the version 2 one): it would hide the DCP checkpoint from tessera's readers, which look for
+// it first. FailedPrecondition naming it.
+Status CheckDcpSaveTarget(const std::string& dir, const std::vector<std::string>& names);
+
+// The writer of a save with `options` (format torch_dist). BadOption for user_metadata on the
+// coordinator (the one saved): DCP has no place for it. Its NewDataFile refuses, naming the key,
+// a chunk whose dtype torch 1.13 lacks when the flavour is kTorch113.
+Result<std::unique_ptr<FormatWriter>> NewDcpWriter(const SaveOptions& options, bool coordinator);
+
+}  // namespace tessera::torch_dist
+
+#endif  // TESSERA_FORMAT_TORCH_DIST_DCP_FORMAT_WRITER_H_
