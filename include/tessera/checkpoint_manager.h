@@ -142,7 +142,8 @@ struct CheckpointManagerOptions {
   // Default kWait. With kSkip, a collective manager agrees on skipping with one all-reduce of one
   // integer; a rank-local one cannot agree without messages, so kSkip requires collective saves.
   WhenSaving when_saving = WhenSaving::kWait;
-  // Applied by rank 0 after every save that commits (and by Prune with its own policy). With
+  // Applied by rank 0 after every save that commits, and before the first save of a manager
+  // (what a run killed before its retention left; Prune applies its own policy). With
   // rank-local saves rank 0 applies it when its own part commits: a step whose other parts are
   // not there yet does not count as committed, so up to a step or two more than keep_last may
   // stay until the next save's retention (or a Prune).

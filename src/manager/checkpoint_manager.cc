@@ -151,13 +151,17 @@ struct CheckpointManager::State {
              ", listing the root failed: " + latest.status().ToString());
       }
     }
+    ApplyRetention("after the save of step " + std::to_string(step));
+  }
+
+  // The retention policy on the root (rank 0); a failure is a warning that names `when`.
+  void ApplyRetention(const std::string& when) {
     if (options.retention.keep_last < 1) return;
     manager::RootView view{storage, root, options.step_naming, FailedSteps(), std::nullopt};
     Result<PruneReport> pruned = manager::Prune(view, options.retention, /*dry_run=*/false, sync,
                                                 [this](const std::string& m) { Warn(m); });
     if (!pruned.ok()) {
-      Warn("the retention after the save of step " + std::to_string(step) +
-           " failed: " + pruned.status().ToString());
+      Warn("the retention " + when + " failed: " + pruned.status().ToString());
       return;
     }
     std::lock_guard<std::mutex> lock(mu);
@@ -386,6 +390,11 @@ Result<ManagedSave> CheckpointManager::Save(int64_t step, const StateDict& state
     if (collective) ahead = AgreeOnStatus(comm, ahead);
     TESSERA_RETURN_IF_ERROR(ahead);
     s.checked_root = true;
+    // A run killed between a commit and its retention left more than keep_last checkpoints;
+    // a run killed like that at every restart would leave more each time. The first save
+    // applies the policy before it writes (every step it could delete is older than this one).
+    if (comm.rank() == 0)
+      s.ApplyRetention("before the first save (step " + std::to_string(step) + ")");
   }
   if (!collective && s.session.empty()) {
     TESSERA_ASSIGN_OR_RETURN(s.session, AgreeOnSession(comm));

@@ -491,6 +491,33 @@ TEST(CheckpointManagerTest, AFailedBackgroundSaveRaisesInTheNextCall) {
   EXPECT_EQ(manager.Save(7, dict).status().code(), StatusCode::kFailedPrecondition);
 }
 
+// A run killed between a commit and its retention leaves more than keep_last checkpoints; if
+// every restart died the same way the root would grow without end. The next manager applies
+// the policy before its first save writes anything (the failing save shows it ran first).
+TEST(CheckpointManagerTest, TheFirstSaveAppliesTheRetentionAKilledRunOwed) {
+  auto memory = std::make_shared<MemoryStorage>();
+  auto storage = std::make_shared<FaultInjectingStorage>(memory);
+  {
+    CheckpointManager killed("/r", Options(storage, 0));  // as if killed before each retention
+    SaveSteps(killed, 1, 5);
+  }
+  CheckpointManagerOptions o = Options(storage, 2);
+  o.async = false;
+  CheckpointManager manager("/r", o);
+  ASSERT_OK_AND_ASSIGN(std::vector<int64_t> all, manager.AllSteps());
+  EXPECT_THAT(all, ElementsAre(1, 2, 3, 4, 5));  // opening and listing delete nothing
+  storage->SetPlan(FailStep(6));
+  TrainState t;
+  StateDict dict = t.Dict(0, 1);
+  EXPECT_EQ(manager.Save(6, dict).status().code(), StatusCode::kIOError);
+  ASSERT_OK_AND_ASSIGN(all, manager.AllSteps());
+  EXPECT_THAT(all, ElementsAre(4, 5));
+  ASSERT_TRUE(manager.LastRetention().has_value());
+  EXPECT_EQ(manager.LastRetention()->steps.size(), 5u);
+  ASSERT_OK_AND_ASSIGN(int64_t restored, RestoreAndCheck(manager));
+  EXPECT_EQ(restored, 5);
+}
+
 TEST(CheckpointManagerTest, TheDestructorHandsOverAFailureNobodySaw) {
   auto storage = std::make_shared<FaultInjectingStorage>(std::make_shared<MemoryStorage>());
   std::vector<Status> unseen;
