@@ -15,6 +15,7 @@ test_torch_dist_save.py."""
 import datetime
 import os
 import pickle
+import sys
 
 import numpy as np
 import torch
@@ -112,6 +113,18 @@ def worker(rank, size, port, path):
         assert target["step"] == 3
     finally:
         dist.destroy_process_group()
+    # The process ends here without finalizing the interpreter. Its last collectives are torch
+    # 1.13's own (dcp.load_state_dict's all_gather_object), whose tensors Python dropped after
+    # work.wait(): gloo's worker thread then holds their last reference and takes the GIL to
+    # drop it when it destroys the finished work, a moment later. If the interpreter began to
+    # exit meanwhile, that thread is ended by pthread_exit inside a noexcept frame and the process
+    # aborts ("terminate called without an active exception", seen once in CI on a loaded
+    # machine). tessera's own collectives wait for gloo to let go (python/tessera/_torch_comm.py);
+    # torch 1.13's cannot be made to, so the worker exits before the race can happen. A failure
+    # above raises before this line and reaches the parent as usual.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_two_gloo_processes_save_and_torch_loads_resharded(tmp_path):
