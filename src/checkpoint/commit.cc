@@ -32,6 +32,21 @@ Result<Bytes> ReadWhole(Storage& storage, const std::string& path) {
   return bytes;
 }
 
+// Before a commit: `writer`'s target check, and every data file of `metadata` still in `dir`
+// (`names`): another process may have removed them.
+Status CheckFilesBeforeCommit(const std::string& dir, const FormatWriter& writer,
+                              const Metadata& metadata, const std::vector<std::string>& names) {
+  TESSERA_RETURN_IF_ERROR(writer.CheckTarget(dir, names));
+  const std::set<std::string> present(names.begin(), names.end());
+  for (const FileInfo& f : metadata.files) {
+    if (!present.count(f.name)) {
+      return DataLoss("data file " + JoinPath(dir, f.name) + " of this save vanished before " +
+                      "the commit (removed by another process?); nothing was committed");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status CheckUserMetadata(const std::map<std::string, std::string>& metadata) {
@@ -97,41 +112,87 @@ std::string NewSaveId(const std::vector<std::string>& existing_names) {
   }
 }
 
-Status CommitManifest(Storage& storage, const std::string& dir, Metadata& metadata, SyncPolicy sync,
-                      bool& visible) {
-  // What the writer writes must pass the reader's validation, or the save would commit a
-  // checkpoint nobody can read.
-  if (Result<Metadata> check = DecodeManifest(EncodeManifest(metadata), JoinPath(dir, "manifest"));
-      !check.ok()) {
+Status CommitIndex(Storage& storage, const std::string& dir, const FormatWriter& writer,
+                   Metadata& metadata, SyncPolicy sync, bool& visible,
+                   const std::string& location) {
+  writer.FinishIndex(metadata);
+  const std::string where = location.empty() ? dir : location;
+  auto encode = [&](const Metadata& m) -> Result<Bytes> {
+    Result<Bytes> bytes = writer.EncodeIndex(m, where);
+    if (bytes.ok()) return bytes;
     return InvalidArgument("the checkpoint would not be readable, nothing was committed: " +
-                           check.status().message());
-  }
-  // Every data file must still be there: another process may have removed them.
+                           bytes.status().message());
+  };
+  TESSERA_ASSIGN_OR_RETURN(Bytes bytes, encode(metadata));
   TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(dir));
-  const std::set<std::string> present(names.begin(), names.end());
-  for (const FileInfo& f : metadata.files) {
-    if (!present.count(f.name)) {
-      return DataLoss("data file " + JoinPath(dir, f.name) + " of this save vanished before " +
-                      "the commit (removed by another process?); nothing was committed");
-    }
-  }
+  TESSERA_RETURN_IF_ERROR(CheckFilesBeforeCommit(dir, writer, metadata, names));
   const bool durable = sync == SyncPolicy::kFull;
   if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(dir));  // the data files' names
-  TESSERA_ASSIGN_OR_RETURN(
-      metadata.commit_seq,
-      PublishNewestCommit(storage, dir, metadata, HighestCommit(names), durable, &visible));
-  // Read it back: the previous checkpoint's files are removed only when the new manifest is
+  if (!writer.NumberedCommits()) {
+    const std::string path = JoinPath(dir, writer.IndexFileName());
+    visible = true;  // from here on the new index may be visible, even if Publish fails
+    TESSERA_RETURN_IF_ERROR(
+        storage.Publish(path, std::as_bytes(std::span(bytes)), PublishMode::kReplace, durable));
+    TESSERA_ASSIGN_OR_RETURN(const Bytes stored, ReadWhole(storage, path));
+    if (stored == bytes || writer.ReplacedByLaterSave(stored, metadata.save_id, path)) {
+      return Status::Ok();
+    }
+    return DataLoss(path + " does not read back as written (" + std::to_string(stored.size()) +
+                    " bytes read, " + std::to_string(bytes.size()) + " written)");
+  }
+  TESSERA_ASSIGN_OR_RETURN(metadata.commit_seq, PublishNewestCommit(
+                                                    storage, dir,
+                                                    [&](uint64_t seq) {
+                                                      metadata.commit_seq = seq;
+                                                      return encode(metadata);
+                                                    },
+                                                    HighestCommit(names), durable, &visible));
+  TESSERA_ASSIGN_OR_RETURN(bytes, encode(metadata));
+  // Read it back: the previous checkpoint's files are removed only when the new index is
   // really there. Gone already is fine: a newer commit superseded it and its cleanup ran.
   const std::string path = JoinPath(dir, CommitName(metadata.commit_seq));
   Result<Bytes> stored = ReadWhole(storage, path);
   if (!stored.ok() && stored.status().code() != StatusCode::kNotFound) return stored.status();
-  if (stored.ok() && *stored != EncodeManifest(metadata)) {
-    Result<Metadata> now = DecodeManifest(*stored, path);
+  if (stored.ok() && *stored != bytes) {
     return DataLoss(path + " does not read back as written (" + std::to_string(stored->size()) +
-                    " bytes read): " + (now.ok() ? "the bytes differ" : now.status().message()));
+                    " bytes read, " + std::to_string(bytes.size()) + " written)");
   }
   WriteSequenceHint(storage, dir, metadata.commit_seq);
   return Status::Ok();
+}
+
+void RemoveStaleFilesAfterCommit(Storage& storage, const std::string& dir,
+                                 const FormatWriter& writer, const std::string& own_id) {
+  if (writer.NumberedCommits()) return RemoveStaleFiles(storage, dir, own_id);
+  // 1. What is there, and which saves may still be running (their files are kept).
+  Result<std::vector<std::string>> names = storage.ListDir(dir);
+  if (!names.ok()) return;
+  const SaveMarkers markers = FindSaveMarkers(storage, dir, *names, own_id);
+  // 2. The index in place now, read after the markers: a save that committed after ours and
+  // has already finished is the one it describes. Unreadable: remove nothing.
+  const std::string index = writer.IndexFileName();
+  const std::string path = JoinPath(dir, index);
+  Result<Bytes> bytes = ReadWhole(storage, path);
+  if (!bytes.ok()) return;
+  Result<std::set<std::string>> live = writer.FilesOfIndex(*bytes, path);
+  if (!live.ok()) return;
+  // 3. Remove the rest of the format's files that carry a save id.
+  for (const std::string& name : *names) {
+    // What a killed Publish of the index left: every writer of it holds a marker.
+    std::string target;
+    if (ParsePublishTemporaryName(name, &target)) {
+      if (target == index && markers.others_running == 0) {
+        storage.Remove(JoinPath(dir, name)).IgnoreError();
+      }
+      continue;
+    }
+    const std::string id = writer.SaveIdOfFile(name);
+    if (id.empty() || markers.running.count(id) || live->count(name)) continue;
+    storage.Remove(JoinPath(dir, name)).IgnoreError();
+  }
+  for (const std::string& name : markers.dead_markers) {
+    storage.Remove(JoinPath(dir, name)).IgnoreError();
+  }
 }
 
 }  // namespace tessera

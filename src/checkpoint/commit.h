@@ -1,6 +1,7 @@
 // The coordinator's side of a save's commit protocol (docs/FORMAT.md, section 4): the
-// directory, the save id, and the commit of the manifest. The in-progress marker is marker.h's,
-// the order of commits sequence.h's, the cleanup after a commit cleanup.h's.
+// directory, the save id, and the commit of the index, in any format (the format's
+// FormatWriter supplies the bytes). The in-progress marker is marker.h's, the order of numbered
+// commits sequence.h's, the cleanup after a tessera commit cleanup.h's.
 #ifndef TESSERA_CHECKPOINT_COMMIT_H_
 #define TESSERA_CHECKPOINT_COMMIT_H_
 
@@ -10,6 +11,7 @@
 
 #include "checkpoint/cleanup.h"
 #include "checkpoint/marker.h"
+#include "format/format_writer.h"
 #include "tessera/checkpoint.h"
 #include "tessera/metadata.h"
 #include "tessera/storage.h"
@@ -31,14 +33,32 @@ Status CreateDurableDirs(Storage& storage, const std::string& path, SyncPolicy s
 // that does not depend on the directory's contents (so the next id cannot be predicted).
 std::string NewSaveId(const std::vector<std::string>& existing_names);
 
-// Commits `metadata` as the newest checkpoint of `dir` (docs/FORMAT.md, section 4): checks that
-// the manifest decodes (everything the writer writes must pass the reader's validation) and that
-// every data file it lists is in the directory, syncs the directory, publishes it create-only as
-// the next commit "tessera.manifest.<n>" (sequence.h: PublishNewestCommit, which sets
-// metadata.commit_seq), reads it back, and replaces the sequence hint. `visible` becomes true
-// once the new manifest may be visible (its data files must then be kept whatever happens).
-Status CommitManifest(Storage& storage, const std::string& dir, Metadata& metadata, SyncPolicy sync,
-                      bool& visible);
+// The one commit of an index, for every format (docs/FORMAT.md, section 4): completes
+// `metadata` (FormatWriter::FinishIndex), encodes it checked to read back
+// (FormatWriter::EncodeIndex: InvalidArgument "the checkpoint would not be readable, nothing was
+// committed" otherwise), checks the directory (FormatWriter::CheckTarget; every data file of
+// metadata.files still there, else DataLoss), syncs the directory (kFull), publishes the index
+// and reads it back:
+//   - numbered commits: create-only as the next "tessera.manifest.<n>" (sequence.h:
+//     PublishNewestCommit, which sets metadata.commit_seq), then the sequence hint. Gone when
+//     read back is fine: a newer commit superseded it and its cleanup ran;
+//   - one index name: replaced (the last commit wins). Read back different is fine when a later
+//     save's index replaced it (FormatWriter::ReplacedByLaterSave).
+// `location` (empty: `dir`) is where the checkpoint will be read, when it is committed in
+// another directory first. `visible` becomes true once the new index may be visible (its data
+// files must then be kept whatever happens). Nothing is published when a check fails.
+Status CommitIndex(Storage& storage, const std::string& dir, const FormatWriter& writer,
+                   Metadata& metadata, SyncPolicy sync, bool& visible,
+                   const std::string& location = "");
+
+// After a commit of `writer`'s format by the operation `own_id`, best effort: RemoveStaleFiles
+// (cleanup.h) for numbered commits; for a format with one index name, the files that carry a
+// save id in its names (FormatWriter::SaveIdOfFile), that the index in place does not reference
+// and whose save is not running (marker.h, FindSaveMarkers), the temporaries of a killed publish
+// of the index when no other save runs, and the markers of dead saves. Nothing when the index in
+// place cannot be read; never a file without a save id in its name.
+void RemoveStaleFilesAfterCommit(Storage& storage, const std::string& dir,
+                                 const FormatWriter& writer, const std::string& own_id);
 
 }  // namespace tessera
 

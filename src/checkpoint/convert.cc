@@ -18,7 +18,6 @@
 
 #include "checkpoint/commit.h"
 #include "checkpoint/convert_writer.h"
-#include "checkpoint/dcp_commit.h"
 #include "checkpoint/envelope.h"
 #include "checkpoint/load_internal.h"
 #include "core/byte_io.h"
@@ -27,7 +26,6 @@
 #include "format/registry.h"
 #include "format/safetensors.h"
 #include "format/tessera/manifest.h"
-#include "format/torch_dist/dcp_format_writer.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_dtype.h"
 #include "format/torch_dist/torch_zip.h"
@@ -291,6 +289,14 @@ Result<Metadata> DcpOutputMetadata(const Metadata& source, const ConvertPlan& pl
   return m;
 }
 
+// The writer of ConvertOptions::to (a format tessera writes), for the commit of its index.
+Result<std::unique_ptr<FormatWriter>> WriterFor(const ConvertOptions& options) {
+  SaveOptions as_save;
+  as_save.format = options.to;
+  as_save.torch_dist_flavor = options.torch_dist_flavor;
+  return FormatOf(options.to).NewWriter(as_save, /*coordinator=*/true);
+}
+
 // The coordinator's last step once every rank has written: the index (Hugging Face, when
 // there are several files; torch_dist's `.metadata`, committed as a save commits it) or the
 // manifest (tessera) inside the temporary directory, then the directory renamed to DST.
@@ -300,23 +306,21 @@ Status Finish(Storage& storage, const std::string& temp, const Destination& dst,
               const Metadata& source, const std::vector<std::vector<uint64_t>>& checksums,
               const std::string& save_id, int num_ranks) {
   const bool durable = options.sync == SyncPolicy::kFull;
-  if (options.to == CheckpointFormat::kTorchDist) {
-    TESSERA_ASSIGN_OR_RETURN(const Metadata m,
-                             DcpOutputMetadata(source, plan, layout, checksums, save_id));
-    // checkpoint_id (torch 2.x's StorageMeta) names where the checkpoint ends up, not the
-    // temporary directory it is committed in.
-    Result<torch_dist::DcpMetadata> dcp = torch_dist::ToDcpMetadata(
-        m,
-        {.flavor = torch_dist::DcpFlavorOf(options.torch_dist_flavor), .checkpoint_id = dst.path});
-    if (!dcp.ok()) return dcp.status().WithContext("describing the converted checkpoint");
-    bool renamed = false;
-    TESSERA_RETURN_IF_ERROR(CommitDcpMetadata(storage, temp, *dcp, save_id, options.sync, renamed));
-  } else if (options.to == CheckpointFormat::kTessera) {
-    const bool keys_changed = !options.keys.empty() || !options.strip_prefix.empty();
-    TESSERA_ASSIGN_OR_RETURN(Metadata m, TesseraMetadata(source, plan, layout, checksums, save_id,
-                                                         num_ranks, keys_changed));
+  if (options.to == CheckpointFormat::kTorchDist || options.to == CheckpointFormat::kTessera) {
+    TESSERA_ASSIGN_OR_RETURN(const std::unique_ptr<FormatWriter> writer, WriterFor(options));
+    Metadata m;
+    if (options.to == CheckpointFormat::kTorchDist) {
+      TESSERA_ASSIGN_OR_RETURN(m, DcpOutputMetadata(source, plan, layout, checksums, save_id));
+    } else {
+      const bool keys_changed = !options.keys.empty() || !options.strip_prefix.empty();
+      TESSERA_ASSIGN_OR_RETURN(
+          m, TesseraMetadata(source, plan, layout, checksums, save_id, num_ranks, keys_changed));
+    }
+    // The index names where the checkpoint ends up (DCP's checkpoint_id), not the temporary
+    // directory it is committed in.
     bool visible = false;
-    TESSERA_RETURN_IF_ERROR(CommitManifest(storage, temp, m, options.sync, visible));
+    TESSERA_RETURN_IF_ERROR(
+        CommitIndex(storage, temp, *writer, m, options.sync, visible, dst.path));
   } else if (plan.files.size() > 1) {
     std::vector<std::pair<std::string, std::string>> weight_map;
     for (const OutputTensor& t : plan.tensors)

@@ -365,7 +365,7 @@ Status CheckBaseIsNewest(Storage& storage, const std::string& path, const Base& 
 
 // Step 2: the new manifest as commit base + 1 exactly, create-only. Another commit made since the
 // base was read holds that number (or one above it, and then this one too): the removal gives
-// way. `visible` as CommitManifest's.
+// way. `visible` as CommitIndex's (commit.h).
 Status CommitAfterBase(Storage& storage, const std::string& path, Metadata& kept, const Base& base,
                        SyncPolicy sync, bool& visible) {
   TESSERA_ASSIGN_OR_RETURN(kept.commit_seq, NextCommitNumber(path, base.seq));

@@ -15,7 +15,6 @@
 
 #include "checkpoint/commit.h"
 #include "checkpoint/data_files.h"
-#include "checkpoint/dcp_commit.h"
 #include "checkpoint/envelope.h"
 #include "checkpoint/rank_local_save.h"
 #include "core/byte_io.h"
@@ -24,8 +23,6 @@
 #include "core/utf8.h"
 #include "format/registry.h"
 #include "format/tessera/manifest.h"
-#include "format/torch_dist/dcp_format_writer.h"
-#include "format/torch_dist/dcp_writer.h"
 #include "plan/plan_exchange.h"
 #include "plan/save_plan.h"
 #include "tessera/checkpoint.h"
@@ -210,7 +207,8 @@ Result<std::vector<uint32_t>> PlanWrites(Comm& comm, Storage& storage, const std
 // cleanup.
 Outcome CommitOnCoordinator(const Comm& comm, Storage& storage, const std::string& path,
                             const GlobalSavePlan& global, const std::vector<Bytes>& gathered,
-                            const std::string& save_id, const SaveOptions& options) {
+                            const std::string& save_id, const FormatWriter& writer,
+                            const SaveOptions& options) {
   Outcome outcome;
   outcome.total_bytes = global.total_bytes;
   outcome.status = [&]() -> Status {
@@ -228,21 +226,10 @@ Outcome CommitOnCoordinator(const Comm& comm, Storage& storage, const std::strin
     metadata.save_time_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                                      std::chrono::system_clock::now().time_since_epoch())
                                      .count();
-    if (options.format == CheckpointFormat::kTorchDist) {
-      torch_dist::MarkDcpItems(metadata);
-      TESSERA_RETURN_IF_ERROR_CTX(
-          CommitDcpCheckpoint(storage, path, metadata,
-                              {torch_dist::DcpFlavorOf(options.torch_dist_flavor), options.sync,
-                               &options.torch_dist_key_paths},
-                              outcome.manifest_renamed),
-          "committing the .metadata of " + path);
-      if (options.remove_stale_files) RemoveStaleDcpFiles(storage, path, save_id);
-      return Status::Ok();
-    }
     TESSERA_RETURN_IF_ERROR_CTX(
-        CommitManifest(storage, path, metadata, options.sync, outcome.manifest_renamed),
-        "committing the manifest of " + path);
-    if (options.remove_stale_files) RemoveStaleFiles(storage, path, save_id);
+        CommitIndex(storage, path, writer, metadata, options.sync, outcome.manifest_renamed),
+        "committing the " + std::string(writer.index_description()) + " of " + path);
+    if (options.remove_stale_files) RemoveStaleFilesAfterCommit(storage, path, writer, save_id);
     return Status::Ok();
   }();
   return outcome;
@@ -378,8 +365,8 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
   // 4. The coordinator commits the manifest, then tells everyone the outcome.
   Bytes outcome_bytes;
   if (coordinator) {
-    outcome_bytes = EncodeOutcome(
-        CommitOnCoordinator(comm, *storage, path, *global, gathered, save_id, options));
+    outcome_bytes = EncodeOutcome(CommitOnCoordinator(comm, *storage, path, *global, gathered,
+                                                      save_id, *format_writer, options));
   }
   TESSERA_RETURN_IF_ERROR(comm.Broadcast(&outcome_bytes, kCoordinator));
   TESSERA_ASSIGN_OR_RETURN(Outcome outcome, DecodeOutcome(outcome_bytes));

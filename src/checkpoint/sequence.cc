@@ -107,10 +107,21 @@ void WriteSequenceHint(Storage& storage, const std::string& dir, uint64_t seq) {
 
 Result<uint64_t> PublishNewestCommit(Storage& storage, const std::string& dir, Metadata metadata,
                                      uint64_t highest_known, bool sync, bool* visible) {
+  return PublishNewestCommit(
+      storage, dir,
+      [&](uint64_t seq) -> Result<Bytes> {
+        metadata.commit_seq = seq;
+        return EncodeManifest(metadata);
+      },
+      highest_known, sync, visible);
+}
+
+Result<uint64_t> PublishNewestCommit(Storage& storage, const std::string& dir,
+                                     const std::function<Result<Bytes>(uint64_t seq)>& encode,
+                                     uint64_t highest_known, bool sync, bool* visible) {
   TESSERA_ASSIGN_OR_RETURN(uint64_t seq, NextCommitNumber(dir, highest_known));
   for (int claim = 0; claim < kMaxClaims; ++claim) {
-    metadata.commit_seq = seq;
-    const Bytes bytes = EncodeManifest(metadata);
+    TESSERA_ASSIGN_OR_RETURN(const Bytes bytes, encode(seq));
     const std::string path = JoinPath(dir, CommitName(seq));
     *visible = true;
     const Status published = storage.Publish(path, AsBytes(bytes), PublishMode::kCreateOnly, sync);

@@ -51,6 +51,11 @@ void WriteSequenceHint(Storage& storage, const std::string& dir, uint64_t seq);
 // publish may have made it visible (the data it points at must then be kept even on error).
 Result<uint64_t> PublishNewestCommit(Storage& storage, const std::string& dir, Metadata metadata,
                                      uint64_t highest_known, bool sync, bool* visible);
+// The same with the bytes of each number from `encode(seq)` (a format's index with
+// Metadata::commit_seq = seq); an error from `encode` is returned as it is.
+Result<uint64_t> PublishNewestCommit(Storage& storage, const std::string& dir,
+                                     const std::function<Result<Bytes>(uint64_t seq)>& encode,
+                                     uint64_t highest_known, bool sync, bool* visible);
 
 // Publishes `bytes` as commit `seq` exactly, create-only: kAlreadyExists when another commit
 // holds the number (RemoveKeys and Finalize derive their commit from `seq` - 1 and must not

@@ -144,4 +144,10 @@ std::optional<BoxCheckFailure> CheckTiling(std::span<const ChunkInfo> chunks, co
       chunks, [](const ChunkInfo& c) -> const Box& { return c.box; }, shape, require_coverage);
 }
 
+std::string BoxCheckFailure::problem() const {
+  const std::string suffix = " (" + advice + ")";
+  if (advice.empty() || !message.ends_with(suffix)) return message;
+  return message.substr(0, message.size() - suffix.size());
+}
+
 }  // namespace tessera

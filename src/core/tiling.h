@@ -24,6 +24,9 @@ struct BoxCheckFailure {
   // The advice `message` ends with in parentheses, without them ("mark the tensor partial if
   // that is intended"), or "".
   std::string advice;
+  // `message` without the advice: for a reader of a saved index, where the advice to the saver
+  // does not apply (the index is wrong, whatever the saver meant).
+  std::string problem() const;
 };
 std::optional<BoxCheckFailure> CheckTiling(std::span<const Box> boxes, const Shape& shape,
                                            bool require_coverage);

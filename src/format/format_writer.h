@@ -9,15 +9,25 @@
 //     PyTorch DCP writes every chunk as a torch.save zip item and no header.
 // A codec never calls back into the engine: it sees items only as ItemToWrite (core types).
 //
-// The commit of the index stays with the engine for now (src/checkpoint/commit.h, dcp_commit.h);
-// docs/DESIGN.md, "Formats", says what moves next.
+// and for the index the coordinator commits once every rank wrote (the engine's CommitIndex,
+// src/checkpoint/commit.h, does the committing: the checks, the sync, the publish, the read
+// back, and the cleanup after it):
+//   - how the index is named: numbered create-only commits (tessera's tessera.manifest.<n>) or
+//     one name each commit replaces (DCP's .metadata);
+//   - its bytes, checked to read back as written (EncodeIndex), and whether an index found in
+//     its place later is another save's (ReplacedByLaterSave);
+//   - which files of a directory carry a save id of its own, and which files an index
+//     references (SaveIdOfFile, FilesOfIndex), for the cleanup of a replaced index.
 #ifndef TESSERA_FORMAT_FORMAT_WRITER_H_
 #define TESSERA_FORMAT_FORMAT_WRITER_H_
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <set>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tessera/bytes.h"
@@ -94,6 +104,40 @@ class FormatWriter {
   // the key a format cannot store (e.g. a dtype torch 1.13 lacks).
   virtual Result<std::unique_ptr<DataFileEncoder>> NewDataFile(
       const std::vector<ItemToWrite>& items, const std::string& save_id) const = 0;
+
+  // ---- The index.
+  // What the index is called in messages ("manifest", ".metadata").
+  virtual std::string_view index_description() const = 0;
+  // True: every commit publishes a new numbered commit create-only (tessera's
+  // "tessera.manifest.<n>"; EncodeIndex is given Metadata::commit_seq of the number it takes).
+  // False: every commit replaces the one file IndexFileName (the last commit wins).
+  virtual bool NumberedCommits() const = 0;
+  // The index's file name when !NumberedCommits().
+  virtual std::string IndexFileName() const { return ""; }
+  // Turns what the ranks wrote (Metadata::files, every location, the save id) into the index
+  // this format stores (DCP: every item a whole torch.save item, no checksums). Idempotent.
+  virtual void FinishIndex(Metadata& metadata) const {}
+  // The bytes of `metadata`'s index, checked to read back as `metadata` (what the writer
+  // writes must pass the reader's validation, or a save would replace a good checkpoint by one
+  // nobody can read). `location` is where the checkpoint will be read from (DCP records it as
+  // StorageMeta.checkpoint_id). Errors say what would not read back, naming the key.
+  virtual Result<Bytes> EncodeIndex(const Metadata& metadata,
+                                    const std::string& location) const = 0;
+  // !NumberedCommits(): after save `save_id` published its index, the file `path` holds
+  // `stored` instead: true when that is a later save's index (it references no file of
+  // `save_id`), so this one committed first; false when it is damaged.
+  virtual bool ReplacedByLaterSave(std::span<const uint8_t> stored, const std::string& save_id,
+                                   const std::string& path) const {
+    return false;
+  }
+  // !NumberedCommits(), for the cleanup after a commit: the save id a file name of this format
+  // carries ("" for a name that is not one of tessera's files: never removed), and the files
+  // the index `stored` (read from `path`) references.
+  virtual std::string SaveIdOfFile(std::string_view name) const { return ""; }
+  virtual Result<std::set<std::string>> FilesOfIndex(std::span<const uint8_t> stored,
+                                                     const std::string& path) const {
+    return std::set<std::string>();
+  }
 };
 
 // An ItemWriter for raw bytes at a fixed offset: no framing, the item's length its data size.

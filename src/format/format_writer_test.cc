@@ -6,9 +6,11 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <set>
 
 #include "format/registry.h"
 #include "format/safetensors.h"
+#include "format/tessera/manifest.h"
 #include "format/tessera/names.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "tessera/checkpoint.h"
@@ -168,6 +170,61 @@ TEST(FormatWriterTest, TorchDistRefusesASaveBesideATesseraCommit) {
   TESSERA_EXPECT_OK(writer->CheckTarget("/ckpt", {".metadata", "__0_0.distcp"}));
   TESSERA_EXPECT_OK(
       WriterOf(CheckpointFormat::kTessera)->CheckTarget("/ckpt", {NumberedManifestName(2)}));
+}
+
+// A one-tensor Metadata as the ranks' write results leave it, in file `file`.
+Metadata WrittenMetadata(const std::string& file) {
+  Metadata m;
+  m.save_id = kSaveId;
+  m.num_ranks = 1;
+  m.files = {{file, 64}};
+  ChunkInfo chunk;
+  chunk.box = Box::Whole({4});
+  chunk.location = ByteLocation{0, 0, 16, 0};
+  m.tensors = {TensorInfo{"w", DType::kF32, {4}, {chunk}}};
+  return m;
+}
+
+TEST(FormatWriterTest, TesseraIndexIsANumberedManifestThatReadsBack) {
+  const std::unique_ptr<FormatWriter> writer = WriterOf(CheckpointFormat::kTessera);
+  ASSERT_NE(writer, nullptr);
+  EXPECT_TRUE(writer->NumberedCommits());
+  Metadata m = WrittenMetadata(DataFileName(kSaveId, 0, 0));
+  writer->FinishIndex(m);
+  m.commit_seq = 7;
+  TESSERA_ASSIGN_OR_FAIL(Bytes bytes, writer->EncodeIndex(m, "/ckpt"));
+  TESSERA_ASSIGN_OR_FAIL(Metadata back, DecodeManifest(bytes, "/ckpt/manifest"));
+  EXPECT_EQ(back.commit_seq, 7u);
+  ASSERT_EQ(back.tensors.size(), 1u);
+  // A chunk outside its tensor would not read back: refused before anything is published.
+  m.tensors[0].chunks[0].box = Box({2}, {4});
+  EXPECT_FALSE(writer->EncodeIndex(m, "/ckpt").ok());
+}
+
+TEST(FormatWriterTest, TorchDistIndexIsOneMetadataAndItsCleanupKnowsItsFiles) {
+  const std::unique_ptr<FormatWriter> writer = WriterOf(CheckpointFormat::kTorchDist);
+  ASSERT_NE(writer, nullptr);
+  EXPECT_FALSE(writer->NumberedCommits());
+  EXPECT_EQ(writer->IndexFileName(), ".metadata");
+  const std::string file = torch_dist::DcpDataFileName(kSaveId, 0, 0);
+  Metadata m = WrittenMetadata(file);
+  writer->FinishIndex(m);
+  EXPECT_EQ(m.format, CheckpointFormat::kTorchDist);
+  TESSERA_ASSIGN_OR_FAIL(Bytes bytes, writer->EncodeIndex(m, "/ckpt"));
+  TESSERA_ASSIGN_OR_FAIL(std::set<std::string> files,
+                         writer->FilesOfIndex(bytes, "/ckpt/.metadata"));
+  EXPECT_EQ(files, std::set<std::string>{file});
+  // Our own index in place is not "a later save's"; another save's is; damage is neither.
+  EXPECT_FALSE(writer->ReplacedByLaterSave(bytes, kSaveId, "/ckpt/.metadata"));
+  EXPECT_TRUE(writer->ReplacedByLaterSave(bytes, "ffffffffffffffff", "/ckpt/.metadata"));
+  const Bytes damaged(bytes.begin(), bytes.begin() + bytes.size() / 2);
+  EXPECT_FALSE(writer->ReplacedByLaterSave(damaged, "ffffffffffffffff", "/ckpt/.metadata"));
+  EXPECT_FALSE(writer->FilesOfIndex(damaged, "/ckpt/.metadata").ok());
+  // The cleanup removes only names that carry a save id: never torch's own files.
+  EXPECT_EQ(writer->SaveIdOfFile(file), kSaveId);
+  EXPECT_EQ(writer->SaveIdOfFile(torch_dist::TempDcpMetadataName(kSaveId)), kSaveId);
+  EXPECT_EQ(writer->SaveIdOfFile("__0_0.distcp"), "");
+  EXPECT_EQ(writer->SaveIdOfFile(".metadata"), "");
 }
 
 TEST(FormatWriterTest, RawItemsHoldExactlyTheirBytes) {

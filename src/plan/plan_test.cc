@@ -145,6 +145,9 @@ TEST(CheckTilingTest, ReportsBoundsAndCoverage) {
   out = CheckTiling(std::vector<Box>{Box({0, 0}, {2, 4})}, {4, 4}, true);
   ASSERT_TRUE(out);
   EXPECT_THAT(out->message, HasSubstr("cover 8 of the 16 elements"));
+  // The advice is the saver's; a reader of an index reports the problem alone.
+  EXPECT_EQ(out->message, out->problem() + " (" + out->advice + ")");
+  EXPECT_EQ(out->problem(), "the boxes cover 8 of the 16 elements of shape [4, 4]");
   EXPECT_FALSE(CheckTiling(std::vector<Box>{Box({0, 0}, {2, 4})}, {4, 4}, false));
   // Scalars: one box is the whole tensor; two overlap.
   EXPECT_FALSE(CheckTiling(std::vector<Box>{Box()}, {}, true));

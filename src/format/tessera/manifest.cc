@@ -427,7 +427,7 @@ Status ValidateDecoded(const Metadata& m, std::string_view source) {
     // A rank's part of a rank-local save holds only the chunks that rank wrote.
     const bool require_coverage = !tensor.partial && m.part_rank < 0;
     if (auto failure = CheckTiling(tensor.chunks, tensor.global_shape, require_coverage)) {
-      return corrupt("tensor " + QuoteBytes(tensor.key) + ": " + failure->message);
+      return corrupt("tensor " + QuoteBytes(tensor.key) + ": " + failure->problem());
     }
   }
   return Status();

@@ -19,6 +19,7 @@ namespace tessera {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr char kSource[] = "/ckpt/tessera.manifest";
 constexpr uint64_t kBlock = 4096;
@@ -263,6 +264,13 @@ TEST(ManifestV2Test, RejectsOverlappingChunksInEitherVersion) {
   EXPECT_V2_ERROR(m, StatusCode::kDataLoss, "overlap");
   m.tensors[0].chunks.pop_back();
   EXPECT_OK(DecodeStatus(m));
+  // A hole in a tensor that is not partial: the index is wrong, and the saver's advice (mark it
+  // partial) is no help to its reader.
+  m.tensors[0].partial = false;
+  const Status hole = DecodeStatus(EncodeManifestVersion2(m));
+  EXPECT_EQ(hole.code(), StatusCode::kDataLoss);
+  EXPECT_THAT(hole.message(), HasSubstr("tensor \"t\": the boxes cover 8 of the 16 elements"));
+  EXPECT_THAT(hole.message(), Not(HasSubstr("partial")));
 }
 
 TEST(ManifestV2Test, RejectsCraftedFlagsAndCounts) {

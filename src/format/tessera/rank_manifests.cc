@@ -170,7 +170,7 @@ Result<Metadata> MergeRankManifests(Storage& storage, const std::string& dir,
       }
       return FailedPrecondition("rank-local save " + set.save_id + " in " + dir +
                                 " is not a whole checkpoint: key '" + key +
-                                "': " + failure->message + who +
+                                "': " + failure->problem() + who +
                                 " (every box must be written by one rank holding it as the main "
                                 "replica, replica id 0)");
     }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "format/safetensors.h"
+#include "format/tessera/manifest.h"
 #include "format/tessera/names.h"
 
 namespace tessera {
@@ -65,6 +66,16 @@ class TesseraWriter final : public FormatWriter {
     TESSERA_ASSIGN_OR_RETURN(Bytes header, EncodeSafetensorsHeader(entries, header_metadata));
     return std::unique_ptr<DataFileEncoder>(
         new TesseraDataFile(std::move(entries), std::move(header)));
+  }
+
+  // Numbered manifests (docs/FORMAT.md, section 4): the engine's CommitIndex publishes each
+  // create-only as the next tessera.manifest.<n>.
+  std::string_view index_description() const override { return "manifest"; }
+  bool NumberedCommits() const override { return true; }
+  Result<Bytes> EncodeIndex(const Metadata& metadata, const std::string& location) const override {
+    Bytes bytes = EncodeManifest(metadata);
+    TESSERA_RETURN_IF_ERROR(DecodeManifest(bytes, JoinPath(location, "manifest")).status());
+    return bytes;
   }
 };
 

@@ -1,5 +1,8 @@
 #include "format/torch_dist/dcp_format_writer.h"
 
+#include <algorithm>
+#include <map>
+#include <set>
 #include <utility>
 
 #include "format/tessera/names.h"
@@ -87,9 +90,17 @@ class DcpDataFile final : public DataFileEncoder {
   Bytes header_;  // empty
 };
 
+// The files `dcp` references (its storage entries' relative paths).
+std::set<std::string> DataFilesOf(const DcpMetadata& dcp) {
+  std::set<std::string> files;
+  for (const DcpStorage& s : dcp.storage) files.insert(s.relative_path);
+  return files;
+}
+
 class DcpWriter final : public FormatWriter {
  public:
-  explicit DcpWriter(DcpFlavor flavor) : flavor_(flavor) {}
+  DcpWriter(DcpFlavor flavor, std::map<std::string, std::vector<DcpPathElement>> key_paths)
+      : flavor_(flavor), key_paths_(std::move(key_paths)) {}
 
   // The rank-local attempt is tessera's alone (rank-local saves are tessera's format).
   std::string DataFileName(const std::string& save_id, int rank, int file_index,
@@ -116,8 +127,43 @@ class DcpWriter final : public FormatWriter {
     return std::unique_ptr<DataFileEncoder>(new DcpDataFile(items));
   }
 
+  // One `.metadata`, replaced by every commit (DCP has one index name: the last commit wins).
+  std::string_view index_description() const override { return ".metadata"; }
+  bool NumberedCommits() const override { return false; }
+  std::string IndexFileName() const override { return kDcpMetadataFileName; }
+  void FinishIndex(Metadata& metadata) const override { MarkDcpItems(metadata); }
+  Result<Bytes> EncodeIndex(const Metadata& metadata, const std::string& location) const override {
+    TESSERA_ASSIGN_OR_RETURN(
+        const DcpMetadata dcp,
+        ToDcpMetadata(metadata,
+                      {.flavor = flavor_, .checkpoint_id = location, .key_paths = &key_paths_}));
+    return EncodeCheckedDcpMetadata(dcp, JoinPath(location, kDcpMetadataFileName));
+  }
+  bool ReplacedByLaterSave(std::span<const uint8_t> stored, const std::string& save_id,
+                           const std::string& path) const override {
+    Result<DcpMetadata> now = ReadDcpMetadata(stored, path);
+    if (!now.ok()) return false;
+    const std::set<std::string> files = DataFilesOf(*now);
+    return std::none_of(files.begin(), files.end(),
+                        [&](const std::string& f) { return DcpDataFileSaveId(f) == save_id; });
+  }
+  // Data files tessera wrote, and the temporary `.metadata` names of a version 2 writer. A
+  // DCP directory written by torch keeps every file torch wrote (`__0_0.distcp`), referenced
+  // or not.
+  std::string SaveIdOfFile(std::string_view name) const override {
+    std::string id = DcpDataFileSaveId(name);
+    return id.empty() ? TempDcpMetadataSaveId(name) : id;
+  }
+  Result<std::set<std::string>> FilesOfIndex(std::span<const uint8_t> stored,
+                                             const std::string& path) const override {
+    TESSERA_ASSIGN_OR_RETURN(const DcpMetadata dcp, ReadDcpMetadata(stored, path));
+    return DataFilesOf(dcp);
+  }
+
  private:
   DcpFlavor flavor_;
+  // planner_data's path of each key (SaveOptions::torch_dist_key_paths).
+  std::map<std::string, std::vector<DcpPathElement>> key_paths_;
 };
 
 }  // namespace
@@ -138,6 +184,15 @@ Status CheckDcpSaveTarget(const std::string& dir, const std::vector<std::string>
   return Status::Ok();
 }
 
+Result<Bytes> EncodeCheckedDcpMetadata(const DcpMetadata& dcp, const std::string& path) {
+  TESSERA_ASSIGN_OR_RETURN(const std::vector<uint8_t> encoded, EncodeDcpMetadata(dcp));
+  TESSERA_ASSIGN_OR_RETURN(const DcpMetadata check, ReadDcpMetadata(encoded, path));
+  DcpMetadata expected = dcp;  // as the reader links it
+  TESSERA_RETURN_IF_ERROR(LinkDcpStorage(expected, path));
+  if (!(check == expected)) return DataLoss(path + " does not read back as written");
+  return Bytes(encoded.begin(), encoded.end());
+}
+
 Result<std::unique_ptr<FormatWriter>> NewDcpWriter(const SaveOptions& options, bool coordinator) {
   if (coordinator && !options.user_metadata.empty()) {
     return BadOption("SaveOptions::user_metadata",
@@ -145,7 +200,8 @@ Result<std::unique_ptr<FormatWriter>> NewDcpWriter(const SaveOptions& options, b
                      "checkpoint has no place for it (key '" +
                          options.user_metadata.begin()->first + "')");
   }
-  return std::unique_ptr<FormatWriter>(new DcpWriter(DcpFlavorOf(options.torch_dist_flavor)));
+  return std::unique_ptr<FormatWriter>(
+      new DcpWriter(DcpFlavorOf(options.torch_dist_flavor), options.torch_dist_key_paths));
 }
 
 }  // namespace tessera::torch_dist

@@ -1,7 +1,7 @@
 // The write side of PyTorch DCP (docs/FORMAT_TORCH_DIST.md, "What tessera writes"): data files
 // named DcpDataFileName, no file header, every tensor chunk one torch.save item streamed with its
-// zip CRC-32, every object the byte item of its ObjectEncoding, back to back. The `.metadata`
-// is committed by src/checkpoint/dcp_commit.h.
+// zip CRC-32, every object the byte item of its ObjectEncoding, back to back; one `.metadata`
+// (the pickle ToDcpMetadata describes) that each commit replaces.
 #ifndef TESSERA_FORMAT_TORCH_DIST_DCP_FORMAT_WRITER_H_
 #define TESSERA_FORMAT_TORCH_DIST_DCP_FORMAT_WRITER_H_
 
@@ -26,6 +26,10 @@ Status CheckDcpSaveTarget(const std::string& dir, const std::vector<std::string>
 // The writer of a save with `options` (format torch_dist). BadOption for user_metadata on the
 // coordinator (the one saved): DCP has no place for it. Its NewDataFile refuses, naming the key,
 // a chunk whose dtype torch 1.13 lacks when the flavour is kTorch113.
+// The bytes of `dcp` as the `.metadata` at `path`, once they read back (ReadDcpMetadata) equal
+// to `dcp` as the reader links it; DataLoss naming `path` otherwise.
+Result<Bytes> EncodeCheckedDcpMetadata(const DcpMetadata& dcp, const std::string& path);
+
 Result<std::unique_ptr<FormatWriter>> NewDcpWriter(const SaveOptions& options, bool coordinator);
 
 }  // namespace tessera::torch_dist

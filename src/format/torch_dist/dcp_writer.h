@@ -2,11 +2,10 @@
 // names of the files tessera writes into a DCP directory, the streaming of one item into a data
 // file, and the `.metadata` of a checkpoint described by tessera's Metadata.
 //
-// Used by Save with SaveFormat::kTorchDist (dcp_format_writer.h, src/checkpoint/dcp_commit.h) and
-// by anything else that produces DCP directories (conversion): write each item with
-// TorchTensorItemWriter / WriteDcpObjectItem into files named DcpDataFileName, describe what was
-// written in a Metadata (MarkDcpItems), and commit it with CommitDcpCheckpoint
-// (src/checkpoint/dcp_commit.h), which turns it into the `.metadata` with ToDcpMetadata.
+// Used by Save with SaveFormat::kTorchDist through this format's FormatWriter
+// (dcp_format_writer.h), and by Convert: the write engine streams each item with
+// TorchTensorItemWriter / WriteDcpObjectItem into files named DcpDataFileName, the commit marks
+// what was written (MarkDcpItems) and encodes it as the `.metadata` (ToDcpMetadata).
 //
 // Thread safety: pure functions; a TorchTensorItemWriter is used by one thread at a time.
 #ifndef TESSERA_FORMAT_TORCH_DIST_DCP_WRITER_H_
