@@ -21,18 +21,25 @@
 //     (docs/FORMAT_TORCH_DIST.md): every tensor whole, one torch.save item streamed unit by
 //     unit (its zip CRC-32 computed per block by the threads that write them, then combined),
 //     objects as byte items, `.metadata` (torch_dist_flavor's class paths) committed last and
-//     atomically inside the temporary directory before it is renamed. The source's user
-//     metadata is not carried over (DCP has no place for it).
+//     atomically, as a save commits it. The source's user metadata is not carried over (DCP
+//     has no place for it).
 //
-// DST is complete or absent: everything is written under a temporary directory next to it
-// (".<name>.tessera-convert-<random>"), synced, and renamed to DST at the end. DST must not
-// exist, or be an empty directory. A conversion that fails removes its temporary directory;
-// one whose process dies leaves it behind (remove it by hand).
+// DST is a checkpoint or none: the output is written into DST and committed there the way its
+// format commits a save, and no directory is ever renamed. DST must not exist (it is created,
+// with its parents), or be an empty directory, or hold only what a conversion that died left
+// (its in-progress marker "tessera.saving.<id>", naming a process that ended, and files
+// carrying that id), which is removed first. tessera and torch_dist data files carry the
+// conversion's id in their names and mean nothing until the manifest or `.metadata` is
+// published. Hugging Face files are written under hidden names
+// (".<name>.tessera-convert-<id>"), synced, renamed to their names once every file is
+// complete, then the index is published. A conversion that fails removes what it wrote (and
+// DST when it created it); one whose process dies leaves its marker and files, which the next
+// conversion into DST removes.
 //
 // Convert taking a Comm is COLLECTIVE: every rank calls it with the same paths and options.
 // Rank 0 reads the source's index once and shares it; the output files are spread over the
-// ranks (each writes its own, loading only the bytes they need); rank 0 writes the index or
-// manifest and renames the directory. Every rank returns the same status.
+// ranks (each writes its own, loading only the bytes they need); rank 0 commits. Every rank
+// returns the same status.
 #ifndef TESSERA_CONVERT_H_
 #define TESSERA_CONVERT_H_
 
@@ -98,12 +105,13 @@ struct ConvertOptions {
   std::shared_ptr<Storage> storage;
   // Where the output is, when not in `storage`. Default null.
   std::shared_ptr<Storage> output_storage;
-  // An output store without rename or positional writes (an object store such as S3) cannot
-  // hold the temporary directory a conversion is renamed from: the output is then made in a
-  // new directory under this local one (default: the system's temporary directory, $TMPDIR)
-  // and uploaded file by file, the index (manifest, `.metadata`, index.json) last, so that it
-  // is visible whole or not at all; then the local copy is removed. Needs room for the whole
-  // output; one process only (a Convert over several ranks into such a store is refused).
+  // An output store without positional writes (an object store such as S3; for a Hugging Face
+  // output, also one without rename) cannot take the files as a conversion writes them (at
+  // offsets, by several threads): the output is then made in a new directory under this local one
+  // (default: the system's temporary directory, $TMPDIR) and uploaded file by file, the index
+  // (manifest, `.metadata`, index.json) last, so that it is visible whole or not at all; then the
+  // local copy is removed. Needs room for the whole output; one process only (a Convert over
+  // several ranks into such a store is refused).
   std::string staging_dir;
 };
 

@@ -131,7 +131,7 @@ enum class CreateMode {
 
 // What a store guarantees. Code that needs one of these checks it and says which store lacks
 // it, rather than failing half-way (a store without `rename`, e.g. an object store, cannot hold
-// a `tessera convert` temporary directory that is renamed into place).
+// the Hugging Face files of a `tessera convert`, each renamed to its name once complete).
 struct StorageCapabilities {
   // Rename and RenameNoReplace move a file (Rename also a directory) to a new name atomically:
   // a reader sees the old name or the new one, never both missing, never a partial file.

@@ -473,8 +473,9 @@ def convert(src: StrPath, dst: StrPath, *, to: Literal["safetensors", "tessera",
 
     Streams: memory is bounded by `buffer_bytes` (per rank), not by the checkpoint; each
     tensor is loaded in units of at most buffer_bytes / num_threads (and 32 MiB) and written
-    whole. `dst` must not exist (or be an empty directory); it is written under a temporary
-    name beside it and renamed at the end, so it is complete or absent.
+    whole. `dst` must not exist (or be an empty directory, or hold only what a conversion that
+    died left, which is removed); the output is committed in it as its format commits a save
+    (no directory is renamed), so it is a checkpoint or none.
 
     max_shard_size: largest output file ("5GB", "2GiB" or bytes; a larger tensor gets a file
     of its own). keys: keep only keys starting with this prefix or these prefixes.

@@ -2,10 +2,19 @@
 //
 //   1. rank 0 reads the source's index         -> Broadcast (ReadAndShareIndex)
 //   2. every rank plans the output (no I/O)    -> the same plan everywhere
-//   3. rank 0 checks DST, creates the temporary directory -> Broadcast its name
-//   4. every rank writes its files             -> Gather each rank's status and checksums
-//   5. rank 0 writes the index or manifest, renames the directory to DST (or removes it)
+//   3. rank 0 prepares DST (created, or empty, or holding only what dead conversions left) and
+//      publishes its in-progress marker there -> Broadcast the save id
+//   4. every rank writes its files into DST    -> Gather each rank's status and checksums
+//   5. rank 0 commits (PublishCommit), or removes what the conversion wrote
 //                                              -> Broadcast the outcome
+//
+// No directory is ever renamed, on any store: the output is committed the way its format
+// commits a save. tessera and torch_dist data files carry the save id in their names and mean
+// nothing until the manifest or `.metadata` that names them is published (CommitIndex).
+// Hugging Face files have fixed names and no commit file of their own when there is one file:
+// each is written under a hidden name (".<name>.tessera-convert-<save id>", which no reader
+// claims), then renamed to its name once every file is complete, the index last; a reader of a
+// directory without the index reads a set of shards only when it is complete (hf_index.h).
 #include "tessera/convert.h"
 #include "tessera/storage_uri.h"
 
@@ -20,12 +29,14 @@
 #include "checkpoint/convert_writer.h"
 #include "checkpoint/envelope.h"
 #include "checkpoint/load_internal.h"
+#include "checkpoint/marker.h"
 #include "core/byte_io.h"
 #include "format/huggingface/hf_export.h"
 #include "format/huggingface/hf_index.h"
 #include "format/registry.h"
 #include "format/safetensors.h"
 #include "format/tessera/manifest.h"
+#include "format/tessera/names.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_dtype.h"
 #include "format/torch_dist/torch_zip.h"
@@ -155,34 +166,113 @@ Result<OutputLayout> LayOut(const ConvertPlan& plan, CheckpointFormat to,
   return layout;
 }
 
-// Coordinator, before any rank writes: DST must be absent or an empty directory; its parent
-// is created when missing; then the temporary directory beside it.
-Result<std::string> PrepareTemporary(Storage& storage, const Destination& dst,
-                                     const std::string& save_id, SyncPolicy sync) {
+// The name a Hugging Face output file is written under until the commit renames it to `name`:
+// hidden, not ending in ".safetensors" (no reader claims it), carrying the save id (so that a
+// later conversion knows it for the leftover of this one).
+std::string HiddenName(const std::string& name, const std::string& save_id) {
+  return "." + name + ".tessera-convert-" + save_id;
+}
+
+// The entries of a DST that is not empty (`names`, sorted) when a conversion begins: the
+// leftovers of conversions that died are removed (a marker whose owner is dead, and the files
+// that carry its save id in their names or are temporaries of a Publish: every file a
+// conversion writes until it commits); anything else is kAlreadyExists naming the entry, and
+// nothing is removed. The markers go last, so that an interrupted removal leaves them to
+// justify the next one.
+Status RemoveLeftovers(Storage& storage, const std::string& dir,
+                       const std::vector<std::string>& names) {
+  const SaveMarkers markers = FindSaveMarkers(storage, dir, names, /*own_id=*/"");
+  const std::string not_empty = "the destination " + dir + " exists and is not empty (it holds ";
+  if (markers.others_running > 0) {
+    for (const std::string& id : markers.running) {
+      if (!id.empty()) {
+        return AlreadyExists(not_empty + MarkerName(id) +
+                             ": a conversion or save that is still running writes into it)");
+      }
+    }
+  }
+  std::vector<std::string> dead_ids;
+  for (const std::string& marker : markers.dead_markers) dead_ids.push_back(MarkerSaveId(marker));
+  std::vector<std::string> files;
+  for (const std::string& name : names) {
+    if (std::find(markers.dead_markers.begin(), markers.dead_markers.end(), name) !=
+        markers.dead_markers.end()) {
+      continue;
+    }
+    std::string target;
+    const bool leftover =
+        !dead_ids.empty() &&
+        (ParsePublishTemporaryName(name, &target) ||
+         std::any_of(dead_ids.begin(), dead_ids.end(),
+                     [&](const std::string& id) { return name.find(id) != std::string::npos; }));
+    if (!leftover) {
+      return AlreadyExists(not_empty + name + (names.size() > 1 ? ", ..." : "") + ")");
+    }
+    files.push_back(name);
+  }
+  for (const std::string& name : files) {
+    TESSERA_RETURN_IF_ERROR_CTX(storage.Remove(JoinPath(dir, name)),
+                                "removing what a conversion that died left in " + dir);
+  }
+  for (const std::string& marker : markers.dead_markers) {
+    TESSERA_RETURN_IF_ERROR_CTX(storage.Remove(JoinPath(dir, marker)),
+                                "removing the marker of a conversion that died in " + dir);
+  }
+  return Status::Ok();
+}
+
+// Coordinator, before any rank writes (step 3): DST is created when absent (with the missing
+// directories above it, durable with kFull); an existing DST must be empty or hold only what
+// conversions that died left (RemoveLeftovers). Then this conversion's in-progress marker, and
+// a second look: a conversion or save that began meanwhile makes this one stop (kAlreadyExists)
+// rather than mix its files with the other's. Returns whether DST was created here (a failure
+// then removes it).
+Result<bool> PrepareDestination(Storage& storage, const Destination& dst,
+                                const std::string& save_id, SyncPolicy sync) {
   TESSERA_ASSIGN_OR_RETURN(FileType type, storage.Stat(dst.path));
   if (type == FileType::kFile) {
     return AlreadyExists("the destination " + dst.path + " exists and is a file");
   }
+  bool created = false;
   if (type == FileType::kDirectory) {
     TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(dst.path));
-    if (!names.empty()) {
-      return AlreadyExists("the destination " + dst.path + " exists and is not empty (it holds " +
-                           names.front() + (names.size() > 1 ? ", ..." : "") + ")");
-    }
+    if (!names.empty()) TESSERA_RETURN_IF_ERROR(RemoveLeftovers(storage, dst.path, names));
+  } else {
+    TESSERA_RETURN_IF_ERROR(CreateDurableDirs(storage, dst.path, sync));
+    created = true;
   }
-  TESSERA_RETURN_IF_ERROR(CreateDurableDirs(storage, dst.parent, sync));
-  const std::string temp = JoinPath(dst.parent, "." + dst.name + ".tessera-convert-" + save_id);
-  TESSERA_RETURN_IF_ERROR(storage.CreateDirs(temp));
-  return temp;
+  Status marked = CreateSaveMarker(storage, dst.path, save_id, sync);
+  if (marked.ok()) {
+    Result<std::vector<std::string>> names = storage.ListDir(dst.path);
+    marked = names.status();
+    if (names.ok()) {
+      for (const std::string& name : *names) {
+        if (name == MarkerName(save_id)) continue;
+        marked = AlreadyExists("the destination " + dst.path + " was written by another " +
+                               "process while this conversion began (it now holds " + name + ")");
+        break;
+      }
+    }
+    if (!marked.ok()) RemoveSaveMarker(storage, dst.path, save_id);
+  }
+  if (!marked.ok()) {
+    if (created) storage.RemoveDir(dst.path).IgnoreError();
+    return marked;
+  }
+  return created;
 }
 
-// Removes the temporary directory and everything in it (best effort: a conversion that failed
-// reports its own error, not the cleanup's).
-void RemoveTemporary(Storage& storage, const std::string& temp) {
-  Result<std::vector<std::string>> names = storage.ListDir(temp);
-  if (!names.ok()) return;
-  for (const std::string& name : *names) storage.Remove(JoinPath(temp, name)).IgnoreError();
-  storage.RemoveDir(temp).IgnoreError();
+// After a failure before the commit made anything visible: removes every file this conversion
+// may have written into DST (under `written` and `committed` names), its marker, and DST itself
+// when it was `created` here. Best effort: a conversion that failed reports its own error.
+void RemoveOutput(Storage& storage, const Destination& dst, const std::vector<std::string>& written,
+                  const std::vector<std::string>& committed, const std::string& save_id,
+                  bool created) {
+  for (const std::vector<std::string>* names : {&written, &committed}) {
+    for (const std::string& name : *names) storage.Remove(JoinPath(dst.path, name)).IgnoreError();
+  }
+  RemoveSaveMarker(storage, dst.path, save_id);
+  if (created) storage.RemoveDir(dst.path).IgnoreError();
 }
 
 // The manifest of a tessera output, from every rank's checksums (RankWriteResult::checksums,
@@ -297,44 +387,48 @@ Result<std::unique_ptr<FormatWriter>> WriterFor(const ConvertOptions& options) {
   return FormatOf(options.to).NewWriter(as_save, /*coordinator=*/true);
 }
 
-// The coordinator's last step once every rank has written: the index (Hugging Face, when
-// there are several files; torch_dist's `.metadata`, committed as a save commits it) or the
-// manifest (tessera) inside the temporary directory, then the directory renamed to DST.
+// The coordinator's last step once every rank has written (step 5): the commit of the output
+// in DST. tessera and torch_dist: the manifest or `.metadata`, committed as a save commits it
+// (CommitIndex). Hugging Face: each file renamed from its hidden name to its name (`names`),
+// then, with several files, the index published create-only. `visible` becomes true once a
+// reader may see the output (its files must then stay whatever happens).
 // `gathered[r]` is rank r's RankWriteResult::checksums (tessera) or object_lengths (DCP).
-Status Finish(Storage& storage, const std::string& temp, const Destination& dst,
-              const ConvertOptions& options, const ConvertPlan& plan, const OutputLayout& layout,
-              const Metadata& source, const std::vector<std::vector<uint64_t>>& checksums,
-              const std::string& save_id, int num_ranks) {
+Status Commit(Storage& storage, const Destination& dst, const ConvertOptions& options,
+              const ConvertPlan& plan, const OutputLayout& layout,
+              const std::vector<std::string>& names, const Metadata& source,
+              const std::vector<std::vector<uint64_t>>& gathered, const std::string& save_id,
+              int num_ranks, bool& visible) {
   const bool durable = options.sync == SyncPolicy::kFull;
   if (options.to == CheckpointFormat::kTorchDist || options.to == CheckpointFormat::kTessera) {
     TESSERA_ASSIGN_OR_RETURN(const std::unique_ptr<FormatWriter> writer, WriterFor(options));
     Metadata m;
     if (options.to == CheckpointFormat::kTorchDist) {
-      TESSERA_ASSIGN_OR_RETURN(m, DcpOutputMetadata(source, plan, layout, checksums, save_id));
+      TESSERA_ASSIGN_OR_RETURN(m, DcpOutputMetadata(source, plan, layout, gathered, save_id));
     } else {
       const bool keys_changed = !options.keys.empty() || !options.strip_prefix.empty();
       TESSERA_ASSIGN_OR_RETURN(
-          m, TesseraMetadata(source, plan, layout, checksums, save_id, num_ranks, keys_changed));
+          m, TesseraMetadata(source, plan, layout, gathered, save_id, num_ranks, keys_changed));
     }
-    // The index names where the checkpoint ends up (DCP's checkpoint_id), not the temporary
-    // directory it is committed in.
-    bool visible = false;
-    TESSERA_RETURN_IF_ERROR(
-        CommitIndex(storage, temp, *writer, m, options.sync, visible, dst.path));
-  } else if (plan.files.size() > 1) {
+    return CommitIndex(storage, dst.path, *writer, m, options.sync, visible);
+  }
+  // Every file complete (synced by its writer) before the first takes its name.
+  for (size_t f = 0; f < names.size(); ++f) {
+    TESSERA_RETURN_IF_ERROR_CTX(
+        storage.RenameNoReplace(JoinPath(dst.path, layout.names[f]), JoinPath(dst.path, names[f])),
+        "giving the finished file " + names[f] + " its name");
+    visible = names.size() == 1;
+  }
+  if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(dst.path));
+  if (names.size() > 1) {
     std::vector<std::pair<std::string, std::string>> weight_map;
-    for (const OutputTensor& t : plan.tensors)
-      weight_map.emplace_back(t.name, layout.names[t.file]);
+    for (const OutputTensor& t : plan.tensors) weight_map.emplace_back(t.name, names[t.file]);
     TESSERA_ASSIGN_OR_RETURN(std::string text,
                              EncodeHuggingFaceIndex(plan.total_tensor_bytes, weight_map));
-    TESSERA_RETURN_IF_ERROR(storage.Publish(JoinPath(temp, kHuggingFaceIndexName),
+    TESSERA_RETURN_IF_ERROR(storage.Publish(JoinPath(dst.path, kHuggingFaceIndexName),
                                             std::as_bytes(std::span(text.data(), text.size())),
                                             PublishMode::kCreateOnly, durable));
+    visible = true;
   }
-  if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(temp));
-  TESSERA_RETURN_IF_ERROR_CTX(storage.Rename(temp, dst.path),
-                              "moving the finished conversion into place");
-  if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(dst.parent));
   return Status::Ok();
 }
 
@@ -348,8 +442,9 @@ Result<CheckpointFormat> CheckpointFormatFromName(const std::string& name) {
 
 namespace {
 
-// Convert from `src` in `source` to `dst` in `output`, a store with rename and positional writes:
-// the output is written into a temporary directory beside `dst`, renamed into place.
+// Convert from `src` in `source` to `dst` in `output`, a store with positional writes (and
+// with rename, for a Hugging Face output): the files are written into `dst` and committed there
+// (the protocol at the top of this file).
 Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Storage& output,
                                   const std::string& dst, const ConvertOptions& options,
                                   Comm& comm) {
@@ -373,28 +468,35 @@ Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Stora
     TESSERA_RETURN_IF_ERROR(CheckTorchDistDTypes(plan, options));
   }
 
-  // 3. The temporary directory and the save id, from the coordinator.
+  // 3. DST, its marker and the save id, from the coordinator.
   Bytes prepared;
+  bool created = false;  // the coordinator's: DST was created by this conversion
   if (coordinator) {
     const std::string save_id = NewSaveId({});
-    Result<std::string> temp = PrepareTemporary(*storage, destination, save_id, options.sync);
+    Result<bool> made = PrepareDestination(*storage, destination, save_id, options.sync);
     Bytes payload;
-    if (temp.ok()) {
-      ByteWriter writer(&payload);
-      writer.PutString(*temp);
-      writer.PutString(save_id);
+    if (made.ok()) {
+      created = *made;
+      ByteWriter(&payload).PutString(save_id);
     }
-    prepared = Seal(temp.status(), std::move(payload));
+    prepared = Seal(made.status(), std::move(payload));
   }
   TESSERA_RETURN_IF_ERROR(comm.Broadcast(&prepared, kCoordinator));
   TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> body, Open(prepared, SenderName(comm, 0)));
-  std::string temp, save_id;
+  std::string save_id;
   ByteReader reader(body);
-  TESSERA_RETURN_IF_ERROR(reader.GetString(&temp));
   TESSERA_RETURN_IF_ERROR(reader.GetString(&save_id));
 
-  // 4. This rank's files.
+  // 4. This rank's files, straight into DST; Hugging Face files under hidden names until the
+  // commit (`names` are the names they end up with).
   Result<OutputLayout> layout = LayOut(plan, options.to, save_id);
+  std::vector<std::string> names;
+  if (layout.ok()) {
+    names = layout->names;
+    if (options.to == CheckpointFormat::kSafetensors) {
+      for (std::string& name : layout->names) name = HiddenName(name, save_id);
+    }
+  }
   bool any_converted = false;
   for (const OutputTensor& t : plan.tensors) any_converted |= t.dtype != t.source_dtype;
   RankWriteOptions write_options;
@@ -407,10 +509,10 @@ Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Stora
   write_options.sync = options.sync;
   write_options.verify_checksums = options.verify_checksums;
   write_options.progress = options.progress;
-  Result<RankWriteResult> written = layout.ok()
-                                        ? WriteRankFiles(source, output, temp, index, src, plan,
-                                                         *layout, comm.rank(), write_options)
-                                        : Result<RankWriteResult>(layout.status());
+  Result<RankWriteResult> written =
+      layout.ok() ? WriteRankFiles(source, output, destination.path, index, src, plan, *layout,
+                                   comm.rank(), write_options)
+                  : Result<RankWriteResult>(layout.status());
   Bytes mine;
   if (written.ok()) {
     ByteWriter(&mine).PutVector(options.to == CheckpointFormat::kTorchDist ? written->object_lengths
@@ -420,9 +522,10 @@ Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Stora
   TESSERA_RETURN_IF_ERROR(
       comm.Gather(Seal(written.status(), std::move(mine)), &gathered, kCoordinator));
 
-  // 5. The coordinator finishes, or cleans up; everyone learns the outcome.
+  // 5. The coordinator commits, or removes what was written; everyone learns the outcome.
   Bytes outcome;
   if (coordinator) {
+    bool visible = false;
     Status status = [&]() -> Status {
       std::vector<std::vector<uint64_t>> checksums(gathered.size());
       for (size_t r = 0; r < gathered.size(); ++r) {
@@ -431,10 +534,15 @@ Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Stora
         ByteReader sums_reader(sums);
         TESSERA_RETURN_IF_ERROR(sums_reader.GetVector(&checksums[r]));
       }
-      return Finish(*storage, temp, destination, options, plan, *layout, index.metadata, checksums,
-                    save_id, comm.size());
+      return Commit(*storage, destination, options, plan, *layout, names, index.metadata, checksums,
+                    save_id, comm.size(), visible);
     }();
-    if (!status.ok()) RemoveTemporary(*storage, temp);
+    if (status.ok() || visible) {
+      RemoveSaveMarker(*storage, destination.path, save_id);
+    } else {
+      RemoveOutput(*storage, destination, layout.ok() ? layout->names : std::vector<std::string>(),
+                   names, save_id, created);
+    }
     outcome = Seal(status);
   }
   TESSERA_RETURN_IF_ERROR(comm.Broadcast(&outcome, kCoordinator));
@@ -446,7 +554,7 @@ Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Stora
   report.objects = plan.objects.size();
   report.total_bytes = plan.total_tensor_bytes;
   for (const OutputObject& o : plan.objects) report.total_bytes += o.bytes;
-  report.files = layout->names;
+  report.files = names;
   if (options.to == CheckpointFormat::kTessera) {
     report.files.push_back(NumberedManifestName(1));  // the first commit of a new directory
   } else if (options.to == CheckpointFormat::kTorchDist) {
@@ -561,12 +669,11 @@ Result<ConvertReport> Convert(const std::string& src, const std::string& dst,
   TESSERA_ASSIGN_OR_RETURN(
       auto output,
       ResolveStorage(dst, options.output_storage ? options.output_storage : options.storage));
-  // The destination appears whole or not at all because its temporary directory is renamed
-  // into place, and the files are written at offsets in any order: into a store without those
-  // capabilities (an object store), the conversion is made in a local directory first and
-  // then uploaded, its index last.
+  // The files are written at offsets in any order, and Hugging Face files are renamed to their
+  // names once complete: into a store without those capabilities (an object store), the
+  // conversion is made in a local directory first and then uploaded, its index last.
   const StorageCapabilities caps = output.first->capabilities();
-  if (!caps.rename || !caps.positional_writes) {
+  if (!caps.positional_writes || (options.to == CheckpointFormat::kSafetensors && !caps.rename)) {
     return ConvertThroughLocal(*source.first, source.second, *output.first, output.second, dst,
                                options, comm);
   }

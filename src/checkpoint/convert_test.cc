@@ -5,6 +5,8 @@
 // or absent under every single storage fault.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -14,14 +16,17 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/hf_test_util.h"
+#include "checkpoint/marker.h"
 #include "core/dtype_convert.h"
 #include "format/tessera/manifest.h"
+#include "format/tessera/names.h"
 #include "format/torch_dist/dcp_metadata.h"
 #include "tessera/checkpoint.h"
 #include "tessera/convert.h"
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
+#include "tessera/storage_wrapper.h"
 #include "testing/test_util.h"
 
 namespace tessera {
@@ -469,6 +474,118 @@ TEST(ConvertTest, AnExistingDestinationIsRefusedUnlessEmpty) {
   EXPECT_THAT(Entries(tmp.path()), ElementsAre("a", "empty", "full", "src"));
 }
 
+// A store that refuses to rename a directory (as a FUSE mount of an object store may): a
+// conversion never asks, it commits inside DST.
+class NoDirectoryRenameStorage : public StorageWrapper {
+ public:
+  using StorageWrapper::StorageWrapper;
+  Status Rename(const std::string& from, const std::string& to) override {
+    Result<FileType> type = Stat(from);
+    if (type.ok() && *type == FileType::kDirectory) {
+      ++directory_renames;
+      return Unimplemented("this store renames no directory (" + from + ")");
+    }
+    return StorageWrapper::Rename(from, to);
+  }
+  int directory_renames = 0;
+};
+
+TEST(ConvertTest, EveryOutputIsCommittedInPlaceWithoutRenamingADirectory) {
+  TempDir tmp;
+  SaveSource(tmp.Sub("src"));
+  auto storage = std::make_shared<NoDirectoryRenameStorage>(NewPosixStorage());
+  struct Case {
+    std::string name;
+    CheckpointFormat to;
+    uint64_t max_file_bytes;
+  };
+  for (const Case& c : {Case{"hf_one", CheckpointFormat::kSafetensors, 1u << 30},
+                        Case{"hf_shards", CheckpointFormat::kSafetensors, 16u << 10},
+                        Case{"tessera", CheckpointFormat::kTessera, 16u << 10},
+                        Case{"dcp", CheckpointFormat::kTorchDist, 16u << 10}}) {
+    SCOPED_TRACE(c.name);
+    ConvertOptions options;
+    options.to = c.to;
+    options.max_file_bytes = c.max_file_bytes;
+    options.storage = storage;
+    ASSERT_OK_AND_ASSIGN(ConvertReport report, Convert(tmp.Sub("src"), tmp.Sub(c.name), options));
+    std::vector<std::string> files = report.files;
+    if (c.to == CheckpointFormat::kTessera) files.push_back(std::string(kSequenceHintFileName));
+    std::sort(files.begin(), files.end());
+    EXPECT_EQ(Entries(tmp.Sub(c.name)), files);  // no marker, no hidden file left
+    ASSERT_OK_AND_ASSIGN(Metadata m, ReadMetadata(tmp.Sub(c.name)));
+    EXPECT_EQ(m.tensors.size(), SourceTensors().size());
+  }
+  EXPECT_EQ(storage->directory_renames, 0);
+  EXPECT_THAT(Entries(tmp.path()), ElementsAre("dcp", "hf_one", "hf_shards", "src", "tessera"));
+}
+
+// What a conversion that was killed leaves in DST (its marker, naming a process that ended,
+// and files carrying its save id) is removed by the next conversion into DST; anything else
+// there, or the marker of a conversion still running, is refused and kept.
+TEST(ConvertTest, TheNextConversionRemovesWhatAKilledOneLeftAndNothingElse) {
+  TempDir tmp;
+  SaveSource(tmp.Sub("src"));
+  std::shared_ptr<Storage> posix = NewPosixStorage();
+  const std::string id = "0123456789abcdef";
+  auto leave_killed_conversion = [&](const std::string& dir) {
+    std::filesystem::create_directories(dir);
+    const pid_t child = fork();
+    if (child == 0) {
+      const bool ok = CreateSaveMarker(*posix, dir, id, SyncPolicy::kNone).ok();
+      std::ofstream(dir + "/.model-00001-of-00002.safetensors.tessera-convert-" + id) << "part";
+      std::ofstream(dir + "/__0_0." + id + ".distcp") << "part";
+      _exit(ok ? 0 : 1);  // without removing its marker, as a killed process
+    }
+    int wstatus = 0;
+    waitpid(child, &wstatus, 0);
+    ASSERT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0);
+  };
+  leave_killed_conversion(tmp.Sub("out"));
+  ASSERT_EQ(Entries(tmp.Sub("out")).size(), 3u);
+  ASSERT_OK(Convert(tmp.Sub("src"), tmp.Sub("out")));
+  EXPECT_THAT(Entries(tmp.Sub("out")), ElementsAre("model.safetensors"));
+
+  // A file of someone else beside the leftovers: refused, nothing removed.
+  leave_killed_conversion(tmp.Sub("mixed"));
+  std::ofstream(tmp.Sub("mixed/notes.txt")) << "mine";
+  Result<ConvertReport> refused = Convert(tmp.Sub("src"), tmp.Sub("mixed"));
+  EXPECT_EQ(refused.status().code(), StatusCode::kAlreadyExists);
+  EXPECT_THAT(refused.status().message(), HasSubstr("is not empty (it holds notes.txt"));
+  EXPECT_EQ(Entries(tmp.Sub("mixed")).size(), 4u);
+
+  // A marker whose owner runs (this process holds it): refused, nothing removed.
+  std::filesystem::create_directories(tmp.Sub("busy"));
+  ASSERT_OK(CreateSaveMarker(*posix, tmp.Sub("busy"), id, SyncPolicy::kNone));
+  refused = Convert(tmp.Sub("src"), tmp.Sub("busy"));
+  EXPECT_EQ(refused.status().code(), StatusCode::kAlreadyExists);
+  EXPECT_THAT(refused.status().message(), HasSubstr("still running writes into it"));
+  EXPECT_THAT(Entries(tmp.Sub("busy")), ElementsAre(MarkerName(id)));
+  RemoveSaveMarker(*posix, tmp.Sub("busy"), id);
+}
+
+// Without the index, a set of shards is read only when complete: between the renames of a
+// conversion's shards, or after a copy that stopped, a reader gets an error naming the missing
+// shard rather than a checkpoint without some of its tensors.
+TEST(ConvertTest, ShardsWithoutTheirIndexAreReadOnlyAsACompleteSet) {
+  TempDir tmp;
+  SaveSource(tmp.Sub("src"));
+  ConvertOptions options;
+  options.max_file_bytes = 16u << 10;
+  ASSERT_OK_AND_ASSIGN(ConvertReport report, Convert(tmp.Sub("src"), tmp.Sub("out"), options));
+  ASSERT_GE(report.files.size(), 4u);  // 3 or more shards and the index
+  ASSERT_EQ(report.files.back(), "model.safetensors.index.json");
+  std::filesystem::remove(tmp.Sub("out/model.safetensors.index.json"));
+  ASSERT_OK_AND_ASSIGN(Metadata whole, ReadMetadata(tmp.Sub("out")));
+  EXPECT_EQ(whole.tensors.size(), SourceTensors().size());
+  const std::string second = report.files[1];
+  std::filesystem::remove(tmp.Sub("out/" + second));
+  const Result<Metadata> partial = ReadMetadata(tmp.Sub("out"));
+  EXPECT_EQ(partial.status().code(), StatusCode::kDataLoss);
+  EXPECT_THAT(partial.status().message(),
+              HasSubstr("safetensors shard " + tmp.Sub("out/" + second) + " is missing"));
+}
+
 TEST(ConvertTest, ACorruptSourceLeavesNoDestination) {
   TempDir tmp;
   SaveSource(tmp.Sub("src"));
@@ -576,8 +693,8 @@ TEST(ConvertTest, CopiedRowSplitAndWholeChunksKeepEveryCheck) {
 }
 
 // Every single storage operation of a conversion, failed in turn: DST is then absent, or
-// complete and right (a failure after the rename, e.g. the final directory sync), and no
-// temporary directory is left.
+// complete and right (a failure after the commit became visible, e.g. a directory sync after
+// it), and nothing but DST is ever written.
 // Safetensors twice: with source checks (row-split pieces read, checked and written through a
 // buffer) and without (those pieces copied with CopyFrom, one operation each).
 TEST(ConvertTest, EveryStorageFaultLeavesDestinationCompleteOrAbsent) {
@@ -620,6 +737,9 @@ TEST(ConvertTest, EveryStorageFaultLeavesDestinationCompleteOrAbsent) {
       // The sequence hint is best effort (a failure to write it fails nothing): not counted.
       std::erase(files, std::string(kSequenceHintFileName));
       std::erase(clean, std::string(kSequenceHintFileName));
+      // So is the removal of the conversion's marker once it committed (a later operation in
+      // DST removes it as a dead process's).
+      std::erase_if(files, [](const std::string& n) { return n.starts_with(kMarkerPrefix); });
       EXPECT_EQ(files.size(), clean.size()) << "fault " << k;
       if (to == CheckpointFormat::kTessera) {
         const Result<VerifyReport> verified = Verify(out, memory);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -122,6 +123,71 @@ Result<std::map<std::string, std::set<std::string>>> ReadWeightMap(Storage& stor
   return by_file;
 }
 
+// A shard name "<prefix>-<i>-of-<n>.safetensors", its numbers of 5 to 9 digits (huggingface_hub
+// writes 5).
+struct ShardName {
+  std::string prefix;
+  std::string count;  // <n> as spelt
+  uint64_t index = 0, total = 0;
+  // The name of shard `i` of the same set, its number spelt as wide as <n>.
+  std::string Sibling(uint64_t i) const {
+    std::string number = std::to_string(i);
+    if (number.size() < count.size()) number.insert(0, count.size() - number.size(), '0');
+    return prefix + "-" + number + "-of-" + count + kSuffix;
+  }
+};
+
+bool ParseDigits(std::string_view digits, uint64_t* out) {
+  if (digits.size() < 5 || digits.size() > 9) return false;
+  *out = 0;
+  for (char c : digits) {
+    if (c < '0' || c > '9') return false;
+    *out = *out * 10 + static_cast<uint64_t>(c - '0');
+  }
+  return true;
+}
+
+std::optional<ShardName> ParseShardName(std::string_view name) {
+  if (!name.ends_with(kSuffix)) return std::nullopt;
+  name.remove_suffix(sizeof(kSuffix) - 1);
+  const size_t of = name.rfind("-of-");
+  if (of == std::string_view::npos || of == 0) return std::nullopt;
+  const size_t dash = name.rfind('-', of - 1);
+  if (dash == std::string_view::npos) return std::nullopt;
+  ShardName shard{std::string(name.substr(0, dash)), std::string(name.substr(of + 4))};
+  if (!ParseDigits(name.substr(dash + 1, of - dash - 1), &shard.index) ||
+      !ParseDigits(shard.count, &shard.total)) {
+    return std::nullopt;
+  }
+  return shard;
+}
+
+// Without an index, the shards of a set "<prefix>-<i>-of-<n>.safetensors" among `names` must
+// all be there: a set with one missing is a copy or a conversion that has not finished (a
+// conversion renames every shard into place before it publishes the index), and reading the
+// shards present would load a checkpoint without some of its tensors. DataLoss naming the first
+// missing shard.
+Status CheckShardSetsComplete(const std::string& dir, const std::vector<std::string>& names) {
+  std::map<std::pair<std::string, std::string>, std::pair<ShardName, std::set<uint64_t>>> sets;
+  for (const std::string& name : names) {
+    std::optional<ShardName> shard = ParseShardName(name);
+    if (!shard) continue;
+    auto [it, added] =
+        sets.try_emplace({shard->prefix, shard->count}, *shard, std::set<uint64_t>());
+    it->second.second.insert(shard->index);
+  }
+  for (const auto& [key, set] : sets) {
+    const auto& [shard, present] = set;
+    for (uint64_t i = 1; i <= shard.total; ++i) {
+      if (present.count(i)) continue;
+      return DataLoss("safetensors shard " + JoinPath(dir, shard.Sibling(i)) + " is missing (" +
+                      shard.Sibling(shard.index) + " is there, and no " + kHuggingFaceIndexName +
+                      " says which tensors the shards hold): an unfinished copy or conversion?");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<Metadata> ReadHuggingFaceDirectory(Storage& storage, const std::string& dir,
@@ -133,6 +199,7 @@ Result<Metadata> ReadHuggingFaceDirectory(Storage& storage, const std::string& d
       TESSERA_RETURN_IF_ERROR(AddFile(storage, dir, file, &tensors, m));
     }
   } else {
+    TESSERA_RETURN_IF_ERROR(CheckShardSetsComplete(dir, names));
     for (const std::string& name : names) {
       if (!name.ends_with(kSuffix)) continue;
       TESSERA_RETURN_IF_ERROR(AddFile(storage, dir, name, nullptr, m));

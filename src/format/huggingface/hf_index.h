@@ -18,7 +18,9 @@ namespace tessera {
 inline constexpr char kHuggingFaceIndexName[] = "model.safetensors.index.json";
 
 // Reads the index of the safetensors files in `dir` whose listing is `names`: those the index
-// JSON names when there is one, else every *.safetensors file. Errors name the file: a header
+// JSON names when there is one, else every *.safetensors file (a set of shards
+// "<prefix>-<i>-of-<n>.safetensors" only when all n are there: DataLoss naming the missing one).
+// Errors name the file: a header
 // that is not valid, a dtype tessera does not know, a tensor in two files, an index naming a
 // tensor its file lacks or a file that is missing.
 Result<Metadata> ReadHuggingFaceDirectory(Storage& storage, const std::string& dir,
