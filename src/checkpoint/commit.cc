@@ -130,9 +130,16 @@ Status CommitIndex(Storage& storage, const std::string& dir, const FormatWriter&
   if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(dir));  // the data files' names
   if (!writer.NumberedCommits()) {
     const std::string path = JoinPath(dir, writer.IndexFileName());
-    visible = true;  // from here on the new index may be visible, even if Publish fails
-    TESSERA_RETURN_IF_ERROR(
-        storage.Publish(path, std::as_bytes(std::span(bytes)), PublishMode::kReplace, durable));
+    // From here on the new index may be visible, even if Publish fails (unless it left no file).
+    visible = true;
+    const Status published =
+        storage.Publish(path, std::as_bytes(std::span(bytes)), PublishMode::kReplace, durable);
+    if (!published.ok()) {
+      // The name may hold an earlier save's index: a file there proves nothing, so only a store
+      // with rename and no file at all clears it.
+      visible = PublishMayHavePlaced(storage, path);
+      return published;
+    }
     TESSERA_ASSIGN_OR_RETURN(const Bytes stored, ReadWhole(storage, path));
     if (stored == bytes || writer.ReplacedByLaterSave(stored, metadata.save_id, path)) {
       return Status::Ok();

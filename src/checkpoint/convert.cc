@@ -238,7 +238,11 @@ Result<bool> PrepareDestination(Storage& storage, const Destination& dst,
     TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(dst.path));
     if (!names.empty()) TESSERA_RETURN_IF_ERROR(RemoveLeftovers(storage, dst.path, names));
   } else {
-    TESSERA_RETURN_IF_ERROR(CreateDurableDirs(storage, dst.path, sync));
+    if (Status made = CreateDurableDirs(storage, dst.path, sync); !made.ok()) {
+      // DST may exist by now (a failed sync of its parent): it was absent, so it is ours.
+      storage.RemoveDir(dst.path).IgnoreError();
+      return made;
+    }
     created = true;
   }
   Status marked = CreateSaveMarker(storage, dst.path, save_id, sync);
@@ -253,9 +257,10 @@ Result<bool> PrepareDestination(Storage& storage, const Destination& dst,
         break;
       }
     }
-    if (!marked.ok()) RemoveSaveMarker(storage, dst.path, save_id);
   }
   if (!marked.ok()) {
+    // Also when its creation failed: a failed sync leaves the marker in place.
+    RemoveSaveMarker(storage, dst.path, save_id);
     if (created) storage.RemoveDir(dst.path).IgnoreError();
     return marked;
   }
@@ -424,10 +429,15 @@ Status Commit(Storage& storage, const Destination& dst, const ConvertOptions& op
     for (const OutputTensor& t : plan.tensors) weight_map.emplace_back(t.name, names[t.file]);
     TESSERA_ASSIGN_OR_RETURN(std::string text,
                              EncodeHuggingFaceIndex(plan.total_tensor_bytes, weight_map));
-    TESSERA_RETURN_IF_ERROR(storage.Publish(JoinPath(dst.path, kHuggingFaceIndexName),
-                                            std::as_bytes(std::span(text.data(), text.size())),
-                                            PublishMode::kCreateOnly, durable));
-    visible = true;
+    const std::string index = JoinPath(dst.path, kHuggingFaceIndexName);
+    const Status published =
+        storage.Publish(index, std::as_bytes(std::span(text.data(), text.size())),
+                        PublishMode::kCreateOnly, durable);
+    // A failure after the index took its place (its directory's sync) leaves a complete output
+    // that a reader may already have opened: it stays.
+    const Result<FileType> placed = published.ok() ? FileType::kFile : storage.Stat(index);
+    visible = placed.ok() && *placed == FileType::kFile;
+    TESSERA_RETURN_IF_ERROR(published);
   }
   return Status::Ok();
 }

@@ -571,7 +571,7 @@ TEST(ConvertTest, ShardsWithoutTheirIndexAreReadOnlyAsACompleteSet) {
   TempDir tmp;
   SaveSource(tmp.Sub("src"));
   ConvertOptions options;
-  options.max_file_bytes = 16u << 10;
+  options.max_file_bytes = 4u << 10;
   ASSERT_OK_AND_ASSIGN(ConvertReport report, Convert(tmp.Sub("src"), tmp.Sub("out"), options));
   ASSERT_GE(report.files.size(), 4u);  // 3 or more shards and the index
   ASSERT_EQ(report.files.back(), "model.safetensors.index.json");
@@ -740,7 +740,7 @@ TEST(ConvertTest, EveryStorageFaultLeavesDestinationCompleteOrAbsent) {
       // So is the removal of the conversion's marker once it committed (a later operation in
       // DST removes it as a dead process's).
       std::erase_if(files, [](const std::string& n) { return n.starts_with(kMarkerPrefix); });
-      EXPECT_EQ(files.size(), clean.size()) << "fault " << k;
+      EXPECT_EQ(files.size(), clean.size()) << "fault " << k << ": " << result.status().ToString();
       if (to == CheckpointFormat::kTessera) {
         const Result<VerifyReport> verified = Verify(out, memory);
         EXPECT_TRUE(verified.ok()) << "fault " << k << ": " << verified.status().ToString();

@@ -116,6 +116,12 @@ Result<uint64_t> PublishNewestCommit(Storage& storage, const std::string& dir, M
       highest_known, sync, visible);
 }
 
+bool PublishMayHavePlaced(Storage& storage, const std::string& path) {
+  if (!storage.capabilities().rename) return true;
+  const Result<FileType> type = storage.Stat(path);
+  return !type.ok() || *type != FileType::kNotFound;
+}
+
 Result<uint64_t> PublishNewestCommit(Storage& storage, const std::string& dir,
                                      const std::function<Result<Bytes>(uint64_t seq)>& encode,
                                      uint64_t highest_known, bool sync, bool* visible) {
@@ -130,7 +136,10 @@ Result<uint64_t> PublishNewestCommit(Storage& storage, const std::string& dir,
       TESSERA_ASSIGN_OR_RETURN(seq, NextCommitNumber(dir, seq));
       continue;
     }
-    TESSERA_RETURN_IF_ERROR(published);
+    if (!published.ok()) {
+      if (claim == 0 && !PublishMayHavePlaced(storage, path)) *visible = false;
+      return published;
+    }
     TESSERA_ASSIGN_OR_RETURN(bool newest, AboveEveryEarlierCommit(storage, dir, seq));
     if (newest) return seq;
     // A cleanup removed the numbers we were probing while a higher commit existed: ours would

@@ -43,12 +43,20 @@ Result<uint64_t> FindHighestCommit(Storage& storage, const std::string& dir);
 // current or durable.
 void WriteSequenceHint(Storage& storage, const std::string& dir, uint64_t seq);
 
+// After a Publish of `path` failed: whether it may have placed the file all the same. Exact on a
+// store with rename (Publish is a write then a rename: the file is at `path`, complete, or is
+// not there), so a failure before the rename leaves the data of the commit free to remove. On
+// other stores (an object store, where a PUT whose replies were lost may still land) it may
+// always have.
+bool PublishMayHavePlaced(Storage& storage, const std::string& path);
+
 // Publishes `metadata` (commit_seq set to the number it takes) as the newest commit of `dir`:
 // create-only at `highest_known` + 1, one number higher each time another commit holds it.
 // Once published, checks that the number is above every commit made before it (the commit
 // below it is there; for number 1, a listing), else withdraws it and publishes again above the
 // highest listed. With `sync`, durable on return. Returns the number; sets *visible once a
-// publish may have made it visible (the data it points at must then be kept even on error).
+// publish may have made it visible (the data it points at must then be kept even on error;
+// on a store with rename, a publish that failed and left no file did not).
 Result<uint64_t> PublishNewestCommit(Storage& storage, const std::string& dir, Metadata metadata,
                                      uint64_t highest_known, bool sync, bool* visible);
 // The same with the bytes of each number from `encode(seq)` (a format's index with
