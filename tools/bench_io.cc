@@ -314,8 +314,11 @@ int RunBenchIo(const BenchIoOptions& options) {
   save_options.sync = o.sync ? SyncPolicy::kFull : SyncPolicy::kNone;
   save_options.format =
       o.format == "torch_dist" ? CheckpointFormat::kTorchDist : CheckpointFormat::kTessera;
-  save_options.torch_dist_flavor =
-      o.torch_dist_flavor == "1.13" ? TorchDistFlavor::kTorch113 : TorchDistFlavor::kTorch2;
+  if (save_options.format == CheckpointFormat::kTorchDist) {
+    save_options.format_options =
+        TorchDistOptions{.flavor = o.torch_dist_flavor == "1.13" ? TorchDistFlavor::kTorch113
+                                                                 : TorchDistFlavor::kTorch2};
+  }
   LoadOptions load_options;
   load_options.num_io_threads = o.io_threads;
   load_options.verify_checksums = o.verify_checksums;

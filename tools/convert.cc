@@ -80,8 +80,11 @@ int RunConvert(const ConvertCliOptions& cli) {
     if (!dtype.ok()) return Fail(dtype.status());
     options.dtype = *dtype;
   }
-  options.torch_dist_flavor =
-      cli.torch_dist_flavor == "1.13" ? TorchDistFlavor::kTorch113 : TorchDistFlavor::kTorch2;
+  if (options.to == CheckpointFormat::kTorchDist) {
+    options.format_options =
+        TorchDistOptions{.flavor = cli.torch_dist_flavor == "1.13" ? TorchDistFlavor::kTorch113
+                                                                   : TorchDistFlavor::kTorch2};
+  }
   // Each --keys prefix must select something: one that selects nothing is a typo.
   if (Status s = CheckEveryPrefixMatches(cli.src, cli.keys, "nothing was converted"); !s.ok()) {
     return Fail(s);

@@ -20,6 +20,7 @@
 
 #include "tessera/comm.h"
 #include "tessera/device.h"
+#include "tessera/formats.h"
 #include "tessera/metadata.h"
 #include "tessera/state_dict.h"
 #include "tessera/status.h"
@@ -33,19 +34,6 @@ enum class SyncPolicy {
   kNone,  // no syncs at all: fastest; a crash of the machine may lose or tear the checkpoint
 };
 
-// The class paths of the `.metadata` pickle of a torch_dist save (the numeric values are not
-// written to disk).
-enum class TorchDistFlavor {
-  kTorch2,    // torch.distributed.checkpoint.* (torch 2.x), with version, storage_meta and
-              // planner_data (default)
-  kTorch113,  // torch.distributed._shard.checkpoint.* (torch 1.13), which torch 2.x cannot
-              // unpickle; 1.13 lacks float8 and uint16/32/64, so a save holding them fails
-};
-
-// One element of the path of a key in a nested state dict: a dict key or a list index (PyTorch
-// DCP's planner_data, torch's OBJ_PATH).
-using TorchDistPathElement = std::variant<std::string, int64_t>;
-
 struct SaveOptions {
   // What to write. Default CheckpointFormat::kTessera (docs/FORMAT.md).
   // CheckpointFormat::kTorchDist writes a PyTorch DCP directory (Megatron-Core's torch_dist
@@ -58,13 +46,14 @@ struct SaveOptions {
   // value, kBytes and kJson a bytes object, kTorchSave whatever was saved. kSafetensors is not
   // writable (InvalidArgument).
   CheckpointFormat format = CheckpointFormat::kTessera;
-  // With kTorchDist: which torch's class paths the `.metadata` uses. Default kTorch2.
+  // Options of `format` (tessera/formats.h): none (the default), or TorchDistOptions with
+  // kTorchDist. Options of another format are refused (InvalidArgument).
+  FormatOptions format_options;
+  // Deprecated (kept for one release): TorchDistOptions::flavor in format_options. Used when
+  // format_options holds no TorchDistOptions; setting both is refused (InvalidArgument).
   TorchDistFlavor torch_dist_flavor = TorchDistFlavor::kTorch2;
-  // With kTorchDist and kTorch2: the path of each key in the caller's nested state dict (dict
-  // keys and list indices: {"model.fc.weight": {"model", "fc.weight"}}), written as the
-  // `.metadata`'s planner_data, from which torch's dcp_to_torch_save and
-  // _load_state_dict_from_keys rebuild the nesting. A key without a path here gets (key,), as
-  // for a flat state dict. Rank 0's is used. Default none (Python's save fills it).
+  // Deprecated (kept for one release): TorchDistOptions::key_paths in format_options, with the
+  // same rule as torch_dist_flavor.
   std::map<std::string, std::vector<TorchDistPathElement>> torch_dist_key_paths;
 
   // Data files each rank writes in parallel, one per I/O thread. Default 2. More threads help

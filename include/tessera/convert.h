@@ -20,9 +20,9 @@
 //     `load_state_dict` reads, as Save with SaveFormat::kTorchDist writes it
 //     (docs/FORMAT_TORCH_DIST.md): every tensor whole, one torch.save item streamed unit by
 //     unit (its zip CRC-32 computed per block by the threads that write them, then combined),
-//     objects as byte items, `.metadata` (torch_dist_flavor's class paths) committed last and
-//     atomically, as a save commits it. The source's user metadata is not carried over (DCP
-//     has no place for it).
+//     objects as byte items, `.metadata` (TorchDistOptions::flavor's class paths) committed last
+//     and atomically, as a save commits it. The source's user metadata is not carried over (DCP has
+//     no place for it).
 //
 // DST is a checkpoint or none: the output is written into DST and committed there the way its
 // format commits a save, and no directory is ever renamed. DST must not exist (it is created,
@@ -53,6 +53,7 @@
 #include "tessera/checkpoint.h"
 #include "tessera/comm.h"
 #include "tessera/dtype.h"
+#include "tessera/formats.h"
 #include "tessera/metadata.h"
 #include "tessera/status.h"
 #include "tessera/storage.h"
@@ -88,9 +89,13 @@ struct ConvertOptions {
   // Default kFull: every output file is fdatasync'ed, the directories are synced around the
   // final rename. kNone skips every sync.
   SyncPolicy sync = SyncPolicy::kFull;
-  // With kTorchDist: which torch's class paths the `.metadata` uses (as
-  // SaveOptions::torch_dist_flavor). Default kTorch2. kTorch113 refuses, before writing
-  // anything, a tensor of a dtype torch 1.13 lacks (float8, uint16/32/64).
+  // Options of `to` (tessera/formats.h): none (the default), or TorchDistOptions with
+  // kTorchDist: its flavor (kTorch113 refuses, before writing anything, a tensor of a dtype
+  // torch 1.13 lacks: float8, uint16/32/64) and key_paths (planner_data; default (key,) for
+  // each output key). Options of another format are refused (InvalidArgument).
+  FormatOptions format_options;
+  // Deprecated (kept for one release): TorchDistOptions::flavor in format_options. Used when
+  // format_options holds no TorchDistOptions; setting both is refused (InvalidArgument).
   TorchDistFlavor torch_dist_flavor = TorchDistFlavor::kTorch2;
   // Check the source's checksums where it has them (tessera), as LoadOptions::verify_checksums.
   // Default true.

@@ -113,6 +113,36 @@ auto WithProgress(const std::function<void(uint64_t, uint64_t)>& progress, F&& c
   return ValueOrThrow(std::move(result));
 }
 
+// format_options of SaveOptions or ConvertOptions as Python sees it: None or a TorchDistOptions.
+template <typename Options>
+py::object FormatOptionsToPython(const Options& o) {
+  const auto* torch_dist = std::get_if<TorchDistOptions>(&o.format_options);
+  return torch_dist ? py::cast(*torch_dist) : py::none();
+}
+template <typename Options>
+void FormatOptionsFromPython(Options& o, const py::object& value) {
+  if (value.is_none()) {
+    o.format_options = std::monostate();
+  } else {
+    o.format_options = value.cast<TorchDistOptions>();  // TypeError for anything else
+  }
+}
+
+// The TorchDistOptions of `o` (defaults when it holds none), and the ones to change (placed in
+// format_options when it holds none).
+template <typename Options>
+TorchDistOptions TorchDistOf(const Options& o) {
+  const auto* torch_dist = std::get_if<TorchDistOptions>(&o.format_options);
+  return torch_dist ? *torch_dist : TorchDistOptions();
+}
+template <typename Options>
+TorchDistOptions& MutableTorchDist(Options& o) {
+  if (!std::holds_alternative<TorchDistOptions>(o.format_options)) {
+    o.format_options = TorchDistOptions();
+  }
+  return std::get<TorchDistOptions>(o.format_options);
+}
+
 void RegisterOptions(py::module_& m) {
   py::enum_<SyncPolicy>(m, "SyncPolicy")
       .value("FULL", SyncPolicy::kFull)
@@ -131,6 +161,16 @@ void RegisterOptions(py::module_& m) {
   py::enum_<TorchDistFlavor>(m, "TorchDistFlavor")
       .value("TORCH_2", TorchDistFlavor::kTorch2)
       .value("TORCH_1_13", TorchDistFlavor::kTorch113);
+  py::class_<TorchDistOptions>(m, "TorchDistOptions",
+                               "Options of the torch_dist format (include/tessera/formats.h).")
+      .def(py::init([](TorchDistFlavor flavor,
+                       std::map<std::string, std::vector<TorchDistPathElement>> key_paths) {
+             return TorchDistOptions{flavor, std::move(key_paths)};
+           }),
+           py::arg("flavor") = TorchDistFlavor::kTorch2,
+           py::arg("key_paths") = std::map<std::string, std::vector<TorchDistPathElement>>())
+      .def_readwrite("flavor", &TorchDistOptions::flavor)
+      .def_readwrite("key_paths", &TorchDistOptions::key_paths);
   py::enum_<WhenBusy>(m, "WhenBusy")
       .value("WAIT", WhenBusy::kWait)
       .value("QUEUE", WhenBusy::kQueue);
@@ -149,8 +189,18 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("remove_stale_files", &SaveOptions::remove_stale_files)
       .def_readwrite("plan_cache", &SaveOptions::plan_cache)
       .def_readwrite("format", &SaveOptions::format)
-      .def_readwrite("torch_dist_flavor", &SaveOptions::torch_dist_flavor)
-      .def_readwrite("torch_dist_key_paths", &SaveOptions::torch_dist_key_paths)
+      .def_property("format_options", &FormatOptionsToPython<SaveOptions>,
+                    &FormatOptionsFromPython<SaveOptions>)
+      // The Python arguments torch_dist_flavor and torch_dist_key_paths: TorchDistOptions in
+      // format_options (never the deprecated C++ fields of the same names).
+      .def_property(
+          "torch_dist_flavor", [](const SaveOptions& o) { return TorchDistOf(o).flavor; },
+          [](SaveOptions& o, TorchDistFlavor v) { MutableTorchDist(o).flavor = v; })
+      .def_property(
+          "torch_dist_key_paths", [](const SaveOptions& o) { return TorchDistOf(o).key_paths; },
+          [](SaveOptions& o, std::map<std::string, std::vector<TorchDistPathElement>> v) {
+            MutableTorchDist(o).key_paths = std::move(v);
+          })
       .def_readwrite("separate_prefixes", &SaveOptions::separate_prefixes)
       .def_readwrite("collective", &SaveOptions::collective)
       .def_readwrite("save_tag", &SaveOptions::save_tag)
@@ -205,7 +255,11 @@ void RegisterConvert(py::module_& m) {
       .def_readwrite("num_threads", &ConvertOptions::num_threads)
       .def_readwrite("buffer_bytes", &ConvertOptions::buffer_bytes)
       .def_readwrite("sync", &ConvertOptions::sync)
-      .def_readwrite("torch_dist_flavor", &ConvertOptions::torch_dist_flavor)
+      .def_property("format_options", &FormatOptionsToPython<ConvertOptions>,
+                    &FormatOptionsFromPython<ConvertOptions>)
+      .def_property(
+          "torch_dist_flavor", [](const ConvertOptions& o) { return TorchDistOf(o).flavor; },
+          [](ConvertOptions& o, TorchDistFlavor v) { MutableTorchDist(o).flavor = v; })
       .def_readwrite("verify_checksums", &ConvertOptions::verify_checksums);
   py::class_<ConvertReport>(m, "ConvertReport", "What tessera.convert wrote.")
       .def_property_readonly(

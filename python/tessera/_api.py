@@ -30,14 +30,15 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 _Options = TypeVar("_Options", _tessera.SaveOptions, _tessera.LoadOptions)
 
-# torch_dist_flavor="2.x" or "1.13": SaveOptions::torch_dist_flavor.
+# torch_dist_flavor="2.x" or "1.13": TorchDistOptions::flavor (include/tessera/formats.h).
 _TORCH_DIST_FLAVORS = {"2.x": "TORCH_2", "1.13": "TORCH_1_13"}
 
 # Metadata.format of a PyTorch DCP (or Megatron torch_dist) checkpoint.
 _TORCH_DIST_FORMAT = "torch_dist"
 
 # Keyword arguments that are not fields of the C++ options structs.
-_NOT_OPTIONS = {"missing_keys", "unexpected_keys", "storage", "save", "when_busy"}
+_NOT_OPTIONS = {"missing_keys", "unexpected_keys", "storage", "save", "when_busy",
+                "format_options"}
 
 
 def _set_options(function: str, opts: _Options, options: Mapping[str, Any]) -> _Options:
@@ -72,6 +73,12 @@ def _set_options(function: str, opts: _Options, options: Mapping[str, Any]) -> _
                 _state.check_text(k, "user_metadata key")
                 _state.check_text(v, f"user_metadata[{k!r}]")
         setattr(opts, name, value)
+    # torch_dist_flavor and torch_dist_key_paths fill TorchDistOptions (C++ format_options),
+    # which only format="torch_dist" takes: with another format they would do nothing.
+    if (isinstance(opts, _tessera.SaveOptions) and opts.format_options is not None
+            and opts.format != _tessera.CheckpointFormat.TORCH_DIST):
+        raise invalid_argument(f"{function}(): torch_dist_flavor and torch_dist_key_paths apply "
+                               f"to format='torch_dist' only, not {opts.format.name.lower()!r}")
     return opts
 
 
@@ -508,8 +515,12 @@ def convert(src: StrPath, dst: StrPath, *, to: Literal["safetensors", "tessera",
     if torch_dist_flavor not in _TORCH_DIST_FLAVORS:
         raise ValueError(f"convert(): torch_dist_flavor must be one of "
                          f"{list(_TORCH_DIST_FLAVORS)}, not {torch_dist_flavor!r}")
-    opts.torch_dist_flavor = getattr(_tessera.TorchDistFlavor,
-                                     _TORCH_DIST_FLAVORS[torch_dist_flavor])
+    if to == _TORCH_DIST_FORMAT:
+        opts.torch_dist_flavor = getattr(_tessera.TorchDistFlavor,
+                                         _TORCH_DIST_FLAVORS[torch_dist_flavor])
+    elif torch_dist_flavor != "2.x":
+        raise invalid_argument(f"convert(): torch_dist_flavor applies to to='torch_dist' only, "
+                               f"not {to!r}")
     if progress is True:
         progress = _progress_bar() if comm is None or comm.rank == 0 else None
     elif progress is False:

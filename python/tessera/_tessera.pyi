@@ -219,6 +219,12 @@ class StagingMode:
     @property
     def value(self) -> int: ...
 
+class TorchDistOptions:
+    flavor: TorchDistFlavor
+    key_paths: dict[str, list[str | int]]
+    def __init__(self, flavor: TorchDistFlavor = ...,
+                 key_paths: Mapping[str, Sequence[str | int]] = ...) -> None: ...
+
 class SaveOptions:
     num_io_threads: int
     sync: SyncPolicy
@@ -227,6 +233,7 @@ class SaveOptions:
     remove_stale_files: bool
     plan_cache: bool
     format: CheckpointFormat
+    format_options: TorchDistOptions | None
     torch_dist_flavor: TorchDistFlavor
     torch_dist_key_paths: dict[str, list[str | int]]
     separate_prefixes: list[str]
@@ -267,6 +274,7 @@ class ConvertOptions:
     num_threads: int
     buffer_bytes: int
     sync: SyncPolicy
+    format_options: TorchDistOptions | None
     torch_dist_flavor: TorchDistFlavor
     verify_checksums: bool
     def __init__(self) -> None: ...

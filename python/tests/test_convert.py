@@ -237,6 +237,10 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="torch_dist_flavor must be one of"):
         tessera.convert(tmp_path / "ckpt", tmp_path / "dcp", to="torch_dist",
                         torch_dist_flavor="1.12")
+    with pytest.raises(tessera.InvalidArgumentError,
+                       match="torch_dist_flavor applies to to='torch_dist' only, not 'safetensors'"):
+        tessera.convert(tmp_path / "ckpt", tmp_path / "dcp", to="safetensors",
+                        torch_dist_flavor="1.13")
     assert not (tmp_path / "dcp").exists()
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "file").write_text("mine")

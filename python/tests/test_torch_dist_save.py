@@ -173,6 +173,14 @@ def test_options_are_checked(ckpt):
         tessera.save(state(), ckpt, format="orbax")
     with pytest.raises(tessera.InvalidArgumentError, match="cannot be written"):
         tessera.save(state(), ckpt, format="safetensors")
+    # The torch_dist options (C++ TorchDistOptions) with another format would do nothing.
+    for options in ({"torch_dist_flavor": "1.13"}, {"torch_dist_key_paths": {"w": ["w"]}}):
+        with pytest.raises(tessera.InvalidArgumentError,
+                           match="apply to format='torch_dist' only, not 'tessera'"):
+            tessera.save(state(), ckpt, **options)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'format_options'"):
+            tessera.save(state(), ckpt, format_options=None)
+    assert not os.path.exists(ckpt) or not os.listdir(ckpt)
     with pytest.raises(tessera.InvalidArgumentError, match="user_metadata must be empty"):
         tessera.save(state(), ckpt, format="torch_dist", user_metadata={"a": "b"})
     tessera.save(state(), ckpt)

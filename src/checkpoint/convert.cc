@@ -37,6 +37,7 @@
 #include "format/safetensors.h"
 #include "format/tessera/manifest.h"
 #include "format/tessera/names.h"
+#include "format/torch_dist/dcp_format_writer.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_dtype.h"
 #include "format/torch_dist/torch_zip.h"
@@ -68,6 +69,9 @@ Status CheckOptions(const ConvertOptions& options) {
   }
   if (options.max_file_bytes == 0) {
     return InvalidArgument("ConvertOptions::max_file_bytes must be greater than 0");
+  }
+  if (const Format* format = FindFormat(options.to)) {
+    return format->CheckOptions(options.format_options, "ConvertOptions::format_options");
   }
   return Status::Ok();
 }
@@ -116,19 +120,6 @@ Result<OutputLayout> LayOutDcp(const ConvertPlan& plan, const std::string& save_
     layout.dcp_objects_begin.push_back(at);
   }
   return layout;
-}
-
-// torch 1.13 lacks some dtypes (float8, uint16/32/64): refused before anything is written.
-Status CheckTorchDistDTypes(const ConvertPlan& plan, const ConvertOptions& options) {
-  if (options.torch_dist_flavor != TorchDistFlavor::kTorch113) return Status::Ok();
-  for (const OutputTensor& t : plan.tensors) {
-    if (!torch_dist::Torch113HasDType(t.dtype)) {
-      return InvalidArgument("tensor '" + t.name + "': torch 1.13 has no dtype " +
-                             std::string(torch_dist::TorchDTypeOf(t.dtype).name) +
-                             "; convert with the torch 2.x flavour (TorchDistFlavor::kTorch2)");
-    }
-  }
-  return Status::Ok();
 }
 
 Result<OutputLayout> LayOut(const ConvertPlan& plan, CheckpointFormat to,
@@ -388,8 +379,26 @@ Result<Metadata> DcpOutputMetadata(const Metadata& source, const ConvertPlan& pl
 Result<std::unique_ptr<FormatWriter>> WriterFor(const ConvertOptions& options) {
   SaveOptions as_save;
   as_save.format = options.to;
-  as_save.torch_dist_flavor = options.torch_dist_flavor;
+  as_save.format_options = options.format_options;
+  if (options.to == CheckpointFormat::kTorchDist) {  // with the deprecated field folded in
+    TESSERA_ASSIGN_OR_RETURN(
+        as_save.format_options,
+        torch_dist::ResolveTorchDistOptions(options.format_options, options.torch_dist_flavor,
+                                            /*key_paths=*/nullptr, "ConvertOptions"));
+  }
   return FormatOf(options.to).NewWriter(as_save, /*coordinator=*/true);
+}
+
+// Every output tensor one the format stores (FormatWriter::CheckTensor; e.g. torch 1.13 lacks
+// float8), refused before anything is written. Nothing to check for a format tessera converts
+// into but does not save (Hugging Face: any dtype).
+Status CheckOutputTensors(const ConvertPlan& plan, const ConvertOptions& options) {
+  if (!FormatOf(options.to).CanWrite()) return Status::Ok();
+  TESSERA_ASSIGN_OR_RETURN(const std::unique_ptr<FormatWriter> writer, WriterFor(options));
+  for (const OutputTensor& t : plan.tensors) {
+    TESSERA_RETURN_IF_ERROR(writer->CheckTensor(t.name, t.dtype));
+  }
+  return Status::Ok();
 }
 
 // The coordinator's last step once every rank has written (step 5): the commit of the output
@@ -474,9 +483,7 @@ Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Stora
   plan_options.dtype = options.dtype;
   plan_options.num_ranks = comm.size();
   TESSERA_ASSIGN_OR_RETURN(const ConvertPlan plan, PlanConversion(index.metadata, plan_options));
-  if (options.to == CheckpointFormat::kTorchDist) {
-    TESSERA_RETURN_IF_ERROR(CheckTorchDistDTypes(plan, options));
-  }
+  TESSERA_RETURN_IF_ERROR(CheckOutputTensors(plan, options));
 
   // 3. DST, its marker and the save id, from the coordinator.
   Bytes prepared;

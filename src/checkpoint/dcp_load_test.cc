@@ -509,7 +509,7 @@ TEST(DcpRoundTripTest, Torch2FlavourSavedByTesseraLoadsResharded) {
         state.Add(ShardedObject{"blob", blob, {comm.rank()}, ObjectEncoding::kBytes}));
     SaveOptions options;
     options.format = CheckpointFormat::kTorchDist;
-    options.torch_dist_flavor = TorchDistFlavor::kTorch2;
+    options.format_options = TorchDistOptions{.flavor = TorchDistFlavor::kTorch2};
     return Save(state, dir.path(), comm, options).status();
   });
   ASSERT_OK(FirstError(saved));

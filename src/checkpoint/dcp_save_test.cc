@@ -266,10 +266,10 @@ void ExpectContent(const TestState& want, const DcpContent& got) {
   EXPECT_EQ(got.objects.size(), want.objects.size());
 }
 
-SaveOptions TorchDistOptions(TorchDistFlavor flavor, std::shared_ptr<Storage> storage) {
+SaveOptions DcpSaveOptions(TorchDistFlavor flavor, std::shared_ptr<Storage> storage) {
   SaveOptions o;
   o.format = CheckpointFormat::kTorchDist;
-  o.torch_dist_flavor = flavor;
+  o.format_options = TorchDistOptions{.flavor = flavor};
   o.storage = std::move(storage);
   return o;
 }
@@ -303,7 +303,7 @@ INSTANTIATE_TEST_SUITE_P(Flavors, DcpSaveTest,
 TEST_P(DcpSaveTest, WritesTorchItemsAndTheMetadataOfItsFlavour) {
   auto memory = std::make_shared<MemoryStorage>();
   TestState state;
-  SaveOptions o = TorchDistOptions(GetParam(), memory);
+  SaveOptions o = DcpSaveOptions(GetParam(), memory);
   o.num_io_threads = 3;
   StateDict dict = state.Dict();
   ASSERT_OK_AND_ASSIGN(SaveReport report, Save(dict, "/ck", o));
@@ -353,7 +353,7 @@ TEST_P(DcpSaveTest, TorchLoadsItOnOneRank) {
   TestState state;
   StateDict dict = state.Dict();
   const std::string ckpt = dir.Sub("ck");
-  ASSERT_OK_AND_ASSIGN(SaveReport report, Save(dict, ckpt, TorchDistOptions(GetParam(), nullptr)));
+  ASSERT_OK_AND_ASSIGN(SaveReport report, Save(dict, ckpt, DcpSaveOptions(GetParam(), nullptr)));
   std::string output;
   EXPECT_EQ(
       LoadWithTorch(ckpt, state.Expected(FlavorOf(GetParam()), report.save_id), 1, dir, &output), 0)
@@ -378,7 +378,7 @@ TEST_P(DcpSaveTest, TorchLoadsItShardedOverTwoGlooRanks) {
   std::vector<std::string> save_ids(2);
   std::vector<Status> statuses = RunLocalRanks(2, [&](Comm& comm) -> Status {
     StateDict dict = states[comm.rank()].Dict(comm.rank(), 2);
-    SaveOptions o = TorchDistOptions(GetParam(), nullptr);
+    SaveOptions o = DcpSaveOptions(GetParam(), nullptr);
     o.balance_writes = true;
     TESSERA_ASSIGN_OR_RETURN(SaveReport report, Save(dict, ckpt, comm, o));
     save_ids[comm.rank()] = report.save_id;
@@ -415,14 +415,14 @@ TEST(DcpSaveOptionsTest, Torch2FlavourWritesTheNewerDtypesAndTorch113RefusesThem
     return state;
   };
   StateDict state = make();
-  ASSERT_OK(Save(state, "/v2", TorchDistOptions(TorchDistFlavor::kTorch2, memory)));
+  ASSERT_OK(Save(state, "/v2", DcpSaveOptions(TorchDistFlavor::kTorch2, memory)));
   ASSERT_OK_AND_ASSIGN(DcpContent got, ReadDcp(*memory, "/v2"));
   EXPECT_EQ(got.metadata.tensors[0].torch_dtype, "float8_e4m3fn");
   EXPECT_EQ(got.tensors["f8"], f8);
   EXPECT_EQ(got.tensors["u16"], u16);
 
   Result<SaveReport> refused =
-      Save(state, "/v113", TorchDistOptions(TorchDistFlavor::kTorch113, memory));
+      Save(state, "/v113", DcpSaveOptions(TorchDistFlavor::kTorch113, memory));
   EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(refused.status().message(), HasSubstr("key 'f8': torch 1.13 has no dtype float8"));
   ASSERT_OK_AND_ASSIGN(std::vector<std::string> left, memory->ListDir("/v113"));
@@ -433,7 +433,7 @@ TEST(DcpSaveOptionsTest, RefusesUserMetadataSafetensorsAndADirectoryHoldingATess
   auto memory = std::make_shared<MemoryStorage>();
   TestState state;
   StateDict dict = state.Dict();
-  SaveOptions o = TorchDistOptions(TorchDistFlavor::kTorch2, memory);
+  SaveOptions o = DcpSaveOptions(TorchDistFlavor::kTorch2, memory);
   o.user_metadata = {{"step", "10"}};
   Result<SaveReport> saved = Save(dict, "/a", o);
   EXPECT_EQ(saved.status().code(), StatusCode::kInvalidArgument);
@@ -451,7 +451,7 @@ TEST(DcpSaveOptionsTest, RefusesUserMetadataSafetensorsAndADirectoryHoldingATess
   tessera_format.storage = memory;
   ASSERT_OK(Save(dict, "/t", tessera_format));
   ASSERT_OK_AND_ASSIGN(std::vector<std::string> before, memory->ListDir("/t"));
-  saved = Save(dict, "/t", TorchDistOptions(TorchDistFlavor::kTorch2, memory));
+  saved = Save(dict, "/t", DcpSaveOptions(TorchDistFlavor::kTorch2, memory));
   EXPECT_EQ(saved.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_THAT(saved.status().message(), HasSubstr("/t holds a tessera checkpoint"));
   ASSERT_OK_AND_ASSIGN(std::vector<std::string> after, memory->ListDir("/t"));
@@ -488,7 +488,7 @@ TEST(DcpResaveTest, KeepsTorchsFilesAndRemovesOnlyTesseraFilesNoLiveSaveNeeds) {
 
   TestState g1(1), g2(2);
   StateDict d1 = g1.Dict(), d2 = g2.Dict();
-  const SaveOptions o = TorchDistOptions(TorchDistFlavor::kTorch2, memory);
+  const SaveOptions o = DcpSaveOptions(TorchDistFlavor::kTorch2, memory);
   std::unique_ptr<Comm> comm = NewSingleRankComm();  // the plan cache lives with it
   ASSERT_OK_AND_ASSIGN(SaveReport first, Save(d1, "/ck", *comm, o));
   ASSERT_OK_AND_ASSIGN(DcpContent got, ReadDcp(*memory, "/ck"));
@@ -550,7 +550,7 @@ struct DcpSaveOverExisting {
   explicit DcpSaveOverExisting(FaultPlan plan, SyncPolicy sync = SyncPolicy::kFull) {
     TestState g1(1), g2(2);
     StateDict d1 = g1.Dict(), d2 = g2.Dict();
-    SaveOptions o = TorchDistOptions(TorchDistFlavor::kTorch2, memory);
+    SaveOptions o = DcpSaveOptions(TorchDistFlavor::kTorch2, memory);
     o.sync = sync;
     o.num_io_threads = 2;
     first = Save(d1, "/ck", o).status();
@@ -600,7 +600,7 @@ TEST(DcpCrashConsistencyTest, CrashAtEveryStepOfASaveOverAnExistingCheckpoint) {
     // After the crash a new save succeeds.
     TestState g1(1);
     StateDict d1 = g1.Dict();
-    ASSERT_OK(Save(d1, "/ck", TorchDistOptions(TorchDistFlavor::kTorch2, run.memory)));
+    ASSERT_OK(Save(d1, "/ck", DcpSaveOptions(TorchDistFlavor::kTorch2, run.memory)));
     EXPECT_EQ(DcpGeneration(*run.memory, "/ck", &error), 1) << error.ToString();
   }
   EXPECT_GT(old_seen, 0);
@@ -625,7 +625,7 @@ TEST(DcpCrashConsistencyTest, FailureAtEveryStepLeavesTheOldCheckpointOrTheNew) 
     // A later save leaves only what the checkpoint or a possibly running save needs.
     TestState g2(2);
     StateDict d2 = g2.Dict();
-    ASSERT_OK(Save(d2, "/ck", TorchDistOptions(TorchDistFlavor::kTorch2, run.memory)));
+    ASSERT_OK(Save(d2, "/ck", DcpSaveOptions(TorchDistFlavor::kTorch2, run.memory)));
     ExpectOnlyLiveFiles(*run.memory, "/ck");
   }
   EXPECT_GT(n, 10);
@@ -636,7 +636,7 @@ TEST(DcpCrashConsistencyTest, CrashDuringAFirstSaveLeavesNoCheckpoint) {
     auto memory = std::make_shared<MemoryStorage>();
     TestState g1(1);
     StateDict d1 = g1.Dict();
-    SaveOptions o = TorchDistOptions(
+    SaveOptions o = DcpSaveOptions(
         TorchDistFlavor::kTorch2,
         std::make_shared<FaultInjectingStorage>(memory, FaultPlan{.fail_at = n, .crash = true}));
     EXPECT_FALSE(Save(d1, "/ck", o).ok());
@@ -682,7 +682,7 @@ TEST_P(DcpConvertTest, TesseraCheckpointConvertsToWhatTorchLoads) {
   })));
   ConvertOptions options;
   options.to = CheckpointFormat::kTorchDist;
-  options.torch_dist_flavor = GetParam();
+  options.format_options = TorchDistOptions{.flavor = GetParam()};
   options.num_threads = 3;
   options.buffer_bytes = 1 << 20;    // units of 1 MiB, the least
   options.max_file_bytes = 1 << 20;  // several files: "large" alone in one
@@ -755,7 +755,7 @@ TEST(DcpConvertOptionsTest, Torch113RefusesItsMissingDtypesBeforeWritingAndConve
   ASSERT_OK(Save(state, "/src", save));
   ConvertOptions options;
   options.to = CheckpointFormat::kTorchDist;
-  options.torch_dist_flavor = TorchDistFlavor::kTorch113;
+  options.format_options = TorchDistOptions{.flavor = TorchDistFlavor::kTorch113};
   options.storage = memory;
   Status status = Convert("/src", "/dst", options).status();
   EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
@@ -767,7 +767,7 @@ TEST(DcpConvertOptionsTest, Torch113RefusesItsMissingDtypesBeforeWritingAndConve
   EXPECT_EQ(root, std::vector<std::string>{"src"}) << "no temporary directory either";
 
   // torch 2.x has float8; --dtype bf16 converts the float32 tensor (float8 keeps its dtype).
-  options.torch_dist_flavor = TorchDistFlavor::kTorch2;
+  options.format_options = TorchDistOptions{};  // torch 2.x
   options.dtype = DType::kBF16;
   ASSERT_OK(Convert("/src", "/dst", options).status());
   ASSERT_OK_AND_ASSIGN(DcpContent got, ReadDcp(*memory, "/dst"));
@@ -776,6 +776,78 @@ TEST(DcpConvertOptionsTest, Torch113RefusesItsMissingDtypesBeforeWritingAndConve
   ConvertFloats(DType::kF32, f32.data(), DType::kBF16, bf16.data(), 4);
   EXPECT_EQ(got.tensors["w"], bf16);
   EXPECT_EQ(got.metadata.tensors[1].torch_dtype, "bfloat16");
+}
+
+// format_options holds the options of the format written; the deprecated torch_dist_flavor
+// and torch_dist_key_paths still work alone, and beside TorchDistOptions are refused by name;
+// options of another format are refused, never ignored. Nothing is written when refused.
+TEST(FormatOptionsTest, TorchDistOptionsGoWithTorchDistAndTheDeprecatedFieldsStillWork) {
+  auto memory = std::make_shared<MemoryStorage>();
+  std::vector<float> w = {1.0f, 2.0f, 3.0f};
+  StateDict state;
+  ASSERT_OK(state.Add(ShardedTensor::Whole("w", TensorView(w.data(), DType::kF32, {3}))));
+  auto option_named = [](const Status& status, const std::string& option) {
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
+    ASSERT_NE(status.detail(), nullptr) << status.ToString();
+    EXPECT_EQ(status.detail()->kind, StatusDetail::Kind::kBadOption);
+    EXPECT_EQ(status.detail()->options.at(0), option);
+  };
+
+  // The new field, then the deprecated one alone: each writes torch 1.13's class paths.
+  SaveOptions save = DcpSaveOptions(TorchDistFlavor::kTorch113, memory);
+  save.format_options = TorchDistOptions{.flavor = TorchDistFlavor::kTorch113};
+  ASSERT_OK(Save(state, "/new", save));
+  save.format_options = {};
+  save.torch_dist_flavor = TorchDistFlavor::kTorch113;
+  ASSERT_OK(Save(state, "/old", save));
+  for (const char* dir : {"/new", "/old"}) {
+    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> bytes,
+                         memory->GetFileContents(std::string(dir) + "/.metadata"));
+    const std::string text(bytes.begin(), bytes.end());
+    EXPECT_NE(text.find("torch.distributed._shard.checkpoint"), std::string::npos) << dir;
+  }
+
+  // Both: refused, naming the deprecated field; nothing written.
+  save.format_options = TorchDistOptions{};
+  option_named(Save(state, "/both", save).status(), "SaveOptions::torch_dist_flavor");
+  save.torch_dist_flavor = TorchDistFlavor::kTorch2;
+  save.torch_dist_key_paths = {{"w", {std::string("w")}}};
+  option_named(Save(state, "/both", save).status(), "SaveOptions::torch_dist_key_paths");
+  // TorchDistOptions with another format: refused, naming format_options.
+  save = SaveOptions{};
+  save.storage = memory;
+  save.format_options = TorchDistOptions{};
+  const Status tessera = Save(state, "/tessera", save).status();
+  option_named(tessera, "SaveOptions::format_options");
+  EXPECT_THAT(tessera.message(), HasSubstr("holds TorchDistOptions, options the format tessera "
+                                           "does not take"));
+  save.collective = false;
+  save.save_tag = "one";
+  option_named(Save(state, "/tessera", save).status(), "SaveOptions::format_options");
+  for (const char* dir : {"/both", "/tessera"}) {
+    ASSERT_OK_AND_ASSIGN(FileType type, memory->Stat(dir));
+    EXPECT_EQ(type, FileType::kNotFound) << dir;
+  }
+
+  // Convert: the same rules, before anything is written.
+  ConvertOptions convert;
+  convert.storage = memory;
+  convert.format_options = TorchDistOptions{};
+  for (CheckpointFormat to : {CheckpointFormat::kSafetensors, CheckpointFormat::kTessera}) {
+    convert.to = to;
+    option_named(Convert("/new", "/converted", convert).status(), "ConvertOptions::format_options");
+  }
+  convert.to = CheckpointFormat::kTorchDist;
+  convert.torch_dist_flavor = TorchDistFlavor::kTorch113;
+  option_named(Convert("/new", "/converted", convert).status(),
+               "ConvertOptions::torch_dist_flavor");
+  ASSERT_OK_AND_ASSIGN(FileType type, memory->Stat("/converted"));
+  EXPECT_EQ(type, FileType::kNotFound);
+  convert.format_options = {};  // the deprecated field alone
+  ASSERT_OK(Convert("/new", "/converted", convert).status());
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> bytes, memory->GetFileContents("/converted/.metadata"));
+  EXPECT_NE(std::string(bytes.begin(), bytes.end()).find("torch.distributed._shard.checkpoint"),
+            std::string::npos);
 }
 
 }  // namespace

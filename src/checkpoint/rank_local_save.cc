@@ -15,6 +15,7 @@
 #include "checkpoint/data_files.h"
 #include "checkpoint/sequence.h"
 #include "core/checksum.h"
+#include "format/registry.h"
 #include "format/tessera/manifest.h"
 #include "format/tessera/tessera_writer.h"
 #include "plan/save_plan.h"
@@ -34,6 +35,8 @@ Status CheckRankLocalOptions(const SaveOptions& options, int rank, int num_ranks
     return BadOption("SaveOptions::collective",
                      "false writes the tessera format only (rank manifests)");
   }
+  TESSERA_RETURN_IF_ERROR(
+      FormatOf(options.format).CheckOptions(options.format_options, "SaveOptions::format_options"));
   if (options.num_io_threads < 1) {
     return BadOption("SaveOptions::num_io_threads",
                      "must be at least 1, got " + std::to_string(options.num_io_threads));

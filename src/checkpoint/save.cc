@@ -297,6 +297,11 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
                    "SaveOptions::format", "is not a format tessera knows: value " +
                                               std::to_string(static_cast<int>(options.format)) +
                                               " (formats: " + FormatNames() + ")"));
+  if (writer.ok()) {
+    const Status format_options =
+        format->CheckOptions(options.format_options, "SaveOptions::format_options");
+    if (!format_options.ok()) writer = format_options;
+  }
   if (local.ok() && !writer.ok()) local = writer.status();
   const FormatWriter* format_writer = writer.ok() ? writer->get() : nullptr;
   const Bytes encoded_plan = local.ok() ? EncodeLocalPlan(*local) : Bytes();

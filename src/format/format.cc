@@ -38,6 +38,17 @@ Result<std::unique_ptr<FormatWriter>> Format::NewWriter(const SaveOptions&, bool
                          " cannot be written: save as " + writable);
 }
 
+Status Format::CheckOptions(const FormatOptions& options, const std::string& field) const {
+  if (std::holds_alternative<std::monostate>(options)) return Status::Ok();
+  return BadOption(field, "holds " + FormatOptionsName(options) + ", options the format " + name() +
+                              " does not take (each options struct goes with its own format)");
+}
+
+std::string FormatOptionsName(const FormatOptions& options) {
+  static_assert(std::variant_size_v<FormatOptions> == 2, "name each alternative below");
+  return std::holds_alternative<TorchDistOptions>(options) ? "TorchDistOptions" : "";
+}
+
 Status RawItemWriter::Append(const std::byte* data, size_t n) {
   if (n > num_bytes_ - done_) {
     return InvalidArgument("an item of " + std::to_string(num_bytes_) + " bytes was given " +

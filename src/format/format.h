@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "format/format_writer.h"
+#include "tessera/formats.h"
 #include "tessera/metadata.h"
 #include "tessera/status.h"
 #include "tessera/storage.h"
@@ -126,6 +127,11 @@ class Format {
   // ---- Writing.
   // Whether tessera saves in this format (NewWriter succeeds for some options).
   virtual bool CanWrite() const { return false; }
+  // Checks the format options of a save or conversion into this format (`options`, the field
+  // `field`, e.g. "SaveOptions::format_options") before anything is written. The default takes
+  // none (std::monostate); a format with an options struct of its own (tessera/formats.h)
+  // overrides it. BadOption naming the field and the struct held otherwise.
+  virtual Status CheckOptions(const FormatOptions& options, const std::string& field) const;
   // The writer of one save with `options` (whose `format` is this one) on a rank that is the
   // coordinator or not (the coordinator's user_metadata is the one saved). Checks the options
   // before anything is written: BadOption naming an option the format has no place for;
@@ -133,6 +139,10 @@ class Format {
   virtual Result<std::unique_ptr<FormatWriter>> NewWriter(const SaveOptions& options,
                                                           bool coordinator) const;
 };
+
+// The name of the options struct `options` holds ("TorchDistOptions"; "" for none), for
+// messages.
+std::string FormatOptionsName(const FormatOptions& options);
 
 }  // namespace tessera
 

@@ -100,8 +100,11 @@ class FormatWriter {
   // Metadata::checksum_block_bytes). False for a format whose framing carries its own
   // checksums (DCP's zip CRC-32) or none.
   virtual bool EngineChecksums() const = 0;
+  // Refuses a tensor `key` of `dtype` that this format cannot store (InvalidArgument naming
+  // the key; e.g. a dtype torch 1.13 lacks), so that a conversion refuses it before it writes.
+  virtual Status CheckTensor(const std::string& key, DType dtype) const { return Status::Ok(); }
   // The layout of one data file of save `save_id` holding `items` in this order. Errors name
-  // the key a format cannot store (e.g. a dtype torch 1.13 lacks).
+  // the key a format cannot store (CheckTensor).
   virtual Result<std::unique_ptr<DataFileEncoder>> NewDataFile(
       const std::vector<ItemToWrite>& items, const std::string& save_id) const = 0;
 

@@ -148,7 +148,7 @@ TEST(FormatWriterTest, TorchDistRefusesWhatItCannotHoldBeforeWriting) {
   EXPECT_TRUE(FormatOf(CheckpointFormat::kTorchDist).NewWriter(options, false).ok());
 
   options = SaveOptions{};
-  options.torch_dist_flavor = TorchDistFlavor::kTorch113;
+  options.format_options = TorchDistOptions{.flavor = TorchDistFlavor::kTorch113};
   const std::unique_ptr<FormatWriter> old = WriterOf(CheckpointFormat::kTorchDist, options);
   ASSERT_NE(old, nullptr);
   Result<std::unique_ptr<DataFileEncoder>> layout =

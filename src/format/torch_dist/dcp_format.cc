@@ -161,6 +161,10 @@ class TorchDistFormatImpl final : public Format {
   }
 
   bool CanWrite() const override { return true; }
+  Status CheckOptions(const FormatOptions& options, const std::string& field) const override {
+    if (std::holds_alternative<TorchDistOptions>(options)) return Status::Ok();
+    return Format::CheckOptions(options, field);
+  }
   Result<std::unique_ptr<FormatWriter>> NewWriter(const SaveOptions& options,
                                                   bool coordinator) const override {
     return torch_dist::NewDcpWriter(options, coordinator);

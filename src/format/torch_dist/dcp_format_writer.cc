@@ -112,17 +112,19 @@ class DcpWriter final : public FormatWriter {
   }
   bool EngineChecksums() const override { return false; }  // the zip records' CRC-32
 
-  // torch 1.13 lacks some dtypes: refused before any byte is written.
+  // torch 1.13 lacks some dtypes (float8, uint16/32/64).
+  Status CheckTensor(const std::string& key, DType dtype) const override {
+    if (flavor_ != DcpFlavor::kTorch113 || Torch113HasDType(dtype)) return Status::Ok();
+    return InvalidArgument("key '" + key + "': torch 1.13 has no dtype " +
+                           std::string(TorchDTypeOf(dtype).name) +
+                           "; write it with the torch 2.x flavour (TorchDistOptions::flavor "
+                           "kTorch2)");
+  }
+  // Refused before any byte is written.
   Result<std::unique_ptr<DataFileEncoder>> NewDataFile(const std::vector<ItemToWrite>& items,
                                                        const std::string&) const override {
-    if (flavor_ == DcpFlavor::kTorch113) {
-      for (const ItemToWrite& item : items) {
-        if (!item.object && !Torch113HasDType(item.dtype)) {
-          return InvalidArgument("key '" + item.key + "': torch 1.13 has no dtype " +
-                                 std::string(TorchDTypeOf(item.dtype).name) +
-                                 "; save with the torch 2.x flavour (TorchDistFlavor::kTorch2)");
-        }
-      }
+    for (const ItemToWrite& item : items) {
+      if (!item.object) TESSERA_RETURN_IF_ERROR(CheckTensor(item.key, item.dtype));
     }
     return std::unique_ptr<DataFileEncoder>(new DcpDataFile(items));
   }
@@ -162,7 +164,7 @@ class DcpWriter final : public FormatWriter {
 
  private:
   DcpFlavor flavor_;
-  // planner_data's path of each key (SaveOptions::torch_dist_key_paths).
+  // planner_data's path of each key (TorchDistOptions::key_paths).
   std::map<std::string, std::vector<DcpPathElement>> key_paths_;
 };
 
@@ -170,6 +172,29 @@ class DcpWriter final : public FormatWriter {
 
 DcpFlavor DcpFlavorOf(TorchDistFlavor flavor) {
   return flavor == TorchDistFlavor::kTorch113 ? DcpFlavor::kTorch113 : DcpFlavor::kTorch2;
+}
+
+Result<TorchDistOptions> ResolveTorchDistOptions(
+    const FormatOptions& format_options, TorchDistFlavor flavor,
+    const std::map<std::string, std::vector<TorchDistPathElement>>* key_paths,
+    const std::string& owner) {
+  const TorchDistOptions* set = std::get_if<TorchDistOptions>(&format_options);
+  if (set == nullptr) {
+    TorchDistOptions options;
+    options.flavor = flavor;
+    if (key_paths != nullptr) options.key_paths = *key_paths;
+    return options;
+  }
+  const std::string deprecated =
+      "is deprecated and " + owner + "::format_options holds TorchDistOptions: set ";
+  if (flavor != TorchDistFlavor::kTorch2) {
+    return BadOption(owner + "::torch_dist_flavor", deprecated + "TorchDistOptions::flavor only");
+  }
+  if (key_paths != nullptr && !key_paths->empty()) {
+    return BadOption(owner + "::torch_dist_key_paths",
+                     deprecated + "TorchDistOptions::key_paths only");
+  }
+  return *set;
 }
 
 Status CheckDcpSaveTarget(const std::string& dir, const std::vector<std::string>& names) {
@@ -200,8 +225,12 @@ Result<std::unique_ptr<FormatWriter>> NewDcpWriter(const SaveOptions& options, b
                      "checkpoint has no place for it (key '" +
                          options.user_metadata.begin()->first + "')");
   }
+  TESSERA_ASSIGN_OR_RETURN(
+      TorchDistOptions resolved,
+      ResolveTorchDistOptions(options.format_options, options.torch_dist_flavor,
+                              &options.torch_dist_key_paths, "SaveOptions"));
   return std::unique_ptr<FormatWriter>(
-      new DcpWriter(DcpFlavorOf(options.torch_dist_flavor), options.torch_dist_key_paths));
+      new DcpWriter(DcpFlavorOf(resolved.flavor), std::move(resolved.key_paths)));
 }
 
 }  // namespace tessera::torch_dist

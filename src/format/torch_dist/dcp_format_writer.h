@@ -5,6 +5,7 @@
 #ifndef TESSERA_FORMAT_TORCH_DIST_DCP_FORMAT_WRITER_H_
 #define TESSERA_FORMAT_TORCH_DIST_DCP_FORMAT_WRITER_H_
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,8 +16,17 @@
 
 namespace tessera::torch_dist {
 
-// The flavour of `.metadata` SaveOptions::torch_dist_flavor names.
+// The flavour of `.metadata` TorchDistOptions::flavor names.
 DcpFlavor DcpFlavorOf(TorchDistFlavor flavor);
+
+// The TorchDistOptions of a save or conversion: those `format_options` holds, else the ones
+// the deprecated fields of `owner` ("SaveOptions", "ConvertOptions") give: `flavor` (its
+// torch_dist_flavor) and `key_paths` (SaveOptions::torch_dist_key_paths; null for none).
+// BadOption naming the deprecated field when it is set beside TorchDistOptions.
+Result<TorchDistOptions> ResolveTorchDistOptions(
+    const FormatOptions& format_options, TorchDistFlavor flavor,
+    const std::map<std::string, std::vector<TorchDistPathElement>>* key_paths,
+    const std::string& owner);
 
 // Refuses a directory whose entries (`names`) include a tessera commit (a numbered manifest or
 // the version 2 one): it would hide the DCP checkpoint from tessera's readers, which look for

@@ -127,7 +127,7 @@ TEST(DcpWriterTest, MetadataOfWrittenItems) {
   ASSERT_OK(EncodeDcpMetadata(v113));
 }
 
-// The caller's nesting (SaveOptions::torch_dist_key_paths) becomes planner_data, with str keys
+// The caller's nesting (TorchDistOptions::key_paths) becomes planner_data, with str keys
 // and int list indices as torch's flatten_state_dict records them; unlisted keys map to
 // themselves. It survives the pickle.
 TEST(DcpWriterTest, PlannerDataTakesTheCallersPaths) {
