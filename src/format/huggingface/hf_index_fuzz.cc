@@ -6,7 +6,8 @@
 // Input: one mode byte, then up to three parts separated by kSeparator: the index JSON, the
 // first shard, the second shard. Mode bit 0 set: the directory holds the index and both shards
 // (model-00001-of-00002.safetensors, model-00002-of-00002.safetensors); clear: only the
-// shards, read without an index. The safetensors header parser has its own target
+// shards, read without an index (which must then be a complete set: bit 1 set drops the second
+// shard). The safetensors header parser has its own target
 // (safetensors); this one reaches the index JSON reader and the matching of its weight map
 // against the shards' headers.
 #include <algorithm>
@@ -46,8 +47,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   tessera::MemoryStorage storage;
   if (with_index) storage.SetFileContents("/hf/model.safetensors.index.json", parts[0]);
   storage.SetFileContents("/hf/model-00001-of-00002.safetensors", parts[1]);
-  storage.SetFileContents("/hf/model-00002-of-00002.safetensors", parts[2]);
+  // Mode bit 1 set: the second shard is missing (a copy that stopped, or a conversion between
+  // the renames of its shards); without the index, the set is then incomplete and refused.
+  const bool second_missing = data[0] & 2;
+  if (!second_missing) storage.SetFileContents("/hf/model-00002-of-00002.safetensors", parts[2]);
   tessera::Result<tessera::CheckpointIndex> index = tessera::ReadCheckpointIndex(storage, "/hf");
+  if (!with_index && second_missing && index.ok()) __builtin_trap();
   if (!index.ok()) return 0;
   // What a load relies on: every chunk lies inside a file of the directory, of the recorded
   // size, and keys are sorted and unique.
