@@ -30,6 +30,7 @@
 #include "checkpoint/envelope.h"
 #include "checkpoint/load_internal.h"
 #include "checkpoint/marker.h"
+#include "checkpoint/sequence.h"
 #include "core/byte_io.h"
 #include "format/huggingface/hf_export.h"
 #include "format/huggingface/hf_index.h"
@@ -444,8 +445,7 @@ Status Commit(Storage& storage, const Destination& dst, const ConvertOptions& op
                         PublishMode::kCreateOnly, durable);
     // A failure after the index took its place (its directory's sync) leaves a complete output
     // that a reader may already have opened: it stays.
-    const Result<FileType> placed = published.ok() ? FileType::kFile : storage.Stat(index);
-    visible = placed.ok() && *placed == FileType::kFile;
+    visible = published.ok() || PublishMayHavePlaced(storage, index);
     TESSERA_RETURN_IF_ERROR(published);
   }
   return Status::Ok();
