@@ -246,7 +246,7 @@ std::string ChecksumMismatchText(const std::string& dir, const Metadata& metadat
                   "its zip record says %08" PRIx64 ", the bytes give %08" PRIx64, unit.checksum,
                   actual);
     return "CRC-32 mismatch in " + DescribeChunk(metadata, unit.tensor, unit.chunk) +
-           " (the elements of a PyTorch DCP item) of file " +
+           " (the elements of a torch.save item) of file " +
            JoinPath(dir, metadata.files[unit.file_index].name) + " at offset " +
            std::to_string(unit.offset) + ": " + crcs;
   }

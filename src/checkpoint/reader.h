@@ -7,7 +7,7 @@
 
 #include "checkpoint/device_uploads.h"
 #include "checkpoint/progress.h"
-#include "format/safetensors.h"
+#include "format/data_file_headers.h"
 #include "plan/load_plan.h"
 #include "tessera/checkpoint.h"
 

@@ -26,7 +26,7 @@
 #include "core/hex.h"
 #include "core/utf8.h"
 #include "format/checkpoint_index.h"
-#include "format/safetensors.h"
+#include "format/tessera/data_file_rewrite.h"
 #include "format/tessera/manifest.h"
 
 namespace tessera {
@@ -40,7 +40,7 @@ constexpr uint64_t kCopyPiece = 1u << 20;
 struct KeptPiece {
   ByteLocation* location = nullptr;
   const std::vector<uint64_t>* blocks = nullptr;  // checksums after the first; null: objects
-  DType dtype = DType::kU8;                       // to find its safetensors entry
+  DType dtype = DType::kU8;                       // to find its entry in the file's header
   Shape shape;
   std::string what;  // "key 'k' chunk 3 [0:2, 0:4]" or "object 'o'"
 };
@@ -53,9 +53,7 @@ struct FilePlan {
   std::vector<KeptPiece> kept;  // pieces of kept keys, sorted by offset
   // kRewrite only: the new file.
   std::string new_name;
-  std::vector<SafetensorsEntry> entries;  // parallel to `kept`, laid out
-  Bytes header;
-  uint64_t new_size = 0;
+  RewrittenDataFile layout;
 };
 
 // Adds the prefixes that removed something to the manifest's record of removed prefixes
@@ -150,42 +148,18 @@ void FilterMetadata(const Metadata& old, const std::vector<std::string>& prefixe
   }
 }
 
-// Lays out the rewritten file of old file `f`: the safetensors entries of its kept pieces,
-// taken from its header (so names, dtypes and shapes stay as written), back to back.
+// Lays out the rewritten file of old file `f`: its kept pieces back to back, as the format's
+// header of the old file describes them (RewriteDataFileLayout).
 Status LayOutRewrite(Storage& storage, const std::string& dir, const Metadata& old, uint32_t f,
                      const std::string& save_id, FilePlan& plan) {
-  const std::string needed_by = plan.kept.front().what;
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file,
-                           OpenDataFile(storage, dir, old, f, needed_by));
-  TESSERA_ASSIGN_OR_RETURN(SafetensorsHeader header, ReadSafetensorsHeader(*file));
-  std::multimap<uint64_t, const SafetensorsEntry*> by_offset;
-  for (const SafetensorsEntry& e : header.entries) {
-    by_offset.emplace(header.data_start + e.begin, &e);
-  }
-  std::set<const SafetensorsEntry*> used;
+                           OpenDataFile(storage, dir, old, f, plan.kept.front().what));
+  std::vector<KeptItem> items;
   for (const KeptPiece& piece : plan.kept) {
-    const SafetensorsEntry* found = nullptr;
-    auto [begin, end] = by_offset.equal_range(piece.location->offset);
-    for (auto it = begin; it != end && !found; ++it) {  // zero-byte entries share offsets
-      const SafetensorsEntry& e = *it->second;
-      if (!used.count(&e) && e.end - e.begin == piece.location->length && e.dtype == piece.dtype &&
-          e.shape == piece.shape) {
-        found = &e;
-      }
-    }
-    if (!found) {
-      return DataLoss("the safetensors header of " + file->path() + " does not describe " +
-                      piece.what + " at offset " + std::to_string(piece.location->offset) +
-                      " as the manifest does");
-    }
-    used.insert(found);
-    plan.entries.push_back(*found);
+    items.push_back(KeptItem{piece.location->offset, piece.location->length, piece.dtype,
+                             piece.shape, piece.what});
   }
-  const uint64_t data_bytes = LayOutEntries(plan.entries);
-  std::map<std::string, std::string> header_metadata = header.metadata;
-  header_metadata["tessera_save_id"] = save_id;
-  TESSERA_ASSIGN_OR_RETURN(plan.header, EncodeSafetensorsHeader(plan.entries, header_metadata));
-  plan.new_size = plan.header.size() + data_bytes;
+  TESSERA_ASSIGN_OR_RETURN(plan.layout, RewriteDataFileLayout(*file, items, save_id));
   return Status::Ok();
 }
 
@@ -244,10 +218,11 @@ Status WriteRewrite(Storage& storage, const std::string& dir, const Metadata& ol
       std::unique_ptr<WritableFile> out,
       storage.NewWritableFile(JoinPath(dir, plan.new_name), CreateMode::kExclusive));
   created = 1;
-  TESSERA_RETURN_IF_ERROR(out->WriteAt(0, plan.header.data(), plan.header.size()));
+  const Bytes& header = plan.layout.header;
+  TESSERA_RETURN_IF_ERROR(out->WriteAt(0, header.data(), header.size()));
   std::vector<uint8_t> buffer;
   for (size_t k = 0; k < plan.kept.size(); ++k) {
-    const uint64_t to = plan.header.size() + plan.entries[k].begin;
+    const uint64_t to = plan.layout.offsets[k];
     TESSERA_RETURN_IF_ERROR(CopyPiece(*in, *out, old, plan.kept[k], to, buffer, meter));
     plan.kept[k].location->offset = to;
   }
@@ -294,7 +269,7 @@ void RebuildFileTable(const Metadata& old, const std::vector<FilePlan>& files, M
     if (files[f].fate == Fate::kDrop) continue;
     new_index[f] = static_cast<uint32_t>(kept.files.size());
     kept.files.push_back(files[f].fate == Fate::kRewrite
-                             ? FileInfo{files[f].new_name, files[f].new_size}
+                             ? FileInfo{files[f].new_name, files[f].layout.size}
                              : old.files[f]);
   }
   for (TensorInfo& t : kept.tensors) {
@@ -485,7 +460,7 @@ Result<RemoveKeysReport> RemoveKeys(const std::string& path,
   report.bytes_after = 0;
   for (uint32_t f = 0; f < files.size(); ++f) {
     if (files[f].fate == Fate::kKeep) report.bytes_after += old.files[f].size;
-    if (files[f].fate == Fate::kRewrite) report.bytes_after += files[f].new_size;
+    if (files[f].fate == Fate::kRewrite) report.bytes_after += files[f].layout.size;
   }
   meter.set_total(report.bytes_copied);
   if (!options.dry_run) {

@@ -10,8 +10,8 @@
 #include "checkpoint/reader.h"
 #include "core/checksum.h"
 #include "format/checkpoint_index.h"
+#include "format/data_file_headers.h"
 #include "format/registry.h"
-#include "format/safetensors.h"
 #include "format/tessera/manifest.h"
 #include "plan/save_plan.h"
 #include "tessera/checkpoint.h"
@@ -209,7 +209,7 @@ class DataFileChecker {
     TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file,
                              OpenDataFile(storage_, index_.root, metadata_, f, needed_by));
     if (headed_files_ && list.empty()) {  // a file of no chunk: its header still parses
-      TESSERA_RETURN_IF_ERROR(ReadSafetensorsHeader(*file).status());
+      TESSERA_RETURN_IF_ERROR(headers_.CheckParses(*file, f));
     }
     for (const Piece& piece : list) {
       if (headed_files_) {

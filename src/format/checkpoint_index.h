@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "format/safetensors.h"
+#include "format/data_file_headers.h"
 #include "tessera/metadata.h"
 #include "tessera/status.h"
 #include "tessera/storage.h"
