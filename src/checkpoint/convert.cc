@@ -32,16 +32,9 @@
 #include "checkpoint/marker.h"
 #include "checkpoint/sequence.h"
 #include "core/byte_io.h"
-#include "format/huggingface/hf_export.h"
-#include "format/huggingface/hf_index.h"
 #include "format/registry.h"
-#include "format/safetensors.h"
 #include "format/tessera/manifest.h"
 #include "format/tessera/names.h"
-#include "format/torch_dist/dcp_format_writer.h"
-#include "format/torch_dist/dcp_writer.h"
-#include "format/torch_dist/torch_dtype.h"
-#include "format/torch_dist/torch_zip.h"
 #include "plan/convert_plan.h"
 
 namespace tessera {
@@ -97,70 +90,10 @@ Result<Destination> SplitDestination(const std::string& dst) {
   return d;
 }
 
-// Names and headers of the output files. Hugging Face: "model.safetensors" alone, else the
-// shard names; tessera: each writing rank's data file names.
-// torch_dist: DCP data file names, no headers, each tensor one torch.save item back to back,
-// then the file's objects.
-Result<OutputLayout> LayOutDcp(const ConvertPlan& plan, const std::string& save_id) {
-  OutputLayout layout;
-  layout.dcp_tensors.resize(plan.tensors.size());
-  std::map<int, int> per_rank;  // the next file number of each rank
-  for (const OutputFile& file : plan.files) {
-    layout.names.push_back(torch_dist::DcpDataFileName(save_id, file.rank, per_rank[file.rank]++));
-    layout.headers.emplace_back();
-    uint64_t at = 0;
-    for (uint32_t t : file.tensors) {
-      const OutputTensor& tensor = plan.tensors[t];
-      Result<torch_dist::TorchItemLayout> item =
-          torch_dist::LayOutTorchTensorItem(torch_dist::TorchTensorSpec{
-              std::string(torch_dist::TorchDTypeOf(tensor.dtype).name), tensor.shape});
-      if (!item.ok()) return item.status().WithContext("tensor '" + tensor.name + "'");
-      layout.dcp_tensors[t] = DcpTensorPlace{at, at + item->data_offset, item->total_size};
-      at += item->total_size;
-    }
-    layout.dcp_objects_begin.push_back(at);
-  }
-  return layout;
-}
-
-Result<OutputLayout> LayOut(const ConvertPlan& plan, CheckpointFormat to,
-                            const std::string& save_id) {
-  if (to == CheckpointFormat::kTorchDist) return LayOutDcp(plan, save_id);
-  OutputLayout layout;
-  const int count = static_cast<int>(plan.files.size());
-  std::map<int, int> per_rank;  // tessera: the next file number of each rank
-  std::map<std::string, std::string> header_metadata = {{"format", "pt"}};
-  if (to == CheckpointFormat::kTessera) header_metadata["tessera_save_id"] = save_id;
-  for (int f = 0; f < count; ++f) {
-    const OutputFile& file = plan.files[f];
-    if (to == CheckpointFormat::kTessera) {
-      layout.names.push_back(DataFileName(save_id, file.rank, per_rank[file.rank]++));
-    } else {
-      layout.names.push_back(count == 1 ? kHuggingFaceSingleFileName
-                                        : HuggingFaceShardName(f, count));
-    }
-    std::vector<SafetensorsEntry> entries;
-    for (uint32_t t : file.tensors) {
-      const OutputTensor& tensor = plan.tensors[t];
-      entries.push_back(SafetensorsEntry{tensor.name, tensor.dtype, tensor.shape});
-    }
-    for (uint32_t o : file.objects) {
-      const OutputObject& object = plan.objects[o];
-      entries.push_back(
-          SafetensorsEntry{object.name, DType::kU8, {static_cast<int64_t>(object.bytes)}});
-    }
-    if (LayOutEntries(entries) != file.data_bytes) {
-      return Internal("output file " + layout.names.back() + ": the plan and the layout differ");
-    }
-    TESSERA_ASSIGN_OR_RETURN(Bytes header, EncodeSafetensorsHeader(entries, header_metadata));
-    layout.headers.push_back(std::move(header));
-  }
-  return layout;
-}
-
-// The name a Hugging Face output file is written under until the commit renames it to `name`:
-// hidden, not ending in ".safetensors" (no reader claims it), carrying the save id (so that a
-// later conversion knows it for the leftover of this one).
+// The name a file of a format whose files are the checkpoint (FilesAreTheCheckpoint: Hugging
+// Face) is written under until the commit renames it to `name`: hidden, not ending in the
+// format's suffix (no reader claims it), carrying the save id (so that a later conversion
+// knows it for the leftover of this one).
 std::string HiddenName(const std::string& name, const std::string& save_id) {
   return "." + name + ".tessera-convert-" + save_id;
 }
@@ -272,183 +205,170 @@ void RemoveOutput(Storage& storage, const Destination& dst, const std::vector<st
   if (created) storage.RemoveDir(dst.path).IgnoreError();
 }
 
-// The manifest of a tessera output, from every rank's checksums (RankWriteResult::checksums,
-// indexed by rank).
-Result<Metadata> TesseraMetadata(const Metadata& source, const ConvertPlan& plan,
-                                 const OutputLayout& layout,
-                                 const std::vector<std::vector<uint64_t>>& checksums,
-                                 const std::string& save_id, int num_ranks, bool keys_changed) {
+// What each rank sent the coordinator once it wrote its files (RankWriteResult), by rank.
+struct Gathered {
+  std::vector<std::vector<uint64_t>> checksums;
+  std::vector<std::vector<uint64_t>> object_lengths;
+};
+
+// Takes the next `n` values of rank `rank` from `from` (with its cursor), naming `key` when
+// the rank sent too few.
+class RankValues {
+ public:
+  explicit RankValues(const std::vector<std::vector<uint64_t>>& from)
+      : from_(from), cursor_(from.size(), 0) {}
+  Result<std::vector<uint64_t>> Take(int rank, uint64_t n, const std::string& key,
+                                     const char* what) {
+    const std::vector<uint64_t>& values = from_[rank];
+    if (cursor_[rank] + n > values.size()) {
+      return Internal("rank " + std::to_string(rank) + " sent too few " + what + " (at '" + key +
+                      "')");
+    }
+    std::vector<uint64_t> out(values.begin() + cursor_[rank], values.begin() + cursor_[rank] + n);
+    cursor_[rank] += n;
+    return out;
+  }
+
+ private:
+  const std::vector<std::vector<uint64_t>>& from_;
+  std::vector<size_t> cursor_;
+};
+
+// The index of the output, every item at the place its format laid it out (`layout`), the
+// objects at the lengths their writers reported, the files under their final `names`, with
+// the checksums the ranks computed when the format keeps tessera's.
+Result<Metadata> OutputMetadata(const Metadata& source, const ConvertPlan& plan,
+                                const OutputLayout& layout, const std::vector<std::string>& names,
+                                const Gathered& gathered, const FormatWriter& writer,
+                                const ConvertOptions& options, const std::string& save_id,
+                                int num_ranks) {
   Metadata m;
-  m.format = CheckpointFormat::kTessera;
-  m.checksum = ChecksumKind::kXxh3_64;
-  m.checksum_block_bytes = kChecksumBlockBytes;
+  m.format = options.to;
   m.save_id = save_id;
   m.num_ranks = num_ranks;
   m.save_time_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                             std::chrono::system_clock::now().time_since_epoch())
                             .count();
-  m.user_metadata = source.user_metadata;
-  if (keys_changed) m.user_metadata.erase(kPythonStructureKey);
-  m.tensors.resize(plan.tensors.size());
-  m.objects.resize(plan.objects.size());
-  std::vector<size_t> cursor(checksums.size(), 0);
-  auto take = [&](int rank, uint64_t n, const std::string& key) -> Result<std::vector<uint64_t>> {
-    const std::vector<uint64_t>& from = checksums[rank];
-    if (cursor[rank] + n > from.size()) {
-      return Internal("rank " + std::to_string(rank) + " sent too few checksums (at '" + key +
-                      "')");
-    }
-    std::vector<uint64_t> out(from.begin() + cursor[rank], from.begin() + cursor[rank] + n);
-    cursor[rank] += n;
-    return out;
-  };
-  for (uint32_t f = 0; f < plan.files.size(); ++f) {
-    const OutputFile& file = plan.files[f];
-    const uint64_t data_start = layout.headers[f].size();
-    m.files.push_back(FileInfo{layout.names[f], data_start + file.data_bytes});
-    for (uint32_t t : file.tensors) {
-      const OutputTensor& out = plan.tensors[t];
-      TESSERA_ASSIGN_OR_RETURN(
-          std::vector<uint64_t> sums,
-          take(file.rank, NumChecksumBlocks(out.bytes, kChecksumBlockBytes), out.name));
-      TensorInfo& info = m.tensors[t];
-      info.key = out.name;
-      info.dtype = out.dtype;
-      info.global_shape = out.shape;
-      ChunkInfo chunk;
-      chunk.box = Box::Whole(out.shape);
-      chunk.location = ByteLocation{f, data_start + out.offset, out.bytes, sums.front()};
-      chunk.block_checksums.assign(sums.begin() + 1, sums.end());
-      info.chunks.push_back(std::move(chunk));
-    }
-    for (uint32_t o : file.objects) {
-      const OutputObject& out = plan.objects[o];
-      TESSERA_ASSIGN_OR_RETURN(std::vector<uint64_t> sums, take(file.rank, 1, out.name));
-      m.objects[o] =
-          ObjectInfo{out.name, ByteLocation{f, data_start + out.offset, out.bytes, sums.front()},
-                     source.objects[out.source].encoding};
+  if (layout.engine_checksums) {
+    m.checksum = ChecksumKind::kXxh3_64;
+    m.checksum_block_bytes = kChecksumBlockBytes;
+  }
+  if (writer.StoresUserMetadata()) {
+    m.user_metadata = source.user_metadata;
+    if (!options.keys.empty() || !options.strip_prefix.empty()) {
+      m.user_metadata.erase(kPythonStructureKey);
     }
   }
-  return m;
-}
-
-// The Metadata of a torch_dist output as MarkDcpItems leaves it, from every rank's object item
-// lengths (RankWriteResult::object_lengths, indexed by rank).
-Result<Metadata> DcpOutputMetadata(const Metadata& source, const ConvertPlan& plan,
-                                   const OutputLayout& layout,
-                                   const std::vector<std::vector<uint64_t>>& object_lengths,
-                                   const std::string& save_id) {
-  Metadata m;
-  m.save_id = save_id;
   m.tensors.resize(plan.tensors.size());
   m.objects.resize(plan.objects.size());
-  std::vector<size_t> cursor(object_lengths.size(), 0);
+  RankValues checksums(gathered.checksums), lengths(gathered.object_lengths);
   for (uint32_t f = 0; f < plan.files.size(); ++f) {
     const OutputFile& file = plan.files[f];
+    uint64_t end = layout.files[f]->header().size();
     for (uint32_t t : file.tensors) {
       const OutputTensor& out = plan.tensors[t];
-      const DcpTensorPlace& place = layout.dcp_tensors[t];
-      TensorInfo& info = m.tensors[t];
-      info.key = out.name;
-      info.dtype = out.dtype;
-      info.global_shape = out.shape;
       ChunkInfo chunk;
       chunk.box = Box::Whole(out.shape);
-      chunk.location = ByteLocation{f, place.item_offset, place.item_length, 0};
-      info.chunks.push_back(std::move(chunk));
-    }
-    uint64_t at = layout.dcp_objects_begin[f];
-    for (uint32_t o : file.objects) {
-      const OutputObject& out = plan.objects[o];
-      const std::vector<uint64_t>& lengths = object_lengths[file.rank];
-      if (cursor[file.rank] >= lengths.size()) {
-        return Internal("rank " + std::to_string(file.rank) + " sent too few object lengths (at '" +
-                        out.name + "')");
+      chunk.location =
+          ByteLocation{f, layout.tensor_offsets[t], layout.tensor_places[t].stored_length, 0};
+      if (layout.engine_checksums) {
+        TESSERA_ASSIGN_OR_RETURN(
+            std::vector<uint64_t> sums,
+            checksums.Take(file.rank, NumChecksumBlocks(out.bytes, kChecksumBlockBytes), out.name,
+                           "checksums"));
+        chunk.location.checksum = sums.front();
+        chunk.block_checksums.assign(sums.begin() + 1, sums.end());
       }
-      const uint64_t length = lengths[cursor[file.rank]++];
-      m.objects[o] =
-          ObjectInfo{out.name, ByteLocation{f, at, length, 0}, source.objects[out.source].encoding};
-      at += length;
+      end = std::max(end, chunk.location.offset + chunk.location.length);
+      TensorInfo& info = m.tensors[t];
+      info.key = out.name;
+      info.dtype = out.dtype;
+      info.global_shape = out.shape;
+      info.chunks.push_back(std::move(chunk));
     }
-    m.files.push_back(FileInfo{layout.names[f], at});
+    uint64_t at = layout.objects_begin[f];
+    for (size_t i = 0; i < file.objects.size(); ++i) {
+      const OutputObject& out = plan.objects[file.objects[i]];
+      TESSERA_ASSIGN_OR_RETURN(const std::vector<uint64_t> length,
+                               lengths.Take(file.rank, 1, out.name, "object lengths"));
+      ByteLocation where{f, layout.files[f]->ItemOffset(file.tensors.size() + i, at),
+                         length.front(), 0};
+      if (layout.engine_checksums) {
+        TESSERA_ASSIGN_OR_RETURN(const std::vector<uint64_t> sum,
+                                 checksums.Take(file.rank, 1, out.name, "checksums"));
+        where.checksum = sum.front();
+      }
+      at = where.offset + where.length;
+      end = std::max(end, at);
+      m.objects[file.objects[i]] = ObjectInfo{out.name, where, source.objects[out.source].encoding};
+    }
+    m.files.push_back(FileInfo{names[f], end});
   }
-  torch_dist::MarkDcpItems(m);
   return m;
 }
 
-// The writer of ConvertOptions::to (a format tessera writes), for the commit of its index.
+// The writer of ConvertOptions::to (Format::NewConversionWriter): InvalidArgument when no
+// registered format is `to`, or it is one tessera does not convert into.
 Result<std::unique_ptr<FormatWriter>> WriterFor(const ConvertOptions& options) {
-  SaveOptions as_save;
-  as_save.format = options.to;
-  as_save.format_options = options.format_options;
-  if (options.to == CheckpointFormat::kTorchDist) {  // with the deprecated field folded in
-    TESSERA_ASSIGN_OR_RETURN(
-        as_save.format_options,
-        torch_dist::ResolveTorchDistOptions(options.format_options, options.torch_dist_flavor,
-                                            /*key_paths=*/nullptr, "ConvertOptions"));
+  const Format* format = FindFormat(options.to);
+  if (format == nullptr) {
+    return InvalidArgument("ConvertOptions::to (" + std::to_string(static_cast<int>(options.to)) +
+                           ") is not a format: expected one of " + FormatNames());
   }
-  return FormatOf(options.to).NewWriter(as_save, /*coordinator=*/true);
+  return format->NewConversionWriter(options);
 }
 
 // Every output tensor one the format stores (FormatWriter::CheckTensor; e.g. torch 1.13 lacks
-// float8), refused before anything is written. Nothing to check for a format tessera converts
-// into but does not save (Hugging Face: any dtype).
-Status CheckOutputTensors(const ConvertPlan& plan, const ConvertOptions& options) {
-  if (!FormatOf(options.to).CanWrite()) return Status::Ok();
-  TESSERA_ASSIGN_OR_RETURN(const std::unique_ptr<FormatWriter> writer, WriterFor(options));
+// float8), refused before anything is written.
+Status CheckOutputTensors(const ConvertPlan& plan, const FormatWriter& writer) {
   for (const OutputTensor& t : plan.tensors) {
-    TESSERA_RETURN_IF_ERROR(writer->CheckTensor(t.name, t.dtype));
+    TESSERA_RETURN_IF_ERROR(writer.CheckTensor(t.name, t.dtype));
   }
   return Status::Ok();
 }
 
-// The coordinator's last step once every rank has written (step 5): the commit of the output
-// in DST. tessera and torch_dist: the manifest or `.metadata`, committed as a save commits it
-// (CommitIndex). Hugging Face: each file renamed from its hidden name to its name (`names`),
-// then, with several files, the index published create-only. `visible` becomes true once a
-// reader may see the output (its files must then stay whatever happens).
-// `gathered[r]` is rank r's RankWriteResult::checksums (tessera) or object_lengths (DCP).
-Status Commit(Storage& storage, const Destination& dst, const ConvertOptions& options,
-              const ConvertPlan& plan, const OutputLayout& layout,
-              const std::vector<std::string>& names, const Metadata& source,
-              const std::vector<std::vector<uint64_t>>& gathered, const std::string& save_id,
-              int num_ranks, bool& visible) {
-  const bool durable = options.sync == SyncPolicy::kFull;
-  if (options.to == CheckpointFormat::kTorchDist || options.to == CheckpointFormat::kTessera) {
-    TESSERA_ASSIGN_OR_RETURN(const std::unique_ptr<FormatWriter> writer, WriterFor(options));
-    Metadata m;
-    if (options.to == CheckpointFormat::kTorchDist) {
-      TESSERA_ASSIGN_OR_RETURN(m, DcpOutputMetadata(source, plan, layout, gathered, save_id));
-    } else {
-      const bool keys_changed = !options.keys.empty() || !options.strip_prefix.empty();
-      TESSERA_ASSIGN_OR_RETURN(
-          m, TesseraMetadata(source, plan, layout, gathered, save_id, num_ranks, keys_changed));
-    }
-    return CommitIndex(storage, dst.path, *writer, m, options.sync, visible);
-  }
+// The commit of a format whose files are the checkpoint (FilesAreTheCheckpoint): each file
+// renamed from its hidden name (`layout.names`) to its name (`names`), then, when the format
+// has one for this many files, the index published create-only.
+Status CommitByRenaming(Storage& storage, const Destination& dst, const FormatWriter& writer,
+                        const OutputLayout& layout, const std::vector<std::string>& names,
+                        Metadata& m, SyncPolicy sync, bool& visible) {
+  const bool indexed = writer.NeedsIndex(names.size());
   // Every file complete (synced by its writer) before the first takes its name.
   for (size_t f = 0; f < names.size(); ++f) {
     TESSERA_RETURN_IF_ERROR_CTX(
         storage.RenameNoReplace(JoinPath(dst.path, layout.names[f]), JoinPath(dst.path, names[f])),
         "giving the finished file " + names[f] + " its name");
-    visible = names.size() == 1;
+    visible = !indexed;
   }
+  const bool durable = sync == SyncPolicy::kFull;
   if (durable) TESSERA_RETURN_IF_ERROR(storage.SyncDir(dst.path));
-  if (names.size() > 1) {
-    std::vector<std::pair<std::string, std::string>> weight_map;
-    for (const OutputTensor& t : plan.tensors) weight_map.emplace_back(t.name, names[t.file]);
-    TESSERA_ASSIGN_OR_RETURN(std::string text,
-                             EncodeHuggingFaceIndex(plan.total_tensor_bytes, weight_map));
-    const std::string index = JoinPath(dst.path, kHuggingFaceIndexName);
-    const Status published =
-        storage.Publish(index, std::as_bytes(std::span(text.data(), text.size())),
-                        PublishMode::kCreateOnly, durable);
-    // A failure after the index took its place (its directory's sync) leaves a complete output
-    // that a reader may already have opened: it stays.
-    visible = published.ok() || PublishMayHavePlaced(storage, index);
-    TESSERA_RETURN_IF_ERROR(published);
+  if (!indexed) return Status::Ok();
+  writer.FinishIndex(m);
+  TESSERA_ASSIGN_OR_RETURN(const Bytes bytes, writer.EncodeIndex(m, dst.path));
+  const std::string index = JoinPath(dst.path, writer.IndexFileName());
+  const Status published =
+      storage.Publish(index, std::as_bytes(std::span(bytes)), PublishMode::kCreateOnly, durable);
+  // A failure after the index took its place (its directory's sync) leaves a complete output
+  // that a reader may already have opened: it stays.
+  visible = published.ok() || PublishMayHavePlaced(storage, index);
+  return published;
+}
+
+// The coordinator's last step once every rank has written (step 5): the commit of the output
+// in DST, as its format commits: the index that names the files, committed as a save commits
+// it (CommitIndex), or the files renamed to their names (CommitByRenaming). `visible` becomes
+// true once a reader may see the output (its files must then stay whatever happens).
+Status Commit(Storage& storage, const Destination& dst, const FormatWriter& writer,
+              const ConvertOptions& options, const ConvertPlan& plan, const OutputLayout& layout,
+              const std::vector<std::string>& names, const Metadata& source,
+              const Gathered& gathered, const std::string& save_id, int num_ranks, bool& visible) {
+  TESSERA_ASSIGN_OR_RETURN(Metadata m, OutputMetadata(source, plan, layout, names, gathered, writer,
+                                                      options, save_id, num_ranks));
+  if (writer.FilesAreTheCheckpoint()) {
+    return CommitByRenaming(storage, dst, writer, layout, names, m, options.sync, visible);
   }
-  return Status::Ok();
+  return CommitIndex(storage, dst.path, writer, m, options.sync, visible);
 }
 
 }  // namespace
@@ -461,36 +381,32 @@ Result<CheckpointFormat> CheckpointFormatFromName(const std::string& name) {
 
 namespace {
 
-// Convert from `src` in `source` to `dst` in `output`, a store with positional writes (and
-// with rename, for a Hugging Face output): the files are written into `dst` and committed there
-// (the protocol at the top of this file).
-Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Storage& output,
-                                  const std::string& dst, const ConvertOptions& options,
-                                  Comm& comm) {
-  Storage* const storage = &output;  // where the output goes
-  const bool coordinator = comm.rank() == kCoordinator;
-  TESSERA_ASSIGN_OR_RETURN(const Destination destination, SplitDestination(dst));
-
-  // 1-2. The source's index, once; the same plan on every rank.
-  TESSERA_ASSIGN_OR_RETURN(const CheckpointIndex index, ReadAndShareIndex(comm, source, src));
+// Steps 1-2: the plan of the output, the same on every rank, its tensors checked against
+// what the format stores.
+Result<ConvertPlan> PlanOutput(const CheckpointIndex& index, const ConvertOptions& options,
+                               const FormatWriter& writer, int num_ranks) {
   ConvertPlanOptions plan_options;
   plan_options.format = options.to;
-  plan_options.keep_objects =
-      options.to == CheckpointFormat::kTessera || options.to == CheckpointFormat::kTorchDist;
+  plan_options.keep_objects = writer.StoresObjects();
   plan_options.max_file_bytes = options.max_file_bytes;
   plan_options.key_prefixes = options.keys;
   plan_options.strip_prefix = options.strip_prefix;
   plan_options.dtype = options.dtype;
-  plan_options.num_ranks = comm.size();
-  TESSERA_ASSIGN_OR_RETURN(const ConvertPlan plan, PlanConversion(index.metadata, plan_options));
-  TESSERA_RETURN_IF_ERROR(CheckOutputTensors(plan, options));
+  plan_options.num_ranks = num_ranks;
+  TESSERA_ASSIGN_OR_RETURN(ConvertPlan plan, PlanConversion(index.metadata, plan_options));
+  TESSERA_RETURN_IF_ERROR(CheckOutputTensors(plan, writer));
+  return plan;
+}
 
-  // 3. DST, its marker and the save id, from the coordinator.
+// Step 3: the coordinator prepares DST and its marker (PrepareDestination); every rank learns
+// the save id, or the coordinator's error. `created` (the coordinator's): DST was created here.
+Result<std::string> PrepareAndShareSaveId(Storage& storage, const Destination& dst,
+                                          const ConvertOptions& options, Comm& comm,
+                                          bool& created) {
   Bytes prepared;
-  bool created = false;  // the coordinator's: DST was created by this conversion
-  if (coordinator) {
+  if (comm.rank() == kCoordinator) {
     const std::string save_id = NewSaveId({});
-    Result<bool> made = PrepareDestination(*storage, destination, save_id, options.sync);
+    Result<bool> made = PrepareDestination(storage, dst, save_id, options.sync);
     Bytes payload;
     if (made.ok()) {
       created = *made;
@@ -503,17 +419,12 @@ Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Stora
   std::string save_id;
   ByteReader reader(body);
   TESSERA_RETURN_IF_ERROR(reader.GetString(&save_id));
+  return save_id;
+}
 
-  // 4. This rank's files, straight into DST; Hugging Face files under hidden names until the
-  // commit (`names` are the names they end up with).
-  Result<OutputLayout> layout = LayOut(plan, options.to, save_id);
-  std::vector<std::string> names;
-  if (layout.ok()) {
-    names = layout->names;
-    if (options.to == CheckpointFormat::kSafetensors) {
-      for (std::string& name : layout->names) name = HiddenName(name, save_id);
-    }
-  }
+// How each rank writes: its threads and their units (a unit bounds the memory a thread holds;
+// half as large when dtypes convert, which needs a source buffer beside the output one).
+RankWriteOptions WriteOptionsOf(const ConvertOptions& options, const ConvertPlan& plan) {
   bool any_converted = false;
   for (const OutputTensor& t : plan.tensors) any_converted |= t.dtype != t.source_dtype;
   RankWriteOptions write_options;
@@ -521,50 +432,44 @@ Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Stora
   write_options.unit_bytes = std::min(
       options.buffer_bytes / static_cast<uint64_t>(options.num_threads) / (any_converted ? 2 : 1),
       kMaxUnitBytes);
-  write_options.checksum_block_bytes =
-      options.to == CheckpointFormat::kTessera ? kChecksumBlockBytes : 0;
   write_options.sync = options.sync;
   write_options.verify_checksums = options.verify_checksums;
   write_options.progress = options.progress;
-  Result<RankWriteResult> written =
-      layout.ok() ? WriteRankFiles(source, output, destination.path, index, src, plan, *layout,
-                                   comm.rank(), write_options)
-                  : Result<RankWriteResult>(layout.status());
+  return write_options;
+}
+
+// Step 4's message: what rank `r` wrote (its checksums and object lengths), or its error.
+Bytes SealWritten(const Result<RankWriteResult>& written) {
   Bytes mine;
   if (written.ok()) {
-    ByteWriter(&mine).PutVector(options.to == CheckpointFormat::kTorchDist ? written->object_lengths
-                                                                           : written->checksums);
+    ByteWriter out(&mine);
+    out.PutVector(written->checksums);
+    out.PutVector(written->object_lengths);
   }
-  std::vector<Bytes> gathered;
-  TESSERA_RETURN_IF_ERROR(
-      comm.Gather(Seal(written.status(), std::move(mine)), &gathered, kCoordinator));
+  return Seal(written.status(), std::move(mine));
+}
 
-  // 5. The coordinator commits, or removes what was written; everyone learns the outcome.
-  Bytes outcome;
-  if (coordinator) {
-    bool visible = false;
-    Status status = [&]() -> Status {
-      std::vector<std::vector<uint64_t>> checksums(gathered.size());
-      for (size_t r = 0; r < gathered.size(); ++r) {
-        TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> sums,
-                                 Open(gathered[r], SenderName(comm, static_cast<int>(r))));
-        ByteReader sums_reader(sums);
-        TESSERA_RETURN_IF_ERROR(sums_reader.GetVector(&checksums[r]));
-      }
-      return Commit(*storage, destination, options, plan, *layout, names, index.metadata, checksums,
-                    save_id, comm.size(), visible);
-    }();
-    if (status.ok() || visible) {
-      RemoveSaveMarker(*storage, destination.path, save_id);
-    } else {
-      RemoveOutput(*storage, destination, layout.ok() ? layout->names : std::vector<std::string>(),
-                   names, save_id, created);
-    }
-    outcome = Seal(status);
+// The coordinator's reading of every rank's SealWritten: the first rank's error, else what
+// each sent.
+Result<Gathered> OpenWritten(const std::vector<Bytes>& sealed, const Comm& comm) {
+  Gathered gathered;
+  gathered.checksums.resize(sealed.size());
+  gathered.object_lengths.resize(sealed.size());
+  for (size_t r = 0; r < sealed.size(); ++r) {
+    TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> body,
+                             Open(sealed[r], SenderName(comm, static_cast<int>(r))));
+    ByteReader reader(body);
+    TESSERA_RETURN_IF_ERROR(reader.GetVector(&gathered.checksums[r]));
+    TESSERA_RETURN_IF_ERROR(reader.GetVector(&gathered.object_lengths[r]));
   }
-  TESSERA_RETURN_IF_ERROR(comm.Broadcast(&outcome, kCoordinator));
-  TESSERA_RETURN_IF_ERROR(Open(outcome, "").status());
+  return gathered;
+}
 
+// What Convert reports: the plan's totals, the files of the output (its index last), and
+// what this rank wrote.
+ConvertReport MakeReport(const CheckpointIndex& index, const ConvertPlan& plan,
+                         const FormatWriter& writer, const std::vector<std::string>& names,
+                         const RankWriteResult& written) {
   ConvertReport report;
   report.source_format = index.metadata.format;
   report.tensors = plan.tensors.size();
@@ -572,18 +477,66 @@ Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Stora
   report.total_bytes = plan.total_tensor_bytes;
   for (const OutputObject& o : plan.objects) report.total_bytes += o.bytes;
   report.files = names;
-  if (options.to == CheckpointFormat::kTessera) {
-    report.files.push_back(NumberedManifestName(1));  // the first commit of a new directory
-  } else if (options.to == CheckpointFormat::kTorchDist) {
-    report.files.push_back(torch_dist::kDcpMetadataFileName);
-  } else if (plan.files.size() > 1) {
-    report.files.push_back(kHuggingFaceIndexName);
-  }
-  report.bytes_written = written->bytes_written;
-  report.bytes_read = written->bytes_read;
-  report.files_written = written->files_written;
+  // A numbered index is the first commit of a new directory.
+  if (writer.NeedsIndex(names.size())) report.files.push_back(writer.IndexFileName(1));
+  report.bytes_written = written.bytes_written;
+  report.bytes_read = written.bytes_read;
+  report.files_written = written.files_written;
   report.skipped_objects = plan.skipped_objects;
   return report;
+}
+
+// Convert from `src` in `source` to `dst` in `output`, a store with positional writes (and
+// with rename, for a format whose files are the checkpoint): the files are written into `dst`
+// and committed there (the protocol at the top of this file).
+Result<ConvertReport> ConvertInto(Storage& source, const std::string& src, Storage& output,
+                                  const std::string& dst, const ConvertOptions& options,
+                                  const FormatWriter& writer, Comm& comm) {
+  const bool coordinator = comm.rank() == kCoordinator;
+  TESSERA_ASSIGN_OR_RETURN(const Destination destination, SplitDestination(dst));
+  TESSERA_ASSIGN_OR_RETURN(const CheckpointIndex index, ReadAndShareIndex(comm, source, src));
+  TESSERA_ASSIGN_OR_RETURN(const ConvertPlan plan, PlanOutput(index, options, writer, comm.size()));
+  bool created = false;
+  TESSERA_ASSIGN_OR_RETURN(const std::string save_id,
+                           PrepareAndShareSaveId(output, destination, options, comm, created));
+
+  // 4. This rank's files, straight into DST; the files of a format whose files are the
+  // checkpoint under hidden names until the commit (`names` are the names they end up with).
+  Result<OutputLayout> layout = LayOutOutput(plan, index.metadata, writer, save_id);
+  std::vector<std::string> names;
+  if (layout.ok()) {
+    names = layout->names;
+    if (writer.FilesAreTheCheckpoint()) {
+      for (std::string& name : layout->names) name = HiddenName(name, save_id);
+    }
+  }
+  Result<RankWriteResult> written =
+      layout.ok() ? WriteRankFiles(source, output, destination.path, index, src, plan, *layout,
+                                   comm.rank(), WriteOptionsOf(options, plan))
+                  : Result<RankWriteResult>(layout.status());
+  std::vector<Bytes> sealed;
+  TESSERA_RETURN_IF_ERROR(comm.Gather(SealWritten(written), &sealed, kCoordinator));
+
+  // 5. The coordinator commits, or removes what was written; everyone learns the outcome.
+  Bytes outcome;
+  if (coordinator) {
+    bool visible = false;
+    Status status = [&]() -> Status {
+      TESSERA_ASSIGN_OR_RETURN(const Gathered gathered, OpenWritten(sealed, comm));
+      return Commit(output, destination, writer, options, plan, *layout, names, index.metadata,
+                    gathered, save_id, comm.size(), visible);
+    }();
+    if (status.ok() || visible) {
+      RemoveSaveMarker(output, destination.path, save_id);
+    } else {
+      RemoveOutput(output, destination, layout.ok() ? layout->names : std::vector<std::string>(),
+                   names, save_id, created);
+    }
+    outcome = Seal(status);
+  }
+  TESSERA_RETURN_IF_ERROR(comm.Broadcast(&outcome, kCoordinator));
+  TESSERA_RETURN_IF_ERROR(Open(outcome, "").status());
+  return MakeReport(index, plan, writer, names, *written);
 }
 
 // Copies the local file `from` to `to` in `output` front to back (what a store without
@@ -635,7 +588,8 @@ Status UploadConversion(Storage& local, const std::string& staged, Storage& outp
 // process only: with several, each would hold only its own files.
 Result<ConvertReport> ConvertThroughLocal(Storage& source, const std::string& src, Storage& output,
                                           const std::string& dst, const std::string& uri,
-                                          const ConvertOptions& options, Comm& comm) {
+                                          const ConvertOptions& options, const FormatWriter& writer,
+                                          Comm& comm) {
   if (comm.size() > 1) {
     return Unimplemented("converting into " + uri +
                          ", a store without rename or positional writes, runs on one process "
@@ -665,7 +619,8 @@ Result<ConvertReport> ConvertThroughLocal(Storage& source, const std::string& sr
   std::shared_ptr<Storage> local = NewPosixStorage();
   ConvertOptions local_options = options;
   local_options.sync = SyncPolicy::kNone;  // a scratch copy: the upload is what must last
-  Result<ConvertReport> report = ConvertInto(source, src, *local, staged, local_options, comm);
+  Result<ConvertReport> report =
+      ConvertInto(source, src, *local, staged, local_options, writer, comm);
   Status status = report.status();
   if (status.ok()) {
     status = UploadConversion(*local, staged, output, destination.path, report->files.back());
@@ -681,20 +636,23 @@ Result<ConvertReport> Convert(const std::string& src, const std::string& dst,
                               const ConvertOptions& options, Comm& comm) {
   // The same on every rank (the options are), so every rank returns here alike.
   TESSERA_RETURN_IF_ERROR(CheckOptions(options));
+  TESSERA_ASSIGN_OR_RETURN(const std::unique_ptr<FormatWriter> writer, WriterFor(options));
   // Paths or URIs (s3://, msc://, file://) where the options name no storage.
   TESSERA_ASSIGN_OR_RETURN(auto source, ResolveStorage(src, options.storage));
   TESSERA_ASSIGN_OR_RETURN(
       auto output,
       ResolveStorage(dst, options.output_storage ? options.output_storage : options.storage));
-  // The files are written at offsets in any order, and Hugging Face files are renamed to their
-  // names once complete: into a store without those capabilities (an object store), the
-  // conversion is made in a local directory first and then uploaded, its index last.
+  // The files are written at offsets in any order, and files that are the checkpoint
+  // (Hugging Face) are renamed to their names once complete: into a store without those
+  // capabilities (an object store), the conversion is made in a local directory first and then
+  // uploaded, its index last.
   const StorageCapabilities caps = output.first->capabilities();
-  if (!caps.positional_writes || (options.to == CheckpointFormat::kSafetensors && !caps.rename)) {
+  if (!caps.positional_writes || (writer->FilesAreTheCheckpoint() && !caps.rename)) {
     return ConvertThroughLocal(*source.first, source.second, *output.first, output.second, dst,
-                               options, comm);
+                               options, *writer, comm);
   }
-  return ConvertInto(*source.first, source.second, *output.first, output.second, options, comm);
+  return ConvertInto(*source.first, source.second, *output.first, output.second, options, *writer,
+                     comm);
 }
 
 Result<ConvertReport> Convert(const std::string& src, const std::string& dst,

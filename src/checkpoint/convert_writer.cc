@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -15,9 +16,6 @@
 #include "core/crc32.h"
 #include "core/dtype_convert.h"
 #include "format/tessera/manifest.h"
-#include "format/torch_dist/dcp_writer.h"
-#include "format/torch_dist/torch_dtype.h"
-#include "format/torch_dist/torch_zip.h"
 
 namespace tessera {
 namespace {
@@ -37,10 +35,12 @@ struct Shared {
   const RankWriteOptions& options;
   LoadOptions load_options;
   std::vector<std::unique_ptr<WritableFile>> files;  // by plan file; null when not ours
-  // By plan tensor: per block, the checksum (tessera) or the zip CRC-32 (DCP).
+  // By plan tensor, per block: tessera's checksum (layout.engine_checksums) and the CRC-32
+  // (layout.framing_crc32).
   std::vector<std::vector<uint64_t>> tensor_checksums;
-  std::vector<uint64_t> object_checksums;  // by plan object (tessera)
-  std::vector<uint64_t> object_lengths;    // by plan object: the item's length (DCP)
+  std::vector<std::vector<uint32_t>> tensor_crcs;
+  std::vector<uint64_t> object_checksums;  // by plan object (engine checksums)
+  std::vector<uint64_t> object_lengths;    // by plan object: its item's stored length
   std::atomic<uint64_t> written{0};
   std::atomic<uint64_t> read{0};
 };
@@ -107,17 +107,48 @@ Status WriteOut(Shared& s, uint32_t file, uint64_t at, const std::byte* data, ui
   return Status::Ok();
 }
 
+// Where piece `p`'s first byte lies in its output file.
+uint64_t PieceAt(const Shared& s, const UnitPiece& p) {
+  const OutputTensor& t = s.plan.tensors[p.tensor];
+  return s.layout.tensor_places[p.tensor].data_offset +
+         static_cast<uint64_t>(p.begin) * DTypeSize(t.dtype);
+}
+
+uint64_t PieceBytes(const Shared& s, const UnitPiece& p) {
+  return static_cast<uint64_t>(p.end - p.begin) * DTypeSize(s.plan.tensors[p.tensor].dtype);
+}
+
+// Writes `pieces` of a unit of `file` from `out` (the unit's output buffer), one write per run
+// of pieces that lie back to back both in the buffer and in the file (all of a unit, where the
+// format stores tensors raw and adjacent).
+Status WriteRuns(Shared& s, uint32_t file, const std::byte* out,
+                 const std::vector<const UnitPiece*>& pieces) {
+  uint64_t run_at = 0, run_from = 0, run_bytes = 0;
+  for (const UnitPiece* p : pieces) {
+    const uint64_t at = PieceAt(s, *p), bytes = PieceBytes(s, *p);
+    if (run_bytes > 0 && run_at + run_bytes == at && run_from + run_bytes == p->out_offset) {
+      run_bytes += bytes;
+      continue;
+    }
+    if (run_bytes > 0)
+      TESSERA_RETURN_IF_ERROR(WriteOut(s, file, run_at, out + run_from, run_bytes));
+    run_at = at, run_from = p->out_offset, run_bytes = bytes;
+  }
+  if (run_bytes > 0) return WriteOut(s, file, run_at, out + run_from, run_bytes);
+  return Status::Ok();
+}
+
 bool VerifySource(const Shared& s) {
   return s.options.verify_checksums && s.index.metadata.checksum != ChecksumKind::kNone;
 }
 
 // For each piece of `unit`, its source spans when it is copied file to file (convert_copy.h),
 // or nullopt when it is loaded. Only outputs without checksums of their own copy (Hugging
-// Face): the checksums of a tessera or DCP output are computed from the bytes it writes.
+// Face): the checksums and CRC-32s of the others are computed from the bytes they write.
 std::vector<std::optional<std::vector<ChunkSpan>>> CopiedPieces(const Shared& s,
                                                                 const ConvertUnit& unit) {
   std::vector<std::optional<std::vector<ChunkSpan>>> spans(unit.pieces.size());
-  if (s.layout.dcp() || s.options.checksum_block_bytes != 0) return spans;
+  if (s.layout.engine_checksums || s.layout.framing_crc32) return spans;
   for (size_t i = 0; i < unit.pieces.size(); ++i) {
     const UnitPiece& p = unit.pieces[i];
     if (p.converted) continue;
@@ -127,43 +158,40 @@ std::vector<std::optional<std::vector<ChunkSpan>>> CopiedPieces(const Shared& s,
   return spans;
 }
 
+// Converts the dtype of `pieces` that change it, from the source buffer into the output one.
+void ConvertPieces(const Shared& s, const std::vector<const UnitPiece*>& pieces, std::byte* out,
+                   const std::byte* src) {
+  for (const UnitPiece* p : pieces) {
+    if (!p->converted) continue;
+    const OutputTensor& t = s.plan.tensors[p->tensor];
+    ConvertFloats(t.source_dtype, src + p->src_offset, t.dtype, out + p->out_offset,
+                  static_cast<size_t>(p->end - p->begin));
+  }
+}
+
 // A unit of an output without checksums, some of its pieces copied file to file: the others
-// are loaded (all at once) and written run by run of consecutive loaded pieces.
+// are loaded (all at once) and written run by run.
 Status RunCopiedUnit(Shared& s, Worker& w, const ConvertUnit& unit,
                      const std::vector<std::optional<std::vector<ChunkSpan>>>& spans) {
   std::vector<UnitPiece> loaded;
+  std::vector<const UnitPiece*> loaded_pieces;
   for (size_t i = 0; i < unit.pieces.size(); ++i) {
-    if (!spans[i]) loaded.push_back(unit.pieces[i]);
+    if (!spans[i]) loaded.push_back(unit.pieces[i]), loaded_pieces.push_back(&unit.pieces[i]);
   }
-  std::byte* out = loaded.empty() ? nullptr : w.Out(unit.out_bytes);
-  std::byte* src = !loaded.empty() && unit.src_bytes > 0 ? w.Src(unit.src_bytes) : nullptr;
-  if (!loaded.empty()) TESSERA_RETURN_IF_ERROR(LoadPieces(s, w, loaded, out, src));
-  const uint64_t at = s.layout.headers[unit.file].size() + unit.offset;
-  uint64_t run_begin = 0, run_end = 0;  // the loaded bytes not yet written
-  for (size_t i = 0; i <= unit.pieces.size(); ++i) {
-    const bool copied = i < unit.pieces.size() && spans[i];
-    if ((i == unit.pieces.size() || copied) && run_end > run_begin) {
-      TESSERA_RETURN_IF_ERROR(
-          WriteOut(s, unit.file, at + run_begin, out + run_begin, run_end - run_begin));
-    }
-    if (i == unit.pieces.size()) break;
+  if (!loaded.empty()) {
+    std::byte* out = w.Out(unit.out_bytes);
+    std::byte* src = unit.src_bytes > 0 ? w.Src(unit.src_bytes) : nullptr;
+    TESSERA_RETURN_IF_ERROR(LoadPieces(s, w, loaded, out, src));
+    ConvertPieces(s, loaded_pieces, out, src);
+    TESSERA_RETURN_IF_ERROR(WriteRuns(s, unit.file, out, loaded_pieces));
+  }
+  for (size_t i = 0; i < unit.pieces.size(); ++i) {
+    if (!spans[i]) continue;
     const UnitPiece& p = unit.pieces[i];
-    const OutputTensor& t = s.plan.tensors[p.tensor];
-    const uint64_t bytes = static_cast<uint64_t>(p.end - p.begin) * DTypeSize(t.dtype);
-    if (!copied) {
-      if (p.converted) {
-        ConvertFloats(t.source_dtype, src + p.src_offset, t.dtype, out + p.out_offset,
-                      static_cast<size_t>(p.end - p.begin));
-      }
-      if (run_end <= run_begin) run_begin = p.out_offset;
-      run_end = p.out_offset + bytes;
-      continue;
-    }
-    run_begin = run_end = 0;
-    const CopyTarget target{s.files[unit.file].get(), at + p.out_offset,
+    const CopyTarget target{s.files[unit.file].get(), PieceAt(s, p),
                             s.options.sync == SyncPolicy::kFull};
     TESSERA_RETURN_IF_ERROR(CopyPiece(
-        w.sources(), s.index, t.source, *spans[i], VerifySource(s), target,
+        w.sources(), s.index, s.plan.tensors[p.tensor].source, *spans[i], VerifySource(s), target,
         [&](uint64_t n) { s.written.fetch_add(n, std::memory_order_relaxed); },
         [&](uint64_t n) { s.read.fetch_add(n, std::memory_order_relaxed); }));
   }
@@ -175,35 +203,27 @@ Status RunUnit(Shared& s, Worker& w, const ConvertUnit& unit) {
   if (std::any_of(spans.begin(), spans.end(), [](const auto& p) { return p.has_value(); })) {
     return RunCopiedUnit(s, w, unit, spans);
   }
+  std::vector<const UnitPiece*> pieces;
+  for (const UnitPiece& p : unit.pieces) pieces.push_back(&p);
   std::byte* out = w.Out(unit.out_bytes);
   std::byte* src = unit.src_bytes > 0 ? w.Src(unit.src_bytes) : nullptr;
   TESSERA_RETURN_IF_ERROR(LoadPieces(s, w, unit.pieces, out, src));
+  ConvertPieces(s, pieces, out, src);
+  const bool engine = s.layout.engine_checksums, framing = s.layout.framing_crc32;
+  if (!engine && !framing) return WriteRuns(s, unit.file, out, pieces);
+  // Block by block: each checksummed right after it is written, while it is in cache.
+  constexpr uint64_t block = kChecksumBlockBytes;
   for (const UnitPiece& p : unit.pieces) {
-    if (!p.converted) continue;
-    const OutputTensor& t = s.plan.tensors[p.tensor];
-    ConvertFloats(t.source_dtype, src + p.src_offset, t.dtype, out + p.out_offset,
-                  static_cast<size_t>(p.end - p.begin));
-  }
-  const uint64_t data_start = s.layout.headers[unit.file].size();
-  const bool dcp = s.layout.dcp();
-  const uint64_t block = dcp ? kChecksumBlockBytes : s.options.checksum_block_bytes;
-  if (block == 0) {
-    return WriteOut(s, unit.file, data_start + unit.offset, out, unit.out_bytes);
-  }
-  // Block by block: each checksummed right after it is written, while it is in cache. A DCP
-  // tensor's data lies inside its item, and a unit's tensors are not back to back there.
-  for (const UnitPiece& p : unit.pieces) {
-    const OutputTensor& t = s.plan.tensors[p.tensor];
-    const uint64_t size = DTypeSize(t.dtype);
-    const uint64_t first = static_cast<uint64_t>(p.begin) * size;  // tensor byte, on a block
-    const uint64_t bytes = static_cast<uint64_t>(p.end - p.begin) * size;
-    const uint64_t at = dcp ? s.layout.dcp_tensors[p.tensor].data_offset : data_start + t.offset;
+    const uint64_t first =
+        static_cast<uint64_t>(p.begin) * DTypeSize(s.plan.tensors[p.tensor].dtype);
+    const uint64_t bytes = PieceBytes(s, p), at = PieceAt(s, p);
     for (uint64_t done = 0; done < bytes; done += block) {
       const uint64_t n = std::min(block, bytes - done);
       const std::byte* data = out + p.out_offset + done;
-      TESSERA_RETURN_IF_ERROR(WriteOut(s, unit.file, at + first + done, data, n));
-      s.tensor_checksums[p.tensor][(first + done) / block] =
-          dcp ? Crc32(data, n) : Checksum(data, n);
+      TESSERA_RETURN_IF_ERROR(WriteOut(s, unit.file, at + done, data, n));
+      const size_t b = (first + done) / block;  // `first` lies on a block (PlanUnits)
+      if (engine) s.tensor_checksums[p.tensor][b] = Checksum(data, n);
+      if (framing) s.tensor_crcs[p.tensor][b] = Crc32(data, n);
     }
   }
   return Status::Ok();
@@ -227,80 +247,51 @@ Result<std::vector<uint8_t>> LoadObject(Shared& s, Worker& w, uint32_t index) {
   return data;
 }
 
-// Writes the objects `group` (tessera: one; DCP: all objects of one file, in order, as byte
-// items back to back from the file's dcp_objects_begin).
-Status RunObjects(Shared& s, Worker& w, const std::vector<uint32_t>& group) {
-  uint64_t at = 0;
-  for (size_t i = 0; i < group.size(); ++i) {
-    const uint32_t index = group[i];
-    const OutputObject& o = s.plan.objects[index];
+// Writes the objects of output file `f`, in order, each through its format's item writer
+// (an object's stored length may be known only once written, so one thread writes a file's
+// objects one after the other from OutputLayout::objects_begin).
+Status RunObjects(Shared& s, Worker& w, uint32_t f) {
+  const OutputFile& file = s.plan.files[f];
+  const DataFileEncoder& encoder = *s.layout.files[f];
+  uint64_t at = s.layout.objects_begin[f];
+  for (size_t i = 0; i < file.objects.size(); ++i) {
+    const uint32_t index = file.objects[i];
     TESSERA_ASSIGN_OR_RETURN(const std::vector<uint8_t> data, LoadObject(s, w, index));
-    if (!s.layout.dcp()) {
-      if (s.options.checksum_block_bytes > 0) {
-        s.object_checksums[index] = Checksum(data.data(), data.size());
-      }
-      TESSERA_RETURN_IF_ERROR(WriteOut(s, o.file, s.layout.headers[o.file].size() + o.offset,
-                                       reinterpret_cast<const std::byte*>(data.data()),
-                                       data.size()));
-      continue;
-    }
-    if (i == 0) at = s.layout.dcp_objects_begin[o.file];
-    const ObjectEncoding encoding = s.index.metadata.objects[o.source].encoding;
-    TESSERA_ASSIGN_OR_RETURN(const uint64_t length,
-                             torch_dist::WriteDcpObjectItem(*s.files[o.file], at, data, encoding));
+    const size_t k = file.tensors.size() + i;
+    const uint64_t offset = encoder.ItemOffset(k, at);
+    TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ItemWriter> item,
+                             encoder.BeginItem(*s.files[f], k, offset));
+    TESSERA_RETURN_IF_ERROR(
+        item->Append(reinterpret_cast<const std::byte*>(data.data()), data.size()));
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t length, item->Finish());
+    if (s.layout.engine_checksums) s.object_checksums[index] = Checksum(data.data(), data.size());
     if (s.options.sync == SyncPolicy::kFull) {
-      TESSERA_RETURN_IF_ERROR(s.files[o.file]->StartWriteback(at, length));
+      TESSERA_RETURN_IF_ERROR(s.files[f]->StartWriteback(offset, length));
     }
     s.object_lengths[index] = length;
     s.written.fetch_add(data.size(), std::memory_order_relaxed);  // the plan counts raw bytes
-    at += length;
+    at = offset + length;
   }
   return Status::Ok();
 }
 
-// The torch.save item layout of a DCP output tensor (as ConvertDcpLayout computed it).
-Result<torch_dist::TorchItemLayout> ItemLayout(const OutputTensor& t) {
-  return torch_dist::LayOutTorchTensorItem(
-      torch_dist::TorchTensorSpec{std::string(torch_dist::TorchDTypeOf(t.dtype).name), t.shape});
-}
-
-// DCP: every item's prefix, before its data.
-Status WriteItemPrefixes(Shared& s, const std::vector<uint32_t>& mine) {
+// Once every unit is written: each tensor's framing around its data (nothing for a format
+// that stores tensors raw), with the CRC-32 of its data combined from its blocks' (computed
+// by whichever threads wrote them).
+Status WriteFramings(Shared& s, const std::vector<uint32_t>& mine) {
   for (uint32_t f : mine) {
-    for (uint32_t ti : s.plan.files[f].tensors) {
-      const OutputTensor& t = s.plan.tensors[ti];
-      const DcpTensorPlace& place = s.layout.dcp_tensors[ti];
-      TESSERA_ASSIGN_OR_RETURN(const torch_dist::TorchItemLayout item, ItemLayout(t));
-      if (place.item_offset + item.data_offset != place.data_offset ||
-          item.total_size != place.item_length) {
-        return Internal("tensor '" + t.name + "': its item's layout changed after planning");
+    const std::vector<uint32_t>& tensors = s.plan.files[f].tensors;
+    for (size_t k = 0; k < tensors.size(); ++k) {
+      const uint32_t ti = tensors[k];
+      Crc32Stream crc;
+      for (size_t b = 0; s.layout.framing_crc32 && b < s.tensor_crcs[ti].size(); ++b) {
+        const uint64_t n = std::min<uint64_t>(kChecksumBlockBytes,
+                                              s.plan.tensors[ti].bytes - b * kChecksumBlockBytes);
+        crc.Append(s.tensor_crcs[ti][b], n);
       }
       TESSERA_RETURN_IF_ERROR_CTX(
-          s.files[f]->WriteAt(place.item_offset, item.prefix.data(), item.prefix.size()),
+          s.layout.files[f]->WriteFraming(*s.files[f], k, s.layout.tensor_offsets[ti], crc.value()),
           "writing " + OutputPath(s, f));
-    }
-  }
-  return Status::Ok();
-}
-
-// DCP, once every unit is written: each item's suffix, with the CRC-32 of its data combined
-// from the CRC-32s of its blocks (computed by whichever threads wrote them).
-Status WriteItemSuffixes(Shared& s, const std::vector<uint32_t>& mine) {
-  for (uint32_t f : mine) {
-    for (uint32_t ti : s.plan.files[f].tensors) {
-      const OutputTensor& t = s.plan.tensors[ti];
-      Crc32Stream crc;
-      const std::vector<uint64_t>& blocks = s.tensor_checksums[ti];
-      for (size_t b = 0; b < blocks.size(); ++b) {
-        const uint64_t n =
-            std::min<uint64_t>(kChecksumBlockBytes, t.bytes - b * kChecksumBlockBytes);
-        crc.Append(static_cast<uint32_t>(blocks[b]), n);
-      }
-      TESSERA_ASSIGN_OR_RETURN(const torch_dist::TorchItemLayout item, ItemLayout(t));
-      const std::vector<uint8_t> suffix = torch_dist::TorchItemSuffix(item, crc.value());
-      const uint64_t at = s.layout.dcp_tensors[ti].data_offset + t.bytes;
-      TESSERA_RETURN_IF_ERROR_CTX(s.files[f]->WriteAt(at, suffix.data(), suffix.size()),
-                                  "writing " + OutputPath(s, f));
     }
   }
   return Status::Ok();
@@ -311,7 +302,7 @@ Status OpenFiles(Shared& s, const std::vector<uint32_t>& mine) {
   for (uint32_t f : mine) {
     const std::string path = OutputPath(s, f);
     TESSERA_ASSIGN_OR_RETURN(s.files[f], s.output.NewWritableFile(path, CreateMode::kExclusive));
-    const Bytes& header = s.layout.headers[f];
+    const Bytes& header = s.layout.files[f]->header();
     TESSERA_RETURN_IF_ERROR_CTX(s.files[f]->WriteAt(0, header.data(), header.size()),
                                 "writing " + path);
   }
@@ -334,7 +325,7 @@ Status CloseFiles(Shared& s, bool sync) {
 // Runs the work items (units, then objects) on up to num_threads threads while the calling
 // thread reports progress. Returns the first error (of the lowest item that failed).
 Status RunItems(Shared& s, const std::vector<ConvertUnit>& units,
-                const std::vector<std::vector<uint32_t>>& objects, uint64_t total) {
+                const std::vector<uint32_t>& objects, uint64_t total) {
   const size_t count = units.size() + objects.size();
   std::vector<Status> statuses(count);
   std::atomic<size_t> next{0};
@@ -348,9 +339,7 @@ Status RunItems(Shared& s, const std::vector<ConvertUnit>& units,
       statuses[i] = i < units.size() ? RunUnit(s, worker, units[i])
                                      : RunObjects(s, worker, objects[i - units.size()]);
       if (!statuses[i].ok()) {
-        const uint32_t file = i < units.size()
-                                  ? units[i].file
-                                  : s.plan.objects[objects[i - units.size()].front()].file;
+        const uint32_t file = i < units.size() ? units[i].file : objects[i - units.size()];
         statuses[i] = statuses[i].WithContext("converting into " + OutputPath(s, file));
         failed = true;
       }
@@ -377,6 +366,60 @@ Status RunItems(Shared& s, const std::vector<ConvertUnit>& units,
 
 }  // namespace
 
+Result<OutputLayout> LayOutOutput(const ConvertPlan& plan, const Metadata& source,
+                                  const FormatWriter& writer, const std::string& save_id) {
+  OutputLayout layout;
+  layout.engine_checksums = writer.EngineChecksums();
+  const ChecksumKind framing = writer.FramingChecksum();
+  if (framing != ChecksumKind::kNone && framing != ChecksumKind::kCrc32) {
+    return Unimplemented(
+        "a conversion computes only CRC-32s for an item's framing, not checksum "
+        "kind " +
+        std::to_string(static_cast<int>(framing)));
+  }
+  layout.framing_crc32 = framing == ChecksumKind::kCrc32;
+  layout.tensor_offsets.resize(plan.tensors.size());
+  layout.tensor_places.resize(plan.tensors.size());
+  std::map<int, int> per_rank;  // the next file number of each rank
+  const int count = static_cast<int>(plan.files.size());
+  for (int f = 0; f < count; ++f) {
+    const OutputFile& file = plan.files[f];
+    layout.names.push_back(
+        writer.ConversionFileName(save_id, file.rank, per_rank[file.rank]++, f, count));
+    std::vector<ItemToWrite> items;
+    for (uint32_t t : file.tensors) {
+      const OutputTensor& out = plan.tensors[t];
+      items.push_back(
+          ItemToWrite{out.name, false, out.dtype, out.shape, Box::Whole(out.shape), out.bytes});
+    }
+    for (uint32_t o : file.objects) {
+      const OutputObject& out = plan.objects[o];
+      ItemToWrite item{out.name, true};
+      item.num_bytes = out.bytes;
+      item.object_encoding = source.objects[out.source].encoding;
+      items.push_back(std::move(item));
+    }
+    Result<std::unique_ptr<DataFileEncoder>> encoder = writer.NewDataFile(items, save_id);
+    if (!encoder.ok()) return encoder.status().WithContext("laying out " + layout.names.back());
+    uint64_t end = (*encoder)->header().size();
+    for (size_t k = 0; k < file.tensors.size(); ++k) {
+      const uint32_t t = file.tensors[k];
+      const uint64_t offset = (*encoder)->ItemOffset(k, end);
+      const std::optional<ItemPlacement> place = (*encoder)->PlaceItem(k, offset);
+      if (!place) {
+        return Internal("key '" + plan.tensors[t].name + "': its format cannot place it in " +
+                        layout.names.back() + " before writing it");
+      }
+      layout.tensor_offsets[t] = offset;
+      layout.tensor_places[t] = *place;
+      end = offset + place->stored_length;
+    }
+    layout.objects_begin.push_back(end);
+    layout.files.push_back(std::move(*encoder));
+  }
+  return layout;
+}
+
 Result<RankWriteResult> WriteRankFiles(Storage& storage, Storage& output, const std::string& dir,
                                        const CheckpointIndex& index, const std::string& source,
                                        const ConvertPlan& plan, const OutputLayout& layout,
@@ -386,33 +429,24 @@ Result<RankWriteResult> WriteRankFiles(Storage& storage, Storage& output, const 
   s.load_options.verify_checksums = options.verify_checksums;
   s.load_options.num_io_threads = 1;  // the threads here are the parallelism
   s.files.resize(plan.files.size());
-  const bool dcp = layout.dcp();
-  const uint64_t block = dcp ? 0 : options.checksum_block_bytes;
+  s.tensor_checksums.resize(plan.tensors.size());
+  s.tensor_crcs.resize(plan.tensors.size());
+  s.object_checksums.resize(plan.objects.size());
+  s.object_lengths.resize(plan.objects.size());
   std::vector<uint32_t> mine;
-  std::vector<std::vector<uint32_t>> objects;  // work items: one object, or a DCP file's
+  std::vector<uint32_t> objects;  // work items: the files of ours that hold objects
   uint64_t total = 0;
   for (uint32_t f = 0; f < plan.files.size(); ++f) {
     if (plan.files[f].rank != rank) continue;
     mine.push_back(f);
     total += plan.files[f].data_bytes;
-    const std::vector<uint32_t>& of_file = plan.files[f].objects;
-    if (dcp && !of_file.empty()) objects.push_back(of_file);
-    for (uint32_t o : of_file) {
-      if (!dcp) objects.push_back({o});
-    }
-  }
-  if (block > 0 || dcp) {
+    if (!plan.files[f].objects.empty()) objects.push_back(f);
     // Per block of every tensor of ours: tessera's checksums (a tensor without bytes has the
-    // one checksum of nothing, as Save writes it) or, for DCP, CRC-32s (of nothing: 0).
-    const uint64_t unit = dcp ? kChecksumBlockBytes : block;
-    s.tensor_checksums.resize(plan.tensors.size());
-    s.object_checksums.resize(plan.objects.size());
-    s.object_lengths.resize(plan.objects.size());
-    for (uint32_t f : mine) {
-      for (uint32_t t : plan.files[f].tensors) {
-        s.tensor_checksums[t].assign(NumChecksumBlocks(plan.tensors[t].bytes, unit),
-                                     dcp ? 0 : Checksum(nullptr, 0));
-      }
+    // one checksum of nothing, as Save writes it) and CRC-32s (of nothing: 0).
+    for (uint32_t t : plan.files[f].tensors) {
+      const uint64_t blocks = NumChecksumBlocks(plan.tensors[t].bytes, kChecksumBlockBytes);
+      if (layout.engine_checksums) s.tensor_checksums[t].assign(blocks, Checksum(nullptr, 0));
+      if (layout.framing_crc32) s.tensor_crcs[t].assign(blocks, 0);
     }
   }
   // Units are cut on multiples of 256 KiB of each tensor (the output's checksum blocks when
@@ -423,24 +457,21 @@ Result<RankWriteResult> WriteRankFiles(Storage& storage, Storage& output, const 
   const std::vector<ConvertUnit> units = PlanUnits(
       plan, rank, std::max(options.unit_bytes, 4 * kChecksumBlockBytes), kChecksumBlockBytes);
   Status status = OpenFiles(s, mine);
-  if (status.ok() && dcp) status = WriteItemPrefixes(s, mine);
   if (status.ok()) status = RunItems(s, units, objects, total);
-  if (status.ok() && dcp) status = WriteItemSuffixes(s, mine);
+  if (status.ok()) status = WriteFramings(s, mine);
   Status closed = CloseFiles(s, status.ok() && options.sync == SyncPolicy::kFull);
   if (status.ok()) status = closed;
   TESSERA_RETURN_IF_ERROR(status);
   RankWriteResult result;
-  for (uint32_t f = 0; block > 0 && f < plan.files.size(); ++f) {
-    if (plan.files[f].rank != rank) continue;
+  for (uint32_t f : mine) {
     for (uint32_t t : plan.files[f].tensors) {
       result.checksums.insert(result.checksums.end(), s.tensor_checksums[t].begin(),
                               s.tensor_checksums[t].end());
     }
-    for (uint32_t o : plan.files[f].objects) result.checksums.push_back(s.object_checksums[o]);
-  }
-  for (uint32_t f = 0; dcp && f < plan.files.size(); ++f) {
-    if (plan.files[f].rank != rank) continue;
-    for (uint32_t o : plan.files[f].objects) result.object_lengths.push_back(s.object_lengths[o]);
+    for (uint32_t o : plan.files[f].objects) {
+      if (layout.engine_checksums) result.checksums.push_back(s.object_checksums[o]);
+      result.object_lengths.push_back(s.object_lengths[o]);
+    }
   }
   result.bytes_written = s.written.load();
   result.bytes_read = s.read.load();

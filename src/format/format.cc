@@ -1,6 +1,8 @@
 #include "format/format.h"
 
 #include "format/registry.h"
+#include "tessera/checkpoint.h"
+#include "tessera/convert.h"
 
 namespace tessera {
 
@@ -36,6 +38,23 @@ Result<std::unique_ptr<FormatWriter>> Format::NewWriter(const SaveOptions&, bool
   }
   return InvalidArgument(std::string("SaveOptions::format ") + name() +
                          " cannot be written: save as " + writable);
+}
+
+Result<std::unique_ptr<FormatWriter>> Format::NewConversionWriter(
+    const ConvertOptions& options) const {
+  if (!CanWrite()) {
+    std::string targets;
+    for (const Format* format : RegisteredFormats()) {
+      if (!format->CanConvertInto()) continue;
+      targets += std::string(targets.empty() ? "" : ", ") + format->name();
+    }
+    return InvalidArgument(std::string("ConvertOptions::to ") + name() +
+                           " cannot be converted into: convert into " + targets);
+  }
+  SaveOptions as_save;
+  as_save.format = id();
+  as_save.format_options = options.format_options;
+  return NewWriter(as_save, /*coordinator=*/true);
 }
 
 Status Format::CheckOptions(const FormatOptions& options, const std::string& field) const {

@@ -12,8 +12,9 @@
 //     each data file carries a safetensors header describing its chunks, and the format's own
 //     checks of wrapped items (VerifyItems, CheckObjectBytes);
 //   - says which file names are its own (CountsFile), for ls and cleanups.
-// and on the write side, makes the FormatWriter of a save (format_writer.h): file names, file
-// headers and the framing of items, for the one write engine (src/checkpoint/data_files.h).
+// and on the write side, makes the FormatWriter of a save or a conversion (format_writer.h):
+// file names, file headers, the framing of items and the index, for the one write engine of
+// saves (src/checkpoint/data_files.h) and the one of conversions (convert_writer.h).
 #ifndef TESSERA_FORMAT_FORMAT_H_
 #define TESSERA_FORMAT_FORMAT_H_
 
@@ -32,7 +33,8 @@
 
 namespace tessera {
 
-struct SaveOptions;  // tessera/checkpoint.h
+struct SaveOptions;     // tessera/checkpoint.h
+struct ConvertOptions;  // tessera/convert.h
 
 // What a format makes of a directory from its file names (Format::Claim). The registry turns
 // the claims of every format into one choice (ChooseFormats in registry.h).
@@ -138,6 +140,15 @@ class Format {
   // InvalidArgument naming the formats that can be written when this one cannot (the default).
   virtual Result<std::unique_ptr<FormatWriter>> NewWriter(const SaveOptions& options,
                                                           bool coordinator) const;
+  // Whether tessera converts into this format (NewConversionWriter succeeds for some
+  // options): every format it saves, and formats it only exports to (Hugging Face).
+  virtual bool CanConvertInto() const { return CanWrite(); }
+  // The writer of a conversion into this format with `options` (whose `to` is this one; its
+  // format_options already passed CheckOptions). The default is NewWriter's for a save with
+  // the same format options, on the coordinator; InvalidArgument naming the formats that can
+  // be converted into when this one cannot.
+  virtual Result<std::unique_ptr<FormatWriter>> NewConversionWriter(
+      const ConvertOptions& options) const;
 };
 
 // The name of the options struct `options` holds ("TorchDistOptions"; "" for none), for

@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <span>
 #include <string>
@@ -46,6 +47,12 @@ struct ItemToWrite {
   Box box;                   // tensors: the chunk
   uint64_t num_bytes = 0;    // the item's data bytes (row-major, little-endian for tensors)
   ObjectEncoding object_encoding = ObjectEncoding::kBytes;  // objects
+};
+
+// Where a placed item's bytes lie in its data file (DataFileEncoder::PlaceItem).
+struct ItemPlacement {
+  uint64_t data_offset = 0;    // the item's first data byte, in the file
+  uint64_t stored_length = 0;  // from the item's offset: its framing and data
 };
 
 // Frames one item's bytes in a data file. The engine calls Append with the item's bytes in
@@ -79,6 +86,20 @@ class DataFileEncoder {
   // precedes its data.
   virtual Result<std::unique_ptr<ItemWriter>> BeginItem(WritableFile& out, size_t k,
                                                         uint64_t offset) const = 0;
+
+  // ---- Items written by position, from several threads at once (Convert writes a large
+  // tensor's data in units, in any order), instead of in order through BeginItem.
+  // Item `k` placed at `offset` (ItemOffset's answer): where its data begins and its stored
+  // length (data plus framing). nullopt when the item can only be written in order through
+  // BeginItem, its length known once written (DCP's objects: their pickles are built whole).
+  virtual std::optional<ItemPlacement> PlaceItem(size_t k, uint64_t offset) const = 0;
+  // Writes the framing of item `k` placed at `offset` (what precedes and follows its data,
+  // nothing for raw items), once its data is written there. `data_crc32`: the CRC-32 of its
+  // data when the format's framing records one (FormatWriter::FramingChecksum), else 0.
+  virtual Status WriteFraming(WritableFile& out, size_t k, uint64_t offset,
+                              uint32_t data_crc32) const {
+    return Status::Ok();
+  }
 };
 
 // What one save writes in a format (Format::NewWriter makes one per save, from its options).
@@ -115,8 +136,9 @@ class FormatWriter {
   // "tessera.manifest.<n>"; EncodeIndex is given Metadata::commit_seq of the number it takes).
   // False: every commit replaces the one file IndexFileName (the last commit wins).
   virtual bool NumberedCommits() const = 0;
-  // The index's file name when !NumberedCommits().
-  virtual std::string IndexFileName() const { return ""; }
+  // The index's file name: the one name when !NumberedCommits(); commit `commit_seq`'s
+  // otherwise.
+  virtual std::string IndexFileName(uint64_t commit_seq = 0) const = 0;
   // Turns what the ranks wrote (Metadata::files, every location, the save id) into the index
   // this format stores (DCP: every item a whole torch.save item, no checksums). Idempotent.
   virtual void FinishIndex(Metadata& metadata) const {}
@@ -141,6 +163,35 @@ class FormatWriter {
                                                      const std::string& path) const {
     return std::set<std::string>();
   }
+
+  // ---- Conversions: tessera convert writes every format it converts into through its
+  // FormatWriter (Format::NewConversionWriter), laying out each file with NewDataFile and
+  // writing its items by position (DataFileEncoder::PlaceItem).
+  // The name of output file `file` of the `count` a conversion writes, written by `rank` as
+  // its `rank_file`-th. The default: DataFileName(save_id, rank, rank_file, "").
+  virtual std::string ConversionFileName(const std::string& save_id, int rank, int rank_file,
+                                         int file, int count) const {
+    return DataFileName(save_id, rank, rank_file, "");
+  }
+  // Whether the data files carry the checkpoint's own names, with no commit file that makes
+  // them one (Hugging Face: a reader takes the files it finds). A conversion then writes each
+  // under a hidden name, gives each its name once all are complete, and publishes the index
+  // (when NeedsIndex) create-only, last. Otherwise the files carry the save id and mean
+  // nothing until CommitIndex publishes the index that names them.
+  virtual bool FilesAreTheCheckpoint() const { return false; }
+  // Whether a checkpoint of `num_files` data files has an index file (Hugging Face: only a
+  // sharded one).
+  virtual bool NeedsIndex(size_t num_files) const { return true; }
+  // Whether the format stores objects (non-tensor values). A conversion into one that does
+  // not lists them as skipped.
+  virtual bool StoresObjects() const { return true; }
+  // Whether the index keeps Metadata::user_metadata, so that a conversion carries the
+  // source's over (DCP and Hugging Face have no place for it).
+  virtual bool StoresUserMetadata() const { return true; }
+  // The checksum of each item's data its framing records (DCP's zip CRC-32: kCrc32), that an
+  // engine writing the data by position computes block by block and combines for
+  // DataFileEncoder::WriteFraming; kNone when the framing records none.
+  virtual ChecksumKind FramingChecksum() const { return ChecksumKind::kNone; }
 };
 
 // An ItemWriter for raw bytes at a fixed offset: no framing, the item's length its data size.

@@ -23,7 +23,7 @@ namespace tessera {
 
 struct ConvertPlanOptions {
   // The output format (named in messages).
-  CheckpointFormat format = CheckpointFormat::kSafetensors;
+  CheckpointFormat format = CheckpointFormat::kTessera;
   // Objects are exported only to formats that can hold them (tessera); otherwise they are
   // listed in ConvertPlan::skipped_objects.
   bool keep_objects = false;

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "format/huggingface/hf_index.h"
+#include "format/huggingface/hf_writer.h"
 #include "format/tessera/tessera_format.h"
 
 namespace tessera {
@@ -44,6 +45,12 @@ class HuggingFaceFormatImpl final : public Format {
   }
 
   bool DataFilesHaveHeaders() const override { return true; }
+
+  // Exported to by conversions; never saved (the files have fixed names and no commit file).
+  bool CanConvertInto() const override { return true; }
+  Result<std::unique_ptr<FormatWriter>> NewConversionWriter(const ConvertOptions&) const override {
+    return NewHuggingFaceWriter();
+  }
 };
 
 }  // namespace

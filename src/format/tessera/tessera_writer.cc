@@ -27,6 +27,9 @@ class TesseraDataFile final : public DataFileEncoder {
     return std::unique_ptr<ItemWriter>(
         new RawItemWriter(out, offset, entries_[k].end - entries_[k].begin));
   }
+  std::optional<ItemPlacement> PlaceItem(size_t k, uint64_t offset) const override {
+    return ItemPlacement{offset, entries_[k].end - entries_[k].begin};
+  }
 
  private:
   std::vector<SafetensorsEntry> entries_;  // parallel to the items
@@ -72,6 +75,9 @@ class TesseraWriter final : public FormatWriter {
   // create-only as the next tessera.manifest.<n>.
   std::string_view index_description() const override { return "manifest"; }
   bool NumberedCommits() const override { return true; }
+  std::string IndexFileName(uint64_t commit_seq) const override {
+    return NumberedManifestName(commit_seq);
+  }
   Result<Bytes> EncodeIndex(const Metadata& metadata, const std::string& location) const override {
     Bytes bytes = EncodeManifest(metadata);
     TESSERA_RETURN_IF_ERROR(DecodeManifest(bytes, JoinPath(location, "manifest")).status());

@@ -11,6 +11,8 @@
 #include "format/torch_dist/dcp_format_writer.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_zip.h"
+#include "tessera/checkpoint.h"
+#include "tessera/convert.h"
 
 namespace tessera {
 namespace {
@@ -168,6 +170,17 @@ class TorchDistFormatImpl final : public Format {
   Result<std::unique_ptr<FormatWriter>> NewWriter(const SaveOptions& options,
                                                   bool coordinator) const override {
     return torch_dist::NewDcpWriter(options, coordinator);
+  }
+  // With the deprecated ConvertOptions::torch_dist_flavor folded in.
+  Result<std::unique_ptr<FormatWriter>> NewConversionWriter(
+      const ConvertOptions& options) const override {
+    SaveOptions as_save;
+    as_save.format = id();
+    TESSERA_ASSIGN_OR_RETURN(
+        as_save.format_options,
+        torch_dist::ResolveTorchDistOptions(options.format_options, options.torch_dist_flavor,
+                                            /*key_paths=*/nullptr, "ConvertOptions"));
+    return torch_dist::NewDcpWriter(as_save, /*coordinator=*/true);
   }
 };
 

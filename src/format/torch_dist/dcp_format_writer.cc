@@ -8,6 +8,7 @@
 #include "format/tessera/names.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "format/torch_dist/torch_dtype.h"
+#include "format/torch_dist/torch_zip.h"
 
 namespace tessera::torch_dist {
 namespace {
@@ -74,9 +75,8 @@ class DcpDataFile final : public DataFileEncoder {
       return std::unique_ptr<ItemWriter>(
           new ObjectItem(out, offset, item.num_bytes, item.object_encoding));
     }
-    const TorchTensorSpec spec{std::string(TorchDTypeOf(item.dtype).name), item.box.sizes, false};
     TESSERA_ASSIGN_OR_RETURN(TorchTensorItemWriter writer,
-                             TorchTensorItemWriter::Begin(out, offset, spec));
+                             TorchTensorItemWriter::Begin(out, offset, Spec(item)));
     if (writer.layout().data_size != item.num_bytes) {
       return Internal("key '" + item.key + "' box " + item.box.ToString() + ": the item holds " +
                       std::to_string(writer.layout().data_size) + " data bytes, the chunk " +
@@ -84,8 +84,40 @@ class DcpDataFile final : public DataFileEncoder {
     }
     return std::unique_ptr<ItemWriter>(new TensorItem(std::move(writer)));
   }
+  // A tensor's item has a length known from its dtype and shape; an object's only once its
+  // pickle is built.
+  std::optional<ItemPlacement> PlaceItem(size_t k, uint64_t offset) const override {
+    if (items_[k].object) return std::nullopt;
+    const Result<TorchItemLayout> layout = TensorLayout(items_[k]);
+    if (!layout.ok()) return std::nullopt;
+    return ItemPlacement{offset + layout->data_offset, layout->total_size};
+  }
+  Status WriteFraming(WritableFile& out, size_t k, uint64_t offset,
+                      uint32_t data_crc32) const override {
+    const ItemToWrite& item = items_[k];
+    if (item.object) return FailedPrecondition("key '" + item.key + "': an object is framed whole");
+    TESSERA_ASSIGN_OR_RETURN(const TorchItemLayout layout, TensorLayout(item));
+    TESSERA_RETURN_IF_ERROR(out.WriteAt(offset, layout.prefix.data(), layout.prefix.size()));
+    const std::vector<uint8_t> suffix = TorchItemSuffix(layout, data_crc32);
+    return out.WriteAt(offset + layout.data_offset + layout.data_size, suffix.data(),
+                       suffix.size());
+  }
 
  private:
+  static TorchTensorSpec Spec(const ItemToWrite& item) {
+    return TorchTensorSpec{std::string(TorchDTypeOf(item.dtype).name), item.box.sizes, false};
+  }
+  static Result<TorchItemLayout> TensorLayout(const ItemToWrite& item) {
+    Result<TorchItemLayout> layout = LayOutTorchTensorItem(Spec(item));
+    if (!layout.ok()) return layout.status().WithContext("key '" + item.key + "'");
+    if (layout->data_size != item.num_bytes) {
+      return Internal("key '" + item.key + "' box " + item.box.ToString() + ": the item holds " +
+                      std::to_string(layout->data_size) + " data bytes, the chunk " +
+                      std::to_string(item.num_bytes));
+    }
+    return layout;
+  }
+
   std::vector<ItemToWrite> items_;
   Bytes header_;  // empty
 };
@@ -132,7 +164,9 @@ class DcpWriter final : public FormatWriter {
   // One `.metadata`, replaced by every commit (DCP has one index name: the last commit wins).
   std::string_view index_description() const override { return ".metadata"; }
   bool NumberedCommits() const override { return false; }
-  std::string IndexFileName() const override { return kDcpMetadataFileName; }
+  std::string IndexFileName(uint64_t) const override { return kDcpMetadataFileName; }
+  ChecksumKind FramingChecksum() const override { return ChecksumKind::kCrc32; }
+  bool StoresUserMetadata() const override { return false; }
   void FinishIndex(Metadata& metadata) const override { MarkDcpItems(metadata); }
   Result<Bytes> EncodeIndex(const Metadata& metadata, const std::string& location) const override {
     TESSERA_ASSIGN_OR_RETURN(
