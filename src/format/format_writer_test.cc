@@ -8,12 +8,14 @@
 #include <cstring>
 #include <set>
 
+#include "core/crc32.h"
 #include "format/registry.h"
 #include "format/safetensors.h"
 #include "format/tessera/manifest.h"
 #include "format/tessera/names.h"
 #include "format/torch_dist/dcp_writer.h"
 #include "tessera/checkpoint.h"
+#include "tessera/convert.h"
 #include "tessera/memory_storage.h"
 #include "tessera/testing/gtest_status.h"
 
@@ -239,6 +241,135 @@ TEST(FormatWriterTest, RawItemsHoldExactlyTheirBytes) {
   TESSERA_ASSERT_OK(item.Append(bytes, 1));
   TESSERA_ASSIGN_OR_FAIL(uint64_t length, item.Finish());
   EXPECT_EQ(length, 4u);
+}
+
+}  // namespace
+}  // namespace tessera
+
+namespace tessera {
+namespace {
+
+// Writes the tensors of `items` by position, as a conversion does (the data of each placed
+// item in two pieces, the second first, then its framing with the CRC-32 of its data), then
+// the objects in order through BeginItem; returns the file's bytes.
+Bytes WriteFileByPosition(Storage& storage, const std::string& path, const FormatWriter& writer,
+                          const std::vector<ItemToWrite>& items) {
+  Result<std::unique_ptr<DataFileEncoder>> layout = writer.NewDataFile(items, kSaveId);
+  EXPECT_TRUE(layout.ok()) << layout.status().ToString();
+  if (!layout.ok()) return {};
+  Result<std::unique_ptr<WritableFile>> out = storage.NewWritableFile(path);
+  EXPECT_TRUE(out.ok());
+  if (!out.ok()) return {};
+  const Bytes& header = (*layout)->header();
+  EXPECT_TRUE((*out)->WriteAt(0, header.data(), header.size()).ok());
+  uint64_t end = header.size();
+  for (size_t k = 0; k < items.size(); ++k) {
+    const uint64_t at = (*layout)->ItemOffset(k, end);
+    const std::vector<std::byte> bytes(items[k].num_bytes, std::byte(k + 1));
+    const std::optional<ItemPlacement> place = (*layout)->PlaceItem(k, at);
+    if (!place) {  // written in order, as a conversion writes objects
+      EXPECT_TRUE(items[k].object) << items[k].key;
+      Result<std::unique_ptr<ItemWriter>> item = (*layout)->BeginItem(**out, k, at);
+      EXPECT_TRUE(item.ok());
+      if (!item.ok()) return {};
+      EXPECT_TRUE((*item)->Append(bytes.data(), bytes.size()).ok());
+      Result<uint64_t> length = (*item)->Finish();
+      EXPECT_TRUE(length.ok());
+      end = at + length.value_or(0);
+      continue;
+    }
+    const size_t half = bytes.size() / 2;
+    EXPECT_TRUE(
+        (*out)->WriteAt(place->data_offset + half, bytes.data() + half, bytes.size() - half).ok());
+    EXPECT_TRUE((*out)->WriteAt(place->data_offset, bytes.data(), half).ok());
+    const uint32_t crc =
+        writer.FramingChecksum() == ChecksumKind::kCrc32 ? Crc32(bytes.data(), bytes.size()) : 0;
+    EXPECT_TRUE((*layout)->WriteFraming(**out, k, at, crc).ok());
+    end = at + place->stored_length;
+  }
+  EXPECT_TRUE((*out)->Close().ok());
+  Result<std::unique_ptr<ReadableFile>> in = storage.NewReadableFile(path);
+  EXPECT_TRUE(in.ok());
+  if (!in.ok()) return {};
+  Bytes all((*in)->size());
+  EXPECT_TRUE((*in)->ReadAt(0, all.data(), all.size()).ok());
+  return all;
+}
+
+Bytes ReadAll(Storage& storage, const std::string& path) {
+  Result<std::unique_ptr<ReadableFile>> in = storage.NewReadableFile(path);
+  EXPECT_TRUE(in.ok());
+  if (!in.ok()) return {};
+  Bytes all((*in)->size());
+  EXPECT_TRUE((*in)->ReadAt(0, all.data(), all.size()).ok());
+  return all;
+}
+
+// What a conversion writes by position is byte for byte what a save writes in order, for
+// every format tessera converts into.
+TEST(FormatWriterTest, ItemsWrittenByPositionEqualItemsWrittenInOrder) {
+  ConvertOptions options;
+  for (const Format* format : RegisteredFormats()) {
+    if (!format->CanConvertInto()) continue;
+    SCOPED_TRACE(format->name());
+    options.to = format->id();
+    TESSERA_ASSIGN_OR_FAIL(const std::unique_ptr<FormatWriter> writer,
+                           format->NewConversionWriter(options));
+    std::vector<ItemToWrite> items = {Chunk("a", DType::kBF16, {300}, Box{{0}, {300}}),
+                                      Chunk("b", DType::kF32, {}, Box{{}, {}}),
+                                      Chunk("c", DType::kI64, {2, 5}, Box{{0, 0}, {2, 5}})};
+    if (writer->StoresObjects()) {
+      items.push_back(Object("step", 7));
+      items.push_back(Object("rng", 0));
+    }
+    MemoryStorage storage;
+    const std::vector<uint64_t> offsets = WriteFile(storage, "/in_order", *writer, items);
+    ASSERT_EQ(offsets.size(), items.size());
+    const Bytes in_order = ReadAll(storage, "/in_order");
+    EXPECT_EQ(WriteFileByPosition(storage, "/by_position", *writer, items), in_order);
+  }
+}
+
+TEST(FormatWriterTest, HuggingFaceFilesAreTheCheckpointAndHoldWholeTensorsOnly) {
+  ConvertOptions options;
+  options.to = CheckpointFormat::kSafetensors;
+  TESSERA_ASSIGN_OR_FAIL(const std::unique_ptr<FormatWriter> writer,
+                         FormatOf(CheckpointFormat::kSafetensors).NewConversionWriter(options));
+  EXPECT_TRUE(writer->FilesAreTheCheckpoint());
+  EXPECT_FALSE(writer->StoresObjects());
+  EXPECT_FALSE(writer->NeedsIndex(1));
+  EXPECT_TRUE(writer->NeedsIndex(2));
+  EXPECT_EQ(writer->ConversionFileName(kSaveId, 0, 0, 0, 1), "model.safetensors");
+  EXPECT_EQ(writer->ConversionFileName(kSaveId, 1, 0, 1, 3), "model-00002-of-00003.safetensors");
+  EXPECT_EQ(writer->NewDataFile({Object("step", 3)}, kSaveId).status().code(),
+            StatusCode::kInvalidArgument);
+  const Result<std::unique_ptr<DataFileEncoder>> part =
+      writer->NewDataFile({Chunk("w", DType::kF32, {4}, Box{{2}, {2}})}, kSaveId);
+  EXPECT_EQ(part.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(part.status().message().find("key 'w'"), std::string::npos);
+
+  // The index maps each tensor to its file, with the bytes of every tensor.
+  Metadata m;
+  m.files = {FileInfo{"model-00001-of-00002.safetensors", 1},
+             FileInfo{"model-00002-of-00002.safetensors", 1}};
+  TensorInfo a{"a", DType::kF32, {2, 3}, {}};
+  a.chunks.push_back(ChunkInfo{});
+  a.chunks[0].box = Box::Whole({2, 3});
+  a.chunks[0].location.file_index = 1;
+  m.tensors.push_back(a);
+  TESSERA_ASSIGN_OR_FAIL(const Bytes index, writer->EncodeIndex(m, "/out"));
+  const std::string text(index.begin(), index.end());
+  EXPECT_NE(text.find("\"total_size\": 24"), std::string::npos) << text;
+  EXPECT_NE(text.find("\"a\": \"model-00002-of-00002.safetensors\""), std::string::npos) << text;
+}
+
+// Every format saved is converted into, through the writer a save would use.
+TEST(FormatWriterTest, EveryFormatSavedIsConvertedInto) {
+  for (const Format* format : RegisteredFormats()) {
+    if (format->CanWrite()) {
+      EXPECT_TRUE(format->CanConvertInto()) << format->name();
+    }
+  }
 }
 
 }  // namespace
