@@ -30,26 +30,31 @@ Result<bool> Format::CheckObjectBytes(const ObjectInfo&, const std::vector<uint8
   return false;
 }
 
-Result<std::unique_ptr<FormatWriter>> Format::NewWriter(const SaveOptions&, bool) const {
-  std::string writable;
+namespace {
+
+// The names of the registered formats `can` says yes to, joined by `separator`.
+std::string NamesOf(bool (Format::*can)() const, const char* separator) {
+  std::string names;
   for (const Format* format : RegisteredFormats()) {
-    if (!format->CanWrite()) continue;
-    writable += std::string(writable.empty() ? "" : " or ") + format->name();
+    if (!(format->*can)()) continue;
+    names += std::string(names.empty() ? "" : separator) + format->name();
   }
+  return names;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<FormatWriter>> Format::NewWriter(const SaveOptions&, bool) const {
   return InvalidArgument(std::string("SaveOptions::format ") + name() +
-                         " cannot be written: save as " + writable);
+                         " cannot be written: save as " + NamesOf(&Format::CanWrite, " or "));
 }
 
 Result<std::unique_ptr<FormatWriter>> Format::NewConversionWriter(
     const ConvertOptions& options) const {
   if (!CanWrite()) {
-    std::string targets;
-    for (const Format* format : RegisteredFormats()) {
-      if (!format->CanConvertInto()) continue;
-      targets += std::string(targets.empty() ? "" : ", ") + format->name();
-    }
     return InvalidArgument(std::string("ConvertOptions::to ") + name() +
-                           " cannot be converted into: convert into " + targets);
+                           " cannot be converted into: convert into " +
+                           NamesOf(&Format::CanConvertInto, ", "));
   }
   SaveOptions as_save;
   as_save.format = id();

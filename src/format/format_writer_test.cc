@@ -249,6 +249,15 @@ TEST(FormatWriterTest, RawItemsHoldExactlyTheirBytes) {
 namespace tessera {
 namespace {
 
+Bytes ReadAll(Storage& storage, const std::string& path) {
+  Result<std::unique_ptr<ReadableFile>> in = storage.NewReadableFile(path);
+  EXPECT_TRUE(in.ok());
+  if (!in.ok()) return {};
+  Bytes all((*in)->size());
+  EXPECT_TRUE((*in)->ReadAt(0, all.data(), all.size()).ok());
+  return all;
+}
+
 // Writes the tensors of `items` by position, as a conversion does (the data of each placed
 // item in two pieces, the second first, then its framing with the CRC-32 of its data), then
 // the objects in order through BeginItem; returns the file's bytes.
@@ -288,21 +297,7 @@ Bytes WriteFileByPosition(Storage& storage, const std::string& path, const Forma
     end = at + place->stored_length;
   }
   EXPECT_TRUE((*out)->Close().ok());
-  Result<std::unique_ptr<ReadableFile>> in = storage.NewReadableFile(path);
-  EXPECT_TRUE(in.ok());
-  if (!in.ok()) return {};
-  Bytes all((*in)->size());
-  EXPECT_TRUE((*in)->ReadAt(0, all.data(), all.size()).ok());
-  return all;
-}
-
-Bytes ReadAll(Storage& storage, const std::string& path) {
-  Result<std::unique_ptr<ReadableFile>> in = storage.NewReadableFile(path);
-  EXPECT_TRUE(in.ok());
-  if (!in.ok()) return {};
-  Bytes all((*in)->size());
-  EXPECT_TRUE((*in)->ReadAt(0, all.data(), all.size()).ok());
-  return all;
+  return ReadAll(storage, path);
 }
 
 // What a conversion writes by position is byte for byte what a save writes in order, for

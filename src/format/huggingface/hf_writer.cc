@@ -8,34 +8,10 @@
 #include "format/huggingface/hf_export.h"
 #include "format/huggingface/hf_index.h"
 #include "format/safetensors.h"
+#include "format/safetensors_data_file.h"
 
 namespace tessera {
 namespace {
-
-// A safetensors header naming each tensor, then their bytes as they are.
-class HuggingFaceDataFile final : public DataFileEncoder {
- public:
-  HuggingFaceDataFile(std::vector<SafetensorsEntry> entries, Bytes header)
-      : entries_(std::move(entries)), header_(std::move(header)) {}
-
-  const Bytes& header() const override { return header_; }
-  uint64_t ItemOffset(size_t k, uint64_t) const override {
-    return header_.size() + entries_[k].begin;
-  }
-  Result<std::unique_ptr<ItemWriter>> BeginItem(WritableFile& out, size_t k,
-                                                uint64_t offset) const override {
-    return std::unique_ptr<ItemWriter>(new RawItemWriter(out, offset, Size(k)));
-  }
-  std::optional<ItemPlacement> PlaceItem(size_t k, uint64_t offset) const override {
-    return ItemPlacement{offset, Size(k)};
-  }
-
- private:
-  uint64_t Size(size_t k) const { return entries_[k].end - entries_[k].begin; }
-
-  std::vector<SafetensorsEntry> entries_;  // parallel to the items
-  Bytes header_;
-};
 
 class HuggingFaceWriter final : public FormatWriter {
  public:
@@ -69,8 +45,7 @@ class HuggingFaceWriter final : public FormatWriter {
     }
     LayOutEntries(entries);
     TESSERA_ASSIGN_OR_RETURN(Bytes header, EncodeSafetensorsHeader(entries, {{"format", "pt"}}));
-    return std::unique_ptr<DataFileEncoder>(
-        new HuggingFaceDataFile(std::move(entries), std::move(header)));
+    return NewSafetensorsDataFile(std::move(entries), std::move(header));
   }
 
   // model.safetensors.index.json, only for shards (transformers writes none for one file),

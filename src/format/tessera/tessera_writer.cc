@@ -6,35 +6,12 @@
 #include <vector>
 
 #include "format/safetensors.h"
+#include "format/safetensors_data_file.h"
 #include "format/tessera/manifest.h"
 #include "format/tessera/names.h"
 
 namespace tessera {
 namespace {
-
-// A safetensors header listing the file's items, then their bytes as they are.
-class TesseraDataFile final : public DataFileEncoder {
- public:
-  TesseraDataFile(std::vector<SafetensorsEntry> entries, Bytes header)
-      : entries_(std::move(entries)), header_(std::move(header)) {}
-
-  const Bytes& header() const override { return header_; }
-  uint64_t ItemOffset(size_t k, uint64_t) const override {
-    return header_.size() + entries_[k].begin;
-  }
-  Result<std::unique_ptr<ItemWriter>> BeginItem(WritableFile& out, size_t k,
-                                                uint64_t offset) const override {
-    return std::unique_ptr<ItemWriter>(
-        new RawItemWriter(out, offset, entries_[k].end - entries_[k].begin));
-  }
-  std::optional<ItemPlacement> PlaceItem(size_t k, uint64_t offset) const override {
-    return ItemPlacement{offset, entries_[k].end - entries_[k].begin};
-  }
-
- private:
-  std::vector<SafetensorsEntry> entries_;  // parallel to the items
-  Bytes header_;
-};
 
 class TesseraWriter final : public FormatWriter {
  public:
@@ -67,8 +44,7 @@ class TesseraWriter final : public FormatWriter {
     const std::map<std::string, std::string> header_metadata = {{"format", "pt"},
                                                                 {"tessera_save_id", save_id}};
     TESSERA_ASSIGN_OR_RETURN(Bytes header, EncodeSafetensorsHeader(entries, header_metadata));
-    return std::unique_ptr<DataFileEncoder>(
-        new TesseraDataFile(std::move(entries), std::move(header)));
+    return NewSafetensorsDataFile(std::move(entries), std::move(header));
   }
 
   // Numbered manifests (docs/FORMAT.md, section 4): the engine's CommitIndex publishes each
