@@ -267,19 +267,18 @@ Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& c
 
 namespace {
 
-Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Comm& comm,
-                            const SaveOptions& options) {
-  // No collective at all: the comm only says who this rank is.
-  if (!options.collective) return SaveRankLocal(state, path, comm.rank(), comm.size(), options);
-  std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
-  const int rank = comm.rank();
-  const bool coordinator = rank == kCoordinator;
+// What step 1 gives a rank: its local plan, which carries step 1's first error (a bad option,
+// the plan's own, refused user metadata on the coordinator, the writer's refusal), and the
+// format's writer.
+struct LocalSetup {
+  Result<LocalPlan> local;
+  Result<std::unique_ptr<FormatWriter>> writer;
+};
 
-  // 1. Local plan. When every rank's plan (and the options that shape the global plan) equal
-  // those of this comm's previous successful save, one all-reduce replaces the gather, the
-  // global planning and the scatter: each rank reuses its write list, the coordinator its
-  // global plan. A bad option is reported through the first collective like a bad state: a
-  // rank that returned here would leave its peers waiting.
+// Step 1 on every rank, with no collective: errors are kept, not returned, so that the rank
+// still reports them through the first collective (a rank that returned would leave its
+// peers waiting).
+LocalSetup PlanLocally(const StateDict& state, bool coordinator, const SaveOptions& options) {
   Result<LocalPlan> local =
       options.num_io_threads >= 1
           ? BuildLocalPlan(state)
@@ -303,11 +302,124 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
     if (!format_options.ok()) writer = format_options;
   }
   if (local.ok() && !writer.ok()) local = writer.status();
-  const FormatWriter* format_writer = writer.ok() ? writer->get() : nullptr;
+  return LocalSetup{std::move(local), std::move(writer)};
+}
+
+// The plan cache's key: this rank's encoded local plan with the options and the comm size that
+// shape the global plan. A failed local plan hashes as an empty one (it never hits).
+uint64_t PlanKey(const Result<LocalPlan>& local, const SaveOptions& options, int comm_size) {
   const Bytes encoded_plan = local.ok() ? EncodeLocalPlan(*local) : Bytes();
-  const uint64_t plan_key = Checksum(encoded_plan.data(), encoded_plan.size()) ^
-                            (options.balance_writes ? 0x9e3779b97f4a7c15ULL : 0) ^
-                            static_cast<uint64_t>(comm.size());
+  return Checksum(encoded_plan.data(), encoded_plan.size()) ^
+         (options.balance_writes ? 0x9e3779b97f4a7c15ULL : 0) ^ static_cast<uint64_t>(comm_size);
+}
+
+// Removes the coordinator's save marker when the save ends, whatever happens; `save_id` is read
+// then, so it may be drawn after the guard is made. A null storage (other ranks) does nothing.
+struct MarkerGuard {
+  Storage* storage;
+  const std::string& path;
+  const std::string& save_id;
+  ~MarkerGuard() {
+    if (storage && !save_id.empty()) RemoveSaveMarker(*storage, path, save_id);
+  }
+};
+
+// Step 3 on every rank: writes the data files of `items`, reporting progress (when asked)
+// against their total bytes. `local` and `writer` are the ones planning succeeded with.
+Result<WriteResult> WriteRankFiles(Storage& storage, const std::string& path,
+                                   const StateDict& state, const LocalPlan& local,
+                                   const std::vector<uint32_t>& items, const FormatWriter& writer,
+                                   const std::string& save_id, int rank,
+                                   const SaveOptions& options) {
+  DataFileWriteOptions write_options;
+  write_options.num_threads = options.num_io_threads;
+  write_options.sync = options.sync;
+  write_options.checksum_block_bytes = kChecksumBlockBytes;
+  write_options.device_staging = options.device_staging;
+  uint64_t my_bytes = 0;
+  for (uint32_t i : items) my_bytes += local.items[i].num_bytes;
+  if (options.progress) {
+    write_options.on_progress = [&](uint64_t done) { options.progress(done, my_bytes); };
+    options.progress(0, my_bytes);  // the start: a bar's clock and total
+  }
+  const std::vector<DataFilePlan> files = PlanDataFiles(
+      local, items, options.num_io_threads, options.separate_prefixes, writer, save_id, rank);
+  return WriteDataFiles(storage, path, state, local, files, writer, save_id, write_options);
+}
+
+// The end of step 3 and step 4: every rank's write result (or error) gathered to the
+// coordinator, which commits the manifest (`global` is its plan, null elsewhere); the outcome
+// broadcast, so every rank returns the same one. COLLECTIVE.
+Result<Outcome> CommitAndShareOutcome(Comm& comm, Storage& storage, const std::string& path,
+                                      const Result<WriteResult>& written,
+                                      const GlobalSavePlan* global, const std::string& save_id,
+                                      const FormatWriter& writer, const SaveOptions& options) {
+  std::vector<Bytes> gathered;
+  TESSERA_RETURN_IF_ERROR(comm.Gather(
+      written.ok() ? Seal(Status::Ok(), EncodeWriteResult(*written)) : Seal(written.status()),
+      &gathered, kCoordinator));
+  Bytes outcome_bytes;
+  if (comm.rank() == kCoordinator) {
+    outcome_bytes = EncodeOutcome(
+        CommitOnCoordinator(comm, storage, path, *global, gathered, save_id, writer, options));
+  }
+  TESSERA_RETURN_IF_ERROR(comm.Broadcast(&outcome_bytes, kCoordinator));
+  return DecodeOutcome(outcome_bytes);
+}
+
+// Keeps this save's plan for the next save on the comm when it succeeded, else forgets the
+// cached one. Every rank saw the same outcome, so the caches stay in step.
+void UpdatePlanCache(SavePlanCache& cache, const Outcome& outcome, uint64_t plan_key,
+                     const std::vector<uint32_t>& items,
+                     std::shared_ptr<const GlobalSavePlan> global) {
+  cache.valid = outcome.status.ok();
+  if (cache.valid) {
+    cache.key = plan_key;
+    cache.items = items;
+    cache.global = std::move(global);
+  }
+}
+
+// After a failed save: this rank's data files, unless the manifest may already point at them
+// (then nothing else refers to them).
+void RemoveUncommittedFiles(Storage& storage, const std::string& path,
+                            const Result<WriteResult>& written, const Outcome& outcome) {
+  if (written.ok() && !outcome.manifest_renamed) {
+    for (const FileInfo& f : written->files) {
+      storage.Remove(JoinPath(path, f.name)).IgnoreError();
+    }
+  }
+}
+
+// This rank's report of a save that succeeded.
+SaveReport MakeReport(const std::string& save_id, const Result<WriteResult>& written,
+                      bool plan_cache_hit, const Outcome& outcome) {
+  SaveReport report;
+  report.save_id = save_id;
+  if (written.ok()) {
+    report.files_written = static_cast<int>(written->files.size());
+    for (const WrittenItem& item : written->items) report.bytes_written += item.length;
+  }
+  report.plan_cache_hit = plan_cache_hit;
+  report.total_bytes = outcome.total_bytes;
+  return report;
+}
+
+Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Comm& comm,
+                            const SaveOptions& options) {
+  // No collective at all: the comm only says who this rank is.
+  if (!options.collective) return SaveRankLocal(state, path, comm.rank(), comm.size(), options);
+  std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
+  const bool coordinator = comm.rank() == kCoordinator;
+
+  // 1. Local plan. When every rank's plan (and the options that shape the global plan) equal
+  // those of this comm's previous successful save, one all-reduce replaces the gather, the
+  // global planning and the scatter: each rank reuses its write list, the coordinator its
+  // global plan.
+  LocalSetup setup = PlanLocally(state, coordinator, options);
+  const Result<LocalPlan>& local = setup.local;
+  const FormatWriter* format_writer = setup.writer.ok() ? setup.writer->get() : nullptr;
+  const uint64_t plan_key = PlanKey(local, options, comm.size());
   std::shared_ptr<SavePlanCache> cache = comm.GetOrCreateAttachment<SavePlanCache>(
       "tessera.save_plan_cache", [] { return new SavePlanCache(); });
   const bool my_hit = options.plan_cache && local.ok() && cache->valid && cache->key == plan_key;
@@ -315,16 +427,8 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
                                      ? PrepareDirectory(*storage, path, format_writer, options)
                                      : Result<std::string>(std::string());
   Result<Preamble> preamble = AgreeOnPreamble(comm, my_hit, prepared);
-  // The coordinator removes its marker when the save ends, whatever happens.
   std::string save_id = preamble.ok() && preamble->cache_hit ? preamble->save_id : "";
-  struct MarkerGuard {
-    Storage* storage;
-    const std::string& path;
-    const std::string& save_id;
-    ~MarkerGuard() {
-      if (storage && !save_id.empty()) RemoveSaveMarker(*storage, path, save_id);
-    }
-  } marker{coordinator ? storage.get() : nullptr, path, save_id};
+  MarkerGuard marker{coordinator ? storage.get() : nullptr, path, save_id};
   if (coordinator && prepared.ok()) save_id = *prepared;
   if (!preamble.ok()) return preamble.status();
 
@@ -339,61 +443,19 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
         items, PlanWrites(comm, *storage, path, local, format_writer, options, global, save_id));
   }
 
-  // 3. Write this rank's files.
-  DataFileWriteOptions write_options;
-  write_options.num_threads = options.num_io_threads;
-  write_options.sync = options.sync;
-  write_options.checksum_block_bytes = kChecksumBlockBytes;
-  write_options.device_staging = options.device_staging;
-  uint64_t my_bytes = 0;
-  for (uint32_t i : items) my_bytes += local->items[i].num_bytes;
-  if (options.progress) {
-    write_options.on_progress = [&](uint64_t done) { options.progress(done, my_bytes); };
-    options.progress(0, my_bytes);  // the start: a bar's clock and total
-  }
-  const std::vector<DataFilePlan> files =
-      PlanDataFiles(*local, items, options.num_io_threads, options.separate_prefixes,
-                    *format_writer, save_id, rank);
-  Result<WriteResult> written =
-      WriteDataFiles(*storage, path, state, *local, files, *format_writer, save_id, write_options);
-  SaveReport report;
-  report.save_id = save_id;
-  if (written.ok()) {
-    report.files_written = static_cast<int>(written->files.size());
-    for (const WrittenItem& item : written->items) report.bytes_written += item.length;
-  }
-  std::vector<Bytes> gathered;
-  TESSERA_RETURN_IF_ERROR(comm.Gather(
-      written.ok() ? Seal(Status::Ok(), EncodeWriteResult(*written)) : Seal(written.status()),
-      &gathered, kCoordinator));
-
-  // 4. The coordinator commits the manifest, then tells everyone the outcome.
-  Bytes outcome_bytes;
-  if (coordinator) {
-    outcome_bytes = EncodeOutcome(CommitOnCoordinator(comm, *storage, path, *global, gathered,
-                                                      save_id, *format_writer, options));
-  }
-  TESSERA_RETURN_IF_ERROR(comm.Broadcast(&outcome_bytes, kCoordinator));
-  TESSERA_ASSIGN_OR_RETURN(Outcome outcome, DecodeOutcome(outcome_bytes));
-  // Every rank saw the same outcome, so the caches stay in step.
-  cache->valid = outcome.status.ok();
-  if (cache->valid) {
-    cache->key = plan_key;
-    cache->items = items;
-    cache->global = coordinator ? global : nullptr;
-  }
-  report.plan_cache_hit = preamble->cache_hit;
+  // 3. Write this rank's files; 4. the coordinator commits the manifest, then tells everyone
+  // the outcome.
+  const Result<WriteResult> written = WriteRankFiles(*storage, path, state, *local, items,
+                                                     *format_writer, save_id, comm.rank(), options);
+  TESSERA_ASSIGN_OR_RETURN(
+      Outcome outcome, CommitAndShareOutcome(comm, *storage, path, written, global.get(), save_id,
+                                             *format_writer, options));
+  UpdatePlanCache(*cache, outcome, plan_key, items, coordinator ? global : nullptr);
   if (!outcome.status.ok()) {
-    // Unless the manifest may already point at them, nothing refers to this save's files.
-    if (written.ok() && !outcome.manifest_renamed) {
-      for (const FileInfo& f : written->files) {
-        storage->Remove(JoinPath(path, f.name)).IgnoreError();
-      }
-    }
+    RemoveUncommittedFiles(*storage, path, written, outcome);
     return outcome.status;
   }
-  report.total_bytes = outcome.total_bytes;
-  return report;
+  return MakeReport(save_id, written, preamble->cache_hit, outcome);
 }
 
 }  // namespace

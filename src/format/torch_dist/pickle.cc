@@ -1,9 +1,11 @@
 #include "format/torch_dist/pickle.h"
 #include "core/hex.h"
 
+#include <array>
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <unordered_map>
 
@@ -231,6 +233,41 @@ const char* OpName(uint8_t op) {
   }
 }
 
+// Which of PickleParser's Step* functions handles an opcode: Step is one load from this table
+// and a small switch. Each Step* switch covers exactly the opcodes listed for its family here
+// (one left out of a switch would fail as an unknown opcode).
+enum class OpFamily : uint8_t {
+  kUnsupported,  // refused or undefined (StepUnsupported)
+  kFraming,
+  kStack,
+  kScalar,
+  kText,
+  kNewContainer,
+  kAddItems,
+  kMemo,
+  kRecord,
+};
+
+constexpr std::array<OpFamily, 256> kOpFamily = [] {
+  std::array<OpFamily, 256> family{};  // kUnsupported
+  auto set = [&](OpFamily f, std::initializer_list<Op> ops) {
+    for (Op op : ops) family[op] = f;
+  };
+  set(OpFamily::kFraming, {kProto, kFrame, kStop});
+  set(OpFamily::kStack, {kMark, kPop, kPopMark, kDup});
+  set(OpFamily::kScalar, {kNone, kNewTrue, kNewFalse, kBinInt1, kBinInt2, kBinInt, kLong1, kLong4,
+                          kInt, kLong, kFloat, kBinFloat});
+  set(OpFamily::kText, {kShortBinUnicode, kBinUnicode, kBinUnicode8, kShortBinString, kBinString,
+                        kShortBinBytes, kBinBytes, kBinBytes8, kByteArray8});
+  set(OpFamily::kNewContainer, {kEmptyTuple, kTuple1, kTuple2, kTuple3, kTuple, kEmptyList,
+                                kEmptyDict, kEmptySet, kList, kDict, kFrozenSet});
+  set(OpFamily::kAddItems, {kAppend, kAppends, kAddItems, kSetItem, kSetItems});
+  set(OpFamily::kMemo, {kBinPut, kLongBinPut, kMemoize, kBinGet, kLongBinGet, kPut, kGet});
+  set(OpFamily::kRecord,
+      {kGlobal, kStackGlobal, kReduce, kNewObj, kNewObjEx, kBuild, kBinPersId, kPersId});
+  return family;
+}();
+
 // Shared constant nodes, created first in every tree.
 constexpr uint32_t kNoneId = 0;
 constexpr uint32_t kFalseId = 1;
@@ -264,7 +301,18 @@ class PickleParser {
     uint32_t start, count, next, last;
   };
 
+  // One opcode `op` (== op_), its operands read from pos_ on. Step dispatches by kOpFamily to
+  // one of the Step* functions; a family's default case is never reached.
   Status Step(uint8_t op);
+  Status StepFraming(uint8_t op);
+  Status StepStack(uint8_t op);
+  Status StepScalar(uint8_t op);
+  Status StepText(uint8_t op);
+  Status StepNewContainer(uint8_t op);
+  Status StepAddItems(uint8_t op);
+  Status StepMemo(uint8_t op);
+  Status StepRecord(uint8_t op);
+  Status StepUnsupported(uint8_t op) const;
   Status Fail(std::string what) const {
     std::string message =
         std::string(source_) + ": pickle: " + what + " at offset " + std::to_string(op_offset_);
@@ -405,6 +453,9 @@ class PickleParser {
   Status OpGlobal();
   Status OpStackGlobal();
   Status OpTextNumber();
+  Status OpBinFloat();
+  Status OpContainerFromMark(PickleKind kind);
+  Status OpTextMemo(uint8_t op);
 
   Status Finalize();
   Status CheckNoKeySetTwice() const;
@@ -649,6 +700,31 @@ Status PickleParser::OpTextNumber() {
 }
 
 Status PickleParser::Step(uint8_t op) {
+  switch (kOpFamily[op]) {
+    case OpFamily::kFraming:
+      return StepFraming(op);
+    case OpFamily::kStack:
+      return StepStack(op);
+    case OpFamily::kScalar:
+      return StepScalar(op);
+    case OpFamily::kText:
+      return StepText(op);
+    case OpFamily::kNewContainer:
+      return StepNewContainer(op);
+    case OpFamily::kAddItems:
+      return StepAddItems(op);
+    case OpFamily::kMemo:
+      return StepMemo(op);
+    case OpFamily::kRecord:
+      return StepRecord(op);
+    case OpFamily::kUnsupported:
+      break;
+  }
+  return StepUnsupported(op);
+}
+
+// The protocol, framing and STOP.
+Status PickleParser::StepFraming(uint8_t op) {
   switch (op) {
     case kProto: {
       TESSERA_RETURN_IF_ERROR(Need(1));
@@ -666,6 +742,14 @@ Status PickleParser::Step(uint8_t op) {
     case kStop:
       stopped_ = true;
       return Status();
+    default:
+      return Fail("unknown opcode");
+  }
+}
+
+// Marks and the stack itself.
+Status PickleParser::StepStack(uint8_t op) {
+  switch (op) {
     case kMark:
       marks_.push_back(static_cast<uint32_t>(stack_.size()));
       return Status();
@@ -685,8 +769,14 @@ Status PickleParser::Step(uint8_t op) {
       TESSERA_ASSIGN_OR_RETURN(uint32_t id, Top());
       return Push(id);
     }
+    default:
+      return Fail("unknown opcode");
+  }
+}
 
-    // Scalars.
+// None, bools, ints and floats.
+Status PickleParser::StepScalar(uint8_t op) {
+  switch (op) {
     case kNone:
       return Push(kNoneId);
     case kNewTrue:
@@ -718,18 +808,28 @@ Status PickleParser::Step(uint8_t op) {
     case kLong:
     case kFloat:
       return OpTextNumber();
-    case kBinFloat: {
-      TESSERA_RETURN_IF_ERROR(Need(8));
-      uint64_t bits = 0;
-      for (int i = 0; i < 8; ++i) bits = (bits << 8) | data_[pos_ + i];  // big-endian
-      pos_ += 8;
-      Payload n = Zero();
-      std::memcpy(&n.f, &bits, 8);
-      TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewNode(PickleKind::kFloat, n));
-      return Push(id);
-    }
+    case kBinFloat:
+      return OpBinFloat();
+    default:
+      return Fail("unknown opcode");
+  }
+}
 
-    // Strings and bytes: views into the input.
+// BINFLOAT: an IEEE 754 double, big-endian.
+Status PickleParser::OpBinFloat() {
+  TESSERA_RETURN_IF_ERROR(Need(8));
+  uint64_t bits = 0;
+  for (int i = 0; i < 8; ++i) bits = (bits << 8) | data_[pos_ + i];  // big-endian
+  pos_ += 8;
+  Payload n = Zero();
+  std::memcpy(&n.f, &bits, 8);
+  TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewNode(PickleKind::kFloat, n));
+  return Push(id);
+}
+
+// Strings and bytes: views into the input.
+Status PickleParser::StepText(uint8_t op) {
+  switch (op) {
     case kShortBinUnicode:
       TESSERA_RETURN_IF_ERROR(Need(1));
       return PushText(PickleKind::kStr, data_[pos_++]);
@@ -766,8 +866,14 @@ Status PickleParser::Step(uint8_t op) {
       TESSERA_RETURN_IF_ERROR(Need(8));
       pos_ += 8;
       return PushText(PickleKind::kByteArray, LoadLE<uint64_t>(pos_ - 8));
+    default:
+      return Fail("unknown opcode");
+  }
+}
 
-    // Containers.
+// Tuples, lists, dicts and sets, empty or made of the items above a MARK.
+Status PickleParser::StepNewContainer(uint8_t op) {
+  switch (op) {
     case kEmptyTuple:
       return Push(kEmptyTupleId);
     case kTuple1:
@@ -792,18 +898,29 @@ Status PickleParser::Step(uint8_t op) {
     }
     case kList:
     case kDict:
-    case kFrozenSet: {
-      TESSERA_ASSIGN_OR_RETURN(size_t from, PopMark());
-      const PickleKind kind = op == kList   ? PickleKind::kList
-                              : op == kDict ? PickleKind::kDict
-                                            : PickleKind::kSet;
-      if (kind == PickleKind::kDict && (stack_.size() - from) % 2 != 0) {
-        return Fail("odd number of items for a dict");
-      }
-      TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewGrowable(kind));
-      TESSERA_RETURN_IF_ERROR(AppendChildren(id, from));
-      return Push(id);
-    }
+    case kFrozenSet:
+      return OpContainerFromMark(op == kList   ? PickleKind::kList
+                                 : op == kDict ? PickleKind::kDict
+                                               : PickleKind::kSet);
+    default:
+      return Fail("unknown opcode");
+  }
+}
+
+// LIST, DICT, FROZENSET: a container of `kind` holding the items above the MARK.
+Status PickleParser::OpContainerFromMark(PickleKind kind) {
+  TESSERA_ASSIGN_OR_RETURN(size_t from, PopMark());
+  if (kind == PickleKind::kDict && (stack_.size() - from) % 2 != 0) {
+    return Fail("odd number of items for a dict");
+  }
+  TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewGrowable(kind));
+  TESSERA_RETURN_IF_ERROR(AppendChildren(id, from));
+  return Push(id);
+}
+
+// Items added to the list, dict or set (or object) below them.
+Status PickleParser::StepAddItems(uint8_t op) {
+  switch (op) {
     case kAppend:
       if (stack_.size() < Fence() + 2) return Fail("stack underflow");
       return OpAppends(stack_.size() - 1);
@@ -819,8 +936,14 @@ Status PickleParser::Step(uint8_t op) {
       TESSERA_ASSIGN_OR_RETURN(size_t from, PopMark());
       return OpSetItems(from);
     }
+    default:
+      return Fail("unknown opcode");
+  }
+}
 
-    // Memo.
+// The memo: PUT stores the top of the stack, GET pushes what was stored.
+Status PickleParser::StepMemo(uint8_t op) {
+  switch (op) {
     case kBinPut:
       TESSERA_RETURN_IF_ERROR(Need(1));
       return Put(data_[pos_++]);
@@ -838,17 +961,27 @@ Status PickleParser::Step(uint8_t op) {
       pos_ += 4;
       return Get(LoadLE<uint32_t>(pos_ - 4));
     case kPut:
-    case kGet: {
-      TESSERA_ASSIGN_OR_RETURN(std::string_view line, Line());
-      uint64_t index = 0;
-      auto [end, ec] = std::from_chars(line.data(), line.data() + line.size(), index);
-      if (ec != std::errc() || end != line.data() + line.size() || line.empty()) {
-        return Fail("bad memo index '" + std::string(line.substr(0, 40)) + "'");
-      }
-      return op == kPut ? Put(index) : Get(index);
-    }
+    case kGet:
+      return OpTextMemo(op);
+    default:
+      return Fail("unknown opcode");
+  }
+}
 
-    // What Python would import or call: inert records.
+// PUT, GET (protocol 0): the memo index is a decimal number on one line.
+Status PickleParser::OpTextMemo(uint8_t op) {
+  TESSERA_ASSIGN_OR_RETURN(std::string_view line, Line());
+  uint64_t index = 0;
+  auto [end, ec] = std::from_chars(line.data(), line.data() + line.size(), index);
+  if (ec != std::errc() || end != line.data() + line.size() || line.empty()) {
+    return Fail("bad memo index '" + std::string(line.substr(0, 40)) + "'");
+  }
+  return op == kPut ? Put(index) : Get(index);
+}
+
+// What Python would import or call: inert records.
+Status PickleParser::StepRecord(uint8_t op) {
+  switch (op) {
     case kGlobal:
       return OpGlobal();
     case kStackGlobal:
@@ -873,7 +1006,14 @@ Status PickleParser::Step(uint8_t op) {
       TESSERA_ASSIGN_OR_RETURN(uint32_t id, NewFixed(PickleKind::kPersId, {&pid, 1}));
       return Push(id);
     }
+    default:
+      return Fail("unknown opcode");
+  }
+}
 
+// Opcodes this reader refuses (header comment), and those pickle does not define.
+Status PickleParser::StepUnsupported(uint8_t op) const {
+  switch (op) {
     case kNextBuffer:
     case kReadOnlyBuffer:
       return Fail("out-of-band buffers are not supported");

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <optional>
 
 namespace tessera::s3 {
 namespace {
@@ -141,6 +142,137 @@ TransportError Classify(CURLcode code, bool too_long, bool stalled) {
   }
 }
 
+// The outcome of a fault that answers without sending (kRespond, kReset); nullopt when the
+// request is to be sent (kPass, kResetAfterSend). Takes the fault's body.
+std::optional<HttpOutcome> AnswerWithoutSending(HttpFaultHook::Decision& fault) {
+  HttpOutcome outcome;
+  switch (fault.action) {
+    case HttpFaultHook::Action::kPass:
+    case HttpFaultHook::Action::kResetAfterSend:
+      break;
+    case HttpFaultHook::Action::kRespond:
+      outcome.response.status = fault.status;
+      outcome.response.body = std::move(fault.body);
+      outcome.response.body_bytes = outcome.response.body.size();
+      return outcome;
+    case HttpFaultHook::Action::kReset:
+      outcome.error = TransportError::kReset;
+      outcome.error_text = "injected connection reset before sending";
+      outcome.maybe_sent = false;
+      return outcome;
+  }
+  return std::nullopt;
+}
+
+// What kResetAfterSend turns a successful exchange into: the reply lost, the request sent.
+HttpOutcome ResetAfterSending() {
+  HttpOutcome outcome;
+  outcome.error = TransportError::kReset;
+  outcome.error_text = "injected connection reset after sending";
+  outcome.maybe_sent = true;
+  return outcome;
+}
+
+// The request's headers as curl takes them, with curl's own Expect and Accept suppressed. The
+// caller frees the list (curl_slist_free_all) once the transfer is over.
+curl_slist* HeaderList(const HttpRequest& request) {
+  curl_slist* headers = nullptr;
+  for (const auto& [name, value] : request.headers) {
+    headers = curl_slist_append(headers, (name + ": " + value).c_str());
+  }
+  headers = curl_slist_append(headers, "Expect:");  // no 100-continue round trip
+  headers = curl_slist_append(headers, "Accept:");
+  return headers;
+}
+
+// The limit on a request's total time: the smaller of the client's and the request's, where
+// zero means none.
+std::chrono::milliseconds TotalTimeout(const HttpOptions& options,
+                                       std::chrono::milliseconds request_timeout) {
+  std::chrono::milliseconds total = options.request_timeout;
+  if (request_timeout.count() > 0 && (total.count() == 0 || request_timeout < total)) {
+    total = request_timeout;
+  }
+  return total;
+}
+
+// How `curl` connects, whatever the request: the shared caches, HTTP/1.1, buffer sizes,
+// timeouts and TLS checks.
+void SetConnectionOptions(CURL* curl, const HttpOptions& options, CURLSH* share,
+                          curl_slist* resolve, std::chrono::milliseconds request_timeout) {
+  curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(curl, CURLOPT_SHARE, share);
+  if (resolve) curl_easy_setopt(curl, CURLOPT_RESOLVE, resolve);
+  curl_easy_setopt(curl, CURLOPT_HTTP_VERSION, CURL_HTTP_VERSION_1_1);
+  curl_easy_setopt(curl, CURLOPT_TCP_NODELAY, 1L);
+  curl_easy_setopt(curl, CURLOPT_BUFFERSIZE, static_cast<long>(CURL_MAX_READ_SIZE));
+  curl_easy_setopt(curl, CURLOPT_UPLOAD_BUFFERSIZE, 2L << 20);
+  curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS,
+                   static_cast<long>(options.connect_timeout.count()));
+  const std::chrono::milliseconds total = TotalTimeout(options, request_timeout);
+  if (total.count() > 0)
+    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, static_cast<long>(total.count()));
+  curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, options.verify_tls ? 1L : 0L);
+  curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, options.verify_tls ? 2L : 0L);
+  if (!options.ca_bundle.empty()) curl_easy_setopt(curl, CURLOPT_CAINFO, options.ca_bundle.c_str());
+}
+
+// What `curl` sends and where the reply goes: the URL, headers and method, and the callbacks
+// (stall watchdog, body, reply) on `transfer`. `headers`, `error_buffer` and `transfer` must
+// outlive the transfer.
+void SetRequestOptions(CURL* curl, const HttpRequest& request, curl_slist* headers,
+                       char* error_buffer, Transfer* transfer) {
+  curl_easy_setopt(curl, CURLOPT_URL, request.url.c_str());
+  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
+  curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, error_buffer);
+  curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
+  curl_easy_setopt(curl, CURLOPT_XFERINFOFUNCTION, &Progress);
+  curl_easy_setopt(curl, CURLOPT_XFERINFODATA, transfer);
+  if (request.method == "HEAD") {
+    curl_easy_setopt(curl, CURLOPT_NOBODY, 1L);
+  } else if (request.method == "PUT" || request.method == "POST") {
+    curl_easy_setopt(curl, CURLOPT_UPLOAD, 1L);
+    curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(request.body.size()));
+    curl_easy_setopt(curl, CURLOPT_READFUNCTION, &ReadBody);
+    curl_easy_setopt(curl, CURLOPT_READDATA, transfer);
+    curl_easy_setopt(curl, CURLOPT_SEEKFUNCTION, &SeekBody);
+    curl_easy_setopt(curl, CURLOPT_SEEKDATA, transfer);
+    curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());
+  } else if (request.method != "GET") {
+    curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());
+  }
+  curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, &WriteBody);
+  curl_easy_setopt(curl, CURLOPT_WRITEDATA, transfer);
+  curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, &WriteHeader);
+  curl_easy_setopt(curl, CURLOPT_HEADERDATA, transfer);
+}
+
+// Fills `outcome` from curl_easy_perform's `code`: the reply's status, or the error, its text
+// and whether the server may have seen the request.
+void RecordResult(CURLcode code, const Transfer& transfer, const char* error_buffer,
+                  const HttpOptions& options, HttpOutcome& outcome) {
+  long request_size = 0;
+  curl_easy_getinfo(transfer.curl, CURLINFO_REQUEST_SIZE, &request_size);
+  if (code == CURLE_OK) {
+    curl_easy_getinfo(transfer.curl, CURLINFO_RESPONSE_CODE, &outcome.response.status);
+    return;
+  }
+  outcome.error = Classify(code, transfer.too_long, transfer.stalled);
+  outcome.error_text = error_buffer[0] != '\0' ? error_buffer : curl_easy_strerror(code);
+  if (transfer.stalled) {
+    outcome.error_text =
+        "no byte moved for " + std::to_string(options.stall_timeout.count()) + " ms";
+  }
+  if (transfer.too_long) {
+    const std::span<std::byte> sink = transfer.request->sink;
+    outcome.error_text = "the reply is longer than the " +
+                         std::to_string(sink.empty() ? options.max_body_bytes : sink.size()) +
+                         " bytes expected";
+  }
+  // Nothing of the request left this machine: the server cannot have acted on it.
+  outcome.maybe_sent = request_size > 0 && outcome.error != TransportError::kConnect;
+}
+
 }  // namespace
 
 const std::string* HttpResponse::Header(std::string_view name) const {
@@ -209,25 +341,12 @@ void HttpClient::Release(void* handle) {
 }
 
 HttpOutcome HttpClient::Perform(const HttpRequest& request) {
-  HttpOutcome outcome;
   HttpFaultHook::Decision fault;
   if (options_.fault_hook) fault = options_.fault_hook->Before(request);
-  switch (fault.action) {
-    case HttpFaultHook::Action::kPass:
-    case HttpFaultHook::Action::kResetAfterSend:
-      break;
-    case HttpFaultHook::Action::kRespond:
-      outcome.response.status = fault.status;
-      outcome.response.body = std::move(fault.body);
-      outcome.response.body_bytes = outcome.response.body.size();
-      return outcome;
-    case HttpFaultHook::Action::kReset:
-      outcome.error = TransportError::kReset;
-      outcome.error_text = "injected connection reset before sending";
-      outcome.maybe_sent = false;
-      return outcome;
-  }
+  if (std::optional<HttpOutcome> answered = AnswerWithoutSending(fault))
+    return *std::move(answered);
 
+  HttpOutcome outcome;
   CURL* curl = static_cast<CURL*>(Acquire());
   if (curl == nullptr) {
     outcome.error = TransportError::kOther;
@@ -239,88 +358,18 @@ HttpOutcome HttpClient::Perform(const HttpRequest& request) {
   Transfer transfer{&request, &outcome.response, curl, options_.max_body_bytes,
                     options_.stall_timeout};
   char error_buffer[CURL_ERROR_SIZE] = {};
-
-  curl_slist* headers = nullptr;
-  for (const auto& [name, value] : request.headers) {
-    headers = curl_slist_append(headers, (name + ": " + value).c_str());
-  }
-  headers = curl_slist_append(headers, "Expect:");  // no 100-continue round trip
-  headers = curl_slist_append(headers, "Accept:");
-
-  curl_easy_setopt(curl, CURLOPT_URL, request.url.c_str());
-  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
-  curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, error_buffer);
-  curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(curl, CURLOPT_SHARE, share_->share);
-  if (share_->resolve) curl_easy_setopt(curl, CURLOPT_RESOLVE, share_->resolve);
-  curl_easy_setopt(curl, CURLOPT_HTTP_VERSION, CURL_HTTP_VERSION_1_1);
-  curl_easy_setopt(curl, CURLOPT_TCP_NODELAY, 1L);
-  curl_easy_setopt(curl, CURLOPT_BUFFERSIZE, static_cast<long>(CURL_MAX_READ_SIZE));
-  curl_easy_setopt(curl, CURLOPT_UPLOAD_BUFFERSIZE, 2L << 20);
-  curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS,
-                   static_cast<long>(options_.connect_timeout.count()));
-  curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
-  curl_easy_setopt(curl, CURLOPT_XFERINFOFUNCTION, &Progress);
-  curl_easy_setopt(curl, CURLOPT_XFERINFODATA, &transfer);
-  std::chrono::milliseconds total = options_.request_timeout;
-  if (request.timeout.count() > 0 && (total.count() == 0 || request.timeout < total)) {
-    total = request.timeout;
-  }
-  if (total.count() > 0)
-    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, static_cast<long>(total.count()));
-  curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, options_.verify_tls ? 1L : 0L);
-  curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, options_.verify_tls ? 2L : 0L);
-  if (!options_.ca_bundle.empty())
-    curl_easy_setopt(curl, CURLOPT_CAINFO, options_.ca_bundle.c_str());
-
-  if (request.method == "HEAD") {
-    curl_easy_setopt(curl, CURLOPT_NOBODY, 1L);
-  } else if (request.method == "PUT" || request.method == "POST") {
-    curl_easy_setopt(curl, CURLOPT_UPLOAD, 1L);
-    curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(request.body.size()));
-    curl_easy_setopt(curl, CURLOPT_READFUNCTION, &ReadBody);
-    curl_easy_setopt(curl, CURLOPT_READDATA, &transfer);
-    curl_easy_setopt(curl, CURLOPT_SEEKFUNCTION, &SeekBody);
-    curl_easy_setopt(curl, CURLOPT_SEEKDATA, &transfer);
-    curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());
-  } else if (request.method != "GET") {
-    curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());
-  }
-  curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, &WriteBody);
-  curl_easy_setopt(curl, CURLOPT_WRITEDATA, &transfer);
-  curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, &WriteHeader);
-  curl_easy_setopt(curl, CURLOPT_HEADERDATA, &transfer);
+  curl_slist* headers = HeaderList(request);
+  SetConnectionOptions(curl, options_, share_->share, share_->resolve, request.timeout);
+  SetRequestOptions(curl, request, headers, error_buffer, &transfer);
 
   const CURLcode code = curl_easy_perform(curl);
-  long request_size = 0;
-  curl_easy_getinfo(curl, CURLINFO_REQUEST_SIZE, &request_size);
-  if (code == CURLE_OK) {
-    curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &outcome.response.status);
-  } else {
-    outcome.error = Classify(code, transfer.too_long, transfer.stalled);
-    outcome.error_text = error_buffer[0] != '\0' ? error_buffer : curl_easy_strerror(code);
-    if (transfer.stalled) {
-      outcome.error_text =
-          "no byte moved for " + std::to_string(options_.stall_timeout.count()) + " ms";
-    }
-    if (transfer.too_long) {
-      outcome.error_text =
-          "the reply is longer than the " +
-          std::to_string(request.sink.empty() ? options_.max_body_bytes : request.sink.size()) +
-          " bytes expected";
-    }
-    // Nothing of the request left this machine: the server cannot have acted on it.
-    outcome.maybe_sent = request_size > 0 && outcome.error != TransportError::kConnect;
-  }
+  RecordResult(code, transfer, error_buffer, options_, outcome);
   curl_slist_free_all(headers);
   Release(curl);
 
   if (outcome.error == TransportError::kNone &&
       fault.action == HttpFaultHook::Action::kResetAfterSend) {
-    outcome = HttpOutcome{};
-    outcome.error = TransportError::kReset;
-    outcome.error_text = "injected connection reset after sending";
-    outcome.maybe_sent = true;
+    return ResetAfterSending();
   }
   return outcome;
 }
