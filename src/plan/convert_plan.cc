@@ -137,8 +137,7 @@ Result<ConvertPlan> PlanConversion(const Metadata& metadata, const ConvertPlanOp
       }
       if (plan.skipped_objects.size() > 5) list += ", ...";
       return InvalidArgument("nothing to export: the keys selected are only objects (" + list +
-                             "), which " + CheckpointFormatName(options.format) +
-                             " files cannot hold");
+                             "), which " + options.format_name + " files cannot hold");
     }
     std::string prefixes;
     for (const std::string& p : options.key_prefixes) prefixes += " '" + p + "'";

@@ -22,8 +22,8 @@
 namespace tessera {
 
 struct ConvertPlanOptions {
-  // The output format (named in messages).
-  CheckpointFormat format = CheckpointFormat::kTessera;
+  // The output format's name, for messages (Format::name: planning knows no registry).
+  std::string format_name = "tessera";
   // Objects are exported only to formats that can hold them (tessera); otherwise they are
   // listed in ConvertPlan::skipped_objects.
   bool keep_objects = false;

@@ -132,7 +132,7 @@ TEST(ConvertPlanTest, NothingToExportIsAnError) {
   EXPECT_THAT(PlanConversion(Source(), options).status().message(),
               HasSubstr("no key to export starts with any of the prefixes 'none.'"));
   options.key_prefixes = {"step"};
-  options.format = CheckpointFormat::kSafetensors;
+  options.format_name = "safetensors";
   EXPECT_THAT(PlanConversion(Source(), options).status().message(),
               HasSubstr("only objects ('step'), which safetensors files cannot hold"));
 }
