@@ -389,6 +389,7 @@ Result<ConvertPlan> PlanOutput(const CheckpointIndex& index, const ConvertOption
   plan_options.format_name = FormatName(options.to);
   plan_options.keep_objects = writer.StoresObjects();
   plan_options.max_file_bytes = options.max_file_bytes;
+  plan_options.one_item_per_file = writer.OneFilePerItem();
   plan_options.key_prefixes = options.keys;
   plan_options.strip_prefix = options.strip_prefix;
   plan_options.dtype = options.dtype;

@@ -30,6 +30,9 @@ struct ConvertPlanOptions {
   // Output files hold at most this many data bytes, unless one tensor alone is larger (it
   // then has a file of its own). Must be > 0.
   uint64_t max_file_bytes = 5'000'000'000;
+  // Every tensor and object in a file of its own, whatever its size (a format that stores one
+  // item per file: FormatWriter::OneFilePerItem).
+  bool one_item_per_file = false;
   // Keep only keys starting with one of these (all when empty).
   std::vector<std::string> key_prefixes;
   // Removed from the start of every key that has it.
