@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "format/registry.h"
+#include "format/testing/raw_dir_format.h"
 #include "suite/format_suite.h"
 
 namespace tessera {
@@ -22,6 +23,7 @@ std::vector<suite::FormatUnderTest> Formats() {
       {&FormatOf(CheckpointFormat::kTessera), false, /*index_checksum=*/true},
       {&FormatOf(CheckpointFormat::kTorchDist), false, /*index_checksum=*/false},
       {&FormatOf(CheckpointFormat::kSafetensors), false, /*index_checksum=*/false},
+      {&testing::RawDirFormat(), /*register_for_test=*/true, /*index_checksum=*/true},
   };
 }
 
