@@ -386,9 +386,10 @@ namespace {
 Result<ConvertPlan> PlanOutput(const CheckpointIndex& index, const ConvertOptions& options,
                                const FormatWriter& writer, int num_ranks) {
   ConvertPlanOptions plan_options;
-  plan_options.format = options.to;
+  plan_options.format_name = FormatName(options.to);
   plan_options.keep_objects = writer.StoresObjects();
   plan_options.max_file_bytes = options.max_file_bytes;
+  plan_options.one_item_per_file = writer.OneFilePerItem();
   plan_options.key_prefixes = options.keys;
   plan_options.strip_prefix = options.strip_prefix;
   plan_options.dtype = options.dtype;

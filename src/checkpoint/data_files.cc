@@ -169,6 +169,10 @@ std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector
   std::vector<DataFilePlan> files;
   for (std::vector<uint32_t>& group : groups) {
     if (group.empty()) continue;
+    if (writer.OneFilePerItem()) {
+      for (uint32_t i : group) files.push_back(DataFilePlan{"", {i}});
+      continue;
+    }
     const size_t count =
         static_cast<size_t>(std::max(1, std::min<int>(files_per_group, group.size())));
     std::stable_sort(group.begin(), group.end(), [&](uint32_t a, uint32_t b) {

@@ -31,9 +31,10 @@ struct DataFilePlan {
 // Splits `items` (indices into `plan`) over data files: one group of files for the items whose
 // key starts with each of `separate_prefixes` (the longest matching prefix wins), one for the
 // rest; each group over up to `files_per_group` files, balancing bytes (largest first to the
-// least loaded). Within a file, tensors come first, by key and box, then objects by key: the
-// manifest's order, which its encoding rewards (docs/FORMAT.md, section 3.5). Files are named
-// writer.DataFileName(save_id, rank, f, attempt).
+// least loaded); or, when the format stores one item per file (FormatWriter::OneFilePerItem),
+// each item in a file of its own. Within a file, tensors come first, by key and box, then
+// objects by key: the manifest's order, which its encoding rewards (docs/FORMAT.md, section
+// 3.5). Files are named writer.DataFileName(save_id, rank, f, attempt).
 std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector<uint32_t>& items,
                                         int files_per_group,
                                         const std::vector<std::string>& separate_prefixes,

@@ -32,7 +32,7 @@ constexpr int kCoordinator = 0;
 
 }  // namespace
 
-// Rank 0 reads the index and broadcasts it: [root][manifest encoding of the metadata]; every
+// Rank 0 reads the index and broadcasts it: [root][EncodeCarriedIndex of the metadata]; every
 // rank decodes it. One read of storage for the whole job. COLLECTIVE.
 Result<CheckpointIndex> ReadAndShareIndex(Comm& comm, Storage& storage, const std::string& path) {
   Bytes message;
@@ -41,7 +41,7 @@ Result<CheckpointIndex> ReadAndShareIndex(Comm& comm, Storage& storage, const st
     if (index.ok()) {
       Bytes payload;
       ByteWriter(&payload).PutString(index->root);
-      const Bytes encoded = EncodeManifest(index->metadata);
+      const Bytes encoded = EncodeCarriedIndex(index->metadata);
       payload.insert(payload.end(), encoded.begin(), encoded.end());
       message = Seal(Status::Ok(), std::move(payload));
     } else {
@@ -54,8 +54,8 @@ Result<CheckpointIndex> ReadAndShareIndex(Comm& comm, Storage& storage, const st
   ByteReader reader(payload);
   TESSERA_RETURN_IF_ERROR(reader.GetString(&index.root));
   TESSERA_ASSIGN_OR_RETURN(index.metadata,
-                           DecodeManifest(payload.subspan(reader.position()),
-                                          "the index of " + path + " sent by rank 0"));
+                           DecodeCarriedIndex(payload.subspan(reader.position()),
+                                              "the index of " + path + " sent by rank 0"));
   return index;
 }
 

@@ -26,6 +26,7 @@
 #include "core/hex.h"
 #include "core/utf8.h"
 #include "format/checkpoint_index.h"
+#include "format/registry.h"
 #include "format/tessera/data_file_rewrite.h"
 #include "format/tessera/manifest.h"
 
@@ -421,7 +422,7 @@ Result<RemoveKeysReport> RemoveKeys(const std::string& path,
   const Metadata& old = index.metadata;
   if (old.format != CheckpointFormat::kTessera) {
     return FailedPrecondition("cannot remove keys from " + path + ": it is a " +
-                              CheckpointFormatName(old.format) +
+                              FormatName(old.format) +
                               " checkpoint, and RemoveKeys rewrites tessera checkpoints only "
                               "(convert it to tessera first)");
   }

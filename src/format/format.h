@@ -68,9 +68,11 @@ class Format {
   virtual ~Format() = default;
 
   // The format's enum value and name ("tessera", "torch_dist", "safetensors"): the names users
-  // give to --to and SaveOptions, and that Metadata::format reports.
+  // give to --to and SaveOptions, and that Metadata::format reports. A format registered for
+  // tests (registry.h, ScopedFormatRegistration) has an id outside the enumerators and names
+  // itself; the default name is CheckpointFormatName's.
   virtual CheckpointFormat id() const = 0;
-  const char* name() const { return CheckpointFormatName(id()); }
+  virtual const char* name() const { return CheckpointFormatName(id()); }
   // What makes a directory one of its checkpoints, for the error that finds none (e.g.
   // "PyTorch DCP .metadata").
   virtual std::string_view commit_description() const = 0;

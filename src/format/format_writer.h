@@ -117,6 +117,10 @@ class FormatWriter {
   virtual Status CheckTarget(const std::string& dir, const std::vector<std::string>& names) const {
     return Status::Ok();
   }
+  // Whether every item (tensor chunk or object) goes into a data file of its own, whatever its
+  // size: the engine then gives NewDataFile one item at a time (a save's PlanDataFiles, a
+  // conversion's plan). False: the engine groups items into files (one per I/O thread).
+  virtual bool OneFilePerItem() const { return false; }
   // Whether the engine checksums each item's blocks as it writes them (tessera's XXH3 blocks,
   // Metadata::checksum_block_bytes). False for a format whose framing carries its own
   // checksums (DCP's zip CRC-32) or none.

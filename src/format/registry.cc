@@ -1,22 +1,43 @@
 #include "format/registry.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "format/huggingface/hf_format.h"
 #include "format/tessera/tessera_format.h"
 #include "format/torch_dist/dcp_format.h"
 
 namespace tessera {
 
-const std::vector<const Format*>& RegisteredFormats() {
+namespace {
+
+// The table; ScopedFormatRegistration appends to it and removes from it, for tests.
+std::vector<const Format*>& Table() {
   // Detection order: formats with commit files first (tessera before DCP: a tessera directory
   // never holds .metadata, and rank manifests beside a DCP checkpoint are tessera's), then the
   // format whose data files alone are a checkpoint.
-  static const std::vector<const Format*> formats = {
+  static std::vector<const Format*> formats = {
       &TesseraFormat(),
       &TorchDistFormat(),
       &HuggingFaceFormat(),
   };
   return formats;
 }
+
+}  // namespace
+
+const std::vector<const Format*>& RegisteredFormats() { return Table(); }
+
+ScopedFormatRegistration::ScopedFormatRegistration(const Format& format) : format_(&format) {
+  if (FindFormat(format.id()) != nullptr || FindFormat(format.name()) != nullptr) {
+    std::fprintf(stderr, "ScopedFormatRegistration: format %s (id %d) is already registered\n",
+                 format.name(), static_cast<int>(format.id()));
+    std::abort();
+  }
+  Table().push_back(format_);
+}
+
+ScopedFormatRegistration::~ScopedFormatRegistration() { std::erase(Table(), format_); }
 
 const Format* FindFormat(CheckpointFormat id) {
   for (const Format* format : RegisteredFormats()) {
@@ -35,6 +56,11 @@ const Format* FindFormat(std::string_view name) {
     if (name == format->name()) return format;
   }
   return nullptr;
+}
+
+const char* FormatName(CheckpointFormat id) {
+  const Format* format = FindFormat(id);
+  return format ? format->name() : CheckpointFormatName(id);
 }
 
 std::string FormatNames() {

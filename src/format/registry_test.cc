@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 
 #include "format/tessera/names.h"
@@ -102,6 +103,60 @@ TEST(RegistryTest, CountedFilesAreTheFormatsOwn) {
   EXPECT_TRUE(dcp.CountsFile("common.pt", DirectoryClaim::kCommitted));  // Megatron's
   EXPECT_FALSE(dcp.CountsFile("common.pt", DirectoryClaim::kUnfinished));
   EXPECT_TRUE(dcp.CountsFile("__1_0.distcp", DirectoryClaim::kUnfinished));
+}
+
+// A format only tests register: claims "fake.index", names itself.
+class FakeFormat final : public Format {
+ public:
+  CheckpointFormat id() const override { return static_cast<CheckpointFormat>(100); }
+  const char* name() const override { return "fake"; }
+  std::string_view commit_description() const override { return "fake.index"; }
+  DirectoryClaim Claim(const std::vector<std::string>& names) const override {
+    return std::binary_search(names.begin(), names.end(), "fake.index") ? DirectoryClaim::kCommitted
+                                                                        : DirectoryClaim::kNone;
+  }
+  bool CountsFile(std::string_view name, DirectoryClaim) const override {
+    return name == "fake.index";
+  }
+  Result<FormatIndex> ReadIndex(Storage&, const std::string& dir,
+                                const std::vector<std::string>&) const override {
+    return FailedPrecondition(dir + ": fake");
+  }
+  bool DataFilesHaveHeaders() const override { return false; }
+};
+
+TEST(RegistryTest, ATestFormatIsRegisteredForTheScopeOfItsRegistration) {
+  const FakeFormat fake;
+  const CheckpointFormat id = fake.id();
+  EXPECT_EQ(FindFormat(id), nullptr);
+  EXPECT_STREQ(FormatName(id), "unknown");
+  {
+    const ScopedFormatRegistration registration(fake);
+    EXPECT_EQ(FindFormat(id), &fake);
+    EXPECT_EQ(FindFormat("fake"), &fake);
+    EXPECT_EQ(&FormatOf(id), &fake);
+    EXPECT_STREQ(FormatName(id), "fake");
+    EXPECT_EQ(RegisteredFormats().back(), &fake);  // last in detection order
+    EXPECT_EQ(FormatNames(), "tessera, torch_dist, safetensors, fake");
+    const FormatChoice choice = ChooseFormats({"fake.index"});
+    ASSERT_EQ(choice.committed.size(), 1u);
+    EXPECT_EQ(choice.primary(), &fake);
+    // A tessera commit beside it is read first.
+    EXPECT_EQ(ChooseFormats(Sorted({"fake.index", NumberedManifestName(1)})).primary()->id(),
+              CheckpointFormat::kTessera);
+  }
+  EXPECT_EQ(FindFormat(id), nullptr);
+  EXPECT_EQ(FindFormat("fake"), nullptr);
+  EXPECT_EQ(RegisteredFormats().size(), 3u);
+  // The enumerators keep their names.
+  EXPECT_STREQ(FormatName(CheckpointFormat::kTorchDist), "torch_dist");
+  EXPECT_STREQ(CheckpointFormatName(CheckpointFormat::kSafetensors), "safetensors");
+}
+
+TEST(RegistryDeathTest, RegisteringAFormatTwiceAborts) {
+  const FakeFormat fake;
+  const ScopedFormatRegistration registration(fake);
+  EXPECT_DEATH(ScopedFormatRegistration again(fake), "already registered");
 }
 
 }  // namespace

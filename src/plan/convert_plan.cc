@@ -30,13 +30,15 @@ Status CheckUniqueNames(const std::vector<T>& sorted, const std::vector<std::str
   return Status::Ok();
 }
 
-// Groups tensors, then objects, into files of at most max_file_bytes (a larger item alone).
-void GroupIntoFiles(uint64_t max_file_bytes, ConvertPlan& plan) {
+// Groups tensors, then objects, into files of at most max_file_bytes (a larger item alone), or
+// each item into a file of its own.
+void GroupIntoFiles(uint64_t max_file_bytes, bool one_item_per_file, ConvertPlan& plan) {
   auto place = [&](uint64_t bytes, uint32_t& file, uint64_t& offset) {
     // A new file when this item would overflow the current one (an item without bytes never
     // does; one larger than the limit gets a file to itself).
-    if (plan.files.empty() || (plan.files.back().data_bytes > 0 && bytes > 0 &&
-                               plan.files.back().data_bytes + bytes > max_file_bytes)) {
+    if (plan.files.empty() || one_item_per_file ||
+        (plan.files.back().data_bytes > 0 && bytes > 0 &&
+         plan.files.back().data_bytes + bytes > max_file_bytes)) {
       plan.files.emplace_back();
     }
     OutputFile& f = plan.files.back();
@@ -137,8 +139,7 @@ Result<ConvertPlan> PlanConversion(const Metadata& metadata, const ConvertPlanOp
       }
       if (plan.skipped_objects.size() > 5) list += ", ...";
       return InvalidArgument("nothing to export: the keys selected are only objects (" + list +
-                             "), which " + CheckpointFormatName(options.format) +
-                             " files cannot hold");
+                             "), which " + options.format_name + " files cannot hold");
     }
     std::string prefixes;
     for (const std::string& p : options.key_prefixes) prefixes += " '" + p + "'";
@@ -147,7 +148,7 @@ Result<ConvertPlan> PlanConversion(const Metadata& metadata, const ConvertPlanOp
                                : "no key to export starts with any of the prefixes" + prefixes);
   }
   for (const OutputTensor& t : plan.tensors) plan.total_tensor_bytes += t.bytes;
-  GroupIntoFiles(options.max_file_bytes, plan);
+  GroupIntoFiles(options.max_file_bytes, options.one_item_per_file, plan);
   AssignRanks(options.num_ranks, plan.files);
   return plan;
 }

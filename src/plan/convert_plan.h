@@ -22,14 +22,17 @@
 namespace tessera {
 
 struct ConvertPlanOptions {
-  // The output format (named in messages).
-  CheckpointFormat format = CheckpointFormat::kTessera;
+  // The output format's name, for messages (Format::name: planning knows no registry).
+  std::string format_name = "tessera";
   // Objects are exported only to formats that can hold them (tessera); otherwise they are
   // listed in ConvertPlan::skipped_objects.
   bool keep_objects = false;
   // Output files hold at most this many data bytes, unless one tensor alone is larger (it
   // then has a file of its own). Must be > 0.
   uint64_t max_file_bytes = 5'000'000'000;
+  // Every tensor and object in a file of its own, whatever its size (a format that stores one
+  // item per file: FormatWriter::OneFilePerItem).
+  bool one_item_per_file = false;
   // Keep only keys starting with one of these (all when empty).
   std::vector<std::string> key_prefixes;
   // Removed from the start of every key that has it.

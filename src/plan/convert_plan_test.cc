@@ -69,6 +69,26 @@ TEST(ConvertPlanTest, SelectsRenamesAndSkipsObjectsTheTargetCannotHold) {
   EXPECT_EQ(file.data_bytes, 144u + 5u + 3u);
 }
 
+TEST(ConvertPlanTest, OneItemPerFileGivesEveryTensorAndObjectAFileOfItsOwn) {
+  Metadata source = Source();
+  source.tensors.insert(source.tensors.begin() + 4, Tensor("model.empty", DType::kF32, {0}));
+  ConvertPlanOptions options;
+  options.keep_objects = true;
+  options.one_item_per_file = true;
+  options.num_ranks = 2;
+  ASSERT_OK_AND_ASSIGN(ConvertPlan plan, PlanConversion(source, options));
+  ASSERT_EQ(plan.files.size(), 8u);  // an empty tensor too
+  for (uint32_t i = 0; i < plan.tensors.size(); ++i) {
+    EXPECT_THAT(plan.files[i].tensors, ElementsAre(i));
+    EXPECT_TRUE(plan.files[i].objects.empty());
+    EXPECT_EQ(plan.tensors[i].file, i);
+    EXPECT_EQ(plan.tensors[i].offset, 0u);
+  }
+  EXPECT_THAT(plan.files[6].objects, ElementsAre(0));
+  EXPECT_THAT(plan.files[7].objects, ElementsAre(1));
+  EXPECT_EQ(plan.objects[1].offset, 0u);
+}
+
 TEST(ConvertPlanTest, OnlyFloatsChangeDtype) {
   ConvertPlanOptions options;
   options.dtype = DType::kBF16;
@@ -132,7 +152,7 @@ TEST(ConvertPlanTest, NothingToExportIsAnError) {
   EXPECT_THAT(PlanConversion(Source(), options).status().message(),
               HasSubstr("no key to export starts with any of the prefixes 'none.'"));
   options.key_prefixes = {"step"};
-  options.format = CheckpointFormat::kSafetensors;
+  options.format_name = "safetensors";
   EXPECT_THAT(PlanConversion(Source(), options).status().message(),
               HasSubstr("only objects ('step'), which safetensors files cannot hold"));
 }

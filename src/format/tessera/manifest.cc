@@ -456,11 +456,28 @@ Bytes WithHeaderAndChecksum(uint32_t version, const Bytes& body) {
 }  // namespace
 
 Bytes EncodeManifest(const Metadata& m) {
-  return WithHeaderAndChecksum(kFormatVersion, EncodeBody(m, kFormatVersion));
+  return WithHeaderAndChecksum(kFormatVersion, EncodeBody(m, kFormatVersion, m.format));
 }
 
 Bytes EncodeManifestVersion2(const Metadata& m) {
-  return WithHeaderAndChecksum(2, EncodeBody(m, 2));
+  return WithHeaderAndChecksum(2, EncodeBody(m, 2, m.format));
+}
+
+Bytes EncodeCarriedIndex(const Metadata& m) {
+  const Bytes manifest = WithHeaderAndChecksum(
+      kFormatVersion, EncodeBody(m, kFormatVersion, CheckpointFormat::kTessera));
+  Bytes out;
+  out.reserve(1 + manifest.size());
+  out.push_back(static_cast<uint8_t>(m.format));
+  out.insert(out.end(), manifest.begin(), manifest.end());
+  return out;
+}
+
+Result<Metadata> DecodeCarriedIndex(std::span<const uint8_t> bytes, std::string_view source) {
+  if (bytes.empty()) return DataLoss(std::string(source) + ": an empty index");
+  TESSERA_ASSIGN_OR_RETURN(Metadata m, DecodeManifest(bytes.subspan(1), source));
+  m.format = static_cast<CheckpointFormat>(bytes[0]);
+  return m;
 }
 
 Bytes EncodeManifestVersion1(const Metadata& m) {

@@ -40,9 +40,16 @@ Result<uint64_t> CheckManifestHeader(std::span<const uint8_t> prefix, uint64_t f
 // The error of a manifest whose trailing checksum does not match its bytes.
 Status ManifestChecksumMismatch(std::string_view source);
 
-// Serialises `metadata` in version kFormatVersion (format_version is ignored). The same
-// encoding carries the metadata of other formats between ranks (Metadata::format says which).
+// Serialises `metadata` in version kFormatVersion (format_version is ignored).
 Bytes EncodeManifest(const Metadata& metadata);
+// The encoding that carries the index of any registered format: between ranks (a load's
+// ReadAndShareIndex) and through CheckAsManifest. A stored manifest records one of
+// CheckpointFormat's enumerators as its source format (docs/FORMAT.md, 3.5: any other value is
+// corrupt), and a format registered for tests (format/registry.h) has an id outside them, so
+// this is the manifest of `metadata` recording tessera, after one byte holding
+// Metadata::format. DecodeCarriedIndex checks what DecodeManifest checks.
+Bytes EncodeCarriedIndex(const Metadata& metadata);
+Result<Metadata> DecodeCarriedIndex(std::span<const uint8_t> bytes, std::string_view source);
 // Version 2, which knows no commit sequence number and no references (they are dropped). For
 // tests of the reader of version-2 directories.
 Bytes EncodeManifestVersion2(const Metadata& metadata);

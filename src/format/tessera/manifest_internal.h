@@ -52,8 +52,8 @@ Result<Metadata> DecodeBodyVersion1(std::span<const uint8_t> body, std::string_v
 // Versions 2 and 3 (3 adds the commit sequence number and references, docs/FORMAT.md 3.6).
 Result<Metadata> DecodeBody(std::span<const uint8_t> body, std::string_view source,
                             uint32_t version);
-// The version 2 or 3 body of `m`.
-Bytes EncodeBody(const Metadata& m, uint32_t version);
+// The version 2 or 3 body of `m`, recording `format` as its source format.
+Bytes EncodeBody(const Metadata& m, uint32_t version, CheckpointFormat format);
 
 }  // namespace tessera::manifest_internal
 

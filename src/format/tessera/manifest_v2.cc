@@ -641,13 +641,13 @@ Result<Metadata> DecoderV2::Decode() {
 
 }  // namespace
 
-Bytes EncodeBody(const Metadata& m, uint32_t version) {
+Bytes EncodeBody(const Metadata& m, uint32_t version, CheckpointFormat format) {
   Bytes out;
   uint64_t chunks = 0;
   for (const TensorInfo& t : m.tensors) chunks += t.chunks.size();
   out.reserve(256 + chunks * 16 + m.files.size() * 24 + m.objects.size() * 32);
   Encoder e(&out);
-  e.U8(static_cast<uint8_t>(m.format));
+  e.U8(static_cast<uint8_t>(format));
   e.U8(static_cast<uint8_t>(m.checksum));
   e.Varint(m.checksum_block_bytes);
   if (m.part_rank >= 0) {

@@ -75,6 +75,30 @@ TEST(ManifestV3Test, WholeManifestRoundTripsWithItsCommitNumber) {
   EXPECT_EQ(old.commit_seq, 0u);
 }
 
+// The carried index (between ranks, and CheckAsManifest's check) holds any format id, one a
+// test registered too; a stored manifest holds only CheckpointFormat's enumerators.
+TEST(ManifestV3Test, TheCarriedIndexHoldsAnyFormatId) {
+  Metadata m = Whole();
+  m.format = static_cast<CheckpointFormat>(100);
+  const Bytes carried = EncodeCarriedIndex(m);
+  EXPECT_EQ(carried[0], 100);
+  ASSERT_OK_AND_ASSIGN(Metadata decoded, DecodeCarriedIndex(carried, kSource));
+  Metadata want = m;
+  want.format_version = 3;
+  EXPECT_EQ(decoded, want);
+  const Bytes stored = EncodeManifest(m);
+  EXPECT_THAT(DecodeManifest(stored, kSource).status().message(),
+              HasSubstr("unknown source format 100"));
+  // What the carried bytes hold after the id is a manifest naming tessera, and every check of
+  // one applies.
+  ASSERT_OK_AND_ASSIGN(Metadata inner, DecodeManifest(std::span(carried).subspan(1), kSource));
+  EXPECT_EQ(inner.format, CheckpointFormat::kTessera);
+  Bytes damaged = carried;
+  damaged.back() ^= 1;
+  EXPECT_EQ(DecodeCarriedIndex(damaged, kSource).status().code(), StatusCode::kDataLoss);
+  EXPECT_EQ(DecodeCarriedIndex({}, kSource).status().code(), StatusCode::kDataLoss);
+}
+
 TEST(ManifestV3Test, ReferenceRoundTripsAndHoldsNothingElse) {
   const Bytes bytes = EncodeManifest(Reference());
   EXPECT_LT(bytes.size(), 64u);

@@ -263,8 +263,8 @@ const Format& TesseraFormat() {
 }
 
 Result<Metadata> CheckAsManifest(const Metadata& metadata, const std::string& what) {
-  TESSERA_ASSIGN_OR_RETURN(Metadata checked,
-                           DecodeManifest(EncodeManifest(metadata), "the index of " + what));
+  TESSERA_ASSIGN_OR_RETURN(
+      Metadata checked, DecodeCarriedIndex(EncodeCarriedIndex(metadata), "the index of " + what));
   checked.format_version = 0;
   return checked;
 }

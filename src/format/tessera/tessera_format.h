@@ -18,8 +18,9 @@ const Format& TesseraFormat();
 Result<Metadata> ReadCommit(Storage& storage, const std::string& dir, const std::string& name);
 
 // `metadata` (another format's index) held to every rule of a tessera manifest
-// (docs/FORMAT.md, 3.3) by encoding and decoding it, which is also how it travels between
-// ranks; format_version 0 (no tessera version). `what` prefixes errors.
+// (docs/FORMAT.md, 3.3) by encoding and decoding it (EncodeCarriedIndex, which is also how it
+// travels between ranks: any registered format's id passes); format_version 0 (no tessera
+// version). `what` prefixes errors.
 Result<Metadata> CheckAsManifest(const Metadata& metadata, const std::string& what);
 
 }  // namespace tessera
