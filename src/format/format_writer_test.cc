@@ -358,14 +358,5 @@ TEST(FormatWriterTest, HuggingFaceFilesAreTheCheckpointAndHoldWholeTensorsOnly) 
   EXPECT_NE(text.find("\"a\": \"model-00002-of-00002.safetensors\""), std::string::npos) << text;
 }
 
-// Every format saved is converted into, through the writer a save would use.
-TEST(FormatWriterTest, EveryFormatSavedIsConvertedInto) {
-  for (const Format* format : RegisteredFormats()) {
-    if (format->CanWrite()) {
-      EXPECT_TRUE(format->CanConvertInto()) << format->name();
-    }
-  }
-}
-
 }  // namespace
 }  // namespace tessera

@@ -9,7 +9,9 @@
 // reach the body decoder of either version. Bit 0 clear: the bytes are decoded as they are (the
 // header checks themselves). Seeds cover every version and every manifest kind (a whole
 // checkpoint; a rank's part of a rank-local save: v2_rank_part*; version 3's commit numbers and
-// references: v3_*, and a part claiming 2^31-1 ranks, issue 22 defect 8).
+// references: v3_*, and a part claiming 2^31-1 ranks, issue 22 defect 8). Bit 1 also decodes
+// the input as the index carried between ranks (EncodeCarriedIndex), its format byte the mode
+// byte's bits 2-7 (carried_* seeds).
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -62,6 +64,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     tessera::CheckMetadataIsUtf8(*metadata, "fuzz").IgnoreError();
     for (const tessera::TensorInfo& t : metadata->tensors) {
       for (const tessera::ChunkInfo& c : t.chunks) (void)c.box.ToString();
+    }
+  }
+  // Bit 1: the same bytes as the index tessera carries between ranks (EncodeCarriedIndex: one
+  // byte naming the format, then a manifest): it decodes exactly when the manifest does, keeps
+  // the format byte as it came, and encodes back to what it decoded.
+  if (data[0] & 2) {
+    std::vector<uint8_t> carried;
+    carried.reserve(1 + manifest.size());
+    carried.push_back(static_cast<uint8_t>(data[0] >> 2));
+    carried.insert(carried.end(), manifest.begin(), manifest.end());
+    tessera::Result<tessera::Metadata> index = tessera::DecodeCarriedIndex(carried, "fuzz");
+    if (index.ok() != metadata.ok()) __builtin_trap();
+    if (index.ok()) {
+      if (static_cast<uint8_t>(index->format) != carried[0]) __builtin_trap();
+      tessera::Result<tessera::Metadata> back =
+          tessera::DecodeCarriedIndex(tessera::EncodeCarriedIndex(*index), "fuzz-again");
+      if (!back.ok()) __builtin_trap();
+      back->format_version = index->format_version;
+      if (!(*back == *index)) __builtin_trap();
     }
   }
   return 0;
