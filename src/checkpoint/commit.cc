@@ -157,7 +157,7 @@ Status CommitIndex(Storage& storage, const std::string& dir, const FormatWriter&
   TESSERA_ASSIGN_OR_RETURN(bytes, encode(metadata));
   // Read it back: the previous checkpoint's files are removed only when the new index is
   // really there. Gone already is fine: a newer commit superseded it and its cleanup ran.
-  const std::string path = JoinPath(dir, CommitName(metadata.commit_seq));
+  const std::string path = JoinPath(dir, writer.IndexFileName(metadata.commit_seq));
   Result<Bytes> stored = ReadWhole(storage, path);
   if (!stored.ok() && stored.status().code() != StatusCode::kNotFound) return stored.status();
   if (stored.ok() && *stored != bytes) {

@@ -139,6 +139,11 @@ class FormatWriter {
   // True: every commit publishes a new numbered commit create-only (tessera's
   // "tessera.manifest.<n>"; EncodeIndex is given Metadata::commit_seq of the number it takes).
   // False: every commit replaces the one file IndexFileName (the last commit wins).
+  // Numbered commits are the tessera manifest's own protocol (docs/FORMAT.md, section 4.3), not
+  // a choice any format can make: the order of commits (checkpoint/sequence.h), the cleanup of
+  // superseded ones and the rank-local saves read each commit as a tessera manifest and may
+  // reference one from another. Only tessera's writer returns true (registry_test checks it);
+  // a new format replaces its one index name, as PyTorch DCP's .metadata and raw_dir do.
   virtual bool NumberedCommits() const = 0;
   // The index's file name: the one name when !NumberedCommits(); commit `commit_seq`'s
   // otherwise.

@@ -3,9 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <memory>
 #include <set>
+#include <vector>
 
 #include "format/tessera/names.h"
+#include "tessera/checkpoint.h"
+#include "tessera/convert.h"
 
 namespace tessera {
 namespace {
@@ -26,6 +30,39 @@ TEST(RegistryTest, EveryFormatValueIsRegisteredOnceUnderItsName) {
   EXPECT_EQ(FindFormat("zarr"), nullptr);
   EXPECT_EQ(FindFormat(static_cast<CheckpointFormat>(9)), nullptr);
   EXPECT_EQ(FormatNames(), "tessera, torch_dist, safetensors");
+}
+
+// Numbered commits are the tessera manifest's protocol (FormatWriter::NumberedCommits): no other
+// format's writer, of a save or of a conversion, may declare them, and tessera's names its
+// commits as sequence.h and the cleanup find them.
+TEST(RegistryTest, OnlyTesseraCommitsByNumber) {
+  int numbered = 0;
+  for (const Format* format : RegisteredFormats()) {
+    std::vector<std::unique_ptr<FormatWriter>> writers;
+    if (format->CanWrite()) {
+      SaveOptions options;
+      options.format = format->id();
+      Result<std::unique_ptr<FormatWriter>> writer = format->NewWriter(options, true);
+      ASSERT_TRUE(writer.ok()) << format->name() << ": " << writer.status().ToString();
+      writers.push_back(std::move(*writer));
+    }
+    if (format->CanConvertInto()) {
+      ConvertOptions options;
+      options.to = format->id();
+      Result<std::unique_ptr<FormatWriter>> writer = format->NewConversionWriter(options);
+      ASSERT_TRUE(writer.ok()) << format->name() << ": " << writer.status().ToString();
+      writers.push_back(std::move(*writer));
+    }
+    for (const std::unique_ptr<FormatWriter>& writer : writers) {
+      if (!writer->NumberedCommits()) continue;
+      ++numbered;
+      EXPECT_EQ(format->id(), CheckpointFormat::kTessera) << format->name();
+      for (uint64_t seq : {uint64_t{1}, uint64_t{12}, ~uint64_t{0}}) {
+        EXPECT_EQ(writer->IndexFileName(seq), NumberedManifestName(seq)) << format->name();
+      }
+    }
+  }
+  EXPECT_EQ(numbered, 2);  // tessera's save and conversion writers
 }
 
 // The names of one directory, sorted as ListDir's callers sort them.

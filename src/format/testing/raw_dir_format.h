@@ -6,8 +6,8 @@
 // A checkpoint is a directory of raw files, one per tensor chunk and one per object, each the
 // item's bytes alone (a chunk's elements row-major, little-endian), named after the save that
 // wrote them ("raw_dir-<save id>-r<rank>-f<n>.bin"), and one JSON index, "raw_dir.index.json",
-// which each commit replaces (as DCP's .metadata: the one name keeps this module free of
-// tessera's numbered commit names, which CommitIndex spells itself). The index is one JSON
+// which each commit replaces (as DCP's .metadata: numbered commits are the tessera manifest's
+// own protocol, FormatWriter::NumberedCommits). The index is one JSON
 // object:
 //   {"xxh3":"<16 hex digits>","index":{...}}
 // byte for byte in that order, the digits the XXH3-64 of the bytes of the "index" value as they
