@@ -63,12 +63,19 @@ std::optional<BoxCheckFailure> CheckTilingOf(const Boxes& items, BoxOf box_of, c
         "boxes " + boxes[a].ToString() + " and " + boxes[b].ToString() + " overlap", a, b};
   };
   // Fast path: sorted along some dimension, consecutive boxes do not even overlap along it
-  // (the row or column slices of TP/DP splits): no pair can overlap.
+  // (the row or column slices of TP/DP splits): no pair can overlap. The (offset, end) pairs
+  // are copied out first: sorting them is a pass over one array, where sorting `order` would
+  // follow two pointers per comparison (item, box) - most of the check's time at a million
+  // chunks. Boxes usually arrive in offset order (a save's planner sorts them), so the sort is
+  // skipped when they do.
+  std::vector<std::pair<int64_t, int64_t>> extents;  // (offset, end) along one dimension
   auto disjoint_along = [&](size_t d) {
-    std::sort(order.begin(), order.end(),
-              [&](uint32_t a, uint32_t b) { return boxes[a].offsets[d] < boxes[b].offsets[d]; });
-    for (size_t k = 1; k < order.size(); ++k) {
-      if (boxes[order[k]].offsets[d] < boxes[order[k - 1]].end(d)) return false;
+    extents.clear();
+    extents.reserve(order.size());
+    for (uint32_t i : order) extents.emplace_back(boxes[i].offsets[d], boxes[i].end(d));
+    if (!std::is_sorted(extents.begin(), extents.end())) std::sort(extents.begin(), extents.end());
+    for (size_t k = 1; k < extents.size(); ++k) {
+      if (extents[k].first < extents[k - 1].second) return false;
     }
     return true;
   };
