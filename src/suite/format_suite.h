@@ -37,7 +37,7 @@
 #include <string>
 #include <vector>
 
-#include "format/format.h"
+#include "tessera/format.h"
 #include "tessera/status.h"
 
 namespace tessera::suite {
