@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the build tree to a temporary prefix, builds examples/cmake_consumer against it with
 # find_package(tessera), and runs it: the program, and the conformance suites (the installed
-# tessera/testing/ headers) on a user's own Storage and Comm runner. Usage:
+# tessera/testing/ headers) on a user's own Storage and Comm runner, and the Format suite on a
+# registered format (the public format plug-in API, tessera/format.h). Usage:
 # install_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 source_dir="$1"
@@ -19,4 +20,11 @@ test -f "$work/prefix/include/tessera/testing/storage_suite.h" || {
   echo "the conformance suites (tessera/testing/) were not installed"; exit 1; }
 test -x "$work/consumer/consumer_suites" || {
   echo "consumer_suites was not built (GoogleTest not found?)"; exit 1; }
+for header in format.h format_writer.h format_registry.h testing/format_suite.h; do
+  test -f "$work/prefix/include/tessera/$header" || {
+    echo "tessera/$header (the format plug-in API, its suite) was not installed"; exit 1; }
+done
+suite_tests="$("$work/consumer/consumer_suites" --gtest_list_tests)"
+grep -q "^Tessera/FormatTest\." <<< "$suite_tests" || {
+  echo "consumer_suites registered no Format suite case"; exit 1; }
 "$work/consumer/consumer_suites" --gtest_brief=1

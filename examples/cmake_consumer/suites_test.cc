@@ -1,10 +1,13 @@
 // A user's own Storage and Comm runner put through tessera's conformance suites, from the
 // installed headers (tessera/testing/): how a store or a communicator written outside tessera
-// checks that it does what tessera relies on.
+// checks that it does what tessera relies on. And the Format suite on a format of the registry,
+// as a user's own format (tessera/format.h) runs it, with .register_for_test = true.
+#include <tessera/format_registry.h>
 #include <tessera/local_comm.h>
 #include <tessera/memory_storage.h>
 #include <tessera/storage_wrapper.h>
 #include <tessera/testing/comm_suite.h>
+#include <tessera/testing/format_suite.h>
 #include <tessera/testing/storage_suite.h>
 
 #include <atomic>
@@ -55,3 +58,5 @@ TESSERA_INSTANTIATE_STORAGE_SUITE(Counting, MakeCountingEnv,
                                                                 .conditional_create = true}));
 TESSERA_INSTANTIATE_COMM_SUITE(ThreeThreads, std::make_shared<ThreeThreads>(),
                                tessera::testing::CommSuiteTraits{});
+// tessera's own format, whose manifest carries a checksum.
+TESSERA_INSTANTIATE_FORMAT_SUITE(Tessera, *tessera::FindFormat("tessera"), .index_checksum = true);

@@ -11,8 +11,8 @@
 
 #include "checkpoint/cleanup.h"
 #include "checkpoint/marker.h"
-#include "format/format_writer.h"
 #include "tessera/checkpoint.h"
+#include "tessera/format_writer.h"
 #include "tessera/metadata.h"
 #include "tessera/storage.h"
 

@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "format/checkpoint_index.h"
-#include "format/format_writer.h"
 #include "plan/convert_plan.h"
 #include "tessera/bytes.h"
 #include "tessera/checkpoint.h"
+#include "tessera/format_writer.h"
 #include "tessera/storage.h"
 
 namespace tessera {

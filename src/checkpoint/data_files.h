@@ -1,5 +1,5 @@
 // Step 3 of a save on one rank: writing its data files (docs/FORMAT.md, sections 2 and 4), in
-// any format: the one write engine. A format's codec (format/format_writer.h) names the files,
+// any format: the one write engine. A format's codec (tessera/format_writer.h) names the files,
 // lays out their headers and frames each item; the engine does the rest (threads, device
 // staging, progress, writeback, checksums, removing what a failed save created).
 #ifndef TESSERA_CHECKPOINT_DATA_FILES_H_
@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "format/format_writer.h"
 #include "plan/save_plan.h"
 #include "tessera/checkpoint.h"
+#include "tessera/format_writer.h"
 #include "tessera/state_dict.h"
 #include "tessera/storage.h"
 

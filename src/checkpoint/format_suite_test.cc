@@ -1,6 +1,8 @@
-// Runs the Format conformance suite (src/suite/format_suite.h) on every format of Formats(): the
-// registered ones, and test-only ones (src/format/testing/), which each case registers for its
-// duration; each case where it applies.
+// Runs the Format conformance suite (tessera/testing/format_suite.h) on every format tessera
+// has: the registered ones, and raw_dir, a test-only format (src/format/testing/), which each
+// case registers for its duration; each case where it applies.
+#include "tessera/testing/format_suite.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -11,60 +13,58 @@
 
 #include "format/registry.h"
 #include "format/testing/raw_dir_format.h"
-#include "suite/format_suite.h"
+#include "format/torch_dist/torch_zip.h"
+
+// Named after the formats: the tests are tessera/FormatTest.RoundTrip, ...
+TESSERA_INSTANTIATE_FORMAT_SUITE(tessera, tessera::FormatOf(tessera::CheckpointFormat::kTessera),
+                                 .index_checksum = true);
+// Objects saved as torch.save archives: torch_dist checks their zip records.
+TESSERA_INSTANTIATE_FORMAT_SUITE(torch_dist,
+                                 tessera::FormatOf(tessera::CheckpointFormat::kTorchDist),
+                                 .make_object_bytes = tessera::torch_dist::MakeTorchBytesItem);
+TESSERA_INSTANTIATE_FORMAT_SUITE(safetensors,
+                                 tessera::FormatOf(tessera::CheckpointFormat::kSafetensors));
+TESSERA_INSTANTIATE_FORMAT_SUITE(raw_dir, tessera::testing::RawDirFormat(),
+                                 .register_for_test = true, .index_checksum = true);
 
 namespace tessera {
 namespace {
 
 using ::testing::Contains;
+using ::testing::ElementsAreArray;
 
-std::vector<suite::FormatUnderTest> Formats() {
-  return {
-      {&FormatOf(CheckpointFormat::kTessera), false, /*index_checksum=*/true},
-      {&FormatOf(CheckpointFormat::kTorchDist), false, /*index_checksum=*/false},
-      {&FormatOf(CheckpointFormat::kSafetensors), false, /*index_checksum=*/false},
-      {&testing::RawDirFormat(), /*register_for_test=*/true, /*index_checksum=*/true},
-  };
-}
-
-struct Param {
-  suite::FormatCase test_case;
-  suite::FormatUnderTest format;
-  friend void PrintTo(const Param& p, std::ostream* os) {
-    *os << p.test_case.name << " on " << p.format.format->name();
+// The cases registered for each instantiation above: <name>/FormatTest.<case>.
+std::map<std::string, std::vector<std::string>> RegisteredCases() {
+  const std::string group = "/FormatTest";
+  std::map<std::string, std::vector<std::string>> cases;
+  const ::testing::UnitTest& unit = *::testing::UnitTest::GetInstance();
+  for (int i = 0; i < unit.total_test_suite_count(); ++i) {
+    const ::testing::TestSuite& suite = *unit.GetTestSuite(i);
+    const std::string name = suite.name();
+    if (!name.ends_with(group)) continue;
+    std::vector<std::string>& names = cases[name.substr(0, name.size() - group.size())];
+    for (int j = 0; j < suite.total_test_count(); ++j)
+      names.push_back(suite.GetTestInfo(j)->name());
   }
-};
-
-std::vector<Param> AllParams() {
-  std::vector<Param> out;
-  for (const suite::FormatUnderTest& format : Formats()) {
-    const suite::FormatCapabilities caps = suite::CapabilitiesOf(format);
-    for (const suite::FormatCase& c : suite::FormatCases()) {
-      if (c.applies(caps)) out.push_back({c, format});
-    }
-  }
-  return out;
+  return cases;
 }
-
-class FormatSuiteTest : public ::testing::TestWithParam<Param> {};
-
-TEST_P(FormatSuiteTest, Passes) {
-  const Param& p = GetParam();
-  const Status status = suite::RunFormatCase(p.test_case, p.format);
-  EXPECT_TRUE(status.ok()) << status.ToString();
-}
-
-INSTANTIATE_TEST_SUITE_P(AllFormats, FormatSuiteTest, ::testing::ValuesIn(AllParams()),
-                         [](const auto& info) {
-                           return std::string(info.param.format.format->name()) + "_" +
-                                  info.param.test_case.name;
-                         });
 
 // Which cases each format runs: a case that does not apply is absent, not a passing no-op.
 TEST(FormatSuiteTest, CasesThatDoNotApplyAreAbsent) {
-  std::map<std::string, std::vector<std::string>> cases;
-  for (const Param& p : AllParams()) cases[p.format.format->name()].push_back(p.test_case.name);
-  EXPECT_EQ(cases.size(), Formats().size());
+  std::map<std::string, std::vector<std::string>> cases = RegisteredCases();
+  ASSERT_EQ(cases.size(), 4u);
+  // What was registered is what the capabilities the suite asks each format select.
+  const std::map<std::string, testing::FormatUnderTest> formats = {
+      {"tessera", {&FormatOf(CheckpointFormat::kTessera), {.index_checksum = true}}},
+      {"torch_dist", {&FormatOf(CheckpointFormat::kTorchDist), {}}},
+      {"safetensors", {&FormatOf(CheckpointFormat::kSafetensors), {}}},
+      {"raw_dir", {&testing::RawDirFormat(), {.register_for_test = true, .index_checksum = true}}},
+  };
+  for (const auto& [name, format] : formats) {
+    EXPECT_THAT(cases[name],
+                ElementsAreArray(testing::FormatSuiteCaseNames(testing::CapabilitiesOf(format))))
+        << name;
+  }
   for (const auto& [format, names] : cases) {
     for (const char* every :
          {"RoundTrip", "Reshard2To3", "ConvertBothWays", "ACrashAtEveryStorageOperation",
@@ -82,6 +82,7 @@ TEST(FormatSuiteTest, CasesThatDoNotApplyAreAbsent) {
                                         "AFlippedIndexByteNeverLoadsWrongTensors",
                                         "AFlippedIndexByteNeverLoadsWrongObjects"};
   EXPECT_EQ(cases["tessera"], all);
+  EXPECT_EQ(cases["raw_dir"], all);
   std::vector<std::string> torch_dist = all;
   std::erase(torch_dist, "AFlippedIndexByteIsAnErrorNamingIt");
   // Its zip records have CRC-32s; its byte items may be raw bytes, with none.

@@ -1,4 +1,4 @@
-#include "format/format.h"
+#include "tessera/format.h"
 
 #include "format/registry.h"
 #include "tessera/checkpoint.h"

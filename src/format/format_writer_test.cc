@@ -1,7 +1,7 @@
 // The write side of the registered formats as the write engine (src/checkpoint/data_files.h)
 // uses it: file names, layouts, item framing, and what each codec refuses before any byte is
 // written. Whole saves in each format are checkpoint_test's and dcp_save_test's.
-#include "format/format_writer.h"
+#include "tessera/format_writer.h"
 
 #include <gtest/gtest.h>
 

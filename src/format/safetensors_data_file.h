@@ -6,8 +6,8 @@
 #include <memory>
 #include <vector>
 
-#include "format/format_writer.h"
 #include "format/safetensors.h"
+#include "tessera/format_writer.h"
 
 namespace tessera {
 

@@ -9,7 +9,7 @@
 
 #include <memory>
 
-#include "format/format_writer.h"
+#include "tessera/format_writer.h"
 
 namespace tessera {
 

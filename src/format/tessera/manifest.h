@@ -45,9 +45,9 @@ Bytes EncodeManifest(const Metadata& metadata);
 // The encoding that carries the index of any registered format: between ranks (a load's
 // ReadAndShareIndex) and through CheckAsManifest. A stored manifest records one of
 // CheckpointFormat's enumerators as its source format (docs/FORMAT.md, 3.5: any other value is
-// corrupt), and a format registered for tests (format/registry.h) has an id outside them, so
-// this is the manifest of `metadata` recording tessera, after one byte holding
-// Metadata::format. DecodeCarriedIndex checks what DecodeManifest checks.
+// corrupt), and a format registered for tests (tessera/format_registry.h) has an id outside them,
+// so this is the manifest of `metadata` recording tessera, after one byte holding Metadata::format.
+// DecodeCarriedIndex checks what DecodeManifest checks.
 Bytes EncodeCarriedIndex(const Metadata& metadata);
 Result<Metadata> DecodeCarriedIndex(std::span<const uint8_t> bytes, std::string_view source);
 // Version 2, which knows no commit sequence number and no references (they are dropped). For

@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "format/format.h"
+#include "tessera/format.h"
 
 namespace tessera {
 

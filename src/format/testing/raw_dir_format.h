@@ -1,6 +1,6 @@
 // raw_dir: a fourth format, for tests only (issue 31, step 5). It proves that a format plugs in
 // with its module and one line: the tests that use it register it for their duration
-// (ScopedFormatRegistration in format/registry.h), and it is compiled into the tests only
+// (ScopedFormatRegistration in tessera/format_registry.h), and it is compiled into the tests only
 // (src/format/testing/ is no part of the library).
 //
 // A checkpoint is a directory of raw files, one per tensor chunk and one per object, each the
@@ -19,7 +19,7 @@
 #ifndef TESSERA_FORMAT_TESTING_RAW_DIR_FORMAT_H_
 #define TESSERA_FORMAT_TESTING_RAW_DIR_FORMAT_H_
 
-#include "format/format.h"
+#include "tessera/format.h"
 
 namespace tessera::testing {
 

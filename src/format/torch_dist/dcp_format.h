@@ -4,7 +4,7 @@
 #ifndef TESSERA_FORMAT_TORCH_DIST_DCP_FORMAT_H_
 #define TESSERA_FORMAT_TORCH_DIST_DCP_FORMAT_H_
 
-#include "format/format.h"
+#include "tessera/format.h"
 
 namespace tessera {
 

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "format/format_writer.h"
 #include "format/torch_dist/dcp_metadata.h"
 #include "tessera/checkpoint.h"
+#include "tessera/format_writer.h"
 
 namespace tessera::torch_dist {
 

@@ -1,26 +1,174 @@
-#include "suite/format_suite.h"
+// The Format conformance suite: the cases every checkpoint format must pass, for a format
+// (tessera/format.h) to instantiate with one macro. tessera runs it on each of its formats
+// (tessera, torch_dist, safetensors) and on raw_dir, a format for tests only
+// (src/checkpoint/format_suite_test.cc); a user's own format runs it the same way:
+//
+//   #include "tessera/testing/format_suite.h"
+//
+//   // A format of tessera's registry:
+//   TESSERA_INSTANTIATE_FORMAT_SUITE(Tessera, *tessera::FindFormat("tessera"),
+//                                    .index_checksum = true);
+//   // A format of one's own, registered around each case (ScopedFormatRegistration):
+//   TESSERA_INSTANTIATE_FORMAT_SUITE(Mine, MyFormat(), .register_for_test = true);
+//
+// and links GoogleTest's gtest_main (or its own main). The options after the format are the
+// fields of FormatSuiteOptions, as designated initializers in their order (or one
+// FormatSuiteOptions). The format expression is evaluated once, when the suite is registered
+// (at static initialization): make it a function returning a function-local static, as
+// tessera's own formats are, not a global of another file. The tests are named
+// <Name>/FormatTest.<Case>.
+//
+// Each case writes checkpoints in the format the way tessera produces it: Save for a format it
+// saves (Format::CanWrite), and otherwise (Hugging Face safetensors) a tessera checkpoint saved
+// beside it and converted (Convert), all in memory (MemoryStorage) over in-process ranks
+// (LocalComm). It then checks:
+//   - RoundTrip: save then load gives back equal bytes, in several dtypes (bf16 among them), a
+//     0-d and an empty tensor, objects and user metadata where the format stores them;
+//     ReadMetadata says the format;
+//   - Reshard2To3: written from 2 ranks (rows, columns, several pieces on one rank, flat
+//     ranges, replicas), loaded on 3 ranks as other boxes and flat ranges;
+//   - ConvertBothWays: the format converted into tessera, and tessera into the format, load
+//     the same values;
+//   - VerifyNamesAFlippedDataByte (formats with checksums of their data): Verify passes, then
+//     fails naming the data file once one byte of it is flipped, and so does a load;
+//   - ACrashAtEveryStorageOperation: a crash (what was not durable is lost) at each storage
+//     operation in turn of a save over a previous checkpoint (of a conversion into a fresh
+//     directory, for a format tessera does not save) leaves a directory that loads as the old
+//     checkpoint (none) or the new one, nothing else; a save that ran to the end removed the
+//     old checkpoint's data files;
+//   - ATruncatedIndexIsAnErrorNamingIt: the index cut short is an error naming its file;
+//   - AFlippedIndexByteIsAnErrorNamingIt (formats whose index carries a checksum): each byte
+//     of the index flipped in turn is an error naming it;
+//   - AFlippedIndexByteNeverLoadsWrongTensors: each byte of the index flipped in turn makes a
+//     read or a load fail, or load exactly the saved tensors; never a crash;
+//   - AFlippedIndexByteNeverLoadsWrongObjects (formats whose objects carry checksums): the
+//     same for the objects. PyTorch DCP's byte items may be raw bytes (torch writes BytesIO
+//     items so) with nothing to check: a damaged .metadata that moves one loads other bytes.
+// What a format can do (FormatCapabilities) is asked of the format (CapabilitiesOf), except
+// whether its index carries a checksum, which the instantiation declares. A case that does not
+// apply to a format is not registered at all: it is absent, never a passing no-op
+// (FormatSuiteCaseNames lists what a format runs).
+//
+// The cases are registered with ::testing::RegisterTest, as the Storage suite's
+// (tessera/testing/storage_suite.h), so that this header may be included by any number of
+// files of one test program. Header-only: it needs tessera's public headers and GoogleTest,
+// nothing else.
+#ifndef TESSERA_TESTING_FORMAT_SUITE_H_
+#define TESSERA_TESTING_FORMAT_SUITE_H_
+
+#include <gtest/gtest.h>
 
 #include <cctype>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
+#include <string>
 #include <utility>
+#include <variant>
+#include <vector>
 
-#include "format/registry.h"
-#include "format/torch_dist/torch_zip.h"
+#include "tessera/box.h"
 #include "tessera/checkpoint.h"
+#include "tessera/comm.h"
 #include "tessera/convert.h"
+#include "tessera/dtype.h"
 #include "tessera/fault_injecting_storage.h"
+#include "tessera/format.h"
+#include "tessera/format_registry.h"
+#include "tessera/format_writer.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
-#include "testing/test_util.h"
+#include "tessera/metadata.h"
+#include "tessera/sharded_tensor.h"
+#include "tessera/state_dict.h"
+#include "tessera/status.h"
+#include "tessera/storage.h"
 
-namespace tessera::suite {
-namespace {
+namespace tessera::testing {
+
+// How the suite runs a format: what the instantiation declares besides the format.
+struct FormatSuiteOptions {
+  // A format that is not in the registry (a test-only one, or a user's own): registered for
+  // each case (ScopedFormatRegistration, tessera/format_registry.h) and removed after it.
+  bool register_for_test = false;
+  // Whether the index carries a checksum of its own, so that any damage to it is detected
+  // (tessera's manifest; DCP's .metadata and Hugging Face's index JSON have none). The one
+  // capability a format declares; the others the suite asks the format.
+  bool index_checksum = false;
+  // The bytes of an object the suite saves, made from `raw` random bytes. Objects are saved as
+  // ObjectEncoding::kTorchSave, the one encoding every format that stores objects gives back
+  // byte for byte (PyTorch DCP wraps the others in a torch.save archive of its own). A format
+  // that reads into such bytes should be given real ones, so that its checks run: torch_dist
+  // checks the zip records of a torch.save archive (their CRC-32s) at every load and Verify,
+  // and takes other bytes as a raw BytesIO item with nothing to check; tessera's own test
+  // gives it torch.save(bytes(raw)). Null (the default): `raw` itself.
+  std::function<std::vector<uint8_t>(std::span<const uint8_t> raw)> make_object_bytes;
+};
+
+// A format as the suite runs it.
+struct FormatUnderTest {
+  const Format* format = nullptr;
+  FormatSuiteOptions options;
+
+  // The bytes of an object made from `raw` (FormatSuiteOptions::make_object_bytes).
+  std::vector<uint8_t> ObjectBytes(std::span<const uint8_t> raw) const {
+    if (options.make_object_bytes) return options.make_object_bytes(raw);
+    return std::vector<uint8_t>(raw.begin(), raw.end());
+  }
+};
+
+// What a format can do, as the cases need to know it.
+struct FormatCapabilities {
+  bool saves = false;             // Format::CanWrite: Save writes it; else Convert from tessera
+  bool objects = false;           // FormatWriter::StoresObjects
+  bool user_metadata = false;     // FormatWriter::StoresUserMetadata
+  bool data_checksums = false;    // FormatWriter::EngineChecksums or a FramingChecksum
+  bool object_checksums = false;  // FormatWriter::EngineChecksums: every object's bytes too
+  bool index_checksum = false;    // FormatSuiteOptions::index_checksum
+};
+
+// Asks the format (its conversion writer) what it can do.
+inline FormatCapabilities CapabilitiesOf(const FormatUnderTest& f) {
+  FormatCapabilities caps;
+  caps.saves = f.format->CanWrite();
+  caps.index_checksum = f.options.index_checksum;
+  ConvertOptions options;
+  options.to = f.format->id();
+  Result<std::unique_ptr<FormatWriter>> writer = f.format->NewConversionWriter(options);
+  if (writer.ok()) {
+    caps.objects = (*writer)->StoresObjects();
+    caps.user_metadata = (*writer)->StoresUserMetadata();
+    caps.object_checksums = (*writer)->EngineChecksums();
+    caps.data_checksums =
+        (*writer)->EngineChecksums() || (*writer)->FramingChecksum() != ChecksumKind::kNone;
+  }
+  return caps;
+}
+
+namespace format_cases {
+
+// `n` bytes that depend on `seed` (splitmix64).
+inline std::vector<uint8_t> SuiteBytes(size_t n, uint64_t seed) {
+  std::vector<uint8_t> out(n);
+  uint64_t x = seed;
+  for (size_t i = 0; i < n; i += 8) {
+    uint64_t z = (x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    for (size_t k = 0; k < 8 && i + k < n; ++k) out[i + k] = static_cast<uint8_t>(z >> (8 * k));
+  }
+  return out;
+}
 
 // Fails unless `condition`; the message says what was expected.
-Status Expect(bool condition, const std::string& what) {
+inline Status Expect(bool condition, const std::string& what) {
   return condition ? Status::Ok() : Internal("expectation failed: " + what);
 }
 
@@ -32,7 +180,7 @@ struct TensorSpec {
   Shape shape;
 };
 
-const std::vector<TensorSpec>& Specs() {
+inline const std::vector<TensorSpec>& Specs() {
   static const std::vector<TensorSpec> specs = {
       {"a.f32", DType::kF32, {6, 10}},  {"b.bf16", DType::kBF16, {9, 4}},
       {"c.i64", DType::kI64, {12}},     {"d.f16", DType::kF16, {3, 5, 2}},
@@ -42,20 +190,19 @@ const std::vector<TensorSpec>& Specs() {
   return specs;
 }
 
-// The whole values of a checkpoint: every tensor row-major, every object's bytes. Objects are
-// torch.save archives (ObjectEncoding::kTorchSave): the one encoding every format that stores
-// objects gives back byte for byte (PyTorch DCP stores the others inside an archive of its own).
+// The whole values of a checkpoint: every tensor row-major, every object's bytes (saved as
+// ObjectEncoding::kTorchSave, made by FormatSuiteOptions::make_object_bytes).
 struct Values {
   std::map<std::string, std::vector<uint8_t>> tensors;
   std::map<std::string, std::vector<uint8_t>> objects;
   std::map<std::string, std::string> user_metadata;
 };
 
-Values MakeValues(uint64_t seed, const FormatCapabilities& caps) {
+inline Values MakeValues(const FormatUnderTest& f, uint64_t seed, const FormatCapabilities& caps) {
   Values v;
   for (const TensorSpec& s : Specs()) {
     const size_t n = static_cast<size_t>(Box::Whole(s.shape).NumElements()) * DTypeSize(s.dtype);
-    std::vector<uint8_t> bytes = testing::RandomBytes(n, seed * 131 + v.tensors.size());
+    std::vector<uint8_t> bytes = SuiteBytes(n, seed * 131 + v.tensors.size());
     if (s.dtype == DType::kBool) {
       for (uint8_t& b : bytes) b &= 1;
     }
@@ -63,8 +210,7 @@ Values MakeValues(uint64_t seed, const FormatCapabilities& caps) {
   }
   if (caps.objects) {
     for (const char* key : {"obj.config", "obj.rng"}) {
-      v.objects[key] =
-          torch_dist::MakeTorchBytesItem(testing::RandomBytes(24 + v.objects.size(), seed + 7));
+      v.objects[key] = f.ObjectBytes(SuiteBytes(24 + v.objects.size(), seed + 7));
     }
   }
   if (caps.user_metadata) v.user_metadata = {{"step", std::to_string(seed)}, {"run", "suite"}};
@@ -72,8 +218,8 @@ Values MakeValues(uint64_t seed, const FormatCapabilities& caps) {
 }
 
 // The bytes of `box` of a row-major tensor `whole` of `shape`, elements of `element` bytes.
-std::vector<uint8_t> Slice(const std::vector<uint8_t>& whole, const Shape& shape, const Box& box,
-                           size_t element) {
+inline std::vector<uint8_t> Slice(const std::vector<uint8_t>& whole, const Shape& shape,
+                                  const Box& box, size_t element) {
   std::vector<uint8_t> out;
   const int64_t count = box.NumElements();
   if (count == 0) return out;
@@ -99,7 +245,7 @@ struct Piece {
   bool replica = false;
 };
 
-Box Rows(const Shape& shape, int64_t begin, int64_t end) {
+inline Box Rows(const Shape& shape, int64_t begin, int64_t end) {
   Box box = Box::Whole(shape);
   box.offsets[0] = begin;
   box.sizes[0] = end - begin;
@@ -109,7 +255,7 @@ Box Rows(const Shape& shape, int64_t begin, int64_t end) {
 // What rank `rank` of `ranks` (1 or 2) holds of `s` when it saves: everything on one rank; on
 // two, rows of one tensor, columns of another, two pieces of a third on rank 0, flat ranges of
 // a fourth, replicas of the rest.
-std::vector<Piece> SavePieces(const TensorSpec& s, int rank, int ranks) {
+inline std::vector<Piece> SavePieces(const TensorSpec& s, int rank, int ranks) {
   const Box whole = Box::Whole(s.shape);
   if (ranks == 1) return {Piece{whole}};
   if (s.key == "a.f32") return {Piece{Rows(s.shape, 3 * rank, 3 * rank + 3)}};
@@ -127,7 +273,7 @@ std::vector<Piece> SavePieces(const TensorSpec& s, int rank, int ranks) {
 // What rank `rank` of `ranks` (1 or 3) asks for when it loads: everything on one rank; on three,
 // boxes across the saved ones (columns of the row-split tensor, rows of the column-split one,
 // ...) and a flat range.
-std::vector<Piece> LoadPieces(const TensorSpec& s, int rank, int ranks) {
+inline std::vector<Piece> LoadPieces(const TensorSpec& s, int rank, int ranks) {
   const Box whole = Box::Whole(s.shape);
   if (ranks == 1) return {Piece{whole}};
   const int64_t r = rank;
@@ -143,7 +289,8 @@ std::vector<Piece> LoadPieces(const TensorSpec& s, int rank, int ranks) {
 }
 
 // The bytes of `piece` of tensor `s` in `values`.
-std::vector<uint8_t> PieceBytes(const Values& values, const TensorSpec& s, const Piece& piece) {
+inline std::vector<uint8_t> PieceBytes(const Values& values, const TensorSpec& s,
+                                       const Piece& piece) {
   const size_t element = DTypeSize(s.dtype);
   std::vector<uint8_t> bytes = Slice(values.tensors.at(s.key), s.shape, piece.box, element);
   if (!piece.flat) return bytes;
@@ -229,14 +376,14 @@ class RankState {
 // ---- Writing and reading a checkpoint in the format. -----------------------------------------
 
 // Runs fn(comm) on `ranks` ranks (LocalComm); the first error.
-Status OnRanks(int ranks, const std::function<Status(Comm&)>& fn) {
+inline Status OnRanks(int ranks, const std::function<Status(Comm&)>& fn) {
   return FirstError(
       RunLocalRanks(ranks, fn, LocalCommOptions{.timeout = std::chrono::seconds(60)}));
 }
 
 // Saves `values` at `path` in tessera's format (or `format`) from `ranks` ranks (1 or 2).
-Status SaveAs(CheckpointFormat format, const Values& values, const std::string& path, int ranks,
-              std::shared_ptr<Storage> storage) {
+inline Status SaveAs(CheckpointFormat format, const Values& values, const std::string& path,
+                     int ranks, std::shared_ptr<Storage> storage) {
   return OnRanks(ranks, [&](Comm& comm) -> Status {
     RankState state(values, SavePieces, comm.rank(), ranks, /*fill=*/true);
     TESSERA_RETURN_IF_ERROR(state.status());
@@ -250,8 +397,8 @@ Status SaveAs(CheckpointFormat format, const Values& values, const std::string& 
 
 // Converts `src` into `dst` in `format` on `ranks` ranks, small output files (so that a format
 // with an index for several files writes one).
-Status ConvertAs(CheckpointFormat format, const std::string& src, const std::string& dst, int ranks,
-                 std::shared_ptr<Storage> storage) {
+inline Status ConvertAs(CheckpointFormat format, const std::string& src, const std::string& dst,
+                        int ranks, std::shared_ptr<Storage> storage) {
   return OnRanks(ranks, [&](Comm& comm) -> Status {
     ConvertOptions options;
     options.to = format;
@@ -263,8 +410,8 @@ Status ConvertAs(CheckpointFormat format, const std::string& src, const std::str
 
 // Writes `values` at `path` in the format from `ranks` ranks (1 or 2): saved, or saved in
 // tessera's format at `path`.tessera and converted.
-Status Write(const FormatUnderTest& f, const FormatCapabilities& caps, const Values& values,
-             const std::string& path, int ranks, std::shared_ptr<Storage> storage) {
+inline Status Write(const FormatUnderTest& f, const FormatCapabilities& caps, const Values& values,
+                    const std::string& path, int ranks, std::shared_ptr<Storage> storage) {
   const CheckpointFormat id = f.format->id();
   if (caps.saves) return SaveAs(id, values, path, ranks, storage);
   TESSERA_RETURN_IF_ERROR(
@@ -274,8 +421,8 @@ Status Write(const FormatUnderTest& f, const FormatCapabilities& caps, const Val
 
 // Loads `path` on `ranks` ranks (1 or 3), each asking for LoadPieces, and checks every byte
 // against `values`.
-Status LoadAndCheck(const Values& values, const std::string& path, int ranks,
-                    std::shared_ptr<Storage> storage) {
+inline Status LoadAndCheck(const Values& values, const std::string& path, int ranks,
+                           std::shared_ptr<Storage> storage) {
   return OnRanks(ranks, [&](Comm& comm) -> Status {
     RankState state(values, LoadPieces, comm.rank(), ranks, /*fill=*/false);
     TESSERA_RETURN_IF_ERROR(state.status());
@@ -287,8 +434,8 @@ Status LoadAndCheck(const Values& values, const std::string& path, int ranks,
 }
 
 // The path of the index of the checkpoint at `path` (its commit, for numbered commits).
-Result<std::string> IndexPath(const FormatUnderTest& f, const std::string& path,
-                              std::shared_ptr<Storage> storage) {
+inline Result<std::string> IndexPath(const FormatUnderTest& f, const std::string& path,
+                                     std::shared_ptr<Storage> storage) {
   TESSERA_ASSIGN_OR_RETURN(const Metadata m, ReadMetadata(path, storage));
   ConvertOptions options;
   options.to = f.format->id();
@@ -302,7 +449,8 @@ Result<std::string> IndexPath(const FormatUnderTest& f, const std::string& path,
 }
 
 // Fails unless `status` is an error naming `path`; `what` says what caused it.
-Status ExpectErrorNaming(const Status& status, const std::string& path, const std::string& what) {
+inline Status ExpectErrorNaming(const Status& status, const std::string& path,
+                                const std::string& what) {
   if (status.ok()) return Internal(what + ": no error");
   if (status.message().find(path) == std::string::npos) {
     return Internal(what + ": the error does not name " + path + ": " + status.ToString());
@@ -312,12 +460,12 @@ Status ExpectErrorNaming(const Status& status, const std::string& path, const st
 
 // ---- The cases. ---------------------------------------------------------------------------------
 
-constexpr char kDir[] = "/ckpt/out";
+inline constexpr char kDir[] = "/ckpt/out";
 
-Status RoundTrip(const FormatUnderTest& f) {
+inline Status RoundTrip(const FormatUnderTest& f) {
   const FormatCapabilities caps = CapabilitiesOf(f);
   auto storage = std::make_shared<MemoryStorage>();
-  const Values values = MakeValues(1, caps);
+  const Values values = MakeValues(f, 1, caps);
   TESSERA_RETURN_IF_ERROR(Write(f, caps, values, kDir, 1, storage));
   TESSERA_ASSIGN_OR_RETURN(const Metadata m, ReadMetadata(kDir, storage));
   TESSERA_RETURN_IF_ERROR(Expect(m.format == f.format->id(), "ReadMetadata says the format"));
@@ -333,20 +481,20 @@ Status RoundTrip(const FormatUnderTest& f) {
   return LoadAndCheck(values, kDir, 1, storage);
 }
 
-Status Reshard2To3(const FormatUnderTest& f) {
+inline Status Reshard2To3(const FormatUnderTest& f) {
   const FormatCapabilities caps = CapabilitiesOf(f);
   auto storage = std::make_shared<MemoryStorage>();
-  const Values values = MakeValues(2, caps);
+  const Values values = MakeValues(f, 2, caps);
   TESSERA_RETURN_IF_ERROR(Write(f, caps, values, kDir, 2, storage));
   TESSERA_RETURN_IF_ERROR(LoadAndCheck(values, kDir, 3, storage));
   return LoadAndCheck(values, kDir, 1, storage);
 }
 
-Status ConvertBothWays(const FormatUnderTest& f) {
+inline Status ConvertBothWays(const FormatUnderTest& f) {
   const FormatCapabilities caps = CapabilitiesOf(f);
   auto storage = std::make_shared<MemoryStorage>();
   // From the format into tessera's.
-  const Values a = MakeValues(3, caps);
+  const Values a = MakeValues(f, 3, caps);
   TESSERA_RETURN_IF_ERROR(Write(f, caps, a, "/ckpt/a", 1, storage));
   TESSERA_RETURN_IF_ERROR(
       ConvertAs(CheckpointFormat::kTessera, "/ckpt/a", "/ckpt/a.out", 1, storage));
@@ -355,7 +503,7 @@ Status ConvertBothWays(const FormatUnderTest& f) {
       Expect(am.format == CheckpointFormat::kTessera, "converted into tessera"));
   TESSERA_RETURN_IF_ERROR(LoadAndCheck(a, "/ckpt/a.out", 1, storage));
   // From tessera's into the format, on two ranks.
-  const Values b = MakeValues(4, caps);
+  const Values b = MakeValues(f, 4, caps);
   TESSERA_RETURN_IF_ERROR(SaveAs(CheckpointFormat::kTessera, b, "/ckpt/b", 2, storage));
   TESSERA_RETURN_IF_ERROR(ConvertAs(f.format->id(), "/ckpt/b", "/ckpt/b.out", 2, storage));
   TESSERA_ASSIGN_OR_RETURN(const Metadata bm, ReadMetadata("/ckpt/b.out", storage));
@@ -363,10 +511,10 @@ Status ConvertBothWays(const FormatUnderTest& f) {
   return LoadAndCheck(b, "/ckpt/b.out", 3, storage);
 }
 
-Status VerifyNamesAFlippedDataByte(const FormatUnderTest& f) {
+inline Status VerifyNamesAFlippedDataByte(const FormatUnderTest& f) {
   const FormatCapabilities caps = CapabilitiesOf(f);
   auto storage = std::make_shared<MemoryStorage>();
-  const Values values = MakeValues(5, caps);
+  const Values values = MakeValues(f, 5, caps);
   TESSERA_RETURN_IF_ERROR(Write(f, caps, values, kDir, 1, storage));
   TESSERA_ASSIGN_OR_RETURN(const VerifyReport report, Verify(kDir, storage));
   TESSERA_RETURN_IF_ERROR(Expect(report.checksums, "Verify checked the bytes' checksums"));
@@ -389,8 +537,8 @@ Status VerifyNamesAFlippedDataByte(const FormatUnderTest& f) {
 
 // What the directory `path` holds after a crash: the checkpoint `old` (null: none), or `now`.
 // Returns which (0 old, 1 new); an error for anything else.
-Result<int> OldOrNew(const Values* old, const Values& now, const std::string& path,
-                     std::shared_ptr<Storage> storage) {
+inline Result<int> OldOrNew(const Values* old, const Values& now, const std::string& path,
+                            std::shared_ptr<Storage> storage) {
   Result<Metadata> m = ReadMetadata(path, storage);
   if (!m.ok()) {
     const StatusCode code = m.status().code();
@@ -406,10 +554,10 @@ Result<int> OldOrNew(const Values* old, const Values& now, const std::string& pa
   return 1;
 }
 
-Status ACrashAtEveryStorageOperation(const FormatUnderTest& f) {
+inline Status ACrashAtEveryStorageOperation(const FormatUnderTest& f) {
   const FormatCapabilities caps = CapabilitiesOf(f);
-  const Values old_values = MakeValues(6, caps);
-  const Values new_values = MakeValues(7, caps);
+  const Values old_values = MakeValues(f, 6, caps);
+  const Values new_values = MakeValues(f, 7, caps);
   int64_t operations = 0;
   int outcomes[2] = {0, 0};
   std::vector<std::string> old_files;  // of the old checkpoint
@@ -459,10 +607,10 @@ Status ACrashAtEveryStorageOperation(const FormatUnderTest& f) {
   return Status::Ok();
 }
 
-Status ATruncatedIndexIsAnErrorNamingIt(const FormatUnderTest& f) {
+inline Status ATruncatedIndexIsAnErrorNamingIt(const FormatUnderTest& f) {
   const FormatCapabilities caps = CapabilitiesOf(f);
   auto storage = std::make_shared<MemoryStorage>();
-  const Values values = MakeValues(8, caps);
+  const Values values = MakeValues(f, 8, caps);
   TESSERA_RETURN_IF_ERROR(Write(f, caps, values, kDir, 1, storage));
   TESSERA_ASSIGN_OR_RETURN(const std::string index, IndexPath(f, kDir, storage));
   TESSERA_ASSIGN_OR_RETURN(const std::vector<uint8_t> whole, storage->GetFileContents(index));
@@ -482,7 +630,7 @@ Status ATruncatedIndexIsAnErrorNamingIt(const FormatUnderTest& f) {
 
 // Flips each byte of the index in turn (xor `mask`) and calls check(status of ReadMetadata,
 // what), restoring it after each.
-Status ForEachFlippedIndexByte(
+inline Status ForEachFlippedIndexByte(
     const FormatUnderTest& f, const Values& values, std::shared_ptr<MemoryStorage> storage,
     const std::function<Status(const std::string& index, const std::string& what)>& check) {
   const FormatCapabilities caps = CapabilitiesOf(f);
@@ -503,9 +651,9 @@ Status ForEachFlippedIndexByte(
   return LoadAndCheck(values, kDir, 1, storage);
 }
 
-Status AFlippedIndexByteIsAnErrorNamingIt(const FormatUnderTest& f) {
+inline Status AFlippedIndexByteIsAnErrorNamingIt(const FormatUnderTest& f) {
   auto storage = std::make_shared<MemoryStorage>();
-  const Values values = MakeValues(9, CapabilitiesOf(f));
+  const Values values = MakeValues(f, 9, CapabilitiesOf(f));
   return ForEachFlippedIndexByte(
       f, values, storage, [&](const std::string& index, const std::string& what) {
         return ExpectErrorNaming(ReadMetadata(kDir, storage).status(), index, what);
@@ -514,9 +662,9 @@ Status AFlippedIndexByteIsAnErrorNamingIt(const FormatUnderTest& f) {
 
 // Each byte of the index flipped in turn: a read or a load fails, or the load gives back the
 // saved tensors (and, with `objects`, objects).
-Status FlippedIndexBytesNeverLoadWrongValues(const FormatUnderTest& f, bool objects) {
+inline Status FlippedIndexBytesNeverLoadWrongValues(const FormatUnderTest& f, bool objects) {
   auto storage = std::make_shared<MemoryStorage>();
-  const Values values = MakeValues(10, CapabilitiesOf(f));
+  const Values values = MakeValues(f, 10, CapabilitiesOf(f));
   return ForEachFlippedIndexByte(
       f, values, storage, [&](const std::string&, const std::string& what) -> Status {
         if (!ReadMetadata(kDir, storage).ok()) return Status::Ok();
@@ -528,58 +676,111 @@ Status FlippedIndexBytesNeverLoadWrongValues(const FormatUnderTest& f, bool obje
       });
 }
 
-Status AFlippedIndexByteNeverLoadsWrongTensors(const FormatUnderTest& f) {
+inline Status AFlippedIndexByteNeverLoadsWrongTensors(const FormatUnderTest& f) {
   return FlippedIndexBytesNeverLoadWrongValues(f, /*objects=*/false);
 }
 
-Status AFlippedIndexByteNeverLoadsWrongObjects(const FormatUnderTest& f) {
+inline Status AFlippedIndexByteNeverLoadsWrongObjects(const FormatUnderTest& f) {
   return FlippedIndexBytesNeverLoadWrongValues(f, /*objects=*/true);
 }
 
-}  // namespace
+}  // namespace format_cases
 
-FormatCapabilities CapabilitiesOf(const FormatUnderTest& f) {
-  FormatCapabilities caps;
-  caps.saves = f.format->CanWrite();
-  caps.index_checksum = f.index_checksum;
-  ConvertOptions options;
-  options.to = f.format->id();
-  Result<std::unique_ptr<FormatWriter>> writer = f.format->NewConversionWriter(options);
-  if (writer.ok()) {
-    caps.objects = (*writer)->StoresObjects();
-    caps.user_metadata = (*writer)->StoresUserMetadata();
-    caps.object_checksums = (*writer)->EngineChecksums();
-    caps.data_checksums =
-        (*writer)->EngineChecksums() || (*writer)->FramingChecksum() != ChecksumKind::kNone;
-  }
-  return caps;
-}
+// One case of the suite: its name, whether it applies to a format that can do what it needs,
+// and its body (errors say what failed).
+struct FormatSuiteCase {
+  const char* name;
+  bool (*applies)(const FormatCapabilities&);
+  Status (*run)(const FormatUnderTest&);
+};
 
-const std::vector<FormatCase>& FormatCases() {
-  auto all = [](const FormatCapabilities&) { return true; };
-  static const std::vector<FormatCase> cases = {
-      {"RoundTrip", all, RoundTrip},
-      {"Reshard2To3", all, Reshard2To3},
-      {"ConvertBothWays", all, ConvertBothWays},
-      {"VerifyNamesAFlippedDataByte", [](const FormatCapabilities& c) { return c.data_checksums; },
-       VerifyNamesAFlippedDataByte},
-      {"ACrashAtEveryStorageOperation", all, ACrashAtEveryStorageOperation},
-      {"ATruncatedIndexIsAnErrorNamingIt", all, ATruncatedIndexIsAnErrorNamingIt},
-      {"AFlippedIndexByteIsAnErrorNamingIt",
-       [](const FormatCapabilities& c) { return c.index_checksum; },
-       AFlippedIndexByteIsAnErrorNamingIt},
-      {"AFlippedIndexByteNeverLoadsWrongTensors", all, AFlippedIndexByteNeverLoadsWrongTensors},
+// Every case, in a fixed order.
+inline const std::vector<FormatSuiteCase>& FormatSuiteCases() {
+  using C = const FormatCapabilities&;
+  static const std::vector<FormatSuiteCase> cases = {
+      {"RoundTrip", [](C) { return true; }, format_cases::RoundTrip},
+      {"Reshard2To3", [](C) { return true; }, format_cases::Reshard2To3},
+      {"ConvertBothWays", [](C) { return true; }, format_cases::ConvertBothWays},
+      {"VerifyNamesAFlippedDataByte", [](C c) { return c.data_checksums; },
+       format_cases::VerifyNamesAFlippedDataByte},
+      {"ACrashAtEveryStorageOperation", [](C) { return true; },
+       format_cases::ACrashAtEveryStorageOperation},
+      {"ATruncatedIndexIsAnErrorNamingIt", [](C) { return true; },
+       format_cases::ATruncatedIndexIsAnErrorNamingIt},
+      {"AFlippedIndexByteIsAnErrorNamingIt", [](C c) { return c.index_checksum; },
+       format_cases::AFlippedIndexByteIsAnErrorNamingIt},
+      {"AFlippedIndexByteNeverLoadsWrongTensors", [](C) { return true; },
+       format_cases::AFlippedIndexByteNeverLoadsWrongTensors},
       {"AFlippedIndexByteNeverLoadsWrongObjects",
-       [](const FormatCapabilities& c) { return c.objects && c.object_checksums; },
-       AFlippedIndexByteNeverLoadsWrongObjects},
+       [](C c) { return c.objects && c.object_checksums; },
+       format_cases::AFlippedIndexByteNeverLoadsWrongObjects},
   };
   return cases;
 }
 
-Status RunFormatCase(const FormatCase& test_case, const FormatUnderTest& format) {
+// The names of the cases a format that can do `caps` runs, in order.
+inline std::vector<std::string> FormatSuiteCaseNames(const FormatCapabilities& caps) {
+  std::vector<std::string> names;
+  for (const FormatSuiteCase& c : FormatSuiteCases()) {
+    if (c.applies(caps)) names.push_back(c.name);
+  }
+  return names;
+}
+
+// Runs `test_case` on `format`, registering it for the case's duration when it must be.
+inline Status RunFormatSuiteCase(const FormatSuiteCase& test_case, const FormatUnderTest& format) {
   std::optional<ScopedFormatRegistration> registration;
-  if (format.register_for_test) registration.emplace(*format.format);
+  if (format.options.register_for_test) registration.emplace(*format.format);
   return test_case.run(format);
 }
 
-}  // namespace tessera::suite
+// The test of one case on one format.
+class FormatSuiteTest : public ::testing::Test {
+ public:
+  FormatSuiteTest(FormatUnderTest format, const FormatSuiteCase* test_case)
+      : format_(std::move(format)), case_(test_case) {}
+  void TestBody() override {
+    const Status status = RunFormatSuiteCase(*case_, format_);
+    EXPECT_TRUE(status.ok()) << case_->name << " on format " << format_.format->name() << ": "
+                             << status.ToString();
+  }
+
+ private:
+  FormatUnderTest format_;
+  const FormatSuiteCase* case_;
+};
+
+// Registers every case that applies to `format` (CapabilitiesOf) as <name>/FormatTest.<case>.
+// Call before RUN_ALL_TESTS (TESSERA_INSTANTIATE_FORMAT_SUITE does, at static initialization).
+// Returns the number of cases registered.
+inline int RegisterFormatSuite(const std::string& name, const Format& format,
+                               FormatSuiteOptions options, const char* file, int line) {
+  const FormatUnderTest under_test{&format, std::move(options)};
+  const FormatCapabilities caps = CapabilitiesOf(under_test);
+  const std::string suite = name + "/FormatTest";
+  int registered = 0;
+  for (const FormatSuiteCase& c : FormatSuiteCases()) {
+    if (!c.applies(caps)) continue;
+    ::testing::RegisterTest(suite.c_str(), c.name, nullptr, nullptr, file, line,
+                            [under_test, test_case = &c]() -> ::testing::Test* {
+                              return new FormatSuiteTest(under_test, test_case);
+                            });
+    ++registered;
+  }
+  return registered;
+}
+
+}  // namespace tessera::testing
+
+// Runs the suite on a format: `name` (an identifier) names the instantiation, `format` (an
+// expression of type const tessera::Format&, in parentheses if it holds a comma) is the format,
+// and the optional arguments after it initialize a tessera::testing::FormatSuiteOptions
+// (designated initializers in the order of its fields, e.g. .index_checksum = true). At
+// namespace scope, once per name.
+#define TESSERA_INSTANTIATE_FORMAT_SUITE(name, format, ...)                                        \
+  [[maybe_unused]] static const int tessera_format_suite_##name =                                  \
+      ::tessera::testing::RegisterFormatSuite(#name, (format),                                     \
+                                              ::tessera::testing::FormatSuiteOptions{__VA_ARGS__}, \
+                                              __FILE__, __LINE__)
+
+#endif  // TESSERA_TESTING_FORMAT_SUITE_H_

@@ -1,7 +1,11 @@
-// A checkpoint format as the rest of tessera sees it: one codec per format (src/format/<name>/),
-// found through the registry (registry.h), never by name. The interface speaks core types
-// only (Metadata, Storage, Status): it cannot name a planning or checkpoint type, so a codec
-// cannot call back into the engine that loads and saves (docs/DESIGN.md, "Formats").
+// The format plug-in API: the interface a checkpoint format implements, so that tessera reads,
+// saves and converts into it. tessera's own formats are codecs of it (src/format/<name>/:
+// tessera, PyTorch DCP / Megatron torch_dist, Hugging Face safetensors), found through the
+// registry (tessera/format_registry.h), never by name; a format written outside tessera
+// implements it the same way, registers it for its tests (ScopedFormatRegistration) and runs
+// the Format conformance suite on it (tessera/testing/format_suite.h). The interface speaks
+// public types only (Metadata, Storage, Status): a codec never calls back into the engine that
+// loads and saves (docs/DESIGN.md, "Formats").
 //
 // What a codec does on the read side:
 //   - claims a directory from its file names alone (Claim), or a single file (ClaimsFile);
@@ -12,11 +16,18 @@
 //     each data file carries a safetensors header describing its chunks, and the format's own
 //     checks of wrapped items (VerifyItems, CheckObjectBytes);
 //   - says which file names are its own (CountsFile), for ls and cleanups.
-// and on the write side, makes the FormatWriter of a save or a conversion (format_writer.h):
-// file names, file headers, the framing of items and the index, for the one write engine of
-// saves (src/checkpoint/data_files.h) and the one of conversions (convert_writer.h).
-#ifndef TESSERA_FORMAT_FORMAT_H_
-#define TESSERA_FORMAT_FORMAT_H_
+// and on the write side, makes the FormatWriter of a save or a conversion
+// (tessera/format_writer.h): file names, file headers, the framing of items and the index, for
+// the one write engine of saves and the one of conversions.
+//
+// The contract: a Format is one immutable object (a function-local static) that outlives
+// every use of it, and serves every save, load and conversion of the process at once: its
+// methods are const and may be called from any number of threads (the ranks of LocalComm are
+// threads). It holds no state between calls; what one save needs lives in its FormatWriter.
+// Errors are Status values, never exceptions, and name the file (and the key, the offset)
+// that is wrong. Its id and name are unique in the registry.
+#ifndef TESSERA_FORMAT_H_
+#define TESSERA_FORMAT_H_
 
 #include <cstdint>
 #include <memory>
@@ -25,7 +36,7 @@
 #include <utility>
 #include <vector>
 
-#include "format/format_writer.h"
+#include "tessera/format_writer.h"
 #include "tessera/formats.h"
 #include "tessera/metadata.h"
 #include "tessera/status.h"
@@ -37,7 +48,7 @@ struct SaveOptions;     // tessera/checkpoint.h
 struct ConvertOptions;  // tessera/convert.h
 
 // What a format makes of a directory from its file names (Format::Claim). The registry turns
-// the claims of every format into one choice (ChooseFormats in registry.h).
+// the claims of every format into one choice.
 enum class DirectoryClaim : uint8_t {
   kNone = 0,    // none of the format's files
   kData,        // data files that are a checkpoint without any commit file (Hugging Face)
@@ -69,8 +80,8 @@ class Format {
 
   // The format's enum value and name ("tessera", "torch_dist", "safetensors"): the names users
   // give to --to and SaveOptions, and that Metadata::format reports. A format registered for
-  // tests (registry.h, ScopedFormatRegistration) has an id outside the enumerators and names
-  // itself; the default name is CheckpointFormatName's.
+  // tests (tessera/format_registry.h, ScopedFormatRegistration) has an id outside the enumerators
+  // and names itself; the default name is CheckpointFormatName's.
   virtual CheckpointFormat id() const = 0;
   virtual const char* name() const { return CheckpointFormatName(id()); }
   // What makes a directory one of its checkpoints, for the error that finds none (e.g.
@@ -159,4 +170,4 @@ std::string FormatOptionsName(const FormatOptions& options);
 
 }  // namespace tessera
 
-#endif  // TESSERA_FORMAT_FORMAT_H_
+#endif  // TESSERA_FORMAT_H_

@@ -1,7 +1,8 @@
-// The write side of a Format (format.h): what a codec tells the one write engine
-// (src/checkpoint/data_files.h) about its data files. The engine owns everything that does not
-// depend on the format: the threads, device staging, progress, writeback, checksums and the
-// removal of files a failed save created. A codec owns only bytes:
+// The write side of a Format (tessera/format.h), part of the format plug-in API: what a codec
+// tells the one write engine (tessera's src/checkpoint/data_files.h) about its data files. The
+// engine owns everything that does not depend on the format: the threads, device staging,
+// progress, writeback, checksums and the removal of files a failed save created. A codec owns
+// only bytes:
 //   - the name of each data file (DataFileName), and what a save directory must not hold
 //     (CheckTarget);
 //   - each file's header and where each item starts in it, and how an item's bytes are framed
@@ -18,8 +19,8 @@
 //     its place later is another save's (ReplacedByLaterSave);
 //   - which files of a directory carry a save id of its own, and which files an index
 //     references (SaveIdOfFile, FilesOfIndex), for the cleanup of a replaced index.
-#ifndef TESSERA_FORMAT_FORMAT_WRITER_H_
-#define TESSERA_FORMAT_FORMAT_WRITER_H_
+#ifndef TESSERA_FORMAT_WRITER_H_
+#define TESSERA_FORMAT_WRITER_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -222,4 +223,4 @@ class RawItemWriter final : public ItemWriter {
 
 }  // namespace tessera
 
-#endif  // TESSERA_FORMAT_FORMAT_WRITER_H_
+#endif  // TESSERA_FORMAT_WRITER_H_
