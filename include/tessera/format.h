@@ -104,7 +104,11 @@ class Format {
   // Reads the checkpoint of directory `dir` whose sorted entries are `sorted_names` (a
   // directory this format claimed). Errors name the file; kFailedPrecondition means the
   // directory holds no complete checkpoint of this format (another format may still claim
-  // it); kNotFound means a file listed vanished meanwhile (the caller lists again).
+  // it); kNotFound means a file listed vanished meanwhile (the caller lists again). What a
+  // format registered from outside tessera reads (ReadIndex, ReadFileIndex) is held by the
+  // engine to every rule of an index (docs/FORMAT.md, 3.3: sorted unique keys, chunks inside
+  // their files, tiling their tensors, ...) before anything uses it: an index that breaks one
+  // is an error naming the directory and the format.
   virtual Result<FormatIndex> ReadIndex(Storage& storage, const std::string& dir,
                                         const std::vector<std::string>& sorted_names) const = 0;
   // Reads the checkpoint that is the one file `dir`/`name` (ClaimsFile).

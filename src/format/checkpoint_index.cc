@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "format/registry.h"
+#include "format/tessera/tessera_format.h"
 
 namespace tessera {
 namespace {
@@ -17,7 +18,22 @@ std::pair<std::string, std::string> SplitPath(const std::string& path) {
   return {slash == 0 ? "/" : path.substr(0, slash), path.substr(slash + 1)};
 }
 
-CheckpointIndex FromFormat(FormatIndex index) {
+// What `format` read, as the engine's index. tessera's own codecs validate what they read
+// (each knows its format's rules); an index read by a format registered from outside (the
+// public plug-in API: a user's format) is held here to every rule of a tessera manifest
+// (CheckAsManifest: sorted unique keys, chunks inside their files and tiling their tensors,
+// ...), so that a codec's mistake is an error naming the index (`path`), never a read outside
+// a file.
+Result<CheckpointIndex> FromFormat(const Format& format, FormatIndex index,
+                                   const std::string& path) {
+  if (!IsBuiltInFormat(format)) {
+    Result<Metadata> checked = CheckAsManifest(
+        index.metadata, path + " (as the " + std::string(format.name()) + " format read it)");
+    if (!checked.ok()) return checked.status();
+    const CheckpointFormat id = index.metadata.format;
+    index.metadata = std::move(*checked);
+    index.metadata.format = id;
+  }
   CheckpointIndex out;
   out.root = std::move(index.root);
   out.metadata = std::move(index.metadata);
@@ -52,12 +68,12 @@ Result<CheckpointIndex> ReadDirectory(Storage& storage, const std::string& path,
     Result<FormatIndex> index = choice.committed[i]->ReadIndex(storage, path, names);
     // A format that finds no complete checkpoint of its own gives way to the next one.
     const bool last = i + 1 == choice.committed.size();
-    if (index.ok()) return FromFormat(std::move(*index));
+    if (index.ok()) return FromFormat(*choice.committed[i], std::move(*index), path);
     if (last || index.status().code() != StatusCode::kFailedPrecondition) return index.status();
   }
   if (choice.data) {
     TESSERA_ASSIGN_OR_RETURN(FormatIndex index, choice.data->ReadIndex(storage, path, names));
-    return FromFormat(std::move(index));
+    return FromFormat(*choice.data, std::move(index), path);
   }
   return NoCheckpoint(path, choice.unfinished);
 }
@@ -78,7 +94,7 @@ Result<CheckpointIndex> ReadCheckpointIndex(Storage& storage, const std::string&
                                 "must be a .safetensors file)");
     }
     TESSERA_ASSIGN_OR_RETURN(FormatIndex index, format->ReadFileIndex(storage, dir, name));
-    return FromFormat(std::move(index));
+    return FromFormat(*format, std::move(index), path);
   }
   // A numbered manifest or a part listed may be gone when read: superseded and removed by the
   // cleanup of a commit made meanwhile. The directory is then listed again.

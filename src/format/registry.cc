@@ -28,6 +28,11 @@ std::vector<const Format*>& Table() {
 
 const std::vector<const Format*>& RegisteredFormats() { return Table(); }
 
+bool IsBuiltInFormat(const Format& format) {
+  return &format == &TesseraFormat() || &format == &TorchDistFormat() ||
+         &format == &HuggingFaceFormat();
+}
+
 ScopedFormatRegistration::ScopedFormatRegistration(const Format& format) : format_(&format) {
   if (FindFormat(format.id()) != nullptr || FindFormat(format.name()) != nullptr) {
     std::fprintf(stderr, "ScopedFormatRegistration: format %s (id %d) is already registered\n",

@@ -40,6 +40,11 @@ struct FormatChoice {
 };
 FormatChoice ChooseFormats(const std::vector<std::string>& sorted_names);
 
+// Whether `format` is one of tessera's own codecs (the table in registry.cc), whose readers
+// validate what they read themselves; false for a format registered from outside
+// (ScopedFormatRegistration: a user's format, raw_dir).
+bool IsBuiltInFormat(const Format& format);
+
 // The format that claims a path to one file (Format::ClaimsFile), or null.
 const Format* FormatOfFile(std::string_view file_name);
 

@@ -7,9 +7,11 @@
 #include <set>
 #include <vector>
 
+#include "format/checkpoint_index.h"
 #include "format/tessera/names.h"
 #include "tessera/checkpoint.h"
 #include "tessera/convert.h"
+#include "tessera/memory_storage.h"
 
 namespace tessera {
 namespace {
@@ -188,6 +190,75 @@ TEST(RegistryTest, ATestFormatIsRegisteredForTheScopeOfItsRegistration) {
   // The enumerators keep their names.
   EXPECT_STREQ(FormatName(CheckpointFormat::kTorchDist), "torch_dist");
   EXPECT_STREQ(CheckpointFormatName(CheckpointFormat::kSafetensors), "safetensors");
+}
+
+// A format from outside (a user's, through the public plug-in API) whose reader returns the
+// index of one F32 tensor [4] (16 bytes) in a data file of `file_bytes` bytes.
+class OneTensorFormat final : public Format {
+ public:
+  explicit OneTensorFormat(uint64_t file_bytes) : file_bytes_(file_bytes) {}
+  CheckpointFormat id() const override { return static_cast<CheckpointFormat>(101); }
+  const char* name() const override { return "one_tensor"; }
+  std::string_view commit_description() const override { return "one_tensor.index"; }
+  DirectoryClaim Claim(const std::vector<std::string>& names) const override {
+    return std::find(names.begin(), names.end(), "one_tensor.index") != names.end()
+               ? DirectoryClaim::kCommitted
+               : DirectoryClaim::kNone;
+  }
+  bool CountsFile(std::string_view name, DirectoryClaim) const override {
+    return name == "one_tensor.index" || name == "one_tensor.bin";
+  }
+  Result<FormatIndex> ReadIndex(Storage&, const std::string& dir,
+                                const std::vector<std::string>&) const override {
+    Metadata m;
+    m.format = id();
+    m.save_id = kSaveId;
+    m.num_ranks = 1;
+    m.checksum = ChecksumKind::kNone;
+    m.files = {FileInfo{"one_tensor.bin", file_bytes_}};
+    TensorInfo t;
+    t.key = "w";
+    t.dtype = DType::kF32;
+    t.global_shape = {4};
+    t.chunks = {ChunkInfo{.box = Box{{0}, {4}}, .location = ByteLocation{0, 0, 16, 0}}};
+    m.tensors = {t};
+    return FormatIndex{dir, std::move(m)};
+  }
+  bool DataFilesHaveHeaders() const override { return false; }
+
+ private:
+  uint64_t file_bytes_;
+};
+
+// tessera's own codecs validate what they read; an index a format from outside read is held
+// to every rule by the engine, so that a codec's mistake (a chunk past the end of its file) is
+// an error naming the directory and the format, never a read outside the file.
+TEST(RegistryTest, AnIndexAFormatFromOutsideReadIsHeldToEveryRule) {
+  MemoryStorage storage;
+  storage.SetFileContents("/ck/one_tensor.index", std::vector<uint8_t>{});
+  {
+    const OneTensorFormat exact(16);
+    const ScopedFormatRegistration registration(exact);
+    EXPECT_FALSE(IsBuiltInFormat(exact));
+    Result<CheckpointIndex> index = ReadCheckpointIndex(storage, "/ck");
+    ASSERT_TRUE(index.ok()) << index.status().ToString();
+    EXPECT_EQ(index->metadata.format, exact.id());
+    EXPECT_EQ(index->metadata.tensors.at(0).chunks.at(0).location.length, 16u);
+  }
+  const OneTensorFormat careless(8);
+  const ScopedFormatRegistration registration(careless);
+  Result<CheckpointIndex> index = ReadCheckpointIndex(storage, "/ck");
+  ASSERT_FALSE(index.ok());
+  EXPECT_NE(index.status().message().find("/ck"), std::string::npos) << index.status().ToString();
+  EXPECT_NE(index.status().message().find("one_tensor"), std::string::npos)
+      << index.status().ToString();
+  // What is wrong: the chunk of 16 bytes in a file of 8.
+  EXPECT_NE(index.status().message().find("one_tensor.bin"), std::string::npos)
+      << index.status().ToString();
+  EXPECT_EQ(index.status().code(), StatusCode::kDataLoss) << index.status().ToString();
+  for (const Format* format : RegisteredFormats()) {
+    EXPECT_EQ(IsBuiltInFormat(*format), format != &careless) << format->name();
+  }
 }
 
 TEST(RegistryDeathTest, RegisteringAFormatTwiceAborts) {
