@@ -1,5 +1,6 @@
 #include "format/registry.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -11,16 +12,22 @@ namespace tessera {
 
 namespace {
 
-// The table; ScopedFormatRegistration appends to it and removes from it, for tests.
-std::vector<const Format*>& Table() {
-  // Detection order: formats with commit files first (tessera before DCP: a tessera directory
-  // never holds .metadata, and rank manifests beside a DCP checkpoint are tessera's), then the
-  // format whose data files alone are a checkpoint.
-  static std::vector<const Format*> formats = {
+// tessera's own codecs, in detection order: formats with commit files first (tessera before
+// DCP: a tessera directory never holds .metadata, and rank manifests beside a DCP checkpoint
+// are tessera's), then the format whose data files alone are a checkpoint.
+const std::vector<const Format*>& BuiltIn() {
+  static const std::vector<const Format*> formats = {
       &TesseraFormat(),
       &TorchDistFormat(),
       &HuggingFaceFormat(),
   };
+  return formats;
+}
+
+// The table: the built-in codecs, then what ScopedFormatRegistration appends (and removes),
+// for tests.
+std::vector<const Format*>& Table() {
+  static std::vector<const Format*> formats = BuiltIn();
   return formats;
 }
 
@@ -29,8 +36,7 @@ std::vector<const Format*>& Table() {
 const std::vector<const Format*>& RegisteredFormats() { return Table(); }
 
 bool IsBuiltInFormat(const Format& format) {
-  return &format == &TesseraFormat() || &format == &TorchDistFormat() ||
-         &format == &HuggingFaceFormat();
+  return std::find(BuiltIn().begin(), BuiltIn().end(), &format) != BuiltIn().end();
 }
 
 ScopedFormatRegistration::ScopedFormatRegistration(const Format& format) : format_(&format) {
