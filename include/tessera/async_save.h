@@ -98,6 +98,14 @@ struct AsyncSaveOptions {
   // only once WaitStaged() (or Wait(), or the next AsyncSave on the comm) has checked. Default
   // false.
   bool check_unchanged_until_staged = false;
+  // The nice value (0-19) of the background work: the copy threads (not the caller's thread,
+  // which also copies with kBlocking), the thread that saves, and the I/O threads it starts.
+  // Default 10, as Megatron-Core runs its asynchronous writer: on a machine whose cores the
+  // training loop keeps busy, the save takes the time the caller leaves idle instead of slowing
+  // its steps; the kernel derives the I/O priority from it (best effort, level 6). 0: normal
+  // priority. Best effort: making a thread less nice again (a later save asking for
+  // less) needs CAP_SYS_NICE.
+  int background_nice = 10;
 };
 
 // The state of one asynchronous save. Thread-safe; copies share the same save. Destroying the

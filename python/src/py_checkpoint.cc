@@ -241,7 +241,8 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("staging_threads", &AsyncSaveOptions::staging_threads)
       .def_readwrite("staging_piece_bytes", &AsyncSaveOptions::staging_piece_bytes)
       .def_readwrite("check_unchanged_until_staged",
-                     &AsyncSaveOptions::check_unchanged_until_staged);
+                     &AsyncSaveOptions::check_unchanged_until_staged)
+      .def_readwrite("background_nice", &AsyncSaveOptions::background_nice);
 }
 
 // ConvertOptions without `to`, `dtype` and `progress`, which _convert takes as arguments

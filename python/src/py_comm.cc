@@ -646,6 +646,20 @@ void RegisterComm(py::module_& m) {
       "COLLECTIVE. Every rank contributes its status (code 0: OK); raises on every rank the "
       "first failing rank's error, if any.");
   m.def(
+      "_split_comm",
+      [](const CommHandle& c) {
+        Comm& comm = c.get();
+        Result<std::unique_ptr<Comm>> split = [&] {
+          py::gil_scoped_release release;
+          return comm.Split(0, comm.rank());
+        }();
+        ThrowIfError(split.status());
+        return std::make_unique<CommHandle>(std::shared_ptr<Comm>(std::move(*split)));
+      },
+      py::arg("comm"),
+      "COLLECTIVE. A communicator of the same ranks, in the same order, whose collectives never "
+      "meet `comm`'s: for the thread that hands asynchronous saves over (tessera/_handover.py).");
+  m.def(
       "single_rank_comm", [] { return std::make_unique<CommHandle>(NewSingleRankComm()); },
       "A communicator of one rank.");
   m.def(

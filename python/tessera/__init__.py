@@ -34,8 +34,9 @@ from ._errors import (AlreadyExistsError, CommError, CommTimeoutError, CorruptCh
                       UnimplementedError)
 from ._state import STRUCTURE_KEY, ShardedObject, ShardedTensor
 from ._torch_comm import torch_dist_comm
-from ._tessera import (AsyncSaveHandle, Comm, ConvertReport, LoadReport, Metadata,
-                       RemoveKeysReport, SaveReport, VerifyReport)
+from ._handover import AsyncSaveHandle
+from ._tessera import (Comm, ConvertReport, LoadReport, Metadata, RemoveKeysReport, SaveReport,
+                       VerifyReport)
 
 if TYPE_CHECKING:
     from mpi4py import MPI

@@ -11,14 +11,16 @@ import re
 import sys
 import threading
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Literal, Mapping,
-                    Optional, Set, Tuple, TypeVar, Union, overload)
+                    NoReturn, Optional, Set, Tuple, TypeVar, Union, overload)
 
+from . import _handover
 from . import _replicas
 from . import _state
 from . import _tessera
 from ._errors import _INVALID_ARGUMENT, Error, invalid_argument, warn_partial_load
-from ._tessera import (AsyncSaveHandle, Comm, ConvertReport, LoadReport, Metadata,
-                       RemoveKeysReport, SaveReport, VerifyReport)
+from ._handover import AsyncSaveHandle
+from ._tessera import (Comm, ConvertReport, LoadReport, Metadata, RemoveKeysReport, SaveReport,
+                       VerifyReport)
 from ._torch_comm import default_comm
 from ._types import ProgressFn, StateDict, StrPath
 
@@ -565,6 +567,8 @@ def _after_fork_in_child() -> None:
     for handle in list(_in_flight):
         _keep_forever(handle)
     _in_flight.clear()
+    for submitter in _handover.forget_after_fork():
+        _keep_forever(submitter)
     for hook in _after_fork_hooks:
         hook()
 
@@ -588,22 +592,34 @@ def async_save(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = N
                when_busy: Literal["wait", "queue"] = "wait",
                staging: Literal["blocking", "deferred"] = "blocking",
                staging_threads: Optional[int] = None, check_unchanged_until_staged: bool = False,
+               background_nice: Optional[int] = None,
                **options: Unpack[AsyncSaveOptions]) -> AsyncSaveHandle:
     """Saves like save(), but the checkpoint is written and committed in the background.
     COLLECTIVE over `comm`. The caller may use `comm` at once.
 
+    The call hands the save to a thread of tessera's (one per comm, tessera/_handover.py) and
+    copies only the containers of `state_dict` (dicts, lists, tuples): the flattening, the
+    checks and the collectives run on that thread, over a communicator of its own split from
+    `comm` by the first async_save over it (a collective, once).
+
     staging="blocking" (default): returns once the state is copied into staging buffers; the
-    caller may change its tensors at once. staging="deferred": returns before copying (the copy
-    runs on background threads while the caller computes); the caller must not change its
-    tensors until handle.wait_staged() returns (call it before the optimizer step). The handle
+    caller may change its tensors at once; errors (a bad state on any rank) are raised here.
+    staging="deferred": returns at once, in about a millisecond (the flattening and the copy
+    run on background threads while the caller computes); the caller must not change its
+    tensors, nor mutable objects in the state, until handle.wait_staged() returns (call it
+    before the optimizer step), which raises what the save failed with (a bad state on any
+    rank: on every rank); a keyword argument this rank got wrong is raised at once. The handle
     keeps the tensors alive until then.
 
-    when_busy="wait" (default): wait for an earlier async save on the same comm before
-    staging (one staged copy in memory at most); "queue": stage now and queue (two at most).
+    when_busy="wait" (default): the staging waits for an earlier async save on the same comm
+    (one staged copy in memory at most; with "deferred" the call does not wait, wait_staged()
+    does); "queue": stage now and queue (two at most).
     staging_threads (default 4): threads that copy, in pieces. check_unchanged_until_staged=True
     (debugging, with "deferred"): checksums the tensors when copied and again in wait_staged(),
     which raises FailedPreconditionError naming a tensor changed too early (the save fails on
-    every rank).
+    every rank). background_nice (default 10, 0-19): the nice value of the background work
+    (the copy threads, the saving thread and its I/O threads; not the caller's thread), so
+    that the save takes the CPU time the training loop leaves idle; 0: normal priority.
 
     Returns an AsyncSaveHandle: wait_staged(), staged(), wait() (the SaveReport, or raises the
     save's error), done(), exception(), report. The interpreter waits at exit for saves still
@@ -616,29 +632,78 @@ def async_save(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = N
     if "progress" in options:
         raise TypeError("async_save() does not take progress: the save runs in the background "
                         "(handle.done() polls it)")
+    collective = options.get("collective", True)
     explicit = comm is not None
-    comm, lock = _comm_handle(comm), None
-    if comm is None:
-        # The process-wide comm: a Comm is used by one thread at a time.
-        comm, lock = _single_rank_comm(), _default_comm_submit_lock
-    elif not explicit:
-        lock = _default_comm_submit_lock  # the default group's comm, shared likewise
-    comm, builder, save_opts = _prepare_save("async_save", state_dict, comm, options)
+    comm = _comm_handle(comm)
+    if comm is None or not explicit:
+        # The process-wide comm, or the default group's: shared by the threads of the process,
+        # and a Comm is used by one thread at a time (only the first call splits it).
+        with _default_comm_submit_lock:
+            comm = comm if comm is not None else _single_rank_comm()
+            submitter = _handover.submitter(comm, collective)
+    else:
+        submitter = _handover.submitter(comm, collective)
+    # What this rank got wrong in its arguments is raised at once. The save is queued all the
+    # same, failing in its agreement: every rank's save fails with this error, none hangs.
+    local_error: Optional[Exception] = None
+    try:
+        async_opts = _async_save_options(when_busy, staging, staging_threads,
+                                         check_unchanged_until_staged, background_nice)
+        _check_save_options("async_save", options)
+    except Exception as e:  # noqa: BLE001 (raised below)
+        local_error = e
+    # The containers are copied now (microseconds a leaf): the caller may change its dicts
+    # once this returns. The leaves are the caller's until staged, as with any deferred save.
+    state = _state.copy_containers(state_dict, lambda path, leaf: leaf)
+    path = os.fspath(path)
+
+    def work(private: Comm) -> _tessera.AsyncSaveHandle:
+        # On the submitting thread (tessera/_handover.py), over its private communicator.
+        if local_error is not None:
+            error = local_error
+            _prepare(private, lambda: _raise(error), collective)
+        _, builder, save_opts = _prepare_save("async_save", state, private, options)
+        async_opts.save = save_opts
+        return _tessera._async_save(builder, path, private, async_opts)
+
+    handle = submitter.submit(work)
+    if local_error is not None:
+        raise local_error
+    if staging == "blocking":
+        handle.wait_staged()  # raises what the save failed with, on every rank
+    _track(handle)
+    return handle
+
+
+def _raise(error: Exception) -> NoReturn:
+    raise error
+
+
+def _async_save_options(when_busy: str, staging: str, staging_threads: Optional[int],
+                        check_unchanged_until_staged: bool,
+                        background_nice: Optional[int]) -> _tessera.AsyncSaveOptions:
+    """The AsyncSaveOptions of async_save's arguments (its `save` field set later)."""
     opts = _tessera.AsyncSaveOptions()
-    opts.save = save_opts
     opts.when_busy = _tessera.WhenBusy.WAIT if when_busy == "wait" else _tessera.WhenBusy.QUEUE
     opts.staging = (_tessera.StagingMode.BLOCKING if staging == "blocking"
                     else _tessera.StagingMode.DEFERRED)
     if staging_threads is not None:
-        opts.staging_threads = staging_threads
+        opts.staging_threads = staging_threads  # TypeError unless an int
+        if staging_threads < 1:  # as AsyncSave's own check (src/checkpoint/async_save.cc)
+            raise invalid_argument(f"staging_threads must be at least 1, not {staging_threads}")
     opts.check_unchanged_until_staged = bool(check_unchanged_until_staged)
-    if lock is None:
-        handle = _tessera._async_save(builder, os.fspath(path), comm, opts)
-    else:
-        with lock:
-            handle = _tessera._async_save(builder, os.fspath(path), comm, opts)
-    _track(handle)
-    return handle
+    if background_nice is not None:
+        opts.background_nice = background_nice  # TypeError unless an int
+        if not 0 <= background_nice <= 19:  # as AsyncSave's own check
+            raise invalid_argument(f"background_nice must be 0 to 19, not {background_nice}")
+    return opts
+
+
+def _check_save_options(function: str, options: Mapping[str, Any]) -> None:
+    """Raises what _prepare_save would for these options, without the state (local, cheap)."""
+    options = dict(options)
+    _replicas.limit_of(options.pop("check_replicas", "small"))
+    _set_options(function, _tessera.SaveOptions(), options)
 
 
 def _track(handle: AsyncSaveHandle) -> None:

@@ -270,6 +270,17 @@ def from_status(status_code: int, code_name: str, message: str,
     return error
 
 
+def as_error(error: Exception) -> "Error":
+    """`error` as a tessera.Error: itself, or (a Python exception raised while preparing a call,
+    about the caller's input) an InvalidArgumentError naming its type, caused by it."""
+    if isinstance(error, Error):
+        return error
+    wrapped = from_status(_INVALID_ARGUMENT, "InvalidArgument",
+                          f"{type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
 def invalid_argument(message):
     """An InvalidArgumentError raised by the Python layer itself."""
     return from_status(_INVALID_ARGUMENT, "InvalidArgument", message)

@@ -31,6 +31,7 @@ from . import _api
 from . import _state
 from . import _tessera
 from ._errors import Error, invalid_argument
+from ._handover import AsyncSaveHandle
 from ._types import StateDict, StrPath
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class ManagedSave:
     #: Asynchronous saves: the save in flight (with staging="deferred", call
     #: handle.wait_staged() before changing the tensors). Its failure is raised by the
     #: manager's next call too.
-    handle: Optional[_tessera.AsyncSaveHandle]
+    handle: Optional[AsyncSaveHandle]
     #: Synchronous saves (async_save=False): the SaveReport of the committed save.
     report: Optional[_tessera.SaveReport]
 
@@ -137,7 +138,7 @@ class CheckpointManager:
     async_save (default True): save() returns once the state is staged; the checkpoint is
     written and committed in the background. when_busy="wait" (default): a save waits for the
     one in flight; "skip": it saves nothing and says why (ManagedSave.skipped). staging,
-    staging_threads, check_unchanged_until_staged: as for tessera.async_save.
+    staging_threads, check_unchanged_until_staged, background_nice: as for tessera.async_save.
 
     layout: the run's parallel layout (e.g. "tp2,pp1,dp4"), recorded with per-rank state.
 
@@ -151,7 +152,8 @@ class CheckpointManager:
                  when_busy: Literal["wait", "skip"] = "wait",
                  staging: Literal["blocking", "deferred"] = "blocking",
                  staging_threads: Optional[int] = None,
-                 check_unchanged_until_staged: bool = False, layout: Optional[str] = None,
+                 check_unchanged_until_staged: bool = False,
+                 background_nice: Optional[int] = None, layout: Optional[str] = None,
                  write_tracker: bool = True, step_naming: str = "megatron",
                  **save_options: Unpack[ManagerSaveOptions]) -> None:
         if when_busy not in ("wait", "skip"):
@@ -185,6 +187,8 @@ class CheckpointManager:
         if staging_threads is not None:
             opts.staging_threads = staging_threads
         opts.check_unchanged_until_staged = bool(check_unchanged_until_staged)
+        if background_nice is not None:
+            opts.background_nice = background_nice
         self._impl = _tessera._CheckpointManager(self._root, opts, bool(async_save), when_busy,
                                                  keep_last, keep_every, bool(write_tracker),
                                                  layout or "", step_naming, _warn)
@@ -238,7 +242,8 @@ class CheckpointManager:
             self._last_handle = handle
         # The handle is not tracked by tessera.async_save's exit hook: its failure reaches the
         # caller through this manager (the next call, or the exit check below).
-        return ManagedSave(step, self.step_path(step), skipped, reason, handle, report)
+        return ManagedSave(step, self.step_path(step), skipped, reason,
+                           None if handle is None else AsyncSaveHandle._of(handle), report)
 
     def wait(self) -> None:
         """Blocks until the save in flight is committed (and the retention after it done);

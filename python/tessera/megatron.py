@@ -42,7 +42,8 @@ from . import _adapters
 from . import _api
 from . import _state
 from ._errors import Error, invalid_argument, reword_advice, warn_partial_load
-from ._tessera import AsyncSaveHandle, Comm
+from ._handover import AsyncSaveHandle
+from ._tessera import Comm
 from ._types import StateDict, StrPath
 
 if TYPE_CHECKING:

@@ -47,6 +47,7 @@ from . import _dtypes
 from . import _state
 from . import _tessera
 from ._errors import invalid_argument
+from ._handover import AsyncSaveHandle
 from ._types import StrPath
 
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ def async_save_state(path: StrPath, *, model: Optional[Models] = None,
                      optimizer: Optional[Optimizers] = None,
                      comm: Optional[_tessera.Comm] = None,
                      save_options: Optional[Mapping[str, Any]] = None,
-                     **extra: Any) -> _tessera.AsyncSaveHandle:
+                     **extra: Any) -> AsyncSaveHandle:
     """save_state in the background: returns a tessera.AsyncSaveHandle once the state is
     staged (wait() it; its failure is raised there, and a failure nobody waited for makes the
     interpreter exit with status 1). `save_options` also takes tessera.async_save's (staging,

@@ -316,8 +316,18 @@ def test_async_save_deferred_errors(tmp_path):
                            staging_threads=0)
     with pytest.raises(TypeError):
         tessera.async_save({"w": np.zeros(2)}, str(tmp_path / "a"), staging_threads="two")
-    with pytest.raises(ValueError, match="not contiguous"):  # found before the call returns
-        tessera.async_save({"w": np.zeros((3, 3)).T}, str(tmp_path / "a"), staging="deferred")
+    # The state is flattened after a deferred call returns: wait_staged() raises what is wrong
+    # with it (InvalidArgumentError is a ValueError), and so do wait() and exception().
+    handle = tessera.async_save({"w": np.zeros((3, 3)).T}, str(tmp_path / "a"),
+                                staging="deferred")
+    with pytest.raises(ValueError, match="not contiguous"):
+        handle.wait_staged()
+    with pytest.raises(tessera.InvalidArgumentError, match="not contiguous"):
+        handle.wait()
+    assert isinstance(handle.exception(), tessera.InvalidArgumentError)
+    assert handle.done() and handle.staged()
+    with pytest.raises(ValueError, match="not contiguous"):  # blocking: raised by the call
+        tessera.async_save({"w": np.zeros((3, 3)).T}, str(tmp_path / "a"))
     (tmp_path / "file").write_bytes(b"x")
     handle = tessera.async_save({"w": np.zeros(2)}, str(tmp_path / "file" / "ckpt"),
                                 staging="deferred")

@@ -22,6 +22,7 @@
 
 #include "checkpoint/rank_local_save.h"
 #include "core/checksum.h"
+#include "core/thread_priority.h"
 #include "device/device_staging.h"
 
 namespace tessera {
@@ -48,6 +49,7 @@ struct AsyncSaveHandle::State {
   std::vector<Segment> segments;    // in state order
   std::vector<size_t> piece_begin;  // piece p: segments [piece_begin[p], piece_begin[p+1])
   bool check = false;               // check_unchanged_until_staged, with kDeferred
+  int nice = 0;                     // AsyncSaveOptions::background_nice, of the copy threads
   std::vector<uint64_t> checksums;  // per segment, of the staged copy (check only)
   size_t next_piece = 0;            // the next piece to hand out (guarded by the pool)
 
@@ -284,6 +286,7 @@ class StagingPool {
       if (queue_.empty()) return;  // stopping, nothing left
       Claim claim = Take();
       lock.unlock();
+      SetThisThreadNice(claim.state->nice);  // a pool thread: never the caller's (Help)
       Copy(claim);
     }
   }
@@ -300,6 +303,10 @@ Status ValidateStagingOptions(const AsyncSaveOptions& options) {
   if (options.staging_threads < 1) {
     return BadOption("AsyncSaveOptions::staging_threads",
                      "must be at least 1, not " + std::to_string(options.staging_threads));
+  }
+  if (options.background_nice < 0 || options.background_nice > 19) {
+    return BadOption("AsyncSaveOptions::background_nice",
+                     "must be 0 to 19, not " + std::to_string(options.background_nice));
   }
   if (options.staging_piece_bytes < 4096) {
     return BadOption("AsyncSaveOptions::staging_piece_bytes",
@@ -351,6 +358,7 @@ Status Prepare(const StateDict& state, const AsyncSaveOptions& options, StagingS
                StateDict& staged, HandleState& work) {
   TESSERA_RETURN_IF_ERROR(ValidateStagingOptions(options));
   work.check = options.check_unchanged_until_staged && options.staging == StagingMode::kDeferred;
+  work.nice = options.background_nice;
   std::set<std::pair<const Device*, DeviceStream>> ordered;  // one wait per caller stream
   for (const StateEntry& entry : state.entries()) {
     if (const auto* object = std::get_if<ShardedObject>(&entry)) {
@@ -474,6 +482,7 @@ class AsyncSaver {
     }
     job.staging = std::move(set);
     job.path = path;
+    job.nice = options.background_nice;
     job.options = options.save;
     job.handle = handle_state;
     if (handle_state->device) {
@@ -500,6 +509,7 @@ class AsyncSaver {
     std::unique_ptr<StagingSet> staging;  // null for a save that failed before staging
     std::string path;
     SaveOptions options;
+    int nice = 0;  // AsyncSaveOptions::background_nice
     std::shared_ptr<HandleState> handle;
   };
 
@@ -569,6 +579,8 @@ class AsyncSaver {
         job = std::move(queue_.front());
         queue_.pop_front();
       }
+      // The I/O threads the save starts inherit it (the failed-before-staging job keeps 0).
+      if (job.staging) SetThisThreadNice(job.nice);
       Result<SaveReport> result = SaveJob(job);
       job.state = StateDict();  // views into the staging set, which goes back to the pool
       if (job.staging) ReturnStagingSet(std::move(job.staging));

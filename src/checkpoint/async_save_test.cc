@@ -7,8 +7,10 @@
 #include <condition_variable>
 #include <fstream>
 #include <mutex>
+#include <set>
 #include <thread>
 
+#include "core/thread_priority.h"
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
@@ -418,6 +420,70 @@ TEST(AsyncSaveTest, BadStagingOptionsFailAsyncSaveOnEveryRank) {
     EXPECT_THAT(s.message(),
                 HasSubstr("rank 0: AsyncSaveOptions::staging_piece_bytes must be at least 4096"));
   }
+}
+
+// Records the nice value of the threads that create the data files and publish the manifest.
+class NiceRecordingStorage : public StorageWrapper {
+ public:
+  explicit NiceRecordingStorage(std::shared_ptr<Storage> base) : StorageWrapper(std::move(base)) {}
+  using Storage::NewWritableFile;
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
+                                                        CreateMode mode) override {
+    Record();
+    return target().NewWritableFile(path, mode);
+  }
+  Status Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
+                 bool sync) override {
+    Record();
+    return target().Publish(path, bytes, mode, sync);
+  }
+  std::set<int> seen() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return seen_;
+  }
+
+ private:
+  void Record() {
+    std::lock_guard<std::mutex> lock(mu_);
+    seen_.insert(ThisThreadNice());
+  }
+  std::mutex mu_;
+  std::set<int> seen_;
+};
+
+TEST(AsyncSaveTest, TheBackgroundSaveRunsAtItsNiceValueAndTheCallerKeepsItsOwn) {
+  const int caller_nice = ThisThreadNice();
+  if (caller_nice != 0) GTEST_FAIL() << "the test must start at nice 0, not " << caller_nice;
+  for (const int nice : {10, 0}) {  // fresh comms: fresh threads, which start at nice 0
+    auto storage = std::make_shared<NiceRecordingStorage>(std::make_shared<MemoryStorage>());
+    std::vector<Status> statuses = RunLocalRanks(2, [&](Comm& comm) -> Status {
+      RankTensor t;
+      StateDict dict = t.Dict(comm);
+      AsyncSaveOptions o;  // kBlocking: the caller's thread helps copy, at its own priority
+      o.save.storage = storage;
+      o.background_nice = nice;
+      TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle h, AsyncSave(dict, "/ck", comm, o));
+      TESSERA_RETURN_IF_ERROR(h.Wait());
+      if (ThisThreadNice() != 0) return Internal("the caller's thread was made nicer");
+      return Status::Ok();
+    });
+    for (const Status& s : statuses) EXPECT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(storage->seen(), std::set<int>{nice});
+  }
+}
+
+TEST(AsyncSaveTest, ANiceValueOutOfRangeIsRefusedNamingTheOption) {
+  auto memory = std::make_shared<MemoryStorage>();
+  std::vector<Status> statuses = RunLocalRanks(1, [&](Comm& comm) -> Status {
+    RankTensor t;
+    StateDict dict = t.Dict(comm);
+    AsyncSaveOptions o;
+    o.save.storage = memory;
+    o.background_nice = 20;
+    return AsyncSave(dict, "/ck", comm, o).status();
+  });
+  EXPECT_THAT(statuses[0].message(),
+              HasSubstr("AsyncSaveOptions::background_nice must be 0 to 19, not 20"));
 }
 
 TEST(AsyncSaveTest, AStagingBufferThatCannotBeAllocatedFailsNamingTheTensor) {
