@@ -49,6 +49,7 @@ import datetime
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import re
 import shlex
@@ -74,6 +75,9 @@ from harness_state import BenchState, as_bytes, build_state, local_of, parse_siz
 from harness_systems import SYSTEMS, System, write_all  # noqa: E402
 
 ALL_PHASES = ("save", "load", "reshard_load", "async_save")
+# Their INFO/WARNING chatter (deprecations, O_DIRECT fall-backs, replicated plain tensors) is
+# what each system's notes() already says; --verbose keeps it.
+QUIET_LOGGERS = ("megatron", "torch_checkpointing")
 VERSIONS = ("torch", "tessera", "megatron-core", "torch-checkpointing", "safetensors",
             "transformers", "numpy", "bytecheckpoint")
 
@@ -322,6 +326,8 @@ def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> None:
     """The body of each process of the job."""
     if not cfg["verbose"]:
         warnings.simplefilter("ignore")
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
     dist.init_process_group("gloo", init_method="file://" + os.path.join(cfg["run_dir"], "store"),
                             rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg["timeout"]))
@@ -410,7 +416,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--no-flush", action="store_true",
                     help="no syncfs before each phase (page-cache mode only)")
     ap.add_argument("--timeout", type=int, default=1800, help="gloo timeout in seconds")
-    ap.add_argument("--verbose", action="store_true", help="keep Python warnings of the systems")
+    ap.add_argument("--verbose", action="store_true",
+                    help="keep the systems' Python warnings and log messages")
     ap.add_argument("--mpi-worker", metavar="CONFIG", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]

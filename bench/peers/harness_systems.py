@@ -324,6 +324,13 @@ class Dcp(System):
         super().__init__(sync)
         self._stager: Any = None
 
+    def unavailable(self) -> Optional[str]:
+        try:
+            import torch.distributed.checkpoint  # noqa: F401 (imported before any timing)
+        except Exception as e:
+            return f"import torch.distributed.checkpoint failed: {type(e).__name__}: {e}"
+        return None
+
     def _staging_options(self) -> Any:
         from torch.distributed.checkpoint.staging import StagingOptions
         cuda = torch.cuda.is_available()
