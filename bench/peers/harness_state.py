@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, zeros
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 Layout = Literal["save", "load", "reshard"]
+LOAD_NAMES = {"save": "save", "load": "load (same layout)", "reshard": "resharded load"}
 STEP_VALUE = b"step=1000"
 LAYERS = 4
 
@@ -186,20 +187,20 @@ class BenchState:
                 want = local_of(leaf.saved)
             if tuple(got.shape) != tuple(want.shape) or not torch.equal(
                     as_bytes(got.contiguous()), as_bytes(want.contiguous())):
-                raise RuntimeError(f"{system}: {layout} load: '{leaf.key}' on rank {self.rank} "
-                                   "differs from the saved values")
+                raise RuntimeError(f"{system}: {LOAD_NAMES[layout]}: '{leaf.key}' on rank "
+                                   f"{self.rank} differs from the saved values")
             if loaded.get(leaf.key) is not None and loaded[leaf.key] is not target:
                 other = local_of(loaded[leaf.key])
                 if other.data_ptr() != got.data_ptr():
-                    raise RuntimeError(f"{system}: {layout} load returned '{leaf.key}' in other "
-                                       "memory than the target it was given")
+                    raise RuntimeError(f"{system}: {LOAD_NAMES[layout]} returned '{leaf.key}' in "
+                                       "other memory than the target it was given")
         for key, value in self.objects.items():
             got_object = loaded.get(key)
             if isinstance(got_object, (bytearray, memoryview)):
                 got_object = bytes(got_object)
             if got_object != value:
-                raise RuntimeError(f"{system}: {layout} load: object '{key}' on rank {self.rank} "
-                                   f"is {got_object!r}, saved {value!r}")
+                raise RuntimeError(f"{system}: {LOAD_NAMES[layout]}: object '{key}' on rank "
+                                   f"{self.rank} is {got_object!r}, saved {value!r}")
 
 
 def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placement: Shard | Replicate,
