@@ -71,8 +71,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import harness_report  # noqa: E402
-from harness_state import BenchState, as_bytes, build_state, local_of, parse_size  # noqa: E402
-from harness_systems import SYSTEMS, System, write_all  # noqa: E402
+from harness_state import BenchState, Layout, build_state, local_of, parse_size  # noqa: E402
+from harness_systems import SYSTEMS, System, buffer_of, write_all  # noqa: E402
 
 ALL_PHASES = ("save", "load", "reshard_load", "async_save")
 # Their INFO/WARNING chatter (deprecations, O_DIRECT fall-backs, replicated plain tensors) is
@@ -194,7 +194,7 @@ class Rank:
         try:
             offset = 0
             for leaf in self.state.leaves:
-                data = memoryview(as_bytes(local_of(leaf.saved)).numpy())
+                data = buffer_of(local_of(leaf.saved))
                 write_all(fd, data, offset)
                 offset += len(data)
             if self.cfg["sync"]:
@@ -219,7 +219,8 @@ class Rank:
             system.finish("save")
             if "save" in phases:
                 r["phases"]["save"]["samples"].append(seconds)
-        for phase, layout in (("load", "load"), ("reshard_load", "reshard")):
+        loads: tuple[tuple[str, Layout], ...] = (("load", "load"), ("reshard_load", "reshard"))
+        for phase, layout in loads:
             if phase not in phases or r["phases"][phase].get("reason"):
                 continue
             loaded: list[dict[str, Any]] = []

@@ -65,21 +65,20 @@ def summarize(raw_result: dict[str, Any]) -> dict[str, Any]:
 
     fastest: dict[str, Any] = {}
     for phase in PHASES:
-        best = None
+        best: Optional[dict[str, Any]] = None
         for name in systems:
             m = _median(systems[name].get("phases", {}).get(phase))
-            if is_peer(name) and m is not None and (best is None or m < best[1]):
-                best = (name, m)
-        fastest[phase] = {"system": best[0], "median": best[1]} if best else None
+            if is_peer(name) and m is not None and (best is None or m < best["median"]):
+                best = {"system": name, "median": m}
+        fastest[phase] = best
     for what in ("call", "committed"):
         best = None
         for name in systems:
             for variant, a in systems[name].get("async_save", {}).items():
                 m = _median(a.get(what))
-                if is_peer(name) and m is not None and (best is None or m < best[2]):
-                    best = (name, variant, m)
-        fastest[f"async_{what}"] = ({"system": best[0], "variant": best[1], "median": best[2]}
-                                    if best else None)
+                if is_peer(name) and m is not None and (best is None or m < best["median"]):
+                    best = {"system": name, "variant": variant, "median": m}
+        fastest[f"async_{what}"] = best
 
     raw = systems.get("raw", {}).get("phases", {})
     for name, s in systems.items():
@@ -118,7 +117,7 @@ def table(output: dict[str, Any]) -> str:
              f"{c['rounds']} rounds; seconds: median [min-max]; x raw and x fastest peer are "
              "median / median.", ""]
     lines += ["| system | save | x raw | x peer | load | x raw | x peer | reshard load | "
-              "x peer | peak RSS/rank MiB |",
+              "x peer | peak RSS/rank MiB (at start) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     reasons: list[str] = []
     for name, s in output["systems"].items():
@@ -136,7 +135,9 @@ def table(output: dict[str, Any]) -> str:
             if p and p.get("reason"):
                 reasons.append(f"- {name} {phase}: {p['reason']}")
         rss = s.get("peak_rss_bytes_per_rank") or []
-        cells.append(f"{max(rss) / 2**20:.0f}" if rss else "-")
+        start = s.get("rss_at_block_start_bytes_per_rank") or []
+        cells.append(f"{max(rss) / 2**20:.0f} ({max(start) / 2**20:.0f})" if rss and start
+                     else "-")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| system | async variant | call (blocked) | committed | committed x raw save "
               "| committed x fastest peer |", "|---|---|---|---|---|---|"]

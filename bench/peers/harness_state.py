@@ -273,7 +273,9 @@ def build_transformers(size: int, mesh: DeviceMesh) -> BenchState:
     model(input_ids=tokens, labels=tokens).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    msd, osd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    msd: dict[str, Any] = dict(model_sd)
+    osd: dict[str, Any] = dict(optim_sd)
     flat: dict[str, Any] = {f"model.{k}": v for k, v in msd.items()}
     for fqn, entry in osd["state"].items():
         for name, value in entry.items():

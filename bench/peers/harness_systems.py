@@ -27,6 +27,7 @@ import contextlib
 import importlib.metadata
 import inspect
 import os
+import re
 import textwrap
 from typing import Any, Callable, Iterator, Optional
 
@@ -72,11 +73,8 @@ def sync_checkpoint_dir(path: str, rank: int, world: int) -> None:
     for root, _, files in os.walk(path):
         dirs.append(root)
         for name in files:
-            stem = name.rsplit(".", 1)[0]
-            owner = None
-            for r in range(world):
-                if stem.endswith(f"_{r}") or stem.endswith(f"rank{r}"):
-                    owner = r
+            match = re.search(r"(?:_|rank)(\d+)$", name.rsplit(".", 1)[0])
+            owner = int(match.group(1)) if match and int(match.group(1)) < world else None
             full = os.path.join(root, name)
             if owner == rank:
                 mine.append(full)
@@ -117,7 +115,7 @@ def read_all(fd: int, data: memoryview, offset: int) -> None:
 def buffer_of(tensor: torch.Tensor) -> memoryview:
     """A writable memoryview of a contiguous CPU tensor's bytes."""
     assert tensor.is_contiguous()
-    return memoryview(as_bytes(tensor).numpy())
+    return memoryview(as_bytes(tensor).numpy())  # type: ignore[arg-type]
 
 
 def copy_into_targets(state: BenchState, loaded: dict[str, Any], layout: Layout) -> None:
@@ -345,9 +343,9 @@ class Dcp(System):
                 "async": {"default": "dcp.async_save(state, storage_writer=...) with no stager: "
                                      "its own DefaultStager(StagingOptions(False, False, False, "
                                      "False)), a thread executor",
-                          "shm_async_stager": f"async_stager=DefaultStager({self._staging_options()})"
-                                              ", one stager kept for the whole run (it caches its "
-                                              "staging buffers)"}}
+                          "shm_async_stager": "async_stager=DefaultStager("
+                                              f"{self._staging_options()}), one stager kept for "
+                                              "the whole run (it caches its staging buffers)"}}
 
     def notes(self) -> list[str]:
         out = ["async committed = the upload future's result (AsyncSaveResponse."
@@ -382,7 +380,7 @@ class Dcp(System):
         response = dcp.async_save(state.flat("save"),
                                   storage_writer=dcp.FileSystemWriter(path, sync_files=self.sync),
                                   async_stager=stager)
-        future = getattr(response, "upload_completion", response)
+        future: Any = getattr(response, "upload_completion", response)
 
         def wait() -> None:
             future.result()
@@ -514,6 +512,10 @@ class Megatron(System):
     def prepare(self, phase: str, variant: Optional[str] = None) -> None:
         if phase in ("load", "reshard_load", "check"):
             self._patch_exchange()
+        if phase == "async_save" and self._queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import \
+                AsyncCallsQueue
+            self._queue = AsyncCallsQueue()  # persistent=False: a fork per save
 
     def _save_strategy(self) -> Any:
         from megatron.core.dist_checkpointing.strategies.fully_parallel import \
@@ -547,9 +549,6 @@ class Megatron(System):
 
     def async_save(self, state: BenchState, path: str, variant: str) -> Waiter:
         from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-        if self._queue is None:
-            self._queue = AsyncCallsQueue()
         queue = self._queue
         with self._cpu():
             request = dist_checkpointing.save(self._sharded(state, "save"), path,
