@@ -1,5 +1,6 @@
-"""One benchmark of tessera and every current peer on the same state, in the same processes:
-every row of the peer comparison table (docs/PERFORMANCE.md) comes from here.
+"""The peer benchmark: tessera and every current peer on the same state, in the same processes.
+
+Every row of the peer comparison table (docs/PERFORMANCE.md) comes from here.
 
     scripts/bench-peers [--size 512MiB|2GiB|8GiB] [--procs 2|4] [--sync] [--rounds 5]
                         [--state megatron|transformers] [--systems raw,tessera,...]
@@ -29,7 +30,11 @@ after the wait for the commit. In the first round every load is checked bit for 
 what was saved (targets zeroed before), and each asynchronous checkpoint is loaded back
 (untimed) and checked the same way; later rounds are not checked. The peak RSS of each rank
 (VmHWM, reset through /proc/self/clear_refs at the start of each block; the largest over the
-rounds) is reported per system; processes a system starts are not included.
+rounds) is reported per system with the RSS at the block's start: the processes are shared,
+so it includes memory the allocator kept from earlier blocks, and a system may reuse it
+without raising its peak; processes a system starts are not included. --rss-jobs adds, after
+the run, one job per system (with raw, one round) whose whole-process peak (ru_maxrss, and that
+of the writer processes it waited for) is that system's alone.
 
 Modes: page cache (default: no fsync by any system that lets one choose) and --sync (each
 system's own fsync option; the harness fdatasyncs the files, inside the timing, for a system
@@ -52,6 +57,7 @@ import json
 import logging
 import os
 import re
+import resource
 import shlex
 import shutil
 import subprocess
@@ -214,7 +220,7 @@ class Rank:
         self.warm()
         ckpt = self.fresh_dir(os.path.join(block_dir, "ckpt"))
         if {"save", "load", "reshard_load"} & set(phases):
-            system.prepare("save")
+            system.prepare("save", self.state)
             seconds = self.timed(lambda: system.save(self.state, ckpt))
             system.finish("save")
             if "save" in phases:
@@ -226,7 +232,7 @@ class Rank:
             loaded: list[dict[str, Any]] = []
             if check:
                 self.state.zero(layout)
-            system.prepare(phase)
+            system.prepare(phase, self.state)
             seconds = self.timed(lambda: loaded.append(system.load(self.state, ckpt, layout)))
             system.finish(phase)
             r["phases"][phase]["samples"].append(seconds)
@@ -237,7 +243,7 @@ class Rank:
             if a.get("reason"):
                 continue
             path = self.fresh_dir(os.path.join(block_dir, "async-" + variant.replace("=", "-")))
-            system.prepare("async_save", variant)
+            system.prepare("async_save", self.state, variant)
             if self.cfg["flush"] and self.rank == 0:
                 syncfs(self.run_dir)
             dist.barrier()
@@ -254,11 +260,12 @@ class Rank:
             a["committed_samples"].append(committed)
             if check:  # the checkpoint it committed loads back, bit for bit
                 self.state.zero("load")
-                system.prepare("check")
+                system.prepare("check", self.state)
                 loaded_back = system.load(self.state, path, "load")
                 system.finish("check")
                 self.state.check(loaded_back, "load", f"{system.name} async {variant}")
                 a["verified"] = True
+        system.end_block()
         dist.barrier()
         if self.rank == 0:
             shutil.rmtree(block_dir, ignore_errors=True)
@@ -338,12 +345,20 @@ def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> None:
     systems = [SYSTEMS[name](cfg["sync"]) for name in cfg["systems"]]
     try:
         result = Rank(cfg, state, systems).run()
-        if result is not None:
-            with open(os.path.join(cfg["run_dir"], "result.json"), "w") as f:
-                json.dump(result, f)
     finally:
         for system in systems:
             system.close()
+    # The whole process's peak (this job's), and that of its children waited for (writer
+    # processes a system started and joined), after every system closed.
+    peaks: list[Any] = [None] * world
+    dist.all_gather_object(peaks, {
+        "self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024})
+    if result is not None:
+        result["process_peak_rss_bytes_per_rank"] = [p["self"] for p in peaks]
+        result["children_peak_rss_bytes_per_rank"] = [p["children"] for p in peaks]
+        with open(os.path.join(cfg["run_dir"], "result.json"), "w") as f:
+            json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
     with open(os.path.join(cfg["run_dir"], f"done-{rank}"), "w"):
@@ -392,6 +407,29 @@ def launch(cfg: dict[str, Any]) -> list[str]:
     return [] if done.returncode == 0 else [f"mpirun exited with status {done.returncode}"]
 
 
+def run_job(cfg: dict[str, Any]) -> tuple[Optional[dict[str, Any]], list[str]]:
+    """Runs one job in a new directory under cfg["dir"] (removed after); returns rank 0's
+    result (None if the job failed) and the errors of processes that failed."""
+    run_dir = tempfile.mkdtemp(prefix="tessera-peers-", dir=cfg["dir"])
+    try:
+        errors = launch(dict(cfg, run_dir=run_dir))
+        result = None
+        result_path = os.path.join(run_dir, "result.json")
+        if os.path.exists(result_path):
+            with open(result_path) as f:
+                result = json.load(f)
+        if not all(os.path.exists(os.path.join(run_dir, f"done-{r}"))
+                   for r in range(cfg["procs"])):
+            result = None  # a rank did not finish its work
+        for name in sorted(os.listdir(run_dir)):
+            if name.startswith("error-"):
+                with open(os.path.join(run_dir, name)) as f:
+                    errors.append(f.read())
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return result, errors
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
@@ -414,6 +452,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--json", metavar="PATH", help="also write the JSON to PATH")
     ap.add_argument("--table", action="store_true",
                     help="print the markdown table on stdout (the JSON then only to --json)")
+    ap.add_argument("--rss-jobs", action="store_true",
+                    help="after the run, one more job per system (with raw, one round) whose "
+                         "whole-process peak RSS is that system's alone")
     ap.add_argument("--no-flush", action="store_true",
                     help="no syncfs before each phase (page-cache mode only)")
     ap.add_argument("--timeout", type=int, default=1800, help="gloo timeout in seconds")
@@ -428,6 +469,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"unknown system or phase: {', '.join(unknown)}")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    try:
+        args.size_bytes = parse_size(args.size)
+    except ValueError as e:
+        ap.error(str(e))
     if args.sync and args.no_flush:
         ap.error("--no-flush is for page-cache mode (with --sync every phase starts clean)")
     args.systems = ["raw"] + [s for s in SYSTEMS if s in systems and s != "raw"]
@@ -441,34 +486,33 @@ def main(argv: list[str]) -> int:
     if args.mpi_worker:
         mpi_worker(args.mpi_worker)
         return 0
-    size = parse_size(args.size)
-    run_dir = tempfile.mkdtemp(prefix="tessera-peers-", dir=args.dir)
+    size = args.size_bytes
     cfg = {"size": size, "procs": args.procs, "state": args.state, "sync": args.sync,
            "rounds": args.rounds, "systems": args.systems, "phases": args.phases,
-           "run_dir": run_dir, "launcher": args.launcher, "flush": not args.no_flush,
+           "launcher": args.launcher, "flush": not args.no_flush, "dir": args.dir,
            "timeout": args.timeout, "verbose": args.verbose}
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     load_before = [round(x, 2) for x in os.getloadavg()]
     info = machine(args.dir)
     begin = time.perf_counter()
-    try:
-        errors = launch(cfg)
-        result_path = os.path.join(run_dir, "result.json")
-        result = None
-        if os.path.exists(result_path):
-            with open(result_path) as f:
-                result = json.load(f)
-        done = all(os.path.exists(os.path.join(run_dir, f"done-{r}")) for r in range(args.procs))
-        for name in sorted(os.listdir(run_dir)):
-            if name.startswith("error-"):
-                with open(os.path.join(run_dir, name)) as f:
-                    errors.append(f.read())
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    load_after = [round(x, 2) for x in os.getloadavg()]
-    if result is None or not done:
+    result, errors = run_job(cfg)
+    if result is None:
         print("bench-peers: the run failed:\n" + "\n".join(errors), file=sys.stderr)
         return 1
+    isolated: dict[str, Any] = {}
+    if args.rss_jobs:
+        ran = [n for n, s in result["systems"].items() if s["reason"] is None]
+        for name in ran:
+            job = dict(cfg, rounds=1, systems=["raw"] if name == "raw" else ["raw", name])
+            job_result, job_errors = run_job(job)
+            errors += job_errors
+            if job_result is None:
+                print(f"bench-peers: the --rss-jobs run of {name} failed:\n" +
+                      "\n".join(job_errors), file=sys.stderr)
+                return 1
+            isolated[name] = {k: job_result[k] for k in ("process_peak_rss_bytes_per_rank",
+                                                         "children_peak_rss_bytes_per_rank")}
+    load_after = [round(x, 2) for x in os.getloadavg()]
     output: dict[str, Any] = {
         "harness": "bench/peers/harness.py",
         "command": ["scripts/bench-peers"] + [shlex.quote(a) for a in argv],
@@ -486,6 +530,9 @@ def main(argv: list[str]) -> int:
                                 "for 1-D tensors); 1-D CPU DeviceMesh, gloo"},
         "state": result["state"], "order": result["order"],
         **harness_report.summarize(result),
+        "process_peak_rss_bytes_per_rank": result["process_peak_rss_bytes_per_rank"],
+        "children_peak_rss_bytes_per_rank": result["children_peak_rss_bytes_per_rank"],
+        "isolated_peak_rss": isolated or None,
         # Errors after every rank finished its work (at interpreter exit): the figures stand,
         # but the run fails.
         "exit_errors": errors,

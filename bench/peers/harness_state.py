@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -59,11 +60,10 @@ def parse_size(text: str) -> int:
     """Bytes of a size such as 512MiB, 2GiB, 8GiB, 1000000 or 1.5GB."""
     units = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "K": 1 << 10,
              "M": 1 << 20, "G": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-    number = text.rstrip("KMGiB")
-    unit = text[len(number):]
-    if unit not in units or not number:
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)([A-Za-z]*)", text.strip())
+    if not match or match.group(2) not in units:
         raise ValueError(f"bad size {text!r}: expected e.g. 512MiB, 2GiB, 8GiB")
-    return int(round(float(number) * units[unit]))
+    return int(round(float(match.group(1)) * units[match.group(2)]))
 
 
 def megatron_config(size: int) -> dict[str, int]:

@@ -2,15 +2,17 @@
 
 Every adapter runs inside each rank of the job (gloo over the default process group) and saves
 the same BenchState (harness_state.py). The harness times what the adapter's methods do; work
-an adapter does in prepare() and finish() is outside the timing (building a manager object,
-for example), and each adapter lists in notes() every option it forces and every patch it
-applies to the system, so the JSON says exactly what was measured.
+an adapter does in unavailable(), prepare(), finish() and end_block() is outside the timing
+(imports, building a manager object, for example), and each adapter lists in notes() every
+option it forces and every patch it applies to the system, so the JSON says exactly what was
+measured.
 
 Interface (System):
-  unavailable()            why the system cannot run here, or None
+  unavailable()            why the system cannot run here, or None (imports the system)
   config(), notes()        the options used; caveats, stubs, patches
-  prepare(phase, variant)  outside timing, before a phase (phase: save, load, reshard_load,
-  finish(phase, variant)   async_save); and after it
+  prepare(phase, state, variant)  before a phase (save, load, reshard_load, async_save, or
+  finish(phase, variant)   check: the untimed load of an asynchronous checkpoint); after it
+  end_block()              after the system's phases of a round (releases staging memory)
   save(state, path)        a synchronous save of the save layout into the directory `path`
   load(state, path, layout)  a load into the targets of `layout` ("load": the same layout,
                            "reshard": the resharded one); returns the loaded flat state dict
@@ -154,11 +156,14 @@ class System:
         """Caveats, stubs and patches."""
         return []
 
-    def prepare(self, phase: str, variant: Optional[str] = None) -> None:
+    def prepare(self, phase: str, state: BenchState, variant: Optional[str] = None) -> None:
         """Outside the timing, before a phase."""
 
     def finish(self, phase: str, variant: Optional[str] = None) -> None:
         """Outside the timing, after a phase."""
+
+    def end_block(self) -> None:
+        """Outside the timing, after the system's phases of a round."""
 
     def save(self, state: BenchState, path: str) -> None:
         """A synchronous save of the save layout into `path`."""
@@ -344,12 +349,17 @@ class Dcp(System):
                                      "its own DefaultStager(StagingOptions(False, False, False, "
                                      "False)), a thread executor",
                           "shm_async_stager": "async_stager=DefaultStager("
-                                              f"{self._staging_options()}), one stager kept for "
-                                              "the whole run (it caches its staging buffers)"}}
+                                              f"{self._staging_options()}), one stager per "
+                                              "block, made and warmed before the timing (one "
+                                              "untimed stage() of the state, which allocates the "
+                                              "staging buffers it caches, as a trainer's first "
+                                              "checkpoint does) and closed after the block"}}
 
     def notes(self) -> list[str]:
         out = ["async committed = the upload future's result (AsyncSaveResponse."
-               "upload_completion with a stager that stages asynchronously)"]
+               "upload_completion with a stager that stages asynchronously)",
+               "sync_files=True fsyncs each data file and .metadata (not the directory); "
+               "sync_files=False fsyncs nothing"]
         if not torch.cuda.is_available():
             out.append("CPU-only torch: the shm_async_stager variant cannot use pinned memory or "
                        "non-blocking copies (both need CUDA), so they are off")
@@ -371,12 +381,7 @@ class Dcp(System):
 
     def async_save(self, state: BenchState, path: str, variant: str) -> Waiter:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.staging import DefaultStager
-        stager = None
-        if variant == "shm_async_stager":
-            if self._stager is None:
-                self._stager = DefaultStager(self._staging_options())
-            stager = self._stager
+        stager = self._stager if variant == "shm_async_stager" else None
         response = dcp.async_save(state.flat("save"),
                                   storage_writer=dcp.FileSystemWriter(path, sync_files=self.sync),
                                   async_stager=stager)
@@ -386,10 +391,23 @@ class Dcp(System):
             future.result()
         return wait
 
-    def close(self) -> None:
+    def prepare(self, phase: str, state: BenchState, variant: Optional[str] = None) -> None:
+        from concurrent.futures import Future
+
+        from torch.distributed.checkpoint.staging import DefaultStager
+        if phase == "async_save" and variant == "shm_async_stager" and self._stager is None:
+            self._stager = DefaultStager(self._staging_options())
+            staged = self._stager.stage(state.flat("save"))
+            if isinstance(staged, Future):
+                staged.result()
+
+    def end_block(self) -> None:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+    def close(self) -> None:
+        self.end_block()
 
 
 # ---- Megatron-Core dist_checkpointing ----------------------------------------------------------
@@ -509,7 +527,7 @@ class Megatron(System):
                                      replica_id=self.rank)
         return out
 
-    def prepare(self, phase: str, variant: Optional[str] = None) -> None:
+    def prepare(self, phase: str, state: BenchState, variant: Optional[str] = None) -> None:
         if phase in ("load", "reshard_load", "check"):
             self._patch_exchange()
         if phase == "async_save" and self._queue is None:
@@ -607,12 +625,14 @@ class TorchCheckpointing(System):
                         "manager per save (built outside the timing)",
                 "load": "a new CheckpointManager per load (built outside the timing), "
                         "manager.load(path, into={...})",
-                "async": {"async_manager": "one CheckpointManager(Config(save="
+                "async": {"async_manager": "CheckpointManager(Config(save="
                           "AsyncCheckpointSaverConfig(staging_config=CheckpointStagerConfig("
                           f"use_pinned_memory={torch.cuda.is_available()}, "
-                          f"use_non_blocking_copy={torch.cuda.is_available()}))) for the whole "
-                          "run (its writer subprocess started and waited for before the first "
-                          "timing); committed = the write future's result"}}
+                          f"use_non_blocking_copy={torch.cuda.is_available()})))), one per "
+                          "block, made before the timing: its writer subprocess started and "
+                          "waited for, its staging pool allocated by manager.prewarm_staging("
+                          "payload) and waited for; closed after the block; committed = the "
+                          "write future's result"}}
 
     def notes(self) -> list[str]:
         out = [
@@ -625,8 +645,11 @@ class TorchCheckpointing(System):
             "all-gathers through tensors made with device='cuda'; the harness replaces it (on "
             "the class) by the same exchange through dist.all_gather_object, which gloo runs "
             "on CPU; without it no save with a resharder can run on CPU",
-            "async: the writes run in a subprocess per rank (spawned once); its memory is not "
-            "in the peak RSS reported (the parent's only)"]
+            "async: the writes run in a subprocess per rank (one per block, started before "
+            "the timing); its memory is not in the peak RSS reported (the parent's only); the "
+            "harness waits for its start-up and for prewarm_staging through two private "
+            "attributes (_saver._checkpoint_process.wait_for_init, _prewarm_staging_future), "
+            "so that neither is timed"]
         if self.sync:
             out.append("--sync: the library has no fsync option; the harness fdatasyncs every "
                        "file of the checkpoint after the save returns (each rank its own "
@@ -668,7 +691,7 @@ class TorchCheckpointing(System):
             items={"state": ItemSpec(resharder=DefaultResharder()), "objects": ItemSpec()},
             save=save, storage_config=LocalFileSystemStorageConfig(use_direct_io=False)))
 
-    def prepare(self, phase: str, variant: Optional[str] = None) -> None:
+    def prepare(self, phase: str, state: BenchState, variant: Optional[str] = None) -> None:
         if phase in ("save", "load", "reshard_load", "check"):
             self._manager = self._new_manager(False)
         elif phase == "async_save" and self._async_manager is None:
@@ -677,6 +700,10 @@ class TorchCheckpointing(System):
                               "_checkpoint_process", None)
             if process is not None:
                 process.wait_for_init()  # the writer subprocess is up before any timing
+            self._async_manager.prewarm_staging(self._payload(state.flat("save")))
+            prewarm = getattr(self._async_manager, "_prewarm_staging_future", None)
+            if prewarm is not None:
+                prewarm.result()  # else the first save waits for it, inside the timing
 
     def finish(self, phase: str, variant: Optional[str] = None) -> None:
         if self._manager is not None:
@@ -711,11 +738,14 @@ class TorchCheckpointing(System):
                 sync_checkpoint_dir(path, self.rank, self.world)
         return wait
 
-    def close(self) -> None:
-        self.finish("close")
+    def end_block(self) -> None:
         if self._async_manager is not None:
             self._async_manager.close()
             self._async_manager = None
+
+    def close(self) -> None:
+        self.finish("close")
+        self.end_block()
 
 
 # ---- safetensors -------------------------------------------------------------------------------
