@@ -151,9 +151,10 @@ def table(output: dict[str, Any]) -> str:
                          f"| {_x(a.get('committed_over_fastest_peer'))} |")
     isolated = output.get("isolated_peak_rss")
     if isolated:
-        lines += ["", "Peak RSS per rank of a job running the system alone (with raw, one round; "
-                  "--rss-jobs), MiB, the largest rank; children: the largest writer process it waited "
-                  "for (a forked one counts the pages it shares with its parent):"]
+        lines += ["", "Peak RSS per rank of a job running the system alone (with raw, one "
+                  "round; --rss-jobs), MiB, the largest rank; children: the largest writer "
+                  "process it waited for (a forked one counts the pages it shares with its "
+                  "parent):"]
         for name, r in isolated.items():
             lines.append(f"- {name}: {max(r['process_peak_rss_bytes_per_rank']) / 2**20:.0f}"
                          f" (children {max(r['children_peak_rss_bytes_per_rank']) / 2**20:.0f})")
