@@ -477,7 +477,7 @@ class Megatron(System):
             "exchanged by the FullyParallel broadcast) are copied into the target inside the "
             "timing",
             "async: AsyncCallsQueue(persistent=False) forks a process per save; its memory is "
-            "not in the peak RSS reported (the parent's only)"]
+            "not in the per-block peak RSS (the parent's only; --rss-jobs reports it)"]
         return out
 
     @contextlib.contextmanager
@@ -646,7 +646,7 @@ class TorchCheckpointing(System):
             "the class) by the same exchange through dist.all_gather_object, which gloo runs "
             "on CPU; without it no save with a resharder can run on CPU",
             "async: the writes run in a subprocess per rank (one per block, started before "
-            "the timing); its memory is not in the peak RSS reported (the parent's only); the "
+            "the timing); its memory is not in the per-block peak RSS (--rss-jobs reports it); the "
             "harness waits for its start-up and for prewarm_staging through two private "
             "attributes (_saver._checkpoint_process.wait_for_init, _prewarm_staging_future), "
             "so that neither is timed"]
@@ -817,10 +817,13 @@ class ByteCheckpoint(System):
 
     def unavailable(self) -> Optional[str]:
         installed = version_of("bytecheckpoint")
-        return (f"not installed (installed version: {installed}); bytecheckpoint 0.0.2, the "
-                f"newest release on PyPI, declares Requires-Dist: {BYTECHECKPOINT_PIN} in its "
-                f"wheel's METADATA, and this environment runs torch {torch.__version__}: it "
-                "cannot run with torch 2.13 here")
+        pin = (f"bytecheckpoint 0.0.2, the newest release on PyPI (0.0.1, 0.0.2), declares "
+               f"Requires-Dist: {BYTECHECKPOINT_PIN} in its wheel's METADATA (pip download "
+               f"--no-deps bytecheckpoint==0.0.2), and this environment runs torch "
+               f"{torch.__version__}")
+        if installed is None:
+            return f"not installed: {pin}; it cannot run here"
+        return f"installed ({installed}) but the harness has no adapter for it: {pin}"
 
 
 SYSTEMS: dict[str, Callable[[bool], System]] = {
