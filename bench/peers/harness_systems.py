@@ -336,9 +336,8 @@ class Dcp(System):
 
     def _staging_options(self) -> Any:
         from torch.distributed.checkpoint.staging import StagingOptions
-        cuda = torch.cuda.is_available()
-        return StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
-                              use_async_staging=True, use_non_blocking_copy=cuda)
+        return StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                              use_async_staging=True, use_non_blocking_copy=False)
 
     def config(self) -> dict[str, Any]:
         return {"torch": torch.__version__,
@@ -360,9 +359,9 @@ class Dcp(System):
                "upload_completion with a stager that stages asynchronously)",
                "sync_files=True fsyncs each data file and .metadata (not the directory); "
                "sync_files=False fsyncs nothing"]
-        if not torch.cuda.is_available():
-            out.append("CPU-only torch: the shm_async_stager variant cannot use pinned memory or "
-                       "non-blocking copies (both need CUDA), so they are off")
+        out.append("shm_async_stager: pinned memory and non-blocking copies are off (they are "
+                   "for device tensors, and need CUDA, which this CPU state and a CPU-only torch "
+                   "do not have)")
         return out
 
     def save(self, state: BenchState, path: str) -> None:
@@ -456,20 +455,18 @@ class Megatron(System):
                                    "replica_id=rank) for each object"}
 
     def notes(self) -> list[str]:
-        out = []
-        if not torch.cuda.is_available():
-            out += [
-                "CPU-only torch: torch.cuda.synchronize is stubbed to do nothing and "
-                "torch.cuda.current_device to return 'cpu' during Megatron's saves and loads "
-                "(FileSystemWriterAsync.preload_tensors, save_state_dict_async_finalize and "
-                "FullyParallelLoadStrategyWrapper.load call them whatever the tensors' device; "
-                "python/tests/test_megatron_interop.py stubs them the same way for saves)",
-                "CPU-only torch: FullyParallelLoadStrategyWrapper's broadcast exchange makes CUDA "
-                "tensors; the harness recompiles megatron.core.dist_checkpointing.exchange_utils."
-                "_get_empty_tensor_for_exchange with \"cuda\" replaced by \"cpu\" and "
-                "exchange_loaded_tensors_broadcast with .cuda() replaced by .cpu() (the same "
-                "broadcasts, of CPU tensors over gloo)"]
-        out += [
+        return [
+            "CPU state over gloo: torch.cuda.synchronize is stubbed to do nothing and "
+            "torch.cuda.current_device to return 'cpu' around Megatron's saves and loads "
+            "(FileSystemWriterAsync.preload_tensors, save_state_dict_async_finalize and "
+            "FullyParallelLoadStrategyWrapper.load call them whatever the tensors' device, and "
+            "on a CPU-only torch they raise; python/tests/test_megatron_interop.py stubs them "
+            "the same way for saves)",
+            "CPU state over gloo: FullyParallelLoadStrategyWrapper's broadcast exchange makes "
+            "CUDA tensors; the harness recompiles megatron.core.dist_checkpointing."
+            "exchange_utils._get_empty_tensor_for_exchange with \"cuda\" replaced by \"cpu\" "
+            "and exchange_loaded_tensors_broadcast with .cuda() replaced by .cpu() (the same "
+            "broadcasts, of CPU tensors over gloo)",
             "FileSystemWriterAsync fsyncs every data file whatever the mode (use_fsync=True is "
             "hard-coded in write_preloaded_data) and the metadata file: there is no option to "
             "leave them in the page cache, so its page-cache figures include the fsyncs",
@@ -478,14 +475,10 @@ class Megatron(System):
             "timing",
             "async: AsyncCallsQueue(persistent=False) forks a process per save; its memory is "
             "not in the per-block peak RSS (the parent's only; --rss-jobs reports it)"]
-        return out
 
     @contextlib.contextmanager
     def _cpu(self) -> Iterator[None]:
         """The CUDA stubs of notes(), around Megatron's own calls only."""
-        if torch.cuda.is_available():
-            yield
-            return
         saved = torch.cuda.synchronize, torch.cuda.current_device
         torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
@@ -495,8 +488,8 @@ class Megatron(System):
             torch.cuda.synchronize, torch.cuda.current_device = saved
 
     def _patch_exchange(self) -> None:
-        """The exchange patches of notes() (CPU-only torch)."""
-        if self._patched or torch.cuda.is_available():
+        """The exchange patches of notes()."""
+        if self._patched:
             return
         from megatron.core.dist_checkpointing import exchange_utils
         for function, (old, new, count) in _MEGATRON_EXCHANGE_PATCHES.items():
@@ -627,8 +620,7 @@ class TorchCheckpointing(System):
                         "manager.load(path, into={...})",
                 "async": {"async_manager": "CheckpointManager(Config(save="
                           "AsyncCheckpointSaverConfig(staging_config=CheckpointStagerConfig("
-                          f"use_pinned_memory={torch.cuda.is_available()}, "
-                          f"use_non_blocking_copy={torch.cuda.is_available()})))), one per "
+                          "use_pinned_memory=False, use_non_blocking_copy=False)))), one per "
                           "block, made before the timing: its writer subprocess started and "
                           "waited for, its staging pool allocated by manager.prewarm_staging("
                           "payload) and waited for; closed after the block; committed = the "
@@ -663,9 +655,6 @@ class TorchCheckpointing(System):
         if self._patched:
             return
         from torch_checkpointing import metadata_manager
-        if torch.cuda.is_available():
-            self._patched = True
-            return
         source = inspect.getsource(metadata_manager.DefaultMetadataManager.
                                    _all_gather_pickled_data)
         if 'device="cuda"' not in source:
@@ -683,9 +672,8 @@ class TorchCheckpointing(System):
         from torch_checkpointing.staging import CheckpointStagerConfig
         from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
         self._patch()
-        cuda = torch.cuda.is_available()
         save = (AsyncCheckpointSaverConfig(staging_config=CheckpointStagerConfig(
-            use_pinned_memory=cuda, use_non_blocking_copy=cuda))
+            use_pinned_memory=False, use_non_blocking_copy=False))
             if asynchronous else SyncCheckpointSaverConfig())
         return CheckpointManager(CheckpointManager.Config(
             items={"state": ItemSpec(resharder=DefaultResharder()), "objects": ItemSpec()},
