@@ -270,7 +270,10 @@ class Rank:
         if self.rank == 0:
             shutil.rmtree(block_dir, ignore_errors=True)
         r["rss_start"] = max(r["rss_start"], rss_start)
-        r["peak_rss"] = max(r["peak_rss"], proc_status("VmHWM")) if can_reset else None
+        if not can_reset or r["peak_rss"] is None:
+            r["peak_rss"] = None  # a peak since the block's start cannot be told
+        else:
+            r["peak_rss"] = max(r["peak_rss"], proc_status("VmHWM"))
 
     def run(self) -> Optional[dict[str, Any]]:
         """Every round; returns the result on rank 0 (None elsewhere)."""
@@ -515,7 +518,7 @@ def main(argv: list[str]) -> int:
     load_after = [round(x, 2) for x in os.getloadavg()]
     output: dict[str, Any] = {
         "harness": "bench/peers/harness.py",
-        "command": ["scripts/bench-peers"] + [shlex.quote(a) for a in argv],
+        "command": shlex.join(["scripts/bench-peers"] + argv),
         "date": started, "wall_seconds": round(time.perf_counter() - begin, 1),
         "machine": info, "versions": versions(),
         "load_average": {"before": load_before, "after": load_after},
