@@ -634,15 +634,15 @@ def async_save(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = N
                         "(handle.done() polls it)")
     collective = options.get("collective", True)
     explicit = comm is not None
-    comm = _comm_handle(comm)
-    if comm is None or not explicit:
+    handle_of = _comm_handle(comm)
+    caller: Comm = handle_of if handle_of is not None else _single_rank_comm()
+    if handle_of is None or not explicit:
         # The process-wide comm, or the default group's: shared by the threads of the process,
         # and a Comm is used by one thread at a time (only the first call splits it).
         with _default_comm_submit_lock:
-            comm = comm if comm is not None else _single_rank_comm()
-            submitter = _handover.submitter(comm, collective)
+            submitter = _handover.submitter(caller, collective)
     else:
-        submitter = _handover.submitter(comm, collective)
+        submitter = _handover.submitter(caller, collective)
     # What this rank got wrong in its arguments is raised at once. The save is queued all the
     # same, failing in its agreement: every rank's save fails with this error, none hangs.
     local_error: Optional[Exception] = None
@@ -657,8 +657,11 @@ def async_save(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = N
     state = _state.copy_containers(state_dict, lambda path, leaf: leaf)
     path = os.fspath(path)
 
-    def work(private: Comm) -> _tessera.AsyncSaveHandle:
-        # On the submitting thread (tessera/_handover.py), over its private communicator.
+    def work(private: Optional[Comm]) -> _tessera.AsyncSaveHandle:
+        # On the submitting thread (tessera/_handover.py), over its private communicator; a
+        # rank-local save (no private one) uses the caller's, which it never talks over.
+        if private is None:
+            private = caller
         if local_error is not None:
             error = local_error
             _prepare(private, lambda: _raise(error), collective)

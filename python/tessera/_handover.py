@@ -27,9 +27,10 @@ from . import _tessera
 from ._errors import Error, as_error
 from ._tessera import Comm, SaveReport
 
-# What the submitting thread runs for one save: given the private communicator, starts the
-# C++ save and returns its handle (or raises).
-Work = Callable[[Comm], "_tessera.AsyncSaveHandle"]
+# What the submitting thread runs for one save: given the private communicator (None for
+# rank-local saves, which use the caller's, captured by the work), starts the C++ save and
+# returns its handle (or raises).
+Work = Callable[[Optional[Comm]], "_tessera.AsyncSaveHandle"]
 
 
 class AsyncSaveHandle:
@@ -132,8 +133,10 @@ class AsyncSaveHandle:
 class _Submitter:
     """One thread that hands the asynchronous saves of one Comm over, in queue order."""
 
-    def __init__(self, comm: Comm) -> None:
-        """`comm`: the communicator the thread's collectives run over (already private to it)."""
+    def __init__(self, comm: Optional[Comm]) -> None:
+        """`comm`: the communicator the thread's collectives run over (private to it), or None
+        (rank-local saves: no collective, and no reference that would keep the caller's Comm,
+        the key of _submitters, alive)."""
         self._comm: Optional[Comm] = comm
         self._queue: Deque[Tuple[Work, AsyncSaveHandle]] = collections.deque()
         self._cv = threading.Condition()
@@ -171,7 +174,6 @@ class _Submitter:
                 if not self._queue:
                     return  # closing (the communicator is close()'s to destroy)
                 work, handle = self._queue.popleft()
-            assert self._comm is not None
             try:
                 inner = work(self._comm)
             except Exception as e:  # noqa: BLE001 (handed to the caller through the handle)
@@ -192,13 +194,13 @@ _submitters_lock = threading.Lock()
 def submitter(comm: Comm, collective: bool) -> _Submitter:
     """The submitter of `comm` for collective (or rank-local) saves. The first call for a
     collective one is COLLECTIVE over `comm` (the split of its private communicator, no message
-    with one rank); a rank-local one never communicates, so its thread uses `comm` itself
-    (only the C++ rank-local saver, which sends nothing, is attached to it)."""
+    with one rank); a rank-local one never communicates: its work uses `comm` itself (only the
+    C++ rank-local saver, which sends nothing, is attached to it)."""
     with _submitters_lock:
         found = _submitters.get(comm, {}).get(collective)
     if found is not None:
         return found
-    made = _Submitter(_tessera._split_comm(comm) if collective else comm)
+    made = _Submitter(_tessera._split_comm(comm) if collective else None)
     with _submitters_lock:
         per_comm = _submitters.setdefault(comm, {})
         if collective not in per_comm:
