@@ -10,7 +10,7 @@ Every row of the peer comparison table (docs/PERFORMANCE.md) comes from here.
 The state (harness_state.py): the Megatron-style workload of `tessera bench io` (BF16
 parameters, F32 Adam moments, a small step object) or a transformers Llama model with its AdamW
 state (FSDP2), as torch DTensors placed Shard(0) on a 1-D CPU DeviceMesh of --procs processes
-(gloo over a FileStore in the run's directory). The systems (harness_systems.py): raw (os.pwrite
+(gloo over a FileStore in the run's directory). The systems (harness_systems.py, harness_patched.py): raw (os.pwrite
 / os.preadv of the bytes each rank holds, the baseline), tessera in its own format and in
 format="torch_dist", PyTorch DCP, Megatron-Core dist_checkpointing, torch-checkpointing,
 safetensors, and ByteCheckpoint (listed with the reason it cannot run).
@@ -78,7 +78,21 @@ import torch.distributed as dist  # noqa: E402
 
 import harness_report  # noqa: E402
 from harness_state import BenchState, Layout, build_state, local_of, parse_size  # noqa: E402
-from harness_systems import SYSTEMS, System, buffer_of, write_all  # noqa: E402
+from harness_patched import Megatron, TorchCheckpointing  # noqa: E402
+from harness_systems import (ByteCheckpoint, Dcp, Raw, Safetensors, System, Tessera,  # noqa: E402
+                             buffer_of, write_all)
+
+# Every system the harness knows, by the name --systems takes.
+SYSTEMS: dict[str, Callable[[bool], System]] = {
+    "raw": Raw,
+    "tessera": lambda sync: Tessera(sync, "tessera"),
+    "tessera_torch_dist": lambda sync: Tessera(sync, "torch_dist"),
+    "dcp": Dcp,
+    "megatron": Megatron,
+    "torch_checkpointing": TorchCheckpointing,
+    "safetensors": Safetensors,
+    "bytecheckpoint": ByteCheckpoint,
+}
 
 ALL_PHASES = ("save", "load", "reshard_load", "async_save")
 # Their INFO/WARNING chatter (deprecations, O_DIRECT fall-backs, replicated plain tensors) is
