@@ -33,18 +33,12 @@ class Megatron(System):
     FullyParallelLoadStrategyWrapper, ShardedTensors over the same local shards."""
 
     name = "megatron"
+    module = "megatron.core.dist_checkpointing"
 
     def __init__(self, sync: bool) -> None:
         super().__init__(sync)
         self._queue: Any = None
         self._patched = False
-
-    def unavailable(self) -> Optional[str]:
-        try:
-            import megatron.core.dist_checkpointing  # noqa: F401
-        except Exception as e:  # ImportError, or an error of its import-time dependencies
-            return f"import megatron.core.dist_checkpointing failed: {type(e).__name__}: {e}"
-        return None
 
     def config(self) -> dict[str, Any]:
         return {"megatron-core": version_of("megatron-core"),
@@ -203,19 +197,13 @@ class TorchCheckpointing(System):
     objects in an item "objects"; LocalFileSystemStorageConfig(use_direct_io=False)."""
 
     name = "torch_checkpointing"
+    module = "torch_checkpointing"
 
     def __init__(self, sync: bool) -> None:
         super().__init__(sync)
         self._manager: Any = None        # the synchronous save's or the load's, one per phase
         self._async_manager: Any = None  # kept for the whole run
         self._patched = False
-
-    def unavailable(self) -> Optional[str]:
-        try:
-            import torch_checkpointing  # noqa: F401
-        except Exception as e:
-            return f"import torch_checkpointing failed: {type(e).__name__}: {e}"
-        return None
 
     def config(self) -> dict[str, Any]:
         return {"torch-checkpointing": version_of("torch-checkpointing"),

@@ -25,6 +25,7 @@ Interface (System):
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import re
@@ -140,8 +141,18 @@ class System:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
 
+    # The module the system's calls need: unavailable() imports it (before any timing).
+    module: Optional[str] = None
+
     def unavailable(self) -> Optional[str]:
-        """Why the system cannot run here, or None."""
+        """Why the system cannot run here, or None: by default, why `module` cannot be
+        imported (ImportError, or an error of its import-time dependencies)."""
+        if self.module is None:
+            return None
+        try:
+            importlib.import_module(self.module)
+        except Exception as e:
+            return f"import {self.module} failed: {type(e).__name__}: {e}"
         return None
 
     def config(self) -> dict[str, Any]:
@@ -255,6 +266,7 @@ class Tessera(System):
     (comm=None, as a DCP user calls it), in tessera's own format or format="torch_dist"."""
 
     role = "tessera"
+    module = "tessera"
 
     def __init__(self, sync: bool, fmt: str) -> None:
         super().__init__(sync)
@@ -264,13 +276,6 @@ class Tessera(System):
         # the saved bytes as they are, torch_dist stores a torch.save archive of them, which
         # a None placeholder decodes (tessera.load's docstring).
         self.placeholder: Optional[bytes] = b"" if fmt == "tessera" else None
-
-    def unavailable(self) -> Optional[str]:
-        try:
-            import tessera  # noqa: F401
-        except ImportError as e:
-            return f"import tessera failed: {e}"
-        return None
 
     def config(self) -> dict[str, Any]:
         import tessera
@@ -318,17 +323,11 @@ class Dcp(System):
     dcp.async_save with FileSystemWriter(path, sync_files=--sync) and FileSystemReader."""
 
     name = "dcp"
+    module = "torch.distributed.checkpoint"
 
     def __init__(self, sync: bool) -> None:
         super().__init__(sync)
         self._stager: Any = None
-
-    def unavailable(self) -> Optional[str]:
-        try:
-            import torch.distributed.checkpoint  # noqa: F401 (imported before any timing)
-        except Exception as e:
-            return f"import torch.distributed.checkpoint failed: {type(e).__name__}: {e}"
-        return None
 
     def _staging_options(self) -> Any:
         from torch.distributed.checkpoint.staging import StagingOptions
@@ -412,13 +411,7 @@ class Safetensors(System):
     (the objects, hex-encoded, in the file's metadata)."""
 
     name = "safetensors"
-
-    def unavailable(self) -> Optional[str]:
-        try:
-            import safetensors.torch  # noqa: F401
-        except Exception as e:
-            return f"import safetensors.torch failed: {type(e).__name__}: {e}"
-        return None
+    module = "safetensors.torch"
 
     def config(self) -> dict[str, Any]:
         return {"safetensors": version_of("safetensors"),

@@ -6,6 +6,7 @@
 
 #include <condition_variable>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -195,26 +196,38 @@ TEST(AsyncSaveTest, DestroyingTheCommWithASaveInFlightFinishesIt) {
   EXPECT_OK(s);
 }
 
-// Forwards to `base`, but holds the creation of every writable file until Open(): a save can
-// neither write nor commit before the test lets it.
-class GateStorage : public StorageWrapper {
+// Runs `before` ahead of every file a save creates and of the manifest's publication: the
+// points the tests below hold a save at, or watch it from.
+class HookedStorage : public StorageWrapper {
  public:
-  explicit GateStorage(std::shared_ptr<Storage> base) : StorageWrapper(std::move(base)) {}
-  void Open() {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
+  HookedStorage(std::shared_ptr<Storage> base, std::function<void()> before)
+      : StorageWrapper(std::move(base)), before_(std::move(before)) {}
   using Storage::NewWritableFile;
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         CreateMode mode) override {
-    Wait();
+    before_();
     return target().NewWritableFile(path, mode);
   }
   Status Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
                  bool sync) override {
-    Wait();
+    before_();
     return target().Publish(path, bytes, mode, sync);
+  }
+
+ private:
+  std::function<void()> before_;
+};
+
+// Forwards to `base`, but holds the creation of every writable file (and the publication) until
+// Open(): a save can neither write nor commit before the test lets it.
+class GateStorage : public HookedStorage {
+ public:
+  explicit GateStorage(std::shared_ptr<Storage> base)
+      : HookedStorage(std::move(base), [this] { Wait(); }) {}
+  void Open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
   }
 
  private:
@@ -423,20 +436,10 @@ TEST(AsyncSaveTest, BadStagingOptionsFailAsyncSaveOnEveryRank) {
 }
 
 // Records the nice value of the threads that create the data files and publish the manifest.
-class NiceRecordingStorage : public StorageWrapper {
+class NiceRecordingStorage : public HookedStorage {
  public:
-  explicit NiceRecordingStorage(std::shared_ptr<Storage> base) : StorageWrapper(std::move(base)) {}
-  using Storage::NewWritableFile;
-  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
-                                                        CreateMode mode) override {
-    Record();
-    return target().NewWritableFile(path, mode);
-  }
-  Status Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
-                 bool sync) override {
-    Record();
-    return target().Publish(path, bytes, mode, sync);
-  }
+  explicit NiceRecordingStorage(std::shared_ptr<Storage> base)
+      : HookedStorage(std::move(base), [this] { Record(); }) {}
   std::set<int> seen() {
     std::lock_guard<std::mutex> lock(mu_);
     return seen_;
