@@ -143,7 +143,6 @@ def _prepare_save(function: str, state_dict: StateDict, comm: Optional[Comm],
     is `comm`, or for None the default one (_comm_handle)."""
     comm = _comm_handle(comm)
     options = dict(options)
-    check_replicas = options.pop("check_replicas", "small")
     # collective=False: a rank-local save, which sends nothing (rank 0's structure is kept
     # as it is; load_all decodes the leaves only other ranks hold from the manifest alone).
     collective = options.get("collective", True)
@@ -151,8 +150,7 @@ def _prepare_save(function: str, state_dict: StateDict, comm: Optional[Comm],
 
     def prepare() -> Tuple[_state.Flat, _tessera.StateBuilder, _tessera.SaveOptions,
                            Optional[int]]:
-        limit = _replicas.limit_of(check_replicas)
-        opts = _set_options(function, _tessera.SaveOptions(), options)
+        limit, opts = _save_options(function, options)
         # A DCP checkpoint holds the leaves torch's own flattening makes (a tuple is one
         # object), so that torch's dcp.load finds the keys it asks for.
         torch_dist = opts.format == _tessera.CheckpointFormat.TORCH_DIST
@@ -649,7 +647,7 @@ def async_save(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = N
     try:
         async_opts = _async_save_options(when_busy, staging, staging_threads,
                                          check_unchanged_until_staged, background_nice)
-        _check_save_options("async_save", options)
+        _save_options("async_save", options)
     except Exception as e:  # noqa: BLE001 (raised below)
         local_error = e
     # The containers are copied now (microseconds a leaf): the caller may change its dicts
@@ -702,11 +700,13 @@ def _async_save_options(when_busy: str, staging: str, staging_threads: Optional[
     return opts
 
 
-def _check_save_options(function: str, options: Mapping[str, Any]) -> None:
-    """Raises what _prepare_save would for these options, without the state (local, cheap)."""
+def _save_options(function: str, options: Mapping[str, Any]
+                  ) -> Tuple[Optional[int], _tessera.SaveOptions]:
+    """(the replica check's size limit, the SaveOptions) of a save's keyword arguments; raises
+    what is wrong with them (local and cheap: async_save checks them on the caller's thread)."""
     options = dict(options)
-    _replicas.limit_of(options.pop("check_replicas", "small"))
-    _set_options(function, _tessera.SaveOptions(), options)
+    limit = _replicas.limit_of(options.pop("check_replicas", "small"))
+    return limit, _set_options(function, _tessera.SaveOptions(), options)
 
 
 def _track(handle: AsyncSaveHandle) -> None:
