@@ -174,7 +174,7 @@ bool SameByChecksum(const Metadata& ma, const ChunkInfo& a, const Metadata& mb,
 // chunks of A, less those B holds with matching checksums. `skipped` counts the others.
 std::vector<Box> BoxesToRead(const Metadata& ma, const TensorInfo& a, const Metadata& mb,
                              const TensorInfo& b, uint64_t& skipped) {
-  std::map<std::vector<int64_t>, const ChunkInfo*> b_by_offset;
+  std::map<Dims, const ChunkInfo*> b_by_offset;
   for (const ChunkInfo& c : b.chunks) b_by_offset[c.box.offsets] = &c;
   std::vector<Box> boxes;
   for (const ChunkInfo& c : a.chunks) {

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "tessera/dims.h"
+
 namespace tessera {
 
 using Shape = std::vector<int64_t>;
@@ -19,14 +21,15 @@ using Shape = std::vector<int64_t>;
 // box). Every member is defined for any box, valid or not: arithmetic that would overflow
 // saturates instead of invoking undefined behaviour, and the checks compare exactly.
 struct Box {
-  std::vector<int64_t> offsets;  // first index per dimension
-  std::vector<int64_t> sizes;    // extent per dimension, >= 0
+  Dims offsets;  // first index per dimension
+  Dims sizes;    // extent per dimension, >= 0
 
   Box() = default;
-  Box(std::vector<int64_t> offsets_in, std::vector<int64_t> sizes_in)
+  Box(Dims offsets_in, Dims sizes_in)
       : offsets(std::move(offsets_in)), sizes(std::move(sizes_in)) {}
   // The box [0, shape) of a whole tensor.
-  static Box Whole(const Shape& shape) { return Box(std::vector<int64_t>(shape.size(), 0), shape); }
+  static Box Whole(std::span<const int64_t> shape) { return Box(Dims(shape.size(), 0), shape); }
+  static Box Whole(const Shape& shape) { return Whole(std::span<const int64_t>(shape)); }
 
   size_t rank() const { return sizes.size(); }
   // Product of sizes (1 for a 0-d box; 0 when any size is 0). INT64_MAX when the product does
@@ -44,7 +47,8 @@ struct Box {
   // any box whose bounds contain its offsets.
   bool Contains(const Box& other) const;
   // True when the box lies inside [0, shape).
-  bool InBounds(const Shape& shape) const;
+  bool InBounds(std::span<const int64_t> shape) const;
+  bool InBounds(const Shape& shape) const { return InBounds(std::span<const int64_t>(shape)); }
 
   // "[0:128, 256:512]"; "[]" for a scalar.
   std::string ToString() const;
@@ -58,7 +62,10 @@ std::optional<Box> Intersect(const Box& a, const Box& b);
 
 // Row-major strides, in elements, of a dense tensor of `shape` (saturated at INT64_MAX where
 // they would overflow, which happens only for a shape that holds no element or is too large).
-std::vector<int64_t> RowMajorStrides(const Shape& shape);
+std::vector<int64_t> RowMajorStrides(std::span<const int64_t> shape);
+inline std::vector<int64_t> RowMajorStrides(const Shape& shape) {
+  return RowMajorStrides(std::span<const int64_t>(shape));
+}
 
 // "[4, 8]".
 std::string ShapeToString(std::span<const int64_t> shape);

@@ -8,6 +8,7 @@
 #ifndef TESSERA_SHARDED_TENSOR_H_
 #define TESSERA_SHARDED_TENSOR_H_
 
+#include <concepts>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -60,6 +61,24 @@ struct ShardedTensor {
   static ShardedTensor FlatShard(std::string key, TensorView data, Shape global_shape,
                                  std::vector<int64_t> global_offset, Shape local_shape,
                                  int64_t flat_begin, ReplicaId replica_id = {});
+  // The same, from a Box's numbers (its offsets and sizes are Dims). A template, so that a
+  // braced list ({} or {0, 4}) still means the vector overloads above.
+  template <class Offsets>
+  requires std::same_as<Offsets, Dims>
+  static ShardedTensor Shard(std::string key, TensorView data, Shape global_shape,
+                             const Offsets& global_offset, ReplicaId replica_id = {}) {
+    return Shard(std::move(key), std::move(data), std::move(global_shape), global_offset.ToVector(),
+                 std::move(replica_id));
+  }
+  template <class Offsets, class Sizes>
+  requires(std::same_as<Offsets, Dims> || std::same_as<Sizes, Dims>) static ShardedTensor
+      FlatShard(std::string key, TensorView data, Shape global_shape, const Offsets& global_offset,
+                const Sizes& local_shape, int64_t flat_begin, ReplicaId replica_id = {}) {
+    return FlatShard(std::move(key), std::move(data), std::move(global_shape),
+                     std::vector<int64_t>(global_offset.begin(), global_offset.end()),
+                     Shape(local_shape.begin(), local_shape.end()), flat_begin,
+                     std::move(replica_id));
+  }
 
   // The local box, with defaults applied.
   Box LocalBox() const;

@@ -3,6 +3,7 @@
 #ifndef TESSERA_TENSOR_VIEW_H_
 #define TESSERA_TENSOR_VIEW_H_
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -33,6 +34,12 @@ struct TensorView {
   // Takes const memory too (a save only reads); a load writes through `data`.
   TensorView(const void* data_in, DType dtype_in, Shape shape_in)
       : data(const_cast<void*>(data_in)), dtype(dtype_in), shape(std::move(shape_in)) {}
+  // The same, from a Box's sizes (Dims). A template, so that a braced list ({} or {4, 8})
+  // still means the Shape constructor.
+  template <class Sizes>
+  requires std::same_as<Sizes, Dims> TensorView(const void* data_in, DType dtype_in,
+                                                const Sizes& shape_in)
+      : TensorView(data_in, dtype_in, shape_in.ToVector()) {}
   // A view of memory of `device`, ordered on the caller's `stream`.
   static TensorView OnDevice(std::shared_ptr<Device> device, DeviceStream stream, const void* data,
                              DType dtype, Shape shape) {

@@ -407,8 +407,8 @@ void RegisterRemoveKeysReport(py::module_& m) {
 
 void RegisterMetadata(py::module_& m) {
   py::class_<Box>(m, "Box", "A box of a tensor: offsets and sizes.")
-      .def_readonly("offsets", &Box::offsets)
-      .def_readonly("sizes", &Box::sizes)
+      .def_property_readonly("offsets", [](const Box& b) { return b.offsets.ToVector(); })
+      .def_property_readonly("sizes", [](const Box& b) { return b.sizes.ToVector(); })
       .def("__repr__", &BoxRepr);
   py::class_<ByteLocation>(m, "ByteLocation", "Where a chunk or object's bytes are.")
       .def_readonly("file_index", &ByteLocation::file_index)

@@ -166,8 +166,8 @@ TEST_F(CudaTest, LoadIntoCudaMemoryReshardedAndConverted) {
   std::byte* dst = Upload(std::vector<uint8_t>(box.NumElements() * 8, 0xEE));
   StateDict state;
   ASSERT_OK(state.Add(ShardedTensor::Shard(
-      "w", TensorView::OnDevice(device_, caller(), dst, DType::kF64, box.sizes), {rows, cols},
-      box.offsets)));
+      "w", TensorView::OnDevice(device_, caller(), dst, DType::kF64, box.sizes.ToVector()),
+      {rows, cols}, box.offsets)));
   LoadOptions lo;
   lo.storage = storage_;
   lo.cast_dtypes = true;

@@ -63,7 +63,8 @@ std::vector<ItemToWrite> ItemsOf(const LocalPlan& plan, const DataFilePlan& file
   for (uint32_t i : file.items) {
     const LocalItem& item = plan.items[i];
     items.push_back(ItemToWrite{item.key, item.kind == ItemKind::kObject, item.dtype,
-                                item.global_shape, item.box, item.num_bytes, item.object_encoding});
+                                item.global_shape.ToVector(), item.box, item.num_bytes,
+                                item.object_encoding});
   }
   return items;
 }

@@ -253,7 +253,7 @@ TEST_F(DeviceTest, LoadIntoDeviceMemoryResharded) {
       ShardedTensor t =
           c.flat ? ShardedTensor::FlatShard("w", dst.View(DType::kF32, {n}, stream_), {rows, cols},
                                             c.box.offsets, c.box.sizes, c.flat->begin)
-                 : ShardedTensor::Shard("w", dst.View(DType::kF32, c.box.sizes, stream_),
+                 : ShardedTensor::Shard("w", dst.View(DType::kF32, c.box.sizes.ToVector(), stream_),
                                         {rows, cols}, c.box.offsets);
       ASSERT_OK(state.Add(std::move(t)));
       ASSERT_OK(Load(state, "/mem/reshard", Loading(64 << 10, budget)));
@@ -380,8 +380,8 @@ TEST_F(DeviceTest, PermutedChunkIntoDeviceMemory) {
   for (const Box& box : {Box({0, 0}, {4, 6}), Box({1, 2}, {2, 3})}) {
     DeviceBuffer dst(sim_, box.NumElements() * 4, 3);
     StateDict state;
-    ASSERT_OK(state.Add(
-        ShardedTensor::Shard("m", dst.View(DType::kF32, box.sizes, stream_), {4, 6}, box.offsets)));
+    ASSERT_OK(state.Add(ShardedTensor::Shard(
+        "m", dst.View(DType::kF32, box.sizes.ToVector(), stream_), {4, 6}, box.offsets)));
     ASSERT_OK(Load(state, "/mem/perm", Loading(4096)));
     std::vector<float> want;
     for (int64_t i = 0; i < box.sizes[0]; ++i) {

@@ -78,7 +78,7 @@ void AddReplicaOnlyTensors(const std::vector<const LocalItem*>& replicas, Metada
     TensorInfo info;
     info.key = item->key;
     info.dtype = item->dtype;
-    info.global_shape = item->global_shape;
+    info.global_shape = item->global_shape.ToVector();
     info.partial = item->partial;
     metadata.tensors.push_back(std::move(info));
   }

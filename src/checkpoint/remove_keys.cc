@@ -132,7 +132,7 @@ void FilterMetadata(const Metadata& old, const std::vector<std::string>& prefixe
     for (size_t c = 0; c < t.chunks.size(); ++c) {
       ChunkInfo& chunk = t.chunks[c];
       files[chunk.location.file_index].kept.push_back(
-          {&chunk.location, &chunk.block_checksums, t.dtype, chunk.box.sizes,
+          {&chunk.location, &chunk.block_checksums, t.dtype, chunk.box.sizes.ToVector(),
            "key '" + t.key + "' chunk " + std::to_string(c) + " " + chunk.box.ToString()});
     }
   }

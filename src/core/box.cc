@@ -39,7 +39,7 @@ bool Box::Contains(const Box& other) const {
   return true;
 }
 
-bool Box::InBounds(const Shape& shape) const {
+bool Box::InBounds(std::span<const int64_t> shape) const {
   if (shape.size() != rank()) return false;
   for (size_t d = 0; d < rank(); ++d) {
     if (offsets[d] < 0 || sizes[d] < 0 || End128(offsets[d], sizes[d]) > shape[d]) return false;
@@ -73,7 +73,7 @@ std::optional<Box> Intersect(const Box& a, const Box& b) {
   return out;
 }
 
-std::vector<int64_t> RowMajorStrides(const Shape& shape) {
+std::vector<int64_t> RowMajorStrides(std::span<const int64_t> shape) {
   std::vector<int64_t> strides(shape.size());
   int64_t s = 1;
   for (size_t i = shape.size(); i-- > 0;) {

@@ -22,7 +22,7 @@ namespace tessera {
 // The shape of the array a chunk's bytes hold: its box's sizes, in storage_order when it has
 // one (a chunk stored transposed is the row-major array of its sizes permuted).
 inline Shape StoredShape(const ChunkInfo& chunk) {
-  if (chunk.storage_order.empty()) return chunk.box.sizes;
+  if (chunk.storage_order.empty()) return chunk.box.sizes.ToVector();
   Shape shape;
   for (uint8_t d : chunk.storage_order) {
     shape.push_back(d < chunk.box.sizes.size() ? chunk.box.sizes[d] : -1);

@@ -26,7 +26,7 @@ int64_t LinearIn(const Box& box, const std::vector<int64_t>& at) {
 // Calls fn(coordinates) for every element of `box` in row-major order.
 void ForEachElement(const Box& box, const std::function<void(const std::vector<int64_t>&)>& fn) {
   if (box.empty()) return;
-  std::vector<int64_t> at = box.offsets;
+  std::vector<int64_t> at = box.offsets.ToVector();
   while (true) {
     fn(at);
     size_t d = box.rank();

@@ -141,8 +141,10 @@ Result<LocalPlan> DecodeLocalPlan(std::span<const uint8_t> bytes, bool with_repl
     item.global_shape.resize(rank);
     item.box.offsets.resize(rank);
     item.box.sizes.resize(rank);
-    for (auto* v : {&item.global_shape, &item.box.offsets, &item.box.sizes}) {
-      for (int64_t& x : *v) TESSERA_RETURN_IF_ERROR(r.Get(&x));
+    for (std::span<int64_t> v :
+         {std::span<int64_t>(item.global_shape), std::span<int64_t>(item.box.offsets),
+          std::span<int64_t>(item.box.sizes)}) {
+      for (int64_t& x : v) TESSERA_RETURN_IF_ERROR(r.Get(&x));
     }
     if (with_replica_ids) TESSERA_RETURN_IF_ERROR(r.GetVector(&item.replica_id));
     TESSERA_RETURN_IF_ERROR(r.Get(&item.num_bytes));
@@ -324,7 +326,7 @@ class GlobalPlanBuilder {
   // The items that hold bytes to write, sorted by box, then rank: runs of equal boxes are the
   // holders of one chunk.
   std::vector<ItemRef> ItemsByBox(const std::vector<ItemRef>& refs) const {
-    const Shape& shape = Item(refs[0]).global_shape;
+    const Dims& shape = Item(refs[0]).global_shape;
     std::vector<ItemRef> sorted;
     sorted.reserve(refs.size());
     const bool empty_tensor = Box::Whole(shape).empty();
@@ -365,7 +367,7 @@ class GlobalPlanBuilder {
     TensorInfo info;
     info.key = first.key;
     info.dtype = first.dtype;
-    info.global_shape = first.global_shape;
+    info.global_shape = first.global_shape.ToVector();
     info.partial = partial;
     const std::vector<ItemRef> sorted = ItemsByBox(refs);
     const size_t first_shard = shards_.size();

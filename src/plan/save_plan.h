@@ -34,7 +34,7 @@ struct LocalItem {
   ItemKind kind = ItemKind::kTensor;
   DType dtype = DType::kU8;  // tensors
   bool partial = false;      // tensors: coverage check skipped
-  Shape global_shape;        // tensors
+  Dims global_shape;         // tensors (inline: a plan of a million items copies no heap array)
   Box box;                   // tensors
   ReplicaId replica_id;
   uint64_t num_bytes = 0;

@@ -41,7 +41,7 @@ void ForEachRow(const Box& box, const Shape& shape,
     return;
   }
   const std::vector<int64_t> strides = RowMajorStrides(shape);
-  std::vector<int64_t> at = box.offsets;
+  std::vector<int64_t> at = box.offsets.ToVector();
   while (true) {
     int64_t start = 0;
     for (size_t d = 0; d < rank; ++d) start += at[d] * strides[d];

@@ -52,7 +52,7 @@ class Writer {
   }
   // Writes exactly `rank` values of `v`; a vector of another length (an invalid box) is written
   // as -1s so that the decoder rejects it rather than reading a different box.
-  void Dims(const std::vector<int64_t>& v, size_t rank) {
+  void Dims(std::span<const int64_t> v, size_t rank) {
     if (v.size() == rank) {
       Raw(v.data(), 8 * rank);
     } else {

@@ -267,7 +267,7 @@ class DecoderV2 {
   std::vector<uint64_t> next_in_file_;
   // State of the chunk being decoded, carried from the previous chunk of the tensor.
   std::vector<int64_t> previous_offsets_;
-  const std::vector<int64_t>* previous_sizes_ = nullptr;
+  const Dims* previous_sizes_ = nullptr;
   uint32_t previous_file_ = 0;
 };
 

@@ -36,7 +36,7 @@ class TesseraWriter final : public FormatWriter {
       } else {
         e.name = ChunkEntryName(item.key, item.box, item.global_shape);
         e.dtype = item.dtype;
-        e.shape = item.box.sizes;
+        e.shape = item.box.sizes.ToVector();
       }
       entries.push_back(std::move(e));
     }

@@ -141,7 +141,7 @@ class Fields {
 };
 
 // The byte length of `sizes` elements of `dtype`, or nullopt when it overflows.
-std::optional<uint64_t> ByteLength(const std::vector<int64_t>& sizes, DType dtype) {
+std::optional<uint64_t> ByteLength(std::span<const int64_t> sizes, DType dtype) {
   uint64_t n = DTypeSize(dtype);
   for (int64_t s : sizes) {
     if (__builtin_mul_overflow(n, static_cast<uint64_t>(s), &n)) return std::nullopt;

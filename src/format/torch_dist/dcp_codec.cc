@@ -18,7 +18,7 @@ namespace {
 
 std::string Num(uint64_t v) { return std::to_string(v); }
 
-std::string ShapeText(const std::vector<int64_t>& v) {
+std::string ShapeText(std::span<const int64_t> v) {
   std::string s = "(";
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
   return s + ")";
@@ -448,7 +448,7 @@ Status ResolveWithItem(const TorchTensorItem& item, const ReadableFile& file,
                     std::string(TorchDTypeOf(tensor.dtype).name));
   }
   if (flattened) return ResolveFlattened(item, what, chunk);
-  if (item.size != chunk.box.sizes) {
+  if (chunk.box.sizes != item.size) {
     return DataLoss(what + " holds a tensor of shape " + ShapeText(item.size) +
                     "; the .metadata says " + ShapeText(chunk.box.sizes));
   }

@@ -105,7 +105,8 @@ class DcpDataFile final : public DataFileEncoder {
 
  private:
   static TorchTensorSpec Spec(const ItemToWrite& item) {
-    return TorchTensorSpec{std::string(TorchDTypeOf(item.dtype).name), item.box.sizes, false};
+    return TorchTensorSpec{std::string(TorchDTypeOf(item.dtype).name), item.box.sizes.ToVector(),
+                           false};
   }
   static Result<TorchItemLayout> TensorLayout(const ItemToWrite& item) {
     Result<TorchItemLayout> layout = LayOutTorchTensorItem(Spec(item));

@@ -160,10 +160,10 @@ Result<DcpMetadata> ToDcpMetadata(const Metadata& metadata, const DcpIndexOption
         return InvalidArgument(what + ": not stored as a whole row-major tensor item");
       }
       TESSERA_ASSIGN_OR_RETURN(std::string file, file_of(chunk.location, what));
-      t.chunks.push_back(DcpChunk{chunk.box.offsets, chunk.box.sizes});
-      m.storage.push_back(DcpStorage{tensor.key, chunk.box.offsets, static_cast<int64_t>(c),
-                                     std::move(file), chunk.location.offset,
-                                     chunk.location.length});
+      t.chunks.push_back(DcpChunk{chunk.box.offsets.ToVector(), chunk.box.sizes.ToVector()});
+      m.storage.push_back(DcpStorage{tensor.key, chunk.box.offsets.ToVector(),
+                                     static_cast<int64_t>(c), std::move(file),
+                                     chunk.location.offset, chunk.location.length});
     }
     m.tensors.push_back(std::move(t));
   }
