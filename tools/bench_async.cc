@@ -1,7 +1,8 @@
 // tessera bench async: how long an AsyncSave blocks the caller, against a plain memcpy of the
 // same bytes into already-touched memory measured in the same run, with staging during the call
 // (kBlocking) and deferred behind a compute loop of the caller's (kDeferred); and whether memory
-// grows over many saves.
+// grows over many saves. The peak of resident memory during the blocking saves, above what the
+// process held before them, is the staging's (AsyncSaveOptions::staging_budget_bytes bounds it).
 #include <unistd.h>
 #include <algorithm>
 #include <chrono>
@@ -16,6 +17,7 @@
 #include "tessera/local_comm.h"
 #include "tools/commands.h"
 #include "tools/json_output.h"
+#include "tools/memory.h"
 #include "workload/model_state.h"
 
 namespace tessera::tools {
@@ -41,6 +43,7 @@ struct BenchAsyncOptions {
   int rss_saves = 100;  // consecutive saves for the memory-growth figure
   bool sync = false;
   int staging_threads = AsyncSaveOptions().staging_threads;
+  uint64_t staging_budget_bytes = 0;  // AsyncSaveOptions::staging_budget_bytes
   std::string dir;
 };
 
@@ -135,6 +138,8 @@ int RunBenchAsync(const BenchAsyncOptions& o) {
   std::vector<double> deferred_blocking_samples, deferred_staged_samples;
   double memcpy_seconds = 0, sync_save_seconds = 0, first_blocking = 0, compute_slowdown = 0;
   uint64_t held = 0, rss_after_2 = 0, rss_after_all = 0;
+  uint64_t rss_before_saves = 0, peak_during_saves = 0;
+  bool peak_tracked = false;
 
   Status status = FirstError(RunLocalRanks(o.ranks, [&](Comm& comm) -> Status {
     workload::RankState state = workload::BuildRankState(config, layout, comm.rank(), true);
@@ -156,6 +161,13 @@ int RunBenchAsync(const BenchAsyncOptions& o) {
     AsyncSaveOptions options;
     options.save.sync = o.sync ? SyncPolicy::kFull : SyncPolicy::kNone;
     options.staging_threads = o.staging_threads;
+    options.staging_budget_bytes = o.staging_budget_bytes;
+    TESSERA_RETURN_IF_ERROR(comm.Barrier());
+    if (comm.rank() == 0) {  // the baseline's copies are freed: the peak from here is the saves'
+      peak_tracked = ResetPeakRss();
+      rss_before_saves = ProcStatusBytes("VmRSS");
+    }
+    TESSERA_RETURN_IF_ERROR(comm.Barrier());
     for (int i = 0; i < o.saves + 1; ++i) {  // save 0 also touches the staging buffers
       TESSERA_RETURN_IF_ERROR(comm.Barrier());
       start = Clock::now();
@@ -171,6 +183,8 @@ int RunBenchAsync(const BenchAsyncOptions& o) {
           blocking_samples.push_back(blocking), total_samples.push_back(total);
       }
     }
+    TESSERA_RETURN_IF_ERROR(comm.Barrier());
+    if (comm.rank() == 0) peak_during_saves = ProcStatusBytes("VmHWM");
     TESSERA_RETURN_IF_ERROR(TimeDeferredSaves(comm, state.dict, *dir + "/async", o.saves, options,
                                               deferred_blocking_samples, deferred_staged_samples,
                                               compute_slowdown));
@@ -211,6 +225,17 @@ int RunBenchAsync(const BenchAsyncOptions& o) {
   out["ranks"] = o.ranks;
   out["sync"] = o.sync;
   out["staging_threads"] = o.staging_threads;
+  out["staging_budget_bytes"] = o.staging_budget_bytes;
+  // Every rank's staging together (the ranks are threads of this process); null where the
+  // kernel cannot reset the peak (/proc/self/clear_refs).
+  if (peak_tracked) {
+    const uint64_t above =
+        peak_during_saves > rss_before_saves ? peak_during_saves - rss_before_saves : 0;
+    out["staging_peak_rss_bytes"] = above;
+    out["staging_peak_rss_over_state"] = static_cast<double>(above) / held;
+  } else {
+    out["staging_peak_rss_bytes"] = nullptr;
+  }
   out["memcpy_seconds"] = memcpy_seconds;
   out["blocking_seconds"] = blocking;
   out["blocking_seconds_samples"] = blocking_samples;
@@ -257,6 +282,10 @@ void AddBenchAsyncCommand(CLI::App& bench, int* exit_code) {
   cmd->add_option("--staging-threads", o->staging_threads, "AsyncSaveOptions::staging_threads")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  auto budget = std::make_shared<std::string>("0");
+  cmd->add_option("--staging-budget", *budget,
+                  "AsyncSaveOptions::staging_budget_bytes per rank (e.g. 64MiB; 0: none)")
+      ->capture_default_str();
   cmd->add_option("--dir", o->dir, "where to write (default: a temp dir, removed after)");
   cmd->add_flag("--json", *json, "print JSON (the only output format)");
   cmd->callback([=] {
@@ -266,6 +295,9 @@ void AddBenchAsyncCommand(CLI::App& bench, int* exit_code) {
     Result<uint64_t> rss_bytes = ParseSize(*rss_size);
     if (!bytes.ok()) return void(*exit_code = Fail(bytes.status()));
     if (!rss_bytes.ok()) return void(*exit_code = Fail(rss_bytes.status()));
+    Result<uint64_t> budget_bytes = ParseSize(*budget);
+    if (!budget_bytes.ok()) return void(*exit_code = Fail(budget_bytes.status()));
+    o->staging_budget_bytes = *budget_bytes;
     o->size_bytes = *bytes;
     o->rss_size_bytes = *rss_bytes;
     *exit_code = RunBenchAsync(*o);

@@ -106,6 +106,21 @@ struct AsyncSaveOptions {
   // priority. Best effort: making a thread less nice again (a later save asking for
   // less) needs CAP_SYS_NICE.
   int background_nice = 10;
+  // The most memory, in bytes, that holds this rank's staged copy of one save (back-pressure
+  // instead of an out-of-memory kill on a node whose state does not fit twice). Default 0: no
+  // bound; the host tensors are copied whole into staging buffers (kept for the next save), so
+  // the caller gets its tensors back as soon as memory bandwidth allows. When the host tensors'
+  // bytes exceed a nonzero budget, they are not copied up front: the background save copies them
+  // piece by piece into at most `staging_budget_bytes` of buffers, as it writes, and reuses a
+  // buffer as soon as its bytes are written, as it does for tensors in device memory
+  // (SaveOptions::device_staging). The caller then gets its tensors back (WaitStaged(); with
+  // kBlocking, AsyncSave returns) only once all but the last budget's worth of the state has
+  // been written: the wait grows with (state - budget) / write speed. A nonzero budget also
+  // bounds each device's pinned buffers, where SaveOptions::device_staging.pinned_bytes is 0 or
+  // larger, and caps the pieces of that staging at a quarter of the budget (at least 4096 bytes;
+  // the buffers, rounded up to whole pieces, are kept for the next save). Cannot be combined
+  // with check_unchanged_until_staged when the state exceeds it (the check needs a whole copy).
+  uint64_t staging_budget_bytes = 0;
 };
 
 // The state of one asynchronous save. Thread-safe; copies share the same save. Destroying the

@@ -242,7 +242,8 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("staging_piece_bytes", &AsyncSaveOptions::staging_piece_bytes)
       .def_readwrite("check_unchanged_until_staged",
                      &AsyncSaveOptions::check_unchanged_until_staged)
-      .def_readwrite("background_nice", &AsyncSaveOptions::background_nice);
+      .def_readwrite("background_nice", &AsyncSaveOptions::background_nice)
+      .def_readwrite("staging_budget_bytes", &AsyncSaveOptions::staging_budget_bytes);
 }
 
 // ConvertOptions without `to`, `dtype` and `progress`, which _convert takes as arguments

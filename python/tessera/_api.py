@@ -591,6 +591,7 @@ def async_save(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = N
                staging: Literal["blocking", "deferred"] = "blocking",
                staging_threads: Optional[int] = None, check_unchanged_until_staged: bool = False,
                background_nice: Optional[int] = None,
+               staging_budget_bytes: Optional[int] = None,
                **options: Unpack[AsyncSaveOptions]) -> AsyncSaveHandle:
     """Saves like save(), but the checkpoint is written and committed in the background.
     COLLECTIVE over `comm`. The caller may use `comm` at once.
@@ -618,6 +619,12 @@ def async_save(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = N
     every rank). background_nice (default 10, 0-19): the nice value of the background work
     (the copy threads, the saving thread and its I/O threads; not the caller's thread), so
     that the save takes the CPU time the training loop leaves idle; 0: normal priority.
+    staging_budget_bytes (default 0: none): the most memory this rank's staged copy may hold.
+    When the rank's host tensors exceed it, they are copied piece by piece into buffers of at
+    most that size as the background save writes them (back-pressure instead of an
+    out-of-memory kill): the tensors are the caller's again (wait_staged(); with "blocking",
+    this call returns) once all but the budget's worth is written. Not with
+    check_unchanged_until_staged when the state exceeds it.
 
     Returns an AsyncSaveHandle: wait_staged(), staged(), wait() (the SaveReport, or raises the
     save's error), done(), exception(), report. The interpreter waits at exit for saves still
@@ -646,7 +653,8 @@ def async_save(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = N
     local_error: Optional[Exception] = None
     try:
         async_opts = _async_save_options(when_busy, staging, staging_threads,
-                                         check_unchanged_until_staged, background_nice)
+                                         check_unchanged_until_staged, background_nice,
+                                         staging_budget_bytes)
         _save_options("async_save", options)
     except Exception as e:  # noqa: BLE001 (raised below)
         local_error = e
@@ -682,7 +690,9 @@ def _raise(error: Exception) -> NoReturn:
 
 def _async_save_options(when_busy: str, staging: str, staging_threads: Optional[int],
                         check_unchanged_until_staged: bool,
-                        background_nice: Optional[int]) -> _tessera.AsyncSaveOptions:
+                        background_nice: Optional[int],
+                        staging_budget_bytes: Optional[int] = None
+                        ) -> _tessera.AsyncSaveOptions:
     """The AsyncSaveOptions of async_save's arguments (its `save` field set later)."""
     opts = _tessera.AsyncSaveOptions()
     opts.when_busy = _tessera.WhenBusy.WAIT if when_busy == "wait" else _tessera.WhenBusy.QUEUE
@@ -697,6 +707,13 @@ def _async_save_options(when_busy: str, staging: str, staging_threads: Optional[
         opts.background_nice = background_nice  # TypeError unless an int
         if not 0 <= background_nice <= 19:  # as AsyncSave's own check
             raise invalid_argument(f"background_nice must be 0 to 19, not {background_nice}")
+    if staging_budget_bytes is not None:
+        if isinstance(staging_budget_bytes, bool) or not isinstance(staging_budget_bytes, int):
+            raise TypeError(f"staging_budget_bytes must be an int, not {staging_budget_bytes!r}")
+        if staging_budget_bytes < 0:
+            raise invalid_argument(
+                f"staging_budget_bytes must be >= 0 (0: no budget), not {staging_budget_bytes}")
+        opts.staging_budget_bytes = staging_budget_bytes
     return opts
 
 

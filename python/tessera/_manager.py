@@ -138,7 +138,8 @@ class CheckpointManager:
     async_save (default True): save() returns once the state is staged; the checkpoint is
     written and committed in the background. when_busy="wait" (default): a save waits for the
     one in flight; "skip": it saves nothing and says why (ManagedSave.skipped). staging,
-    staging_threads, check_unchanged_until_staged, background_nice: as for tessera.async_save.
+    staging_threads, check_unchanged_until_staged, background_nice, staging_budget_bytes: as
+    for tessera.async_save.
 
     layout: the run's parallel layout (e.g. "tp2,pp1,dp4"), recorded with per-rank state.
 
@@ -153,7 +154,8 @@ class CheckpointManager:
                  staging: Literal["blocking", "deferred"] = "blocking",
                  staging_threads: Optional[int] = None,
                  check_unchanged_until_staged: bool = False,
-                 background_nice: Optional[int] = None, layout: Optional[str] = None,
+                 background_nice: Optional[int] = None,
+                 staging_budget_bytes: Optional[int] = None, layout: Optional[str] = None,
                  write_tracker: bool = True, step_naming: str = "megatron",
                  **save_options: Unpack[ManagerSaveOptions]) -> None:
         if when_busy not in ("wait", "skip"):
@@ -180,15 +182,10 @@ class CheckpointManager:
         self._user_metadata = dict(save_options.pop("user_metadata", None) or {})
         self._deferred = staging == "deferred"
         self._last_handle: Optional[_tessera.AsyncSaveHandle] = None
-        opts = _tessera.AsyncSaveOptions()
+        opts = _api._async_save_options("wait", staging, staging_threads,
+                                        check_unchanged_until_staged, background_nice,
+                                        staging_budget_bytes)
         opts.save = _api._set_options("CheckpointManager", _tessera.SaveOptions(), save_options)
-        opts.staging = (_tessera.StagingMode.DEFERRED if self._deferred
-                        else _tessera.StagingMode.BLOCKING)
-        if staging_threads is not None:
-            opts.staging_threads = staging_threads
-        opts.check_unchanged_until_staged = bool(check_unchanged_until_staged)
-        if background_nice is not None:
-            opts.background_nice = background_nice
         self._impl = _tessera._CheckpointManager(self._root, opts, bool(async_save), when_busy,
                                                  keep_last, keep_every, bool(write_tracker),
                                                  layout or "", step_naming, _warn)

@@ -148,6 +148,38 @@ def test_background_nice_is_checked_and_passed_on(tmp_path):
     assert tessera.read_metadata(str(tmp_path / "n")).find_tensor("w") is not None
 
 
+def test_a_staging_budget_streams_the_state_and_saves_it_whole(tmp_path):
+    rng = np.random.default_rng(3)
+    state = {"w": rng.standard_normal((256, 1024)).astype(np.float32),  # 1 MiB
+             "b": rng.integers(0, 255, 100, dtype=np.uint8), "step": 4}
+    for staging in ("blocking", "deferred"):
+        path = str(tmp_path / staging)
+        handle = tessera.async_save(state, path, staging=staging, staging_budget_bytes=64 << 10)
+        handle.wait_staged()
+        handle.wait()
+        loaded = tessera.load_all(path)
+        np.testing.assert_array_equal(loaded["w"], state["w"])
+        np.testing.assert_array_equal(loaded["b"], state["b"])
+        assert loaded["step"] == 4
+    with pytest.raises(tessera.InvalidArgumentError, match="staging_budget_bytes must be >= 0"):
+        tessera.async_save(state, str(tmp_path / "neg"), staging_budget_bytes=-1)
+    with pytest.raises(tessera.InvalidArgumentError, match="check_unchanged_until_staged"):
+        tessera.async_save(state, str(tmp_path / "check"), staging="deferred",
+                           check_unchanged_until_staged=True,
+                           staging_budget_bytes=64 << 10).wait_staged()
+
+
+def test_the_manager_passes_its_staging_budget_on(tmp_path):
+    state = {"w": np.arange(1 << 16, dtype=np.float64)}  # 512 KiB
+    with pytest.raises(tessera.InvalidArgumentError, match="staging_budget_bytes"):
+        tessera.CheckpointManager(str(tmp_path / "bad"), staging_budget_bytes=-5)
+    manager = tessera.CheckpointManager(str(tmp_path / "m"), staging_budget_bytes=32 << 10)
+    manager.save(1, state)
+    manager.wait()
+    np.testing.assert_array_equal(tessera.load_all(str(tmp_path / "m" / "iter_0000001"))["w"],
+                                  state["w"])
+
+
 def handover_threads():
     return [t for t in threading.enumerate() if t.name == "tessera-async-handover"]
 

@@ -24,6 +24,7 @@
 #include "core/checksum.h"
 #include "core/thread_priority.h"
 #include "device/device_staging.h"
+#include "device/host_memory_device.h"
 
 namespace tessera {
 
@@ -351,14 +352,42 @@ Status PrepareDeviceTensor(ShardedTensor& tensor) {
   return Status::Ok();
 }
 
+// The bytes of the tensors in host memory.
+uint64_t HostTensorBytes(const StateDict& state) {
+  uint64_t bytes = 0;
+  for (const StateEntry& entry : state.entries()) {
+    const auto* tensor = std::get_if<ShardedTensor>(&entry);
+    if (tensor != nullptr && !tensor->data.on_device()) bytes += tensor->data.NumBytes();
+  }
+  return bytes;
+}
+
+// Whether the host tensors go through the background save's bounded staging (HostMemoryDevice)
+// instead of being copied whole now (AsyncSaveOptions::staging_budget_bytes).
+Result<bool> StreamHostTensors(const StateDict& state, const AsyncSaveOptions& options) {
+  const uint64_t budget = options.staging_budget_bytes;
+  if (budget == 0) return false;
+  const uint64_t host_bytes = HostTensorBytes(state);
+  if (host_bytes <= budget) return false;
+  if (options.check_unchanged_until_staged && options.staging == StagingMode::kDeferred) {
+    return BadOption("AsyncSaveOptions::check_unchanged_until_staged",
+                     "needs a whole staged copy, and staging_budget_bytes (" +
+                         std::to_string(budget) + ") is smaller than this rank's " +
+                         std::to_string(host_bytes) + " bytes of host tensors");
+  }
+  return true;
+}
+
 // Everything AsyncSave does before copying: checks the state, takes staging buffers from `set`,
 // fills `staged` with the same entries viewing them (objects are copied here: they are small;
-// tensors in device memory stay where they are) and `work` with what to copy.
+// tensors in device memory stay where they are, and so do host tensors over a staging budget)
+// and `work` with what to copy.
 Status Prepare(const StateDict& state, const AsyncSaveOptions& options, StagingSet& set,
                StateDict& staged, HandleState& work) {
   TESSERA_RETURN_IF_ERROR(ValidateStagingOptions(options));
   work.check = options.check_unchanged_until_staged && options.staging == StagingMode::kDeferred;
   work.nice = options.background_nice;
+  TESSERA_ASSIGN_OR_RETURN(const bool stream_host, StreamHostTensors(state, options));
   std::set<std::pair<const Device*, DeviceStream>> ordered;  // one wait per caller stream
   for (const StateEntry& entry : state.entries()) {
     if (const auto* object = std::get_if<ShardedObject>(&entry)) {
@@ -379,6 +408,16 @@ Status Prepare(const StateDict& state, const AsyncSaveOptions& options, StagingS
       TESSERA_RETURN_IF_ERROR(staged.Add(std::move(tensor)));
       continue;
     }
+    if (stream_host) {
+      // The copies are memcpy when the background save queues them: no stream to wait for.
+      const std::shared_ptr<Device>& host = HostMemoryDevice::Get();
+      TESSERA_ASSIGN_OR_RETURN(std::shared_ptr<DeviceStaging> staging, DeviceStaging::For(host));
+      tensor.data.device = host;
+      tensor.data.stream = staging->save_stream();
+      work.device = true;
+      TESSERA_RETURN_IF_ERROR(staged.Add(std::move(tensor)));
+      continue;
+    }
     const size_t n = tensor.data.NumBytes();
     std::byte* buffer = set.Get(work.keys.size(), n);
     if (buffer == nullptr) {
@@ -395,6 +434,16 @@ Status Prepare(const StateDict& state, const AsyncSaveOptions& options, StagingS
   CutIntoPieces(options.staging_piece_bytes, work);
   if (work.pieces_left == 0 && !work.check) work.staged = Status::Ok();
   return Status::Ok();
+}
+
+// AsyncSaveOptions::staging_budget_bytes applied to the staging of the background save: at
+// most the budget in buffers, in pieces of at most a quarter of it (so that copies and writes
+// overlap), at least 4096 bytes each.
+void BoundStaging(uint64_t budget, DeviceStagingOptions& staging) {
+  if (budget == 0) return;
+  if (staging.pinned_bytes == 0 || staging.pinned_bytes > budget) staging.pinned_bytes = budget;
+  const uint64_t quarter = std::max<uint64_t>(4096, budget / 4 / 4096 * 4096);
+  staging.piece_bytes = std::min(staging.piece_bytes, quarter);
 }
 
 // The handles the caller gets share this: when the last one goes, it waits for staging, so no
@@ -485,6 +534,7 @@ class AsyncSaver {
     job.nice = options.background_nice;
     job.options = options.save;
     job.handle = handle_state;
+    BoundStaging(options.staging_budget_bytes, job.options.device_staging);
     if (handle_state->device) {
       // The background save copies the device tensors; it says when they are copied.
       job.options.device_staging.on_staged =

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <fstream>
 #include <functional>
@@ -12,6 +14,8 @@
 #include <thread>
 
 #include "core/thread_priority.h"
+#include "device/device_staging.h"
+#include "device/host_memory_device.h"
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
@@ -587,6 +591,112 @@ TEST(AsyncSaveTest, DestroyingTheCommWaitsForDeferredStagingAndItsCheck) {
   Status s = FirstError(
       RunLocalRanks(2, [&](Comm& comm) { return ExpectLoads("/ck", memory, comm, 6.0f); }));
   EXPECT_OK(s);
+}
+
+// ---- AsyncSaveOptions::staging_budget_bytes ----
+
+// Rank r holds rows [64r, 64r + 64) of a [64 * ranks, 4096] float tensor (1 MiB a rank) of
+// random values, and a small tensor.
+struct BigRankState {
+  std::vector<uint8_t> big, small;
+  StateDict dict;
+  BigRankState(const Comm& comm, uint64_t seed)
+      : big(testing::RandomBytes(64 * 4096 * 4, seed + comm.rank())),
+        small(testing::RandomBytes(40, seed + 100 + comm.rank())) {
+    (void)dict.Add(ShardedTensor::Shard("w", TensorView(big.data(), DType::kF32, {64, 4096}),
+                                        {64 * comm.size(), 4096}, {64 * comm.rank(), 0}));
+    (void)dict.Add(ShardedTensor::Whole("r" + std::to_string(comm.rank()) + ".b",
+                                        TensorView(small.data(), DType::kU8, {40})));
+  }
+  // Loads `path` into zeroed buffers and compares them with this state's bytes.
+  Status ExpectSavedIn(const std::string& path, std::shared_ptr<Storage> storage, Comm& comm) {
+    BigRankState loaded(comm, 0);
+    std::fill(loaded.big.begin(), loaded.big.end(), 0);
+    std::fill(loaded.small.begin(), loaded.small.end(), 0);
+    TESSERA_RETURN_IF_ERROR(
+        Load(loaded.dict, path, comm, LoadOptions{.storage = storage}).status());
+    if (loaded.big != big || loaded.small != small) return Internal(path + " holds other bytes");
+    return Status::Ok();
+  }
+};
+
+uint64_t HostStagingBytes() {
+  Result<std::shared_ptr<DeviceStaging>> staging = DeviceStaging::For(HostMemoryDevice::Get());
+  return staging.ok() ? (*staging)->pinned_bytes() : ~uint64_t{0};
+}
+
+TEST(AsyncSaveTest, OverItsStagingBudgetASaveHandsTheTensorsBackOnlyAsItWritesThem) {
+  ReleaseIdlePinnedMemory(*HostMemoryDevice::Get());
+  constexpr uint64_t kBudget = 64 << 10;  // 1/16 of a rank's state
+  auto memory = std::make_shared<MemoryStorage>();
+  auto gate = std::make_shared<GateStorage>(memory);
+  std::atomic<uint64_t> most_staged{0};
+  Status s = FirstError(RunLocalRanks(2, [&](Comm& comm) -> Status {
+    BigRankState state(comm, 11);
+    const std::vector<uint8_t> at_call = state.big;
+    AsyncSaveOptions o = Deferred(gate);
+    o.staging_budget_bytes = kBudget;
+    TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle h, AsyncSave(state.dict, "/ck", comm, o));
+    // Nothing can be written yet, so at most the budget is staged: the tensors stay the caller's.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (h.Staged()) return Internal("staged before a byte was written, over a budget");
+    most_staged = std::max<uint64_t>(most_staged, HostStagingBytes());
+    TESSERA_RETURN_IF_ERROR(comm.Barrier());
+    if (comm.rank() == 0) gate->Open();
+    TESSERA_RETURN_IF_ERROR(h.WaitStaged());
+    most_staged = std::max<uint64_t>(most_staged, HostStagingBytes());
+    std::fill(state.big.begin(), state.big.end(), 0xEE);  // the optimizer step: not saved
+    TESSERA_RETURN_IF_ERROR(h.Wait());
+    state.big = at_call;
+    return state.ExpectSavedIn("/ck", memory, comm);
+  }));
+  ASSERT_OK(s);
+  // Both ranks (threads of this process) share the host staging: a budget each.
+  EXPECT_GT(most_staged.load(), 0u);
+  EXPECT_LE(most_staged.load(), 2 * kBudget);
+}
+
+TEST(AsyncSaveTest, WithABudgetBlockingStagingReturnsOnceStagedAndTheStateFitsTheBudget) {
+  auto memory = std::make_shared<MemoryStorage>();
+  auto gate = std::make_shared<GateStorage>(memory);
+  Status s = FirstError(RunLocalRanks(2, [&](Comm& comm) -> Status {
+    BigRankState state(comm, 12);
+    AsyncSaveOptions o;
+    o.save.storage = memory;
+    o.staging_budget_bytes = 100 << 10;  // kBlocking: AsyncSave returns once staged
+    TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle over, AsyncSave(state.dict, "/over", comm, o));
+    if (!over.Staged()) return Internal("kBlocking returned before the state was staged");
+    TESSERA_RETURN_IF_ERROR(over.Wait());
+    TESSERA_RETURN_IF_ERROR(state.ExpectSavedIn("/over", memory, comm));
+    // A budget the state fits in: copied whole at once, before anything is written.
+    o.save.storage = gate;
+    o.staging = StagingMode::kDeferred;
+    o.staging_budget_bytes = 2 << 20;
+    TESSERA_ASSIGN_OR_RETURN(AsyncSaveHandle fits, AsyncSave(state.dict, "/fits", comm, o));
+    TESSERA_RETURN_IF_ERROR(fits.WaitStaged());
+    TESSERA_RETURN_IF_ERROR(comm.Barrier());
+    if (comm.rank() == 0) gate->Open();
+    TESSERA_RETURN_IF_ERROR(fits.Wait());
+    return state.ExpectSavedIn("/fits", memory, comm);
+  }));
+  EXPECT_OK(s);
+}
+
+TEST(AsyncSaveTest, TheUnchangedCheckOverAStagingBudgetIsRefusedNamingBothOptions) {
+  auto memory = std::make_shared<MemoryStorage>();
+  std::vector<Status> statuses = RunLocalRanks(2, [&](Comm& comm) -> Status {
+    BigRankState state(comm, 13);
+    AsyncSaveOptions o = Deferred(memory);
+    o.staging_budget_bytes = 64 << 10;
+    o.check_unchanged_until_staged = true;
+    return AsyncSave(state.dict, "/ck", comm, o).status();
+  });
+  for (const Status& status : statuses) {
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.message();
+    EXPECT_THAT(status.message(), HasSubstr("check_unchanged_until_staged"));
+    EXPECT_THAT(status.message(), HasSubstr("staging_budget_bytes (65536)"));
+  }
+  EXPECT_FALSE(ReadMetadata("/ck", memory).ok());
 }
 
 }  // namespace
