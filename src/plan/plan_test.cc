@@ -268,6 +268,47 @@ TEST(GlobalSavePlanTest, ErrorsNameKeyBoxesAndRanks) {
             "id all zeros), the copy that is written");
 }
 
+// 64 ranks x 40 tensors (row blocks, some replicated, some objects): the plan built on one
+// thread and on several is the same, and so is the first error (by key) when two keys are bad.
+TEST(GlobalSavePlanTest, ThePlanAndItsFirstErrorDoNotDependOnTheThreadCount) {
+  constexpr int kRanks = 64, kTensors = 40;
+  std::vector<LocalPlan> plans(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    for (int t = 0; t < kTensors; ++t) {
+      const std::string key = "t" + std::to_string(t);
+      if (t % 7 == 0) {  // replicated on every rank
+        plans[r].items.push_back(TensorItem(key, Box({0}, {16}), {16}, {r}));
+      } else {
+        plans[r].items.push_back(TensorItem(key, Box({4 * r, 0}, {4, 8}), {4 * kRanks, 8}));
+      }
+    }
+    LocalItem object;
+    object.key = "obj" + std::to_string(r % 3);
+    object.kind = ItemKind::kObject;
+    object.num_bytes = 5;
+    object.replica_id = {r / 3 == 0 ? 0 : 1};
+    plans[r].items.push_back(object);
+  }
+  ASSERT_OK_AND_ASSIGN(GlobalSavePlan one, BuildGlobalSavePlan(plans, {.threads = 1}));
+  ASSERT_OK_AND_ASSIGN(GlobalSavePlan four, BuildGlobalSavePlan(plans, {.threads = 4}));
+  EXPECT_EQ(one.metadata, four.metadata);
+  EXPECT_EQ(one.writes, four.writes);
+  EXPECT_EQ(one.chunk_writers, four.chunk_writers);
+  EXPECT_EQ(one.object_writers, four.object_writers);
+  EXPECT_EQ(one.total_bytes, four.total_bytes);
+  EXPECT_EQ(one.metadata.tensors.size(), static_cast<size_t>(kTensors));
+  EXPECT_EQ(one.metadata.objects.size(), 3u);
+
+  // Two bad keys: t3 (an overlap) and t12 (a gap); "t12" < "t3", so t12's error wins.
+  plans[5].items[3].box = Box({4 * 5 + 1, 0}, {4, 8});
+  plans[9].items[12].box = Box({4 * 9, 0}, {3, 8});
+  Result<GlobalSavePlan> bad_one = BuildGlobalSavePlan(plans, {.threads = 1});
+  Result<GlobalSavePlan> bad_four = BuildGlobalSavePlan(plans, {.threads = 4});
+  ASSERT_FALSE(bad_one.ok());
+  EXPECT_EQ(bad_one.status().message(), bad_four.status().message());
+  EXPECT_THAT(bad_one.status().message(), HasSubstr("key 't12'"));
+}
+
 TEST(LocalPlanTest, EncodeDecodeRoundTrip) {
   LocalPlan plan;
   plan.items.push_back(TensorItem("x.weight", Box({1, 2}, {3, 4}), {8, 8}, {0, 3}));

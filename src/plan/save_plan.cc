@@ -1,6 +1,7 @@
 #include "plan/save_plan.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <numeric>
 #include <queue>
@@ -222,13 +223,15 @@ class GlobalPlanBuilder {
 
   Result<GlobalSavePlan> Build() {
     plan_.writes.resize(num_ranks_);
-    for (const std::vector<ItemRef>& refs : GroupsByKey()) {
-      TESSERA_RETURN_IF_ERROR(CheckSameKind(refs));
-      if (Item(refs[0]).kind == ItemKind::kObject) {
-        AddObject(refs);
-      } else {
-        TESSERA_RETURN_IF_ERROR(AddTensor(refs));
-      }
+    const std::vector<std::vector<ItemRef>> groups = GroupsByKey();
+    // Each key's checks and chunks depend on its items alone: built on several threads for a
+    // big plan (a million chunks), then appended in key order, so the plan and the first error
+    // reported are the same whatever the thread count.
+    std::vector<KeyPart> parts(groups.size());
+    ForEachKey(groups, [&](size_t g) { parts[g] = BuildKey(groups[g]); });
+    for (size_t g = 0; g < groups.size(); ++g) {
+      TESSERA_RETURN_IF_ERROR(parts[g].status);
+      Append(std::move(parts[g]));
     }
     TESSERA_RETURN_IF_ERROR(ChooseMainReplicas());
     if (options_.balance_writes) BalanceWrites();
@@ -282,18 +285,85 @@ class GlobalPlanBuilder {
     return Status::Ok();
   }
 
+  // One key's part of the plan, built on its own: a tensor's chunks or an object, and their
+  // shards, whose holder_begin, tensor and index are relative to the part until Append.
+  struct KeyPart {
+    Status status;
+    bool object = false;
+    TensorInfo tensor;
+    ObjectInfo object_info;
+    std::vector<Shard> shards;
+    std::vector<ItemRef> holders;
+  };
+
+  // Calls fn(g) for every group, on SavePlanOptions::threads threads (by default up to 8 when
+  // the plan is big enough to gain).
+  void ForEachKey(const std::vector<std::vector<ItemRef>>& groups,
+                  const std::function<void(size_t)>& fn) const {
+    size_t items = 0;
+    for (const auto& g : groups) items += g.size();
+    constexpr size_t kItemsPerThread = 1 << 16;  // below this, starting a thread costs more
+    const size_t wanted = options_.threads > 0
+                              ? static_cast<size_t>(options_.threads)
+                              : std::min<size_t>({std::max(1u, std::thread::hardware_concurrency()),
+                                                  8, items / kItemsPerThread + 1});
+    const size_t threads = std::max<size_t>(1, std::min(wanted, groups.size()));
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+      for (size_t g; (g = next.fetch_add(1)) < groups.size();) fn(g);
+    };
+    std::vector<std::thread> workers;
+    for (size_t t = 1; t < threads; ++t) workers.emplace_back(work);
+    work();
+    for (std::thread& t : workers) t.join();
+  }
+
+  KeyPart BuildKey(const std::vector<ItemRef>& refs) const {
+    KeyPart part;
+    part.status = CheckSameKind(refs);
+    if (!part.status.ok()) return part;
+    if (Item(refs[0]).kind == ItemKind::kObject) {
+      BuildObject(refs, part);
+    } else {
+      part.status = BuildTensor(refs, part);
+    }
+    return part;
+  }
+
+  // Adds `part` to the plan: its tensor or object, its shards and their holders.
+  void Append(KeyPart part) {
+    const uint32_t holder_base = static_cast<uint32_t>(holders_.size());
+    const uint32_t index_base = static_cast<uint32_t>(part.object ? plan_.metadata.objects.size()
+                                                                  : plan_.metadata.tensors.size());
+    for (Shard& shard : part.shards) {
+      shard.holder_begin += holder_base;
+      if (part.object) {
+        shard.index = index_base;
+      } else {
+        shard.tensor = static_cast<int32_t>(index_base);
+      }
+      shards_.push_back(shard);
+    }
+    holders_.insert(holders_.end(), part.holders.begin(), part.holders.end());
+    if (part.object) {
+      plan_.metadata.objects.push_back(std::move(part.object_info));
+    } else {
+      plan_.metadata.tensors.push_back(std::move(part.tensor));
+    }
+  }
+
   // An object: one shard, held by every rank that has it.
-  void AddObject(const std::vector<ItemRef>& refs) {
+  void BuildObject(const std::vector<ItemRef>& refs, KeyPart& part) const {
     const LocalItem& first = Item(refs[0]);
     Shard shard;
-    shard.holder_begin = static_cast<uint32_t>(holders_.size());
+    shard.holder_begin = 0;
     shard.holder_count = static_cast<uint32_t>(refs.size());
-    holders_.insert(holders_.end(), refs.begin(), refs.end());
+    part.holders.assign(refs.begin(), refs.end());
     shard.num_bytes = first.num_bytes;
     shard.tensor = -1;
-    shard.index = static_cast<uint32_t>(plan_.metadata.objects.size());
-    plan_.metadata.objects.push_back(ObjectInfo{first.key, {}, first.object_encoding});
-    shards_.push_back(std::move(shard));
+    part.object = true;
+    part.object_info = ObjectInfo{first.key, {}, first.object_encoding};
+    part.shards.push_back(shard);
   }
 
   // A tensor's items must agree on dtype and global shape, and each box must lie inside it.
@@ -359,52 +429,51 @@ class GlobalPlanBuilder {
   }
 
   // A tensor: one chunk (and shard) per unique box, whose holders are the items of that box.
-  Status AddTensor(const std::vector<ItemRef>& refs) {
+  Status BuildTensor(const std::vector<ItemRef>& refs, KeyPart& part) const {
     const LocalItem& first = Item(refs[0]);
     bool partial = false;
     TESSERA_RETURN_IF_ERROR(CheckTensorAgrees(refs, &partial));
-    const int32_t tensor_index = static_cast<int32_t>(plan_.metadata.tensors.size());
-    TensorInfo info;
+    TensorInfo& info = part.tensor;
     info.key = first.key;
     info.dtype = first.dtype;
     info.global_shape = first.global_shape.ToVector();
     info.partial = partial;
     const std::vector<ItemRef> sorted = ItemsByBox(refs);
-    const size_t first_shard = shards_.size();
     info.chunks.reserve(sorted.size());
+    part.holders.reserve(sorted.size());
     for (const ItemRef& ref : sorted) {
       const Box& box = Item(ref).box;
       if (info.chunks.empty() || info.chunks.back().box != box) {
         info.chunks.push_back(ChunkInfo{.box = box});
         Shard shard;
-        shard.holder_begin = static_cast<uint32_t>(holders_.size());
+        shard.holder_begin = static_cast<uint32_t>(part.holders.size());
         shard.num_bytes = Item(ref).num_bytes;
-        shard.tensor = tensor_index;
         shard.index = static_cast<uint32_t>(info.chunks.size() - 1);
-        shards_.push_back(shard);
+        part.shards.push_back(shard);
       }
-      holders_.push_back(ref);
-      shards_.back().holder_count += 1;
+      part.holders.push_back(ref);
+      part.shards.back().holder_count += 1;
     }
-    TESSERA_RETURN_IF_ERROR(CheckChunksTile(info, first_shard));
-    plan_.metadata.tensors.push_back(std::move(info));
-    return Status::Ok();
+    return CheckChunksTile(part);
   }
 
-  // The chunks of `info` (shards from `first_shard` on) are disjoint, and cover the tensor
-  // unless it is partial or coverage is not required; the error names who holds the culprits.
-  Status CheckChunksTile(const TensorInfo& info, size_t first_shard) const {
+  // The chunks of `part`'s tensor are disjoint, and cover it unless it is partial or coverage
+  // is not required; the error names who holds the culprits.
+  Status CheckChunksTile(const KeyPart& part) const {
+    const TensorInfo& info = part.tensor;
     auto failure =
         CheckTiling(info.chunks, info.global_shape, !info.partial && options_.require_coverage);
     if (!failure) return Status::Ok();
     std::string message = "key '" + info.key + "': " + failure->message;
+    auto holders_of = [&](int64_t chunk) {
+      const Shard& shard = part.shards[chunk];
+      return DescribeHolders(
+          std::span<const ItemRef>(part.holders).subspan(shard.holder_begin, shard.holder_count),
+          options_);
+    };
     if (failure->first >= 0) {
-      message += " (held by " +
-                 DescribeHolders(HoldersOf(shards_[first_shard + failure->first]), options_);
-      if (failure->second >= 0) {
-        message +=
-            " and " + DescribeHolders(HoldersOf(shards_[first_shard + failure->second]), options_);
-      }
+      message += " (held by " + holders_of(failure->first);
+      if (failure->second >= 0) message += " and " + holders_of(failure->second);
       message += ")";
     }
     Status status = InvalidArgument(std::move(message));

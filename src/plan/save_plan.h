@@ -73,6 +73,9 @@ struct SavePlanOptions {
   // false for one rank's part of a rank-local save: its boxes need not cover a tensor (the
   // union of every rank's part is checked when the parts are read together).
   bool require_coverage = true;
+  // Threads that check and build the keys' chunks (the plan does not depend on it). 0: as many
+  // as the machine has, up to 8, one per 65,536 items.
+  int threads = 0;
 };
 
 // Identifies one item on one rank.
