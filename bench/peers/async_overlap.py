@@ -23,6 +23,7 @@ blocked), the time to committed, the median step time during the save over the b
 Systems:
   tessera           tessera.async_save(staging="deferred"), background_nice=10 (the default)
   tessera_nice0     the same at the caller's priority (background_nice=0)
+  tessera_nice19    the same at the lowest priority (background_nice=19)
   tessera_blocking  tessera.async_save(staging="blocking")
   dcp               torch.distributed.checkpoint.async_save (torch 2.13, its default stager
                     and thread executor; FileSystemWriter(sync_files=--sync)) over a gloo
@@ -47,7 +48,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SYSTEMS = ("tessera", "tessera_nice0", "tessera_blocking", "dcp")
+SYSTEMS = ("tessera", "tessera_nice0", "tessera_nice19", "tessera_blocking", "dcp")
 
 
 def parse_size(text: str) -> int:
@@ -132,7 +133,7 @@ def start_save(system: str, state: Dict[str, Any], path: str, sync: bool,
     if system.startswith("tessera"):
         import tessera
         staging = "blocking" if system == "tessera_blocking" else "deferred"
-        nice = 0 if system == "tessera_nice0" else 10
+        nice = {"tessera_nice0": 0, "tessera_nice19": 19}.get(system, 10)
         h = tessera.async_save(state, path, comm=comm, staging=staging, sync=sync,
                                background_nice=nice)
         return h.wait_staged, h.done, lambda: (h.wait(), None)[1]

@@ -239,6 +239,9 @@ class Rank:
             system.finish("save")
             if "save" in phases:
                 r["phases"]["save"]["samples"].append(seconds)
+                breakdown = getattr(system, "last_save_breakdown", None)
+                if breakdown is not None:  # rank 0's phases (tessera's SaveReport)
+                    r["phases"]["save"].setdefault("breakdown_samples", []).append(breakdown)
         loads: tuple[tuple[str, Layout], ...] = (("load", "load"), ("reshard_load", "reshard"))
         for phase, layout in loads:
             if phase not in phases or r["phases"][phase].get("reason"):

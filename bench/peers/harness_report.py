@@ -46,6 +46,10 @@ def summarize(raw_result: dict[str, Any]) -> dict[str, Any]:
                     out["phases"][phase] = {"median": None, "reason": p["reason"]}
                 else:
                     out["phases"][phase] = {**spread(p["samples"]), "verified": p["verified"]}
+                    if p.get("breakdown_samples"):  # seconds per phase of the call, medians
+                        parts = p["breakdown_samples"]
+                        out["phases"][phase]["breakdown_medians"] = {
+                            k: statistics.median(s[k] for s in parts) for k in parts[0]}
             out["async_save"] = {}
             for variant, a in r.get("async_save", {}).items():
                 if a.get("reason"):

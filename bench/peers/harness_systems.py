@@ -29,6 +29,7 @@ import importlib
 import importlib.metadata
 import os
 import re
+import time
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -295,7 +296,14 @@ class Tessera(System):
 
     def save(self, state: BenchState, path: str) -> None:
         import tessera
-        tessera.save(state.flat("save"), path, sync=self.sync, format=self.format)
+        start = time.perf_counter()
+        report = tessera.save(state.flat("save"), path, sync=self.sync, format=self.format)
+        total = time.perf_counter() - start
+        # Where this rank's time went (SaveReport's phases); "python" is the rest of the call:
+        # flattening the state dict (DTensors, optimizer state) and the argument checks.
+        phases = {"plan": report.plan_seconds, "write": report.write_seconds,
+                  "commit": report.commit_seconds}
+        self.last_save_breakdown = {"python": total - sum(phases.values()), **phases}
 
     def load(self, state: BenchState, path: str, layout: Layout) -> dict[str, Any]:
         import tessera

@@ -120,6 +120,14 @@ struct SaveReport {
   uint64_t total_bytes = 0;     // by all ranks, payload of the checkpoint
   int files_written = 0;        // by this rank
   bool plan_cache_hit = false;  // the plan of the previous save was reused
+  // Where this rank's time went, in seconds of wall-clock time: planning (its local plan, the
+  // agreement on the directory and, when the plan cache misses, the global plan and the scatter
+  // of the write lists), writing its data files (checksums and, with SyncPolicy::kFull, the
+  // syncs included), and the commit (waiting for the other ranks' writes, the manifest, the
+  // outcome every rank learns). Their sum is the call's time less its argument checks.
+  double plan_seconds = 0;
+  double write_seconds = 0;
+  double commit_seconds = 0;
 };
 
 // What Load does about a key present on one side only.

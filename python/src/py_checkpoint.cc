@@ -323,6 +323,12 @@ void RegisterReports(py::module_& m) {
       .def_readonly("bytes_written", &SaveReport::bytes_written, "by this rank (data files)")
       .def_readonly("total_bytes", &SaveReport::total_bytes, "by all ranks")
       .def_readonly("files_written", &SaveReport::files_written, "by this rank")
+      .def_readonly("plan_seconds", &SaveReport::plan_seconds,
+                    "this rank's seconds planning (local plan, agreement, global plan)")
+      .def_readonly("write_seconds", &SaveReport::write_seconds,
+                    "this rank's seconds writing its data files")
+      .def_readonly("commit_seconds", &SaveReport::commit_seconds,
+                    "this rank's seconds in the commit (waiting for the others included)")
       .def_readonly("plan_cache_hit", &SaveReport::plan_cache_hit,
                     "the plan of the previous save was reused")
       .def("__repr__", [](const SaveReport& r) {

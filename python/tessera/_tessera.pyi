@@ -267,6 +267,7 @@ class AsyncSaveOptions:
     staging_piece_bytes: int
     check_unchanged_until_staged: bool
     background_nice: int
+    staging_budget_bytes: int
     def __init__(self) -> None: ...
 
 class ConvertOptions:
@@ -297,6 +298,15 @@ class SaveReport:
     @property
     def files_written(self) -> int:
         """by this rank"""
+    @property
+    def plan_seconds(self) -> float:
+        """this rank's seconds planning (local plan, agreement, global plan)"""
+    @property
+    def write_seconds(self) -> float:
+        """this rank's seconds writing its data files"""
+    @property
+    def commit_seconds(self) -> float:
+        """this rank's seconds in the commit (waiting for the others included)"""
     @property
     def plan_cache_hit(self) -> bool:
         """the plan of the previous save was reused"""

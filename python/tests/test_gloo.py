@@ -36,6 +36,8 @@ def worker(rank, size, port, path):
                  "step": 42, "rng": {str(rank): tessera.ShardedObject(torch.get_rng_state())}}
         report = tessera.save(state, path, comm=comm)
         assert report.bytes_written > 0
+        phases = (report.plan_seconds, report.write_seconds, report.commit_seconds)
+        assert all(p >= 0 for p in phases) and report.write_seconds > 0, phases
 
         # Load under another layout: columns.
         cols = FULL.shape[1] // size

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include "format/tessera/manifest.h"
 #include "format/torch_dist/test_util.h"
@@ -15,6 +16,7 @@
 #include "tessera/local_comm.h"
 #include "tessera/memory_storage.h"
 #include "tessera/remove_keys.h"
+#include "tessera/storage_wrapper.h"
 #include "testing/commits.h"
 #include "testing/test_util.h"
 
@@ -61,6 +63,59 @@ class CheckpointTest : public ::testing::TestWithParam<bool> {
   SaveOptions save_;
   LoadOptions load_;
 };
+
+// Sleeps before every file a save creates and before every publication (the manifest's commit
+// among them), so that each phase of a save takes a time the test knows.
+class SlowStorage : public StorageWrapper {
+ public:
+  explicit SlowStorage(std::shared_ptr<Storage> base) : StorageWrapper(std::move(base)) {}
+  using Storage::NewWritableFile;
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
+                                                        CreateMode mode) override {
+    std::this_thread::sleep_for(kDelay);
+    return target().NewWritableFile(path, mode);
+  }
+  Status Publish(const std::string& path, std::span<const std::byte> bytes, PublishMode mode,
+                 bool sync) override {
+    std::this_thread::sleep_for(kDelay);
+    return target().Publish(path, bytes, mode, sync);
+  }
+  static constexpr std::chrono::milliseconds kDelay{40};
+};
+
+TEST(SaveReportTest, ThePhasesSayWhereTheTimeWentOnEveryRankCollectiveOrNot) {
+  auto slow = std::make_shared<SlowStorage>(std::make_shared<MemoryStorage>());
+  const double delay = std::chrono::duration<double>(SlowStorage::kDelay).count();
+  for (const bool collective : {true, false}) {
+    Status s = FirstError(RunLocalRanks(2, [&](Comm& comm) -> Status {
+      std::vector<float> rows(4 * 64, 1.0f + comm.rank());
+      StateDict state;
+      TESSERA_RETURN_IF_ERROR(state.Add(ShardedTensor::Shard(
+          "w", TensorView(rows.data(), DType::kF32, {4, 64}), {8, 64}, {4 * comm.rank(), 0})));
+      SaveOptions o;
+      o.storage = slow;
+      o.collective = collective;
+      if (!collective) o.save_tag = "t";
+      const auto start = std::chrono::steady_clock::now();
+      TESSERA_ASSIGN_OR_RETURN(SaveReport r, Save(state, collective ? "/c" : "/l", comm, o));
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const std::string what =
+          std::string(collective ? "collective" : "rank-local") + " save on rank " +
+          std::to_string(comm.rank()) + ": plan " + std::to_string(r.plan_seconds) + " s, write " +
+          std::to_string(r.write_seconds) + " s, commit " + std::to_string(r.commit_seconds) +
+          " s, call " + std::to_string(elapsed) + " s";
+      // Each rank creates its data file in the write phase; the commit publishes a manifest
+      // (the coordinator's, or each rank's own part), which every rank waits for.
+      if (r.plan_seconds < 0 || r.write_seconds < delay || r.commit_seconds < delay ||
+          r.plan_seconds + r.write_seconds + r.commit_seconds > elapsed) {
+        return Internal(what);
+      }
+      return Status::Ok();
+    }));
+    EXPECT_OK(s);
+  }
+}
 
 TEST_P(CheckpointTest, RoundTripEveryDtypeScalarsEmptyTensorsObjectsMetadata) {
   std::vector<Owned> owned;

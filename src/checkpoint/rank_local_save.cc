@@ -3,6 +3,7 @@
 // another live job's), writes its data files, and commits the manifest of its part; rank 0
 // places the save in the directory's order first (docs/FORMAT.md, section 4.2).
 #include "checkpoint/rank_local_save.h"
+#include "core/lap_clock.h"
 
 #include <algorithm>
 #include <chrono>
@@ -214,6 +215,8 @@ std::string RankLocalSaveId(const std::string& tag) {
 Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path, int rank,
                                  int num_ranks, const SaveOptions& options) {
   TESSERA_RETURN_IF_ERROR(CheckRankLocalOptions(options, rank, num_ranks));
+  LapClock clock;
+  SaveReport report;
   std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
   TESSERA_ASSIGN_OR_RETURN(LocalPlan local, BuildLocalPlan(state));
   RankItems split = SplitMainReplicas(local);
@@ -257,9 +260,11 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
     write_options.on_progress = [&](uint64_t done) { options.progress(done, my_bytes); };
     options.progress(0, my_bytes);
   }
+  report.plan_seconds = clock.Lap();
   TESSERA_ASSIGN_OR_RETURN(
       WriteResult written,
       WriteDataFiles(*storage, path, state, split.main, files, *writer, save_id, write_options));
+  report.write_seconds = clock.Lap();
   Result<Metadata> part = FinishMetadata(plan, std::span(&written, 1));
   Status committed = part.status();
   if (part.ok()) {
@@ -284,7 +289,7 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
     for (const FileInfo& f : written.files) storage->Remove(JoinPath(path, f.name)).IgnoreError();
     return committed;
   }
-  SaveReport report;
+  report.commit_seconds = clock.Lap();
   report.save_id = save_id;
   report.files_written = static_cast<int>(written.files.size());
   for (const WrittenItem& item : written.items) report.bytes_written += item.length;

@@ -19,6 +19,7 @@
 #include "checkpoint/rank_local_save.h"
 #include "core/byte_io.h"
 #include "core/checksum.h"
+#include "core/lap_clock.h"
 #include "core/status_wire.h"
 #include "core/utf8.h"
 #include "format/registry.h"
@@ -391,10 +392,9 @@ void RemoveUncommittedFiles(Storage& storage, const std::string& path,
   }
 }
 
-// This rank's report of a save that succeeded.
+// This rank's report of a save that succeeded, its phase timings already in `report`.
 SaveReport MakeReport(const std::string& save_id, const Result<WriteResult>& written,
-                      bool plan_cache_hit, const Outcome& outcome) {
-  SaveReport report;
+                      bool plan_cache_hit, const Outcome& outcome, SaveReport report) {
   report.save_id = save_id;
   if (written.ok()) {
     report.files_written = static_cast<int>(written->files.size());
@@ -411,6 +411,8 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
   if (!options.collective) return SaveRankLocal(state, path, comm.rank(), comm.size(), options);
   std::shared_ptr<Storage> storage = options.storage ? options.storage : NewPosixStorage();
   const bool coordinator = comm.rank() == kCoordinator;
+  SaveReport timing;  // the phases' seconds; MakeReport fills in the rest
+  LapClock clock;
 
   // 1. Local plan. When every rank's plan (and the options that shape the global plan) equal
   // those of this comm's previous successful save, one all-reduce replaces the gather, the
@@ -445,17 +447,20 @@ Result<SaveReport> SaveOnce(const StateDict& state, const std::string& path, Com
 
   // 3. Write this rank's files; 4. the coordinator commits the manifest, then tells everyone
   // the outcome.
+  timing.plan_seconds = clock.Lap();
   const Result<WriteResult> written = WriteRankFiles(*storage, path, state, *local, items,
                                                      *format_writer, save_id, comm.rank(), options);
+  timing.write_seconds = clock.Lap();
   TESSERA_ASSIGN_OR_RETURN(
       Outcome outcome, CommitAndShareOutcome(comm, *storage, path, written, global.get(), save_id,
                                              *format_writer, options));
+  timing.commit_seconds = clock.Lap();
   UpdatePlanCache(*cache, outcome, plan_key, items, coordinator ? global : nullptr);
   if (!outcome.status.ok()) {
     RemoveUncommittedFiles(*storage, path, written, outcome);
     return outcome.status;
   }
-  return MakeReport(save_id, written, preamble->cache_hit, outcome);
+  return MakeReport(save_id, written, preamble->cache_hit, outcome, std::move(timing));
 }
 
 }  // namespace
