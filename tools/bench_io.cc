@@ -100,6 +100,7 @@ struct BenchIoOptions {
   std::string format = "tessera";         // SaveOptions::format: tessera or torch_dist
   std::string torch_dist_flavor = "2.x";  // SaveOptions::torch_dist_flavor: 2.x or 1.13
   bool save_only = false;                 // skip load, raw_read and reshard_load
+  std::string share_reads = "readonce";   // LoadOptions::read_sharing: readonce or none
 };
 
 // tp<R/2>,dp2 for an even R (a TP change plus a DP split of the moments' flat ranges);
@@ -270,6 +271,9 @@ struct Results {
   std::vector<uint64_t> save_held, load_held, reshard_held;
   uint64_t load_bytes_read = 0, load_bytes_needed = 0;
   uint64_t reshard_bytes_read = 0, reshard_bytes_needed = 0;
+  // The resharded load's job figures (read_sharing kReadOnce): the union of the bytes the
+  // ranks needed, bytes sent between ranks, the checkpoint's bytes.
+  uint64_t reshard_union_bytes = 0, reshard_exchanged_bytes = 0, checkpoint_bytes = 0;
   int files_per_rank = 0;
   std::vector<bool> plan_cache_hits;  // of each save sample
   bool checked = false;
@@ -322,6 +326,7 @@ int RunBenchIo(const BenchIoOptions& options) {
   LoadOptions load_options;
   load_options.num_io_threads = o.io_threads;
   load_options.verify_checksums = o.verify_checksums;
+  load_options.read_sharing = o.share_reads == "none" ? ReadSharing::kNone : ReadSharing::kReadOnce;
 
   Results res;
   res.written_per_rank.assign(o.ranks, 0);
@@ -364,6 +369,7 @@ int RunBenchIo(const BenchIoOptions& options) {
     } close_fd{run_dir_fd};
     // This rank's figures; summed over the ranks at the end.
     uint64_t written = 0, load_read = 0, load_needed = 0, reshard_read = 0, reshard_needed = 0;
+    uint64_t reshard_union = 0, reshard_exchanged = 0, checkpoint_bytes = 0;
     RankState saved = BuildRankState(config, *save_layout, rank, /*fill=*/true);
     RankState loaded = BuildRankState(config, *save_layout, rank, /*fill=*/false);
     RankState resharded = BuildRankState(config, *reshard_layout, rank, /*fill=*/false);
@@ -440,6 +446,11 @@ int RunBenchIo(const BenchIoOptions& options) {
           if (k == 0) {
             (phase == kLoad ? load_read : reshard_read) = report.bytes_read;
             (phase == kLoad ? load_needed : reshard_needed) = report.bytes_needed;
+            if (phase == kReshard && comm.rank() == 0) {  // the same on every rank
+              reshard_union = report.job_bytes_needed;
+              reshard_exchanged = report.job_bytes_exchanged;
+              checkpoint_bytes = report.checkpoint_bytes;
+            }
           }
           return Status::Ok();
         });
@@ -491,7 +502,10 @@ int RunBenchIo(const BenchIoOptions& options) {
     }
     // Per-rank figures, each rank filling its own slots, summed; peak memory, the largest.
     const int n = o.ranks;
-    std::vector<int64_t> totals(5 * n + 4, 0);
+    std::vector<int64_t> totals(5 * n + 7, 0);
+    totals[5 * n + 4] = static_cast<int64_t>(reshard_union);
+    totals[5 * n + 5] = static_cast<int64_t>(reshard_exchanged);
+    totals[5 * n + 6] = static_cast<int64_t>(checkpoint_bytes);
     totals[0 * n + rank] = static_cast<int64_t>(written);
     totals[1 * n + rank] = static_cast<int64_t>(written);  // the raw baseline's bytes
     totals[2 * n + rank] = static_cast<int64_t>(saved.bytes);
@@ -517,6 +531,9 @@ int RunBenchIo(const BenchIoOptions& options) {
       res.load_bytes_needed = totals[5 * n + 1];
       res.reshard_bytes_read = totals[5 * n + 2];
       res.reshard_bytes_needed = totals[5 * n + 3];
+      res.reshard_union_bytes = totals[5 * n + 4];
+      res.reshard_exchanged_bytes = totals[5 * n + 5];
+      res.checkpoint_bytes = totals[5 * n + 6];
       res.process_peak_rss = std::max<uint64_t>(res.process_peak_rss, peak[0]);
     }
     return Status::Ok();
@@ -567,6 +584,7 @@ int RunBenchIo(const BenchIoOptions& options) {
   out["repeat"] = o.repeat;
   out["warmup"] = o.warmup;
   out["verify_checksums"] = o.verify_checksums;
+  out["share_reads"] = o.share_reads;
   out["save_layout"] = save_layout->ToString();
   out["reshard_layout"] = reshard_layout->ToString();
   out["model"] = {{"hidden", config.hidden},
@@ -602,6 +620,19 @@ int RunBenchIo(const BenchIoOptions& options) {
                                                 ? static_cast<double>(res.reshard_bytes_read) /
                                                       static_cast<double>(res.reshard_bytes_needed)
                                                 : 0.0;
+    // Storage bytes of the whole job against the union of what its ranks needed and against
+    // the checkpoint (read_sharing kReadOnce; the union is 0 with --share-reads none).
+    out["reshard_union_needed_bytes"] = res.reshard_union_bytes;
+    out["reshard_bytes_exchanged"] = res.reshard_exchanged_bytes;
+    out["checkpoint_bytes"] = res.checkpoint_bytes;
+    out["reshard_read_over_union"] = res.reshard_union_bytes
+                                         ? static_cast<double>(res.reshard_bytes_read) /
+                                               static_cast<double>(res.reshard_union_bytes)
+                                         : 0.0;
+    out["reshard_read_over_checkpoint"] = res.checkpoint_bytes
+                                              ? static_cast<double>(res.reshard_bytes_read) /
+                                                    static_cast<double>(res.checkpoint_bytes)
+                                              : 0.0;
   }
   out["raw_bytes"] = raw_bytes;
   out["bytes_written_per_rank"] = res.written_per_rank;
@@ -686,6 +717,11 @@ void AddBenchIoCommand(CLI::App& bench, int* exit_code) {
   io->add_option("--torch-dist-flavor", o->torch_dist_flavor,
                  "class paths of a torch_dist .metadata: 2.x or 1.13")
       ->check(CLI::IsMember({"2.x", "1.13"}))
+      ->capture_default_str();
+  io->add_option("--share-reads", o->share_reads,
+                 "how the loads share reads: readonce (the job reads each block once; ranks "
+                 "exchange) or none (each rank reads its own)")
+      ->check(CLI::IsMember({"readonce", "none"}))
       ->capture_default_str();
   io->add_flag("--save-only", o->save_only,
                "only the save and raw write phases (no load, raw_read, reshard_load)");

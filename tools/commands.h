@@ -30,6 +30,7 @@ void AddDemoCommand(CLI::App& app, int* exit_code);
 void AddConvertCommand(CLI::App& app, int* exit_code);
 void AddBenchConvertCommand(CLI::App& bench, int* exit_code);    // tessera bench convert
 void AddBenchPlanCommand(CLI::App& bench, int* exit_code);       // tessera bench plan
+void AddBenchReadPlanCommand(CLI::App& bench, int* exit_code);   // tessera bench read-plan
 void AddBenchIoCommand(CLI::App& bench, int* exit_code);         // tessera bench io
 void AddBenchAsyncCommand(CLI::App& bench, int* exit_code);      // tessera bench async
 void AddBenchRankLocalCommand(CLI::App& bench, int* exit_code);  // tessera bench rank-local
@@ -58,8 +59,8 @@ struct DemoOptions {
   int ranks = 0;  // 0: the save layout's product
   int io_threads = 2;
   bool sync = true;
-  std::string share_reads = "none";  // none | broadcast | allgather
-  std::string comm = "local";        // local | mpi
+  std::string share_reads = "readonce";  // readonce | none | broadcast | allgather
+  std::string comm = "local";            // local | mpi
   ProgressMode progress = ProgressMode::kAuto;
   bool rank_local = false;  // SaveOptions::collective false
 };

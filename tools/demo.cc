@@ -127,9 +127,12 @@ int RunDemo(const DemoOptions& options) {
   // Load with the load layout, into zeroed buffers, and check every element.
   LoadOptions load_options;
   load_options.num_io_threads = options.io_threads;
+  if (options.share_reads == "none") load_options.read_sharing = ReadSharing::kNone;
   if (options.share_reads == "broadcast") load_options.read_sharing = ReadSharing::kBroadcast;
   if (options.share_reads == "allgather") load_options.read_sharing = ReadSharing::kAllGather;
-  uint64_t read_bytes = 0, needed_bytes = 0, received_bytes = 0;
+  if (options.share_reads == "readonce") load_options.read_sharing = ReadSharing::kReadOnce;
+  uint64_t read_bytes = 0, needed_bytes = 0, received_bytes = 0, union_bytes = 0,
+           checkpoint_bytes = 0;
   double load_seconds = 0;
   const int local_load_ranks = options.comm == "mpi" ? 1 : load_layout->ranks();
   ProgressBar load_bar(options.comm == "mpi" ? "load (rank 0)" : "load",
@@ -154,6 +157,8 @@ int RunDemo(const DemoOptions& options) {
     if (comm.rank() == 0) {
       load_seconds = seconds;
       read_bytes = totals[0], needed_bytes = totals[1], received_bytes = totals[2];
+      union_bytes = report.job_bytes_needed;
+      checkpoint_bytes = report.checkpoint_bytes;
     }
     return AgreeOnStatus(comm,
                          CheckRankState(state).WithContext("rank " + std::to_string(comm.rank())));
@@ -164,11 +169,19 @@ int RunDemo(const DemoOptions& options) {
     std::printf("load: %d ranks (%s) needed %s, read %s from storage%s, %.3f s, %.2f GB/s\n",
                 load_layout->ranks(), load_layout->ToString().c_str(),
                 FormatBytes(needed_bytes).c_str(), FormatBytes(read_bytes).c_str(),
-                options.share_reads == "none" ? ""
-                                              : (" and " + FormatBytes(received_bytes) +
-                                                 " from other ranks (" + options.share_reads + ")")
-                                                    .c_str(),
+                received_bytes == 0 ? ""
+                                    : (" and " + FormatBytes(received_bytes) +
+                                       " from other ranks (" + options.share_reads + ")")
+                                          .c_str(),
                 load_seconds, needed_bytes / load_seconds / 1e9);
+    if (union_bytes > 0) {
+      std::printf(
+          "read once per job: storage bytes %.3fx the union of what the ranks needed (%s), "
+          "%.3fx the checkpoint (%s)\n",
+          static_cast<double>(read_bytes) / union_bytes, FormatBytes(union_bytes).c_str(),
+          static_cast<double>(read_bytes) / checkpoint_bytes,
+          FormatBytes(checkpoint_bytes).c_str());
+    }
     std::printf(
         "verified: every element of the %s layout matches the state saved under %s "
         "(bit-exact), checkpoint in %s\n",
@@ -201,8 +214,10 @@ void AddDemoCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"local", "mpi"}))
       ->capture_default_str();
   demo->add_option("--share-reads", options->share_reads,
-                   "replicas read shared bytes once and exchange them: none|broadcast|allgather")
-      ->check(CLI::IsMember({"none", "broadcast", "allgather"}))
+                   "how ranks share reads: readonce (the job reads each block once and ranks "
+                   "exchange what others need), none (each rank reads its own), broadcast or "
+                   "allgather (within groups of replicas only)")
+      ->check(CLI::IsMember({"readonce", "none", "broadcast", "allgather"}))
       ->capture_default_str();
   auto progress = std::make_shared<ProgressFlags>();
   AddProgressFlags(*demo, *progress);

@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks that print JSON");
   bench->require_subcommand(1);
   AddBenchPlanCommand(*bench, &exit_code);
+  AddBenchReadPlanCommand(*bench, &exit_code);
   AddBenchIoCommand(*bench, &exit_code);
   AddBenchAsyncCommand(*bench, &exit_code);
   AddBenchRankLocalCommand(*bench, &exit_code);

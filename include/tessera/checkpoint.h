@@ -139,9 +139,10 @@ enum class KeyPolicy {
 // How ranks that need the same bytes share the reading of them (the numbers are not written
 // to disk).
 enum class ReadSharing {
-  kNone,       // every rank reads everything it needs from storage (default)
-  kBroadcast,  // one rank reads each shared run, then broadcasts it, piece by piece
-  kAllGather,  // one rank reads each shared run, then all ranks exchange in all-gather rounds
+  kNone,       // every rank reads everything it needs from storage
+  kBroadcast,  // ranks with identical needs: one reads each run, then broadcasts it
+  kAllGather,  // ranks with identical needs: one reads each run, then all-gather rounds
+  kReadOnce,   // the whole job reads each needed checksum block once (default; see LoadOptions)
 };
 
 struct LoadOptions {
@@ -172,16 +173,36 @@ struct LoadOptions {
   // while it is in cache (a converted run is read through a 256 KiB buffer per I/O thread, not
   // straight into place); LoadReport::bytes_needed and progress count bytes in memory.
   bool cast_dtypes = false;
-  // Default kNone. With kBroadcast or kAllGather (the same on every rank), ranks that need
-  // exactly the same bytes (data-parallel replicas of the load layout) read them from storage
-  // once between them and exchange them through a communicator of their own: the group's
-  // storage reads total its unique bytes. Costs an all-gather of a 16-byte signature per rank
-  // and a Comm::Split; no rank learns another's read list. Bytes needed by ranks of different
-  // groups (e.g. a tensor replicated over tensor-parallel ranks) are read once per group.
-  ReadSharing read_sharing = ReadSharing::kNone;
-  // Exchange memory per rank and round, in bytes: what a rank contributes to one all-gather
-  // round or one broadcast. Default 256 MiB. An all-gather round holds ranks x this in each
-  // rank; lower it for many ranks.
+  // How ranks share reads (the same on every rank). Default kReadOnce.
+  //
+  // kReadOnce: every byte of the checkpoint that some rank needs is read from storage by one
+  // rank and checked once, then sent to the other ranks that need it. The unit is the cell: a
+  // checksum block (256 KiB as tessera writes them; 256 KiB cells for formats without blocks).
+  // Each cell needed by two or more ranks gets one reader among them (the least loaded in bytes;
+  // cells needed by fewer ranks first); cells needed by one rank are read by it as with kNone.
+  // The readers send in rounds of at most exchange_bytes per rank, one Comm::Scatter per sending
+  // rank and round. The job then reads the union of its needs, rounded out to cells, once:
+  // data-parallel replicas, tensor-parallel slices of the same rows (a resharded load), a
+  // whole-tensor load_all, and a flat range's edges all share. It costs two all-gathers (24
+  // bytes per rank, then one list of needed cell ranges per group of ranks with identical needs)
+  // and a plan computed on every rank (16,384 ranks: see docs/PERFORMANCE.md). Where no cell is
+  // needed by two ranks (disjoint needs, one rank) it reads exactly what kNone does; with one
+  // rank it does no communication. kNone forces every rank to read for itself; measured costs
+  // of either on one machine are in docs/PERFORMANCE.md ("Read once per job").
+  //
+  // kBroadcast, kAllGather: ranks that need exactly the same bytes (data-parallel replicas of
+  // the load layout) read them from storage once between them and exchange them through a
+  // communicator of their own: the group's storage reads total its unique bytes. Costs an
+  // all-gather of a 16-byte signature per rank and a Comm::Split; no rank learns another's read
+  // list. Bytes needed by ranks of different groups (e.g. a tensor replicated over
+  // tensor-parallel ranks) are read once per group.
+  ReadSharing read_sharing = ReadSharing::kReadOnce;
+  // Exchange memory per rank and round, in bytes (the same on every rank). kReadOnce: what a
+  // rank reads for others and sends in one round, counting each piece once read and once per
+  // rank it goes to, plus one received message of at most this much; a piece of one checksum
+  // block with more receivers than fit has a round of its own. kAllGather and kBroadcast: what
+  // a rank contributes to one round (an all-gather round holds ranks x this in each rank).
+  // Default 256 MiB.
   uint64_t exchange_bytes = 256ull << 20;
   // Called on each rank with the bytes of its requests loaded so far (read from storage or
   // received from other ranks) and LoadReport::bytes_needed, from one thread (the calling one),
@@ -207,6 +228,16 @@ struct LoadReport {
                                                    // memory, in the requested dtypes)
   uint64_t read_calls = 0;                         // storage reads issued by this rank
   uint64_t bytes_received = 0;                     // from other ranks (read sharing)
+  uint64_t bytes_sent = 0;                         // to other ranks (read sharing)
+  // The whole job's figures, the same on every rank (with read_sharing kReadOnce; 0 otherwise):
+  // bytes read from storage by all ranks, the union of the checkpoint bytes the ranks needed
+  // (tensor bytes as stored, and the objects asked for; exact for replicas and disjoint slices,
+  // see plan/read_once.h), and bytes sent between ranks.
+  uint64_t job_bytes_read = 0;
+  uint64_t job_bytes_needed = 0;
+  uint64_t job_bytes_exchanged = 0;
+  // Bytes of tensor data and objects in the checkpoint (its index).
+  uint64_t checkpoint_bytes = 0;
 };
 
 Result<SaveReport> Save(const StateDict& state, const std::string& path, Comm& comm,

@@ -153,7 +153,8 @@ void RegisterOptions(py::module_& m) {
   py::enum_<ReadSharing>(m, "ReadSharing")
       .value("NONE", ReadSharing::kNone)
       .value("BROADCAST", ReadSharing::kBroadcast)
-      .value("ALL_GATHER", ReadSharing::kAllGather);
+      .value("ALL_GATHER", ReadSharing::kAllGather)
+      .value("READ_ONCE", ReadSharing::kReadOnce);
   py::enum_<CheckpointFormat>(m, "CheckpointFormat")
       .value("TESSERA", CheckpointFormat::kTessera)
       .value("TORCH_DIST", CheckpointFormat::kTorchDist)
@@ -354,6 +355,15 @@ void RegisterReports(py::module_& m) {
       .def_readonly("bytes_needed", &LoadReport::bytes_needed)
       .def_readonly("read_calls", &LoadReport::read_calls)
       .def_readonly("bytes_received", &LoadReport::bytes_received, "from other ranks")
+      .def_readonly("bytes_sent", &LoadReport::bytes_sent, "to other ranks")
+      .def_readonly("job_bytes_read", &LoadReport::job_bytes_read,
+                    "from storage by all ranks (read_sharing='read_once'; else 0)")
+      .def_readonly("job_bytes_needed", &LoadReport::job_bytes_needed,
+                    "the union of the checkpoint bytes the ranks needed (read_once; else 0)")
+      .def_readonly("job_bytes_exchanged", &LoadReport::job_bytes_exchanged,
+                    "sent between ranks (read_once; else 0)")
+      .def_readonly("checkpoint_bytes", &LoadReport::checkpoint_bytes,
+                    "tensor data and objects in the checkpoint")
       .def("__repr__", [](const LoadReport& r) {
         return "LoadReport(missing_keys=" + std::to_string(r.missing_keys.size()) +
                ", unexpected_keys=" + std::to_string(r.unexpected_keys.size()) +
@@ -361,7 +371,12 @@ void RegisterReports(py::module_& m) {
                ", bytes_read=" + std::to_string(r.bytes_read) +
                ", bytes_needed=" + std::to_string(r.bytes_needed) +
                ", read_calls=" + std::to_string(r.read_calls) +
-               ", bytes_received=" + std::to_string(r.bytes_received) + ")";
+               ", bytes_received=" + std::to_string(r.bytes_received) +
+               ", bytes_sent=" + std::to_string(r.bytes_sent) +
+               ", job_bytes_read=" + std::to_string(r.job_bytes_read) +
+               ", job_bytes_needed=" + std::to_string(r.job_bytes_needed) +
+               ", job_bytes_exchanged=" + std::to_string(r.job_bytes_exchanged) +
+               ", checkpoint_bytes=" + std::to_string(r.checkpoint_bytes) + ")";
       });
   py::class_<VerifyReport>(m, "VerifyReport", "What tessera.verify checked.")
       .def_readonly("chunks_checked", &VerifyReport::chunks_checked)

@@ -147,6 +147,7 @@ class ReadSharing:
     NONE: ClassVar[ReadSharing]
     BROADCAST: ClassVar[ReadSharing]
     ALL_GATHER: ClassVar[ReadSharing]
+    READ_ONCE: ClassVar[ReadSharing]
     __members__: ClassVar[dict[str, ReadSharing]]
     def __init__(self, value: int) -> None: ...
     def __eq__(self, other: object) -> bool: ...
@@ -332,6 +333,21 @@ class LoadReport:
     @property
     def bytes_received(self) -> int:
         """from other ranks"""
+    @property
+    def bytes_sent(self) -> int:
+        """to other ranks"""
+    @property
+    def job_bytes_read(self) -> int:
+        """from storage by all ranks (read_sharing='read_once'; else 0)"""
+    @property
+    def job_bytes_needed(self) -> int:
+        """the union of the checkpoint bytes the ranks needed (read_once; else 0)"""
+    @property
+    def job_bytes_exchanged(self) -> int:
+        """sent between ranks (read_once; else 0)"""
+    @property
+    def checkpoint_bytes(self) -> int:
+        """tensor data and objects in the checkpoint"""
 
 class VerifyReport:
     """What tessera.verify checked."""

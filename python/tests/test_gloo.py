@@ -51,6 +51,16 @@ def worker(rank, size, port, path):
         assert torch.equal(target["fc"]["bias"], torch.ones(6, dtype=torch.bfloat16))
         assert target["step"] == 42 and torch.is_tensor(target["rng"][str(rank)].value)
         assert report.unexpected_keys == [] and report.missing_keys == []
+        # Read once per job (the default): the checksum blocks both column slices touch are read
+        # by one rank and sent to the other over gloo; the job reads the checkpoint once (and
+        # each rank its own objects); ranks reading alone read more between them.
+        assert report.job_bytes_exchanged > 0 and report.bytes_received > 0, report
+        assert report.job_bytes_needed <= report.job_bytes_read, report
+        assert report.job_bytes_read <= report.checkpoint_bytes + 64 * size, report
+        each_alone = tessera.load(target, path, comm=comm, read_sharing="none")
+        assert each_alone.job_bytes_read == 0 and each_alone.bytes_received == 0
+        assert comm.all_reduce([each_alone.bytes_read], "sum")[0] > report.job_bytes_read
+        assert torch.equal(local, FULL[:, rank * cols:(rank + 1) * cols])
 
         # Asynchronous: the caller's own collectives run while the save is in flight.
         handle = tessera.async_save(state, path + "_async", comm=comm, staging="deferred")

@@ -378,7 +378,7 @@ def test_load_all_places_what_only_other_ranks_saved(ckpt):
     assert loaded["raw"] == {"0": b"\x00", "1": b"\x01", "2": b"\x02"}
 
 
-@pytest.mark.parametrize("sharing", ["broadcast", "all_gather"])
+@pytest.mark.parametrize("sharing", ["broadcast", "all_gather", "read_once"])
 def test_read_sharing_and_the_plan_cache(ckpt, sharing):
     n = 1 << 16
 

@@ -13,6 +13,7 @@
 #include "checkpoint/envelope.h"
 #include "checkpoint/load_internal.h"
 #include "checkpoint/progress.h"
+#include "checkpoint/read_once_load.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/wrapped_chunks.h"
 #include "core/byte_io.h"
@@ -220,6 +221,32 @@ Status ReadShared(Comm& comm, Storage& storage, const std::string& path, const M
       group, ExchangeWithinGroup(group, assignment, destinations, options, report, progress));
 }
 
+// Bytes of tensor data and objects in `metadata`.
+uint64_t DataBytes(const Metadata& metadata) {
+  uint64_t bytes = 0;
+  for (const TensorInfo& t : metadata.tensors) {
+    for (const ChunkInfo& c : t.chunks) bytes += c.location.length;
+  }
+  for (const ObjectInfo& o : metadata.objects) bytes += o.location.length;
+  return bytes;
+}
+
+// The job's storage reads and exchange (summed over the ranks), and the objects any rank asked
+// for added to the union of needed bytes. COLLECTIVE.
+Status AddJobFigures(Comm& comm, const Metadata& metadata, const std::vector<int64_t>& asked,
+                     LoadReport& report) {
+  for (size_t o = 0; o < metadata.objects.size(); ++o) {
+    if (asked[metadata.tensors.size() + o])
+      report.job_bytes_needed += metadata.objects[o].location.length;
+  }
+  std::vector<int64_t> totals = {static_cast<int64_t>(report.bytes_read),
+                                 static_cast<int64_t>(report.bytes_sent)};
+  if (comm.size() > 1) TESSERA_RETURN_IF_ERROR(comm.AllReduce(totals, ReduceOp::kSum));
+  report.job_bytes_read = static_cast<uint64_t>(totals[0]);
+  report.job_bytes_exchanged = static_cast<uint64_t>(totals[1]);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<LoadReport> Load(StateDict& state, const std::string& path, Comm& comm,
@@ -306,12 +333,20 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
   const RankReadPlan& plan = *planned;
   ProgressMeter progress(options.progress, plan.bytes_needed);
   DataFileHeaders* headers = index.headers.get();
-  // ReadShared is collective and fails alike on every rank; ExecuteReads is local.
-  Status read_status = options.read_sharing != ReadSharing::kNone && comm.size() > 1
-                           ? ReadShared(comm, storage, root, metadata, plan.runs, options, report,
-                                        headers, progress, uploads.get())
-                           : ExecuteReads(storage, root, metadata, plan.runs, options, report,
-                                          headers, &progress, uploads.get());
+  // ReadOnceAcrossJob and ReadShared are collective and fail alike on every rank; ExecuteReads
+  // is local.
+  const bool read_once = options.read_sharing == ReadSharing::kReadOnce;
+  Status read_status;
+  if (read_once) {
+    read_status = ReadOnceAcrossJob(comm, storage, root, metadata, plan.runs, options, report,
+                                    headers, progress, uploads.get());
+  } else if (options.read_sharing != ReadSharing::kNone && comm.size() > 1) {
+    read_status = ReadShared(comm, storage, root, metadata, plan.runs, options, report, headers,
+                             progress, uploads.get());
+  } else {
+    read_status = ExecuteReads(storage, root, metadata, plan.runs, options, report, headers,
+                               &progress, uploads.get());
+  }
   if (read_status.ok()) {
     read_status = ExecutePermutedCopies(storage, root, metadata, plan.permuted, options, report,
                                         headers, uploads.get());
@@ -335,6 +370,8 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
   }
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, read_status));
   progress.Finish();
+  report.checkpoint_bytes = DataBytes(index.metadata);
+  if (read_once) TESSERA_RETURN_IF_ERROR(AddJobFigures(comm, metadata, asked, report));
   return report;
 }
 

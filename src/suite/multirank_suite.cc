@@ -1,6 +1,7 @@
 #include "suite/multirank_suite.h"
 
 #include <algorithm>
+#include <atomic>
 #include <numeric>
 #include <random>
 
@@ -8,6 +9,7 @@
 #include "tessera/checkpoint.h"
 #include "tessera/convert.h"
 #include "tessera/fault_injecting_storage.h"
+#include "tessera/storage_wrapper.h"
 #include "testing/random_pieces.h"
 #include "workload/model_state.h"
 
@@ -43,6 +45,8 @@ workload::Layout SaveLayout(int ranks) {
   return l;
 }
 
+Status ExpectReadOnce(Comm& comm, const LoadReport& report);
+
 Status ReshardModelState(Comm& comm, const std::string& dir, workload::Layout load) {
   const workload::ModelConfig config = workload::ModelConfig::ForBytes(6 << 20, 3);
   const workload::Layout save = SaveLayout(comm.size());
@@ -55,6 +59,7 @@ Status ReshardModelState(Comm& comm, const std::string& dir, workload::Layout lo
   workload::RankState loaded = workload::BuildRankState(config, load, comm.rank(), false);
   LoadOptions unverified;
   unverified.verify_checksums = false;
+  unverified.read_sharing = ReadSharing::kNone;
   TESSERA_ASSIGN_OR_RETURN(LoadReport load_report,
                            Load(loaded.dict, dir + "/ck", comm, unverified));
   TESSERA_RETURN_IF_ERROR(Expect(load_report.bytes_read == load_report.bytes_needed,
@@ -62,9 +67,30 @@ Status ReshardModelState(Comm& comm, const std::string& dir, workload::Layout lo
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, workload::CheckRankState(loaded)));
   loaded = workload::BuildRankState(config, load, comm.rank(), false);
   TESSERA_ASSIGN_OR_RETURN(load_report, Load(loaded.dict, dir + "/ck", comm));
-  TESSERA_RETURN_IF_ERROR(Expect(load_report.bytes_read >= load_report.bytes_needed,
-                                 "a verified load reads at least the bytes it needs"));
+  TESSERA_RETURN_IF_ERROR(ExpectReadOnce(comm, load_report));
   return AgreeOnStatus(comm, workload::CheckRankState(loaded));
+}
+
+// A read-once load's job figures: the same on every rank, every byte read at most once (the
+// job reads no more than the checkpoint, plus each rank's own reads of the small objects),
+// and at least the union of what the ranks needed.
+Status ExpectReadOnce(Comm& comm, const LoadReport& report) {
+  std::vector<int64_t> mine = {static_cast<int64_t>(report.job_bytes_read),
+                               static_cast<int64_t>(report.job_bytes_needed),
+                               static_cast<int64_t>(report.job_bytes_exchanged)};
+  std::vector<int64_t> low = mine, high = mine;
+  TESSERA_RETURN_IF_ERROR(comm.AllReduce(low, ReduceOp::kMin));
+  TESSERA_RETURN_IF_ERROR(comm.AllReduce(high, ReduceOp::kMax));
+  TESSERA_RETURN_IF_ERROR(Expect(low == high, "every rank reports the same job figures"));
+  const std::string figures = "job read " + std::to_string(report.job_bytes_read) + ", needed " +
+                              std::to_string(report.job_bytes_needed) + ", checkpoint " +
+                              std::to_string(report.checkpoint_bytes);
+  TESSERA_RETURN_IF_ERROR(
+      Expect(report.job_bytes_needed > 0 && report.job_bytes_read >= report.job_bytes_needed,
+             "the job reads what it needs: " + figures));
+  constexpr uint64_t kObjectBytes = 64;  // per rank, generous: "optimizer.step" and the like
+  return Expect(report.job_bytes_read <= report.checkpoint_bytes + kObjectBytes * comm.size(),
+                "the job reads each byte at most once: " + figures);
 }
 
 // ---- random layouts ----------------------------------------------------------------------------
@@ -202,15 +228,22 @@ Status RandomResharding(Comm& comm, const std::string& dir) {
       TESSERA_RETURN_IF_ERROR(
           BuildRandomState(tensors, load_layout, comm.rank(), false, loaded, load_buffers));
       LoadOptions load_options;
-      // Verified loads read whole checksum blocks around what they need: more bytes.
+      // Verified loads read whole checksum blocks around what they need: more bytes. Each
+      // rank reads for itself, or the job reads each block once (the default).
       load_options.verify_checksums = trial % 3 != 2;
+      load_options.read_sharing = trial % 2 == 0 ? ReadSharing::kReadOnce : ReadSharing::kNone;
+      load_options.exchange_bytes = 1 + rng() % (1 << 20);
       TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(loaded, path, comm, load_options));
-      const bool exact = !load_options.verify_checksums;
-      TESSERA_RETURN_IF_ERROR(Expect(exact ? report.bytes_read == report.bytes_needed
-                                           : report.bytes_read >= report.bytes_needed,
-                                     "bytes read (" + std::to_string(report.bytes_read) +
-                                         (exact ? ") equal" : ") cover") + " the bytes needed (" +
-                                         std::to_string(report.bytes_needed) + ")"));
+      if (load_options.read_sharing == ReadSharing::kReadOnce) {
+        TESSERA_RETURN_IF_ERROR(ExpectReadOnce(comm, report));
+      } else {
+        const bool exact = !load_options.verify_checksums;
+        TESSERA_RETURN_IF_ERROR(Expect(exact ? report.bytes_read == report.bytes_needed
+                                             : report.bytes_read >= report.bytes_needed,
+                                       "bytes read (" + std::to_string(report.bytes_read) +
+                                           (exact ? ") equal" : ") cover") + " the bytes needed (" +
+                                           std::to_string(report.bytes_needed) + ")"));
+      }
       Status check;
       for (const StateEntry& entry : loaded.entries()) {
         check = CheckPattern(std::get<ShardedTensor>(entry));
@@ -398,12 +431,153 @@ Status ReadSharingReadsEachByteOnce(Comm& comm, const std::string& dir, ReadShar
   // "optimizer.step" object are read by the rank that needs them.
   const int64_t object_bytes = 9 * comm.size();
   const int64_t expected = totals[2] / layout.dp + totals[3] + object_bytes;
+  if (sharing == ReadSharing::kReadOnce) {  // the blocks at flat ranges' edges are shared too
+    TESSERA_RETURN_IF_ERROR(ExpectReadOnce(comm, report));
+    TESSERA_RETURN_IF_ERROR(
+        Expect(totals[0] <= expected && totals[0] == static_cast<int64_t>(report.job_bytes_read),
+               "storage reads (" + std::to_string(totals[0]) +
+                   ") at most the boxes once per "
+                   "group of replicas plus the flat ranges and objects (" +
+                   std::to_string(expected) + ")"));
+    return Expect(layout.dp == 1 || totals[1] > 0, "replicas received their share by exchange");
+  }
   TESSERA_RETURN_IF_ERROR(
       Expect(totals[0] == expected, "storage reads (" + std::to_string(totals[0]) +
                                         ") equal the boxes once per group of replicas plus the "
                                         "flat ranges and objects (" +
                                         std::to_string(expected) + ")"));
   return Expect(layout.dp == 1 || totals[1] > 0, "replicas received their share by exchange");
+}
+
+// The demo's resharding (tensor-parallel 2 to 4, or to all ranks): the job reads each byte of
+// the checkpoint once, with rounds of any size, and every element arrives; each rank reading
+// for itself reads more.
+Status ReadOnceReshardsReadingEachByteOnce(Comm& comm, const std::string& dir) {
+  const workload::ModelConfig config = workload::ModelConfig::ForBytes(6 << 20, 3);
+  workload::RankState saved =
+      workload::BuildRankState(config, SaveLayout(comm.size()), comm.rank(), true);
+  TESSERA_RETURN_IF_ERROR(Save(saved.dict, dir + "/ck", comm).status());
+  workload::Layout load;
+  load.tp = comm.size() % 4 == 0 ? 4 : comm.size();
+  load.dp = comm.size() / load.tp;
+  uint64_t job_read = 0;
+  for (const uint64_t exchange : {256ull << 20, 300ull << 10, 1ull}) {
+    workload::RankState loaded = workload::BuildRankState(config, load, comm.rank(), false);
+    LoadOptions options;
+    options.exchange_bytes = exchange;
+    TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(loaded.dict, dir + "/ck", comm, options));
+    TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, workload::CheckRankState(loaded)));
+    TESSERA_RETURN_IF_ERROR(ExpectReadOnce(comm, report));
+    TESSERA_RETURN_IF_ERROR(Expect(report.job_bytes_read * 100 <= report.job_bytes_needed * 105,
+                                   "the job reads at most 1.05x the bytes it needs (read " +
+                                       std::to_string(report.job_bytes_read) + ", needed " +
+                                       std::to_string(report.job_bytes_needed) + ")"));
+    TESSERA_RETURN_IF_ERROR(
+        Expect(comm.size() == 1 || report.job_bytes_exchanged > 0, "ranks exchanged bytes"));
+    job_read = report.job_bytes_read;
+  }
+  workload::RankState loaded = workload::BuildRankState(config, load, comm.rank(), false);
+  LoadOptions alone;
+  alone.read_sharing = ReadSharing::kNone;
+  TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(loaded.dict, dir + "/ck", comm, alone));
+  TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, workload::CheckRankState(loaded)));
+  std::vector<int64_t> total = {static_cast<int64_t>(report.bytes_read)};
+  TESSERA_RETURN_IF_ERROR(comm.AllReduce(total, ReduceOp::kSum));
+  return Expect(total[0] >= static_cast<int64_t>(job_read),
+                "ranks reading alone read at least as much (" + std::to_string(total[0]) + " vs " +
+                    std::to_string(job_read) + ")");
+}
+
+// Rank 0 needs nothing; the others load the state as data-parallel replicas.
+Status ReadOnceWithARankThatNeedsNothing(Comm& comm, const std::string& dir) {
+  const workload::ModelConfig config = workload::ModelConfig::ForBytes(2 << 20, 2);
+  workload::RankState saved =
+      workload::BuildRankState(config, SaveLayout(comm.size()), comm.rank(), true);
+  TESSERA_RETURN_IF_ERROR(Save(saved.dict, dir + "/ck", comm).status());
+  const workload::Layout load{.tp = 1, .pp = 1, .dp = comm.size() - 1};
+  StateDict nothing;
+  workload::RankState loaded =
+      workload::BuildRankState(config, load, std::max(comm.rank() - 1, 0), false);
+  TESSERA_ASSIGN_OR_RETURN(LoadReport report,
+                           Load(comm.rank() == 0 ? nothing : loaded.dict, dir + "/ck", comm));
+  TESSERA_RETURN_IF_ERROR(Expect(comm.rank() != 0 || report.bytes_read == 0,
+                                 "a rank that needs nothing reads nothing"));
+  TESSERA_RETURN_IF_ERROR(
+      AgreeOnStatus(comm, comm.rank() == 0 ? Status::Ok() : workload::CheckRankState(loaded)));
+  return ExpectReadOnce(comm, report);
+}
+
+// A storage whose data file reads fail on their `fail_at`-th call, after, with `comm`, aborting
+// it (the rank "dies" mid-exchange).
+class FailingReads : public StorageWrapper {
+ public:
+  FailingReads(std::shared_ptr<Storage> base, int fail_at, Comm* abort)
+      : StorageWrapper(std::move(base)), fail_at_(fail_at), abort_(abort) {}
+  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
+    TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, target().NewReadableFile(path));
+    if (path.find(".safetensors") == std::string::npos) return file;
+    return std::unique_ptr<ReadableFile>(new File(std::move(file), this));
+  }
+
+ private:
+  class File : public ReadableFile {
+   public:
+    File(std::unique_ptr<ReadableFile> base, FailingReads* owner)
+        : base_(std::move(base)), owner_(owner) {}
+    Status ReadAt(uint64_t offset, void* dst, size_t n) const override {
+      if (owner_->calls_.fetch_add(1) + 1 == owner_->fail_at_) {
+        const Status failure = IOError("injected read failure at offset " + std::to_string(offset) +
+                                       " of " + base_->path());
+        if (owner_->abort_) owner_->abort_->Abort(failure);
+        return failure;
+      }
+      return base_->ReadAt(offset, dst, n);
+    }
+    uint64_t size() const override { return base_->size(); }
+    const std::string& path() const override { return base_->path(); }
+
+   private:
+    std::unique_ptr<ReadableFile> base_;
+    FailingReads* owner_;
+  };
+  const int fail_at_;
+  Comm* abort_;
+  std::atomic<int> calls_{0};
+};
+
+// Every rank loads a tensor whole (so every block is shared); the last rank's reads fail, or
+// it aborts the communicator as it fails. Every rank's load fails naming it; nothing hangs.
+Status ReadOnceReaderFailureFailsEveryRank(Comm& comm, const std::string& dir) {
+  std::vector<float> data(1 << 20);  // 4 MiB: 16 blocks
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<float>(i);
+  const int64_t rows = 1024, cols = 1024;
+  StateDict state;
+  const int64_t mine = rows / comm.size() + (comm.rank() < rows % comm.size() ? 1 : 0);
+  const int64_t first =
+      comm.rank() * (rows / comm.size()) + std::min<int64_t>(comm.rank(), rows % comm.size());
+  TESSERA_RETURN_IF_ERROR(state.Add(
+      ShardedTensor::Shard("w", TensorView(data.data() + first * cols, DType::kF32, {mine, cols}),
+                           {rows, cols}, {first, 0})));
+  TESSERA_RETURN_IF_ERROR(Save(state, dir + "/ck", comm).status());
+  const int victim = comm.size() - 1;
+  for (const bool dies : {false, true}) {
+    // A fresh communicator each time: an aborted one stays aborted.
+    TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<Comm> sub, comm.Split(0, comm.rank()));
+    std::vector<float> whole(data.size(), -1.0f);
+    StateDict loaded;
+    TESSERA_RETURN_IF_ERROR(
+        loaded.Add(ShardedTensor::Whole("w", TensorView(whole.data(), DType::kF32, {rows, cols}))));
+    LoadOptions options;
+    options.exchange_bytes = 1 << 20;  // several rounds
+    if (comm.rank() == victim) {
+      options.storage =
+          std::make_shared<FailingReads>(NewPosixStorage(), 3, dies ? sub.get() : nullptr);
+    }
+    Status s = Load(loaded, dir + "/ck", *sub, options).status();
+    TESSERA_RETURN_IF_ERROR(
+        ExpectError(s, {"rank " + std::to_string(victim), "injected read failure"}));
+  }
+  return Status::Ok();
 }
 
 // A training loop: all-reduces on the caller's comm while saves run in the background; each
@@ -698,8 +872,8 @@ Status SeveralPiecesPerKeyPerRank(Comm& comm, const std::string& dir) {
       LoadOptions load_options;
       load_options.verify_checksums = trial % 3 != 2;
       constexpr ReadSharing kSharing[] = {ReadSharing::kNone, ReadSharing::kAllGather,
-                                          ReadSharing::kBroadcast};
-      load_options.read_sharing = kSharing[trial % 3];
+                                          ReadSharing::kBroadcast, ReadSharing::kReadOnce};
+      load_options.read_sharing = kSharing[trial % 4];
       load_options.exchange_bytes = 512;  // several rounds
       TESSERA_RETURN_IF_ERROR(Load(loaded, from, comm, load_options).status());
       Status check;
@@ -798,6 +972,13 @@ const std::vector<MultiRankCase>& MultiRankCases() {
        [](Comm& c, const std::string& d) {
          return ReadSharingReadsEachByteOnce(c, d, ReadSharing::kBroadcast);
        }},
+      {"ReadSharingReadOnceReadsEachByteOnce", 1,
+       [](Comm& c, const std::string& d) {
+         return ReadSharingReadsEachByteOnce(c, d, ReadSharing::kReadOnce);
+       }},
+      {"ReadOnceReshardsReadingEachByteOnce", 1, ReadOnceReshardsReadingEachByteOnce},
+      {"ReadOnceWithARankThatNeedsNothing", 2, ReadOnceWithARankThatNeedsNothing},
+      {"ReadOnceReaderFailureFailsEveryRank", 2, ReadOnceReaderFailureFailsEveryRank},
       {"RankLocalSaveReshards", 1, RankLocalSaveReshards},
       {"RankLocalSaveMissingARankKeepsThePrevious", 2, RankLocalSaveMissingARankKeepsThePrevious},
       {"RankLocalSaveGapIsNamed", 2, RankLocalSaveGapIsNamed},

@@ -1,0 +1,476 @@
+#include "checkpoint/read_once_load.h"
+
+#include <algorithm>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include "checkpoint/reader.h"
+#include "checkpoint/reader_internal.h"
+#include "core/byte_io.h"
+#include "core/checksum.h"
+#include "format/registry.h"
+#include "plan/plan_exchange.h"
+#include "plan/read_once.h"
+
+namespace tessera {
+namespace {
+
+// The cells of a format without checksum blocks (DCP, Hugging Face, verification off): the
+// block size tessera writes, so that an unchecked cell costs what a checked block does.
+constexpr uint64_t kCellBytesWithoutBlocks = 256u << 10;
+
+uint64_t CellBytesOf(const Metadata& metadata) {
+  return metadata.checksum_block_bytes > 0 ? metadata.checksum_block_bytes
+                                           : kCellBytesWithoutBlocks;
+}
+
+// How a reader of `chunk` checks it, the same on every rank that needs any of it.
+CellCheck CheckOf(const Metadata& metadata, const ChunkInfo& chunk, const LoadOptions& options,
+                  uint64_t cell_bytes) {
+  if (!options.verify_checksums || !HasChecksum(metadata, chunk)) return CellCheck::kNone;
+  if (!chunk.block_checksums.empty() || chunk.location.length <= cell_bytes) {
+    return CellCheck::kEachCell;
+  }
+  return options.verify_partial_chunks ? CellCheck::kWholeChunkAlways : CellCheck::kWholeChunk;
+}
+
+// Bytes of the destination that `file_bytes` of a run fill (they differ with a cast).
+uint64_t DestinationBytes(const ReadRun& run, uint64_t file_bytes) {
+  return run.cast ? file_bytes / DTypeSize(run.cast->from) * DTypeSize(run.cast->to) : file_bytes;
+}
+
+std::vector<CellNeed> NeedsOf(const Metadata& metadata, const std::vector<ReadRun>& runs,
+                              const LoadOptions& options, uint64_t cell_bytes) {
+  std::vector<CellNeed> needs;
+  for (const ReadRun& run : runs) {
+    if (run.length == 0) continue;
+    const ChunkInfo& chunk = metadata.tensors[run.tensor].chunks[run.chunk];
+    NeedsOfRun(run.tensor, run.chunk, chunk.location.length,
+               run.file_offset - chunk.location.offset, run.length,
+               CheckOf(metadata, chunk, options, cell_bytes), cell_bytes, needs);
+  }
+  CoalesceNeeds(needs, cell_bytes);
+  return needs;
+}
+
+// What makes two ranks' needs the same: the encoded cell list and the exact byte runs behind it
+// (two tensor-parallel slices can need the same number of bytes of the same cells).
+Checksum128Value SignNeeds(const Metadata& metadata, const std::vector<ReadRun>& runs,
+                           const Bytes& encoded) {
+  Bytes exact = encoded;
+  ByteWriter writer(&exact);
+  for (const ReadRun& run : runs) {
+    writer.Put<uint32_t>(run.tensor);
+    writer.Put<uint32_t>(run.chunk);
+    writer.Put<uint64_t>(run.file_offset -
+                         metadata.tensors[run.tensor].chunks[run.chunk].location.offset);
+    writer.Put<uint64_t>(run.length);
+  }
+  return Checksum128(exact.data(), exact.size());
+}
+
+// One all-gather of [the needs' signature][exchange_bytes] finds the ranks with the same needs;
+// a second brings one list per group. Every rank returns the same lists and groups, or the same
+// error.
+Status GatherNeeds(Comm& comm, const Bytes& encoded, const Checksum128Value& hash,
+                   uint64_t exchange_bytes, std::vector<std::vector<CellNeed>>& lists,
+                   std::vector<int32_t>& group_of) {
+  Bytes signature;
+  ByteWriter writer(&signature);
+  writer.Put<uint64_t>(hash.low);
+  writer.Put<uint64_t>(hash.high);
+  writer.Put<uint64_t>(exchange_bytes);
+  std::vector<Bytes> all;
+  TESSERA_RETURN_IF_ERROR(comm.AllGather(signature, &all));
+  std::vector<PlanSignature> signatures(all.size());
+  uint64_t first_bytes = 0;
+  for (size_t r = 0; r < all.size(); ++r) {
+    ByteReader reader(all[r]);
+    uint64_t bytes = 0;
+    if (all[r].size() != 24 || !reader.Get(&signatures[r].low).ok() ||
+        !reader.Get(&signatures[r].high).ok() || !reader.Get(&bytes).ok()) {
+      return DataLoss("read plan: rank " + std::to_string(r) + " sent a signature of " +
+                      std::to_string(all[r].size()) + " bytes, not 24");
+    }
+    if (r == 0) first_bytes = bytes;
+    if (bytes != first_bytes) {
+      return InvalidArgument(
+          "LoadOptions::exchange_bytes must be the same on every rank: rank 0 "
+          "has " +
+          std::to_string(first_bytes) + ", rank " + std::to_string(r) + " has " +
+          std::to_string(bytes));
+    }
+  }
+  const PlanGroups groups = GroupBySignature(signatures);
+  const bool leads = groups.members[groups.group_of[comm.rank()]][0] == comm.rank();
+  TESSERA_RETURN_IF_ERROR(comm.AllGather(leads ? encoded : Bytes{}, &all));
+  lists.clear();
+  for (const std::vector<int32_t>& members : groups.members) {
+    TESSERA_ASSIGN_OR_RETURN(std::vector<CellNeed> list, DecodeNeeds(all[members[0]]));
+    lists.push_back(std::move(list));
+  }
+  group_of = groups.group_of;
+  return Status::Ok();
+}
+
+// A part of this rank's runs inside one shared piece. `segment.file_offset` holds the part's
+// position from the chunk's start (the piece's coordinates), not a file offset.
+struct SharedSegment {
+  uint32_t piece;
+  Segment segment;
+};
+
+// Cuts this rank's runs into the parts inside shared pieces and the rest, which it reads
+// itself (`own`, still sorted by file and offset).
+void SplitRuns(const JobReadPlan& plan, const Metadata& metadata, const std::vector<ReadRun>& runs,
+               std::vector<ReadRun>& own, std::vector<SharedSegment>& shared) {
+  const std::vector<SharedPiece>& pieces = plan.pieces;
+  for (const ReadRun& run : runs) {
+    if (run.length == 0) {
+      own.push_back(run);
+      continue;
+    }
+    const uint64_t start =
+        run.file_offset - metadata.tensors[run.tensor].chunks[run.chunk].location.offset;
+    const uint64_t end = start + run.length;
+    auto it = std::partition_point(pieces.begin(), pieces.end(), [&](const SharedPiece& p) {
+      return std::tie(p.tensor, p.chunk) < std::tie(run.tensor, run.chunk) ||
+             (p.tensor == run.tensor && p.chunk == run.chunk && p.end <= start);
+    });
+    auto in_chunk = [&] {
+      return it != pieces.end() && it->tensor == run.tensor && it->chunk == run.chunk;
+    };
+    for (uint64_t at = start; at < end;) {
+      if (in_chunk() && it->begin <= at) {
+        const uint64_t n = std::min(it->end, end) - at;
+        shared.push_back(
+            {static_cast<uint32_t>(it - pieces.begin()),
+             Segment{at, n, run.destination + DestinationBytes(run, at - start), run.cast}});
+        at += n;
+        if (at == it->end) ++it;
+        continue;
+      }
+      const uint64_t n = (in_chunk() ? std::min(it->begin, end) : end) - at;
+      ReadRun part = run;
+      part.file_offset = run.file_offset + (at - start);
+      part.length = n;
+      part.destination = run.destination + DestinationBytes(run, at - start);
+      own.push_back(part);
+      at += n;
+    }
+  }
+  std::sort(shared.begin(), shared.end(), [](const SharedSegment& a, const SharedSegment& b) {
+    return a.piece != b.piece ? a.piece < b.piece : a.segment.file_offset < b.segment.file_offset;
+  });
+}
+
+// The shared pieces' reading and exchange on one rank.
+class Exchange {
+ public:
+  Exchange(Comm& comm, Storage& storage, const std::string& dir, const Metadata& metadata,
+           const JobReadPlan& plan, std::vector<SharedSegment> segments, const LoadOptions& options,
+           LoadReport& report, DataFileHeaders* headers, ProgressMeter& progress,
+           DeviceUploads* uploads)
+      : comm_(comm),
+        storage_(storage),
+        dir_(dir),
+        metadata_(metadata),
+        plan_(plan),
+        segments_(std::move(segments)),
+        options_(options),
+        report_(report),
+        headers_(headers),
+        progress_(progress),
+        uploads_(uploads),
+        me_(comm.rank()) {}
+
+  // Every round. `read_failure` is this rank's storage or checksum failure so far (it then
+  // sends nothing); `exchange_failure` becomes the first failure to take bytes in. Returns a
+  // failing collective's error.
+  Status Run(Status& read_failure, Status& exchange_failure) {
+    // Piece indices by (round, reader), plan order within.
+    std::vector<uint32_t> order(plan_.pieces.size());
+    for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+      const SharedPiece &p = plan_.pieces[a], &q = plan_.pieces[b];
+      return std::tie(p.round, p.reader) < std::tie(q.round, q.reader);
+    });
+    DeviceSink sink(uploads_);
+    const Placer placer{uploads_, &sink};
+    for (size_t begin = 0; begin < order.size();) {
+      const uint32_t round = plan_.pieces[order[begin]].round;
+      size_t end = begin;
+      while (end < order.size() && plan_.pieces[order[end]].round == round) ++end;
+      TESSERA_RETURN_IF_ERROR(RunRound(std::span(order).subspan(begin, end - begin), placer,
+                                       read_failure, exchange_failure));
+      progress_.Report();
+      begin = end;
+    }
+    Status flushed = sink.Flush();
+    if (exchange_failure.ok()) exchange_failure = flushed;
+    return Status::Ok();
+  }
+
+ private:
+  bool Receives(const SharedPiece& p) const {
+    if (p.reader == me_) return false;
+    for (uint32_t h = p.holders_begin; h < p.holders_end; ++h) {
+      if (plan_.holder_groups[h] == plan_.group_of[me_]) return true;
+    }
+    return false;
+  }
+
+  // Puts this rank's parts of piece `i`, whose bytes are `bytes`.
+  Status Deliver(uint32_t i, const std::byte* bytes, const Placer& placer) {
+    const SharedPiece& p = plan_.pieces[i];
+    auto it = std::partition_point(segments_.begin(), segments_.end(),
+                                   [&](const SharedSegment& s) { return s.piece < i; });
+    for (; it != segments_.end() && it->piece == i; ++it) {
+      const Segment& seg = it->segment;
+      TESSERA_RETURN_IF_ERROR(
+          seg.Deliver(placer, p.tensor, 0, bytes + (seg.file_offset - p.begin), seg.length));
+      progress_.Add(seg.DestinationBytes(seg.length));
+    }
+    return Status::Ok();
+  }
+
+  // Opens the file of each piece this rank reads (once) and checks its header.
+  Status Open(const SharedPiece& p) {
+    const TensorInfo& t = metadata_.tensors[p.tensor];
+    const ChunkInfo& c = t.chunks[p.chunk];
+    if (files_.empty()) files_.resize(metadata_.files.size());
+    std::unique_ptr<ReadableFile>& file = files_[c.location.file_index];
+    const std::string what = DescribeChunk(metadata_, p.tensor, p.chunk);
+    if (!file) {
+      TESSERA_ASSIGN_OR_RETURN(
+          file, OpenDataFile(storage_, dir_, metadata_, c.location.file_index, what));
+    }
+    if (headers_ != nullptr && FormatOf(metadata_.format).DataFilesHaveHeaders() &&
+        checked_headers_.insert({p.tensor, p.chunk}).second) {
+      TESSERA_RETURN_IF_ERROR(
+          headers_->Check(*file, c.location.file_index, c.location, t.dtype, StoredShape(c), what));
+    }
+    return Status::Ok();
+  }
+
+  // Reads piece `p` into `into`, checking each cell when the piece is checked cell by cell.
+  Status ReadPiece(const SharedPiece& p, std::byte* into, uint64_t& calls) const {
+    const ChunkInfo& c = metadata_.tensors[p.tensor].chunks[p.chunk];
+    const ReadableFile& file = *files_[c.location.file_index];
+    const uint64_t cell = plan_.cell_bytes;
+    for (uint64_t cell_begin = p.begin; cell_begin < p.end; cell_begin += cell) {
+      const uint64_t cell_end = std::min(cell_begin + cell, p.end);
+      UnitChecksum sum(metadata_.checksum);
+      for (uint64_t at = cell_begin; at < cell_end; ++calls) {
+        const uint64_t n = std::min<uint64_t>(kCheckedReadPiece, cell_end - at);
+        std::byte* dst = into + (at - p.begin);
+        TESSERA_RETURN_IF_ERROR_CTX(file.ReadAt(c.location.offset + at, dst, n),
+                                    "reading " + DescribeChunk(metadata_, p.tensor, p.chunk));
+        if (p.check == CellCheck::kEachCell) sum.Update(dst, n);
+        at += n;
+      }
+      if (p.check != CellCheck::kEachCell) continue;
+      const uint64_t k = cell_begin / cell;
+      if (k > c.block_checksums.size()) {
+        return DataLoss(DescribeChunk(metadata_, p.tensor, p.chunk) + " has " +
+                        std::to_string(c.block_checksums.size() + 1) +
+                        " block checksums, fewer than its length needs");
+      }
+      const uint64_t expected = k == 0 ? c.location.checksum : c.block_checksums[k - 1];
+      if (sum.Digest() != expected) {
+        return ChecksumMismatch(dir_, metadata_,
+                                Unit(p, cell_begin, cell_end - cell_begin, expected), sum.Digest());
+      }
+    }
+    return Status::Ok();
+  }
+
+  UnitRead Unit(const SharedPiece& p, uint64_t begin, uint64_t length, uint64_t checksum) const {
+    const ChunkInfo& c = metadata_.tensors[p.tensor].chunks[p.chunk];
+    UnitRead unit;
+    unit.file_index = c.location.file_index;
+    unit.offset = c.location.offset + begin;
+    unit.length = length;
+    unit.checksum = checksum;
+    unit.tensor = p.tensor;
+    unit.chunk = p.chunk;
+    return unit;
+  }
+
+  // Reads this rank's pieces of a round into `staging` (at `at[k]` for mine[k]) on up to
+  // num_io_threads threads, each putting this rank's own parts in place; then checks the chunks
+  // read whole, in order.
+  Status ReadMine(const std::vector<uint32_t>& mine, const std::vector<uint64_t>& at,
+                  std::vector<std::byte>& staging) {
+    for (uint32_t i : mine) TESSERA_RETURN_IF_ERROR(Open(plan_.pieces[i]));
+    const size_t threads = std::min<size_t>(options_.num_io_threads, mine.size());
+    std::vector<size_t> bounds = {0};
+    for (size_t k = 0; k < mine.size() && bounds.size() < threads; ++k) {
+      if ((at[k + 1]) * threads >= staging.size() * bounds.size()) bounds.push_back(k + 1);
+    }
+    bounds.push_back(mine.size());
+    const size_t slices = bounds.size() - 1;
+    std::vector<Status> statuses(slices);
+    std::vector<uint64_t> calls(slices, 0);
+    auto work = [&](size_t s) {
+      DeviceSink sink(uploads_);
+      const Placer placer{uploads_, &sink};
+      for (size_t k = bounds[s]; k < bounds[s + 1] && statuses[s].ok(); ++k) {
+        const SharedPiece& p = plan_.pieces[mine[k]];
+        statuses[s] = ReadPiece(p, staging.data() + at[k], calls[s]);
+        if (statuses[s].ok()) statuses[s] = Deliver(mine[k], staging.data() + at[k], placer);
+      }
+      if (statuses[s].ok()) statuses[s] = sink.Flush();
+    };
+    std::vector<std::thread> pool;
+    for (size_t s = 1; s < slices; ++s) pool.emplace_back(work, s);
+    if (slices > 0) work(0);
+    for (std::thread& t : pool) t.join();
+    for (size_t s = 0; s < slices; ++s) report_.read_calls += calls[s];
+    for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
+    report_.bytes_read += staging.size();
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const SharedPiece& p = plan_.pieces[mine[k]];
+      if (p.check != CellCheck::kWholeChunk) continue;
+      const ChunkInfo& c = metadata_.tensors[p.tensor].chunks[p.chunk];
+      if (p.begin == 0) whole_sum_.emplace(metadata_.checksum);
+      whole_sum_->Update(staging.data() + at[k], p.end - p.begin);
+      if (p.end == c.location.length && whole_sum_->Digest() != c.location.checksum) {
+        return ChecksumMismatch(dir_, metadata_, Unit(p, 0, c.location.length, c.location.checksum),
+                                whole_sum_->Digest());
+      }
+    }
+    return Status::Ok();
+  }
+
+  // One round: this rank reads its pieces, then each sender scatters.
+  Status RunRound(std::span<const uint32_t> round, const Placer& placer, Status& read_failure,
+                  Status& exchange_failure) {
+    const int n = comm_.size();
+    std::vector<uint32_t> mine;
+    std::vector<uint64_t> at = {0};
+    for (uint32_t i : round) {
+      const SharedPiece& p = plan_.pieces[i];
+      if (p.reader != me_) continue;
+      mine.push_back(i);
+      at.push_back(at.back() + (p.end - p.begin));
+    }
+    std::vector<Bytes> send(n);
+    if (!mine.empty() && read_failure.ok()) {
+      std::vector<std::byte> staging(at.back());
+      read_failure = ReadMine(mine, at, staging);
+      for (size_t k = 0; k < mine.size() && read_failure.ok(); ++k) {
+        const SharedPiece& p = plan_.pieces[mine[k]];
+        for (int32_t r : plan_.Receivers(p)) {
+          const auto* bytes = reinterpret_cast<const uint8_t*>(staging.data() + at[k]);
+          send[r].insert(send[r].end(), bytes, bytes + (p.end - p.begin));
+        }
+      }
+      if (!read_failure.ok()) send.assign(n, Bytes{});
+    }
+    for (size_t begin = 0; begin < round.size();) {
+      const int32_t root = plan_.pieces[round[begin]].reader;
+      size_t end = begin;
+      uint64_t expected = 0, sent = 0;
+      for (; end < round.size() && plan_.pieces[round[end]].reader == root; ++end) {
+        const SharedPiece& p = plan_.pieces[round[end]];
+        sent += plan_.NumReceivers(p);
+        if (Receives(p)) expected += p.end - p.begin;
+      }
+      if (sent == 0) {  // nothing of this sender's goes to another rank this round
+        begin = end;
+        continue;
+      }
+      Bytes received;
+      TESSERA_RETURN_IF_ERROR(comm_.Scatter(send, &received, root));
+      if (root == me_) {
+        for (const Bytes& b : send) report_.bytes_sent += b.size();
+        send.assign(n, Bytes{});
+      }
+      if (expected > 0 && exchange_failure.ok()) {
+        if (received.size() != expected) {
+          exchange_failure = Internal("read-once load: rank " + std::to_string(root) + " sent " +
+                                      std::to_string(received.size()) + " bytes of " +
+                                      std::to_string(expected) + " planned (it failed)");
+        }
+        uint64_t cursor = 0;
+        for (size_t k = begin; k < end && exchange_failure.ok(); ++k) {
+          const SharedPiece& p = plan_.pieces[round[k]];
+          if (!Receives(p)) continue;
+          exchange_failure = Deliver(
+              round[k], reinterpret_cast<const std::byte*>(received.data()) + cursor, placer);
+          cursor += p.end - p.begin;
+        }
+        report_.bytes_received += expected;
+      }
+      begin = end;
+    }
+    return Status::Ok();
+  }
+
+  Comm& comm_;
+  Storage& storage_;
+  const std::string& dir_;
+  const Metadata& metadata_;
+  const JobReadPlan& plan_;
+  std::vector<SharedSegment> segments_;
+  const LoadOptions& options_;
+  LoadReport& report_;
+  DataFileHeaders* headers_;
+  ProgressMeter& progress_;
+  DeviceUploads* uploads_;
+  const int me_;
+  std::vector<std::unique_ptr<ReadableFile>> files_;
+  std::set<std::pair<uint32_t, uint32_t>> checked_headers_;
+  std::optional<UnitChecksum>
+      whole_sum_;  // of the chunk this rank reads whole, across pieces and rounds
+};
+
+}  // namespace
+
+Status ReadOnceAcrossJob(Comm& comm, Storage& storage, const std::string& dir,
+                         const Metadata& metadata, const std::vector<ReadRun>& runs,
+                         const LoadOptions& options, LoadReport& report, DataFileHeaders* headers,
+                         ProgressMeter& progress, DeviceUploads* uploads) {
+  const uint64_t cell_bytes = CellBytesOf(metadata);
+  // A conversion works on whole elements: cells must not split them.
+  Status local;
+  for (const ReadRun& run : runs) {
+    if (run.cast && cell_bytes % DTypeSize(run.cast->from) != 0) {
+      local = InvalidArgument("key '" + metadata.tensors[run.tensor].key + "': cells of " +
+                              std::to_string(cell_bytes) + " bytes split elements of " +
+                              std::string(DTypeName(run.cast->from)) +
+                              ", which cast_dtypes cannot convert piecewise (load it in its "
+                              "saved dtype, or with read_sharing kNone)");
+      break;
+    }
+  }
+  const std::vector<CellNeed> needs = NeedsOf(metadata, runs, options, cell_bytes);
+  std::vector<std::vector<CellNeed>> lists = {needs};
+  std::vector<int32_t> group_of = {0};
+  if (comm.size() > 1) {
+    const Bytes encoded = EncodeNeeds(needs);
+    TESSERA_RETURN_IF_ERROR(GatherNeeds(comm, encoded, SignNeeds(metadata, runs, encoded),
+                                        options.exchange_bytes, lists, group_of));
+  }
+  TESSERA_ASSIGN_OR_RETURN(const JobReadPlan plan,
+                           PlanJobReads(lists, group_of, cell_bytes, options.exchange_bytes));
+  report.job_bytes_needed += plan.union_needed_bytes;
+  std::vector<ReadRun> own;
+  std::vector<SharedSegment> shared;
+  SplitRuns(plan, metadata, runs, own, shared);
+  Status read_failure = local.ok() ? ExecuteReads(storage, dir, metadata, own, options, report,
+                                                  headers, &progress, uploads)
+                                   : local;
+  if (plan.pieces.empty())
+    return comm.size() > 1 ? AgreeOnStatus(comm, read_failure) : read_failure;
+  Status exchange_failure;
+  Exchange exchange(comm, storage, dir, metadata, plan, std::move(shared), options, report, headers,
+                    progress, uploads);
+  TESSERA_RETURN_IF_ERROR(exchange.Run(read_failure, exchange_failure));
+  TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, read_failure));
+  return exchange_failure;
+}
+
+}  // namespace tessera
