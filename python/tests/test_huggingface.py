@@ -105,18 +105,26 @@ def test_verify_checks_structure_only(tmp_path):
 
 def load_sharded(path, tensors, comm, dim):
     """Every rank loads its slice along `dim` of every tensor that has it (the whole of the
-    others) and checks it; returns the bytes it needed and read."""
-    state = {}
-    for name, t in tensors.items():
-        offsets, sizes = rank_box(list(t.shape), comm.rank, comm.size, dim)
-        state[name] = tessera.ShardedTensor(torch.zeros(sizes, dtype=t.dtype), tuple(t.shape),
-                                            tuple(offsets))
-    report = tessera.load(state, path, comm=comm)
-    for name, t in tensors.items():
-        offsets, sizes = rank_box(list(t.shape), comm.rank, comm.size, dim)
-        want = t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-        assert torch.equal(state[name].data, want), (comm.rank, name)
-    return report.bytes_needed, report.bytes_read
+    others) and checks it, reading alone (read_sharing="none"), then read once per job (the
+    default); returns the bytes it needed and read alone, after checking the job's figures."""
+    results = []
+    for sharing in ("none", "read_once"):
+        state = {}
+        for name, t in tensors.items():
+            offsets, sizes = rank_box(list(t.shape), comm.rank, comm.size, dim)
+            state[name] = tessera.ShardedTensor(torch.zeros(sizes, dtype=t.dtype),
+                                                tuple(t.shape), tuple(offsets))
+        report = tessera.load(state, path, comm=comm, read_sharing=sharing)
+        for name, t in tensors.items():
+            offsets, sizes = rank_box(list(t.shape), comm.rank, comm.size, dim)
+            want = t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+            assert torch.equal(state[name].data, want), (comm.rank, name, sharing)
+        results.append(report)
+    alone, once = results
+    # The job reads the union of the slices (whole 256 KiB cells where two ranks share one),
+    # each byte at most once.
+    assert once.job_bytes_needed <= once.job_bytes_read <= once.checkpoint_bytes, once
+    return alone.bytes_needed, alone.bytes_read
 
 
 @pytest.mark.parametrize("layout", ["single", "indexed", "noindex"])

@@ -109,7 +109,14 @@ def test_save_pretrained_loads_whole_and_resharded(tmp_path, name, layout):
             offsets, sizes = rank_box(list(t.shape), comm.rank, comm.size, dim)
             part[key] = tessera.ShardedTensor(torch.zeros(sizes, dtype=t.dtype), tuple(t.shape),
                                               tuple(offsets))
-        report = tessera.load(part, str(directory), comm=comm)
+        report = tessera.load(part, str(directory), comm=comm, read_sharing="none")
+        for key, t in files.items():
+            offsets, sizes = rank_box(list(t.shape), comm.rank, comm.size, dim)
+            want = t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+            assert_same_bits(part[key].data, want, (comm.rank, key))
+        # Read once per job (the default): the union of the boxes, each byte at most once.
+        once = tessera.load(part, str(directory), comm=comm)
+        assert once.job_bytes_needed <= once.job_bytes_read <= once.checkpoint_bytes, once
         for key, t in files.items():
             offsets, sizes = rank_box(list(t.shape), comm.rank, comm.size, dim)
             want = t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
