@@ -100,7 +100,7 @@ struct BenchIoOptions {
   std::string format = "tessera";         // SaveOptions::format: tessera or torch_dist
   std::string torch_dist_flavor = "2.x";  // SaveOptions::torch_dist_flavor: 2.x or 1.13
   bool save_only = false;                 // skip load, raw_read and reshard_load
-  std::string share_reads = "readonce";   // LoadOptions::read_sharing: readonce or none
+  std::string share_reads = "auto";       // LoadOptions::read_sharing: auto, readonce or none
 };
 
 // tp<R/2>,dp2 for an even R (a TP change plus a DP split of the moments' flat ranges);
@@ -719,9 +719,10 @@ void AddBenchIoCommand(CLI::App& bench, int* exit_code) {
       ->check(CLI::IsMember({"2.x", "1.13"}))
       ->capture_default_str();
   io->add_option("--share-reads", o->share_reads,
-                 "how the loads share reads: readonce (the job reads each block once; ranks "
-                 "exchange) or none (each rank reads its own)")
-      ->check(CLI::IsMember({"readonce", "none"}))
+                 "how the loads share reads: auto (readonce, but none on a local filesystem), "
+                 "readonce (the job reads each block once; ranks exchange) or none (each rank "
+                 "reads its own)")
+      ->check(CLI::IsMember({"auto", "readonce", "none"}))
       ->capture_default_str();
   io->add_flag("--save-only", o->save_only,
                "only the save and raw write phases (no load, raw_read, reshard_load)");

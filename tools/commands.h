@@ -59,7 +59,7 @@ struct DemoOptions {
   int ranks = 0;  // 0: the save layout's product
   int io_threads = 2;
   bool sync = true;
-  std::string share_reads = "readonce";  // readonce | none | broadcast | allgather
+  std::string share_reads = "auto";  // auto | readonce | none | broadcast | allgather
   std::string comm = "local";            // local | mpi
   ProgressMode progress = ProgressMode::kAuto;
   bool rank_local = false;  // SaveOptions::collective false

@@ -131,8 +131,10 @@ int RunDemo(const DemoOptions& options) {
   if (options.share_reads == "broadcast") load_options.read_sharing = ReadSharing::kBroadcast;
   if (options.share_reads == "allgather") load_options.read_sharing = ReadSharing::kAllGather;
   if (options.share_reads == "readonce") load_options.read_sharing = ReadSharing::kReadOnce;
+  if (options.share_reads == "auto") load_options.read_sharing = ReadSharing::kAuto;
   uint64_t read_bytes = 0, needed_bytes = 0, received_bytes = 0, union_bytes = 0,
            checkpoint_bytes = 0;
+  ReadSharing sharing_used = ReadSharing::kNone;
   double load_seconds = 0;
   const int local_load_ranks = options.comm == "mpi" ? 1 : load_layout->ranks();
   ProgressBar load_bar(options.comm == "mpi" ? "load (rank 0)" : "load",
@@ -159,6 +161,7 @@ int RunDemo(const DemoOptions& options) {
       read_bytes = totals[0], needed_bytes = totals[1], received_bytes = totals[2];
       union_bytes = report.job_bytes_needed;
       checkpoint_bytes = report.checkpoint_bytes;
+      sharing_used = report.read_sharing;
     }
     return AgreeOnStatus(comm,
                          CheckRankState(state).WithContext("rank " + std::to_string(comm.rank())));
@@ -176,11 +179,15 @@ int RunDemo(const DemoOptions& options) {
                 load_seconds, needed_bytes / load_seconds / 1e9);
     if (union_bytes > 0) {
       std::printf(
-          "read once per job: storage bytes %.3fx the union of what the ranks needed (%s), "
-          "%.3fx the checkpoint (%s)\n",
+          "storage bytes %.3fx the union of what the ranks needed (%s), %.3fx the "
+          "checkpoint (%s)%s\n",
           static_cast<double>(read_bytes) / union_bytes, FormatBytes(union_bytes).c_str(),
-          static_cast<double>(read_bytes) / checkpoint_bytes,
-          FormatBytes(checkpoint_bytes).c_str());
+          static_cast<double>(read_bytes) / checkpoint_bytes, FormatBytes(checkpoint_bytes).c_str(),
+          sharing_used == ReadSharing::kReadOnce ? ": each block read once in the job"
+          : options.share_reads == "auto"
+              ? ": each rank read its own (--share-reads auto on a local "
+                "filesystem, where re-reading beats sending; readonce forces it)"
+              : "");
     }
     std::printf(
         "verified: every element of the %s layout matches the state saved under %s "
@@ -214,10 +221,11 @@ void AddDemoCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"local", "mpi"}))
       ->capture_default_str();
   demo->add_option("--share-reads", options->share_reads,
-                   "how ranks share reads: readonce (the job reads each block once and ranks "
-                   "exchange what others need), none (each rank reads its own), broadcast or "
-                   "allgather (within groups of replicas only)")
-      ->check(CLI::IsMember({"readonce", "none", "broadcast", "allgather"}))
+                   "how ranks share reads: auto (readonce, but none on a local filesystem), "
+                   "readonce (the job reads each block once and ranks exchange what others "
+                   "need), none (each rank reads its own), broadcast or allgather (within "
+                   "groups of replicas only)")
+      ->check(CLI::IsMember({"auto", "readonce", "none", "broadcast", "allgather"}))
       ->capture_default_str();
   auto progress = std::make_shared<ProgressFlags>();
   AddProgressFlags(*demo, *progress);

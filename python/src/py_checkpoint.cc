@@ -154,7 +154,8 @@ void RegisterOptions(py::module_& m) {
       .value("NONE", ReadSharing::kNone)
       .value("BROADCAST", ReadSharing::kBroadcast)
       .value("ALL_GATHER", ReadSharing::kAllGather)
-      .value("READ_ONCE", ReadSharing::kReadOnce);
+      .value("READ_ONCE", ReadSharing::kReadOnce)
+      .value("AUTO", ReadSharing::kAuto);
   py::enum_<CheckpointFormat>(m, "CheckpointFormat")
       .value("TESSERA", CheckpointFormat::kTessera)
       .value("TORCH_DIST", CheckpointFormat::kTorchDist)
@@ -364,6 +365,8 @@ void RegisterReports(py::module_& m) {
                     "sent between ranks (read_once; else 0)")
       .def_readonly("checkpoint_bytes", &LoadReport::checkpoint_bytes,
                     "tensor data and objects in the checkpoint")
+      .def_readonly("read_sharing", &LoadReport::read_sharing,
+                    "how the ranks shared reads (read_sharing='auto' resolved)")
       .def("__repr__", [](const LoadReport& r) {
         return "LoadReport(missing_keys=" + std::to_string(r.missing_keys.size()) +
                ", unexpected_keys=" + std::to_string(r.unexpected_keys.size()) +

@@ -148,6 +148,7 @@ class ReadSharing:
     BROADCAST: ClassVar[ReadSharing]
     ALL_GATHER: ClassVar[ReadSharing]
     READ_ONCE: ClassVar[ReadSharing]
+    AUTO: ClassVar[ReadSharing]
     __members__: ClassVar[dict[str, ReadSharing]]
     def __init__(self, value: int) -> None: ...
     def __eq__(self, other: object) -> bool: ...
@@ -348,6 +349,9 @@ class LoadReport:
     @property
     def checkpoint_bytes(self) -> int:
         """tensor data and objects in the checkpoint"""
+    @property
+    def read_sharing(self) -> ReadSharing:
+        """how the ranks shared reads (read_sharing='auto' resolved)"""
 
 class VerifyReport:
     """What tessera.verify checked."""

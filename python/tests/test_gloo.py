@@ -47,11 +47,15 @@ def worker(rank, size, port, path):
                   "step": None, "rng": {str(rank): tessera.ShardedObject(None)}}
         # Strict: every key of the checkpoint is asked for by some rank (each rank its own rng).
         report = tessera.load(target, path, comm=comm)
+        # "auto" (the default) on a local filesystem: each rank reads for itself.
+        assert report.read_sharing.name == "NONE" and report.job_bytes_exchanged == 0, report
+        report = tessera.load(target, path, comm=comm, read_sharing="read_once")
+        assert report.read_sharing.name == "READ_ONCE"
         assert torch.equal(local, FULL[:, rank * cols:(rank + 1) * cols])
         assert torch.equal(target["fc"]["bias"], torch.ones(6, dtype=torch.bfloat16))
         assert target["step"] == 42 and torch.is_tensor(target["rng"][str(rank)].value)
         assert report.unexpected_keys == [] and report.missing_keys == []
-        # Read once per job (the default): the checksum blocks both column slices touch are read
+        # Read once per job: the checksum blocks both column slices touch are read
         # by one rank and sent to the other over gloo; the job reads the checkpoint once (and
         # each rank its own objects); ranks reading alone read more between them.
         assert report.job_bytes_exchanged > 0 and report.bytes_received > 0, report

@@ -105,8 +105,8 @@ def test_verify_checks_structure_only(tmp_path):
 
 def load_sharded(path, tensors, comm, dim):
     """Every rank loads its slice along `dim` of every tensor that has it (the whole of the
-    others) and checks it, reading alone (read_sharing="none"), then read once per job (the
-    default); returns the bytes it needed and read alone, after checking the job's figures."""
+    others) and checks it, reading alone (read_sharing="none"), then read once per job
+    (read_sharing="read_once"); returns the bytes it needed and read alone, after checking the job's figures."""
     results = []
     for sharing in ("none", "read_once"):
         state = {}

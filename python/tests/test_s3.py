@@ -68,11 +68,19 @@ def load_columns(path, ranks, full):
         w = torch.zeros(64, width)
         state = {"w": tessera.ShardedTensor(w, (64, 24), (0, width * r)),
                  "b": torch.zeros(24, dtype=torch.int64), "step": None}
-        tessera.load(state, path, comm=comm)
+        report = tessera.load(state, path, comm=comm)
         assert torch.equal(w, full["w"][:, width * r:width * (r + 1)]), r
         assert torch.equal(state["b"], full["b"]) and state["step"] == 9
+        return report
 
-    tessera.run_local(ranks, load)
+    reports = tessera.run_local(ranks, load)
+    # On S3 "auto" (the default) reads each block once in the job: the column bands share every
+    # block of the row bands, and the replicated "b" is read once, not once per rank.
+    for report in reports:
+        assert report.read_sharing.name == "READ_ONCE", report
+        assert report.job_bytes_exchanged > 0, report
+        assert report.job_bytes_needed <= report.job_bytes_read, report
+        assert report.job_bytes_read <= report.checkpoint_bytes + 64 * ranks, report
 
 
 def test_save_load_resharded_verify(s3):

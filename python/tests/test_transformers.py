@@ -114,8 +114,8 @@ def test_save_pretrained_loads_whole_and_resharded(tmp_path, name, layout):
             offsets, sizes = rank_box(list(t.shape), comm.rank, comm.size, dim)
             want = t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
             assert_same_bits(part[key].data, want, (comm.rank, key))
-        # Read once per job (the default): the union of the boxes, each byte at most once.
-        once = tessera.load(part, str(directory), comm=comm)
+        # Read once per job: the union of the boxes, each byte at most once.
+        once = tessera.load(part, str(directory), comm=comm, read_sharing="read_once")
         assert once.job_bytes_needed <= once.job_bytes_read <= once.checkpoint_bytes, once
         for key, t in files.items():
             offsets, sizes = rank_box(list(t.shape), comm.rank, comm.size, dim)

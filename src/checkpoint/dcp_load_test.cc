@@ -146,7 +146,8 @@ enum class Split { kRows, kCols };
 // ranks, each its part split by rows or columns, and compares; returns each rank's report.
 std::vector<LoadReport> LoadAndCompare(const std::string& path, const Fixture& fixture, int ranks,
                                        Split split, const std::string& only = "",
-                                       bool skip_unexpected = false) {
+                                       bool skip_unexpected = false,
+                                       ReadSharing sharing = ReadSharing::kAuto) {
   std::vector<LoadReport> reports(ranks);
   std::mutex mu;
   const std::vector<Status> statuses = RunLocalRanks(ranks, [&](Comm& comm) -> Status {
@@ -167,6 +168,7 @@ std::vector<LoadReport> LoadAndCompare(const std::string& path, const Fixture& f
       if (only.empty()) TESSERA_RETURN_IF_ERROR(state.Add(ShardedObject{key}));
     }
     LoadOptions options;
+    options.read_sharing = sharing;
     if (!only.empty() || skip_unexpected) options.unexpected_keys = KeyPolicy::kSkip;
     TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(state, path, comm, options));
     for (const auto& [key, box] : boxes) {
@@ -234,8 +236,8 @@ TEST_F(DcpLoadTest, ReshardedByRowsAndColumnsIncludingStridedViews) {
 
 TEST_F(DcpLoadTest, ReshardedLoadReadsAtMostFivePercentMore) {
   for (Split split : {Split::kRows, Split::kCols}) {
-    const std::vector<LoadReport> reports =
-        LoadAndCompare(Path("single"), Of("single"), 3, split, "big");
+    const std::vector<LoadReport> reports = LoadAndCompare(Path("single"), Of("single"), 3, split,
+                                                           "big", false, ReadSharing::kReadOnce);
     // Read once per job (the default): the job's storage reads against the union of what the
     // ranks needed.
     for (const LoadReport& r : reports) {

@@ -335,7 +335,9 @@ Result<LoadReport> LoadFromIndex(StateDict& state, const CheckpointIndex& index,
   DataFileHeaders* headers = index.headers.get();
   // ReadOnceAcrossJob and ReadShared are collective and fail alike on every rank; ExecuteReads
   // is local.
-  const bool read_once = options.read_sharing == ReadSharing::kReadOnce;
+  const bool read_once =
+      options.read_sharing == ReadSharing::kReadOnce || options.read_sharing == ReadSharing::kAuto;
+  report.read_sharing = options.read_sharing;
   Status read_status;
   if (read_once) {
     read_status = ReadOnceAcrossJob(comm, storage, root, metadata, plan.runs, options, report,

@@ -1,5 +1,7 @@
 #include "checkpoint/read_once_load.h"
 
+#include <sys/vfs.h>
+
 #include <algorithm>
 #include <set>
 #include <thread>
@@ -33,6 +35,38 @@ CellCheck CheckOf(const Metadata& metadata, const ChunkInfo& chunk, const LoadOp
     return CellCheck::kEachCell;
   }
   return options.verify_partial_chunks ? CellCheck::kWholeChunkAlways : CellCheck::kWholeChunk;
+}
+
+// Whether reads of `dir` come from this machine: a filesystem of its own disks or memory (a
+// second read of a block then costs about a memory copy: LoadOptions' kAuto reads alone), not
+// an object store or a network filesystem. Storage that is not a POSIX filesystem of this
+// machine but renames and writes at offsets (an in-memory store) is local too.
+bool ReadsAreLocal(Storage& storage, const std::string& dir) {
+  const StorageCapabilities caps = storage.capabilities();
+  if (!caps.rename || !caps.positional_writes) return false;  // an object store
+  struct statfs fs;
+  if (statfs(dir.c_str(), &fs) != 0) return true;  // no such path here: an in-memory store
+  // Network and cluster filesystems (magic numbers of linux/magic.h and their projects).
+  constexpr uint64_t kRemote[] = {
+      0x6969,      // NFS
+      0x0BD00BD0,  // Lustre
+      0x47504653,  // GPFS
+      0x19830326,  // BeeGFS
+      0x00C36400,  // CephFS
+      0xFF534D42,  // CIFS
+      0xFE534D42,  // SMB2
+      0x517B,      // SMB
+      0x65735546,  // FUSE (s3fs, gcsfuse, ...)
+      0x01021997,  // 9P
+      0xAAD7AAEA,  // PanFS
+      0x5346414F,  // AFS
+      0x013111A8,  // IBRIX
+  };
+  const uint64_t type = static_cast<uint64_t>(fs.f_type) & 0xFFFFFFFFu;
+  for (uint64_t remote : kRemote) {
+    if (type == remote) return false;
+  }
+  return true;
 }
 
 // Bytes of the destination that `file_bytes` of a run fill (they differ with a cast).
@@ -70,29 +104,35 @@ Checksum128Value SignNeeds(const Metadata& metadata, const std::vector<ReadRun>&
   return Checksum128(exact.data(), exact.size());
 }
 
-// One all-gather of [the needs' signature][exchange_bytes] finds the ranks with the same needs;
-// a second brings one list per group. Every rank returns the same lists and groups, or the same
+// One all-gather of [the needs' signature][exchange_bytes][local reads] finds the ranks with
+// the same needs and whether all of them read a local filesystem (`all_local`); a second brings
+// one list per group. Every rank returns the same lists, groups and `all_local`, or the same
 // error.
 Status GatherNeeds(Comm& comm, const Bytes& encoded, const Checksum128Value& hash,
-                   uint64_t exchange_bytes, std::vector<std::vector<CellNeed>>& lists,
-                   std::vector<int32_t>& group_of) {
+                   uint64_t exchange_bytes, bool local, std::vector<std::vector<CellNeed>>& lists,
+                   std::vector<int32_t>& group_of, bool& all_local) {
   Bytes signature;
   ByteWriter writer(&signature);
   writer.Put<uint64_t>(hash.low);
   writer.Put<uint64_t>(hash.high);
   writer.Put<uint64_t>(exchange_bytes);
+  writer.Put<uint8_t>(local ? 1 : 0);
   std::vector<Bytes> all;
+  all_local = true;
   TESSERA_RETURN_IF_ERROR(comm.AllGather(signature, &all));
   std::vector<PlanSignature> signatures(all.size());
   uint64_t first_bytes = 0;
   for (size_t r = 0; r < all.size(); ++r) {
     ByteReader reader(all[r]);
     uint64_t bytes = 0;
-    if (all[r].size() != 24 || !reader.Get(&signatures[r].low).ok() ||
-        !reader.Get(&signatures[r].high).ok() || !reader.Get(&bytes).ok()) {
+    uint8_t its_local = 0;
+    if (all[r].size() != 25 || !reader.Get(&signatures[r].low).ok() ||
+        !reader.Get(&signatures[r].high).ok() || !reader.Get(&bytes).ok() ||
+        !reader.Get(&its_local).ok()) {
       return DataLoss("read plan: rank " + std::to_string(r) + " sent a signature of " +
-                      std::to_string(all[r].size()) + " bytes, not 24");
+                      std::to_string(all[r].size()) + " bytes, not 25");
     }
+    all_local = all_local && its_local == 1;
     if (r == 0) first_bytes = bytes;
     if (bytes != first_bytes) {
       return InvalidArgument(
@@ -221,16 +261,21 @@ class Exchange {
     return false;
   }
 
-  // Puts this rank's parts of piece `i`, whose bytes are `bytes`.
-  Status Deliver(uint32_t i, const std::byte* bytes, const Placer& placer) {
+  // Puts this rank's parts of piece `i` that lie in [begin, end) (bytes from the chunk's start),
+  // whose bytes are at `bytes`.
+  Status Deliver(uint32_t i, uint64_t begin, uint64_t end, const std::byte* bytes,
+                 const Placer& placer) {
     const SharedPiece& p = plan_.pieces[i];
-    auto it = std::partition_point(segments_.begin(), segments_.end(),
-                                   [&](const SharedSegment& s) { return s.piece < i; });
-    for (; it != segments_.end() && it->piece == i; ++it) {
+    auto it = std::partition_point(segments_.begin(), segments_.end(), [&](const SharedSegment& s) {
+      return s.piece < i || (s.piece == i && s.segment.file_offset + s.segment.length <= begin);
+    });
+    for (; it != segments_.end() && it->piece == i && it->segment.file_offset < end; ++it) {
       const Segment& seg = it->segment;
+      const uint64_t from = std::max(seg.file_offset, begin);
+      const uint64_t to = std::min(seg.file_offset + seg.length, end);
       TESSERA_RETURN_IF_ERROR(
-          seg.Deliver(placer, p.tensor, 0, bytes + (seg.file_offset - p.begin), seg.length));
-      progress_.Add(seg.DestinationBytes(seg.length));
+          seg.Deliver(placer, p.tensor, from - seg.file_offset, bytes + (from - begin), to - from));
+      progress_.Add(seg.DestinationBytes(to - from));
     }
     return Status::Ok();
   }
@@ -254,33 +299,58 @@ class Exchange {
     return Status::Ok();
   }
 
-  // Reads piece `p` into `into`, checking each cell when the piece is checked cell by cell.
-  Status ReadPiece(const SharedPiece& p, std::byte* into, uint64_t& calls) const {
+  // Where one piece of this round goes: the first receiver's send buffer (read straight into
+  // it), then the others' (copied).
+  struct Outgoing {
+    uint32_t piece;
+    std::vector<std::byte*> to;  // per receiver, into its send buffer
+  };
+
+  // Reads piece `out.piece` cell by cell (into the first receiver's send buffer, or `buffer`
+  // when no rank receives it), checks each cell (kEachCell) or adds it to the checksum of the
+  // chunk read whole, puts this rank's parts in place and copies the cell to the other receivers.
+  Status ReadPiece(const Outgoing& out, std::vector<std::byte>& buffer, const Placer& placer,
+                   uint64_t& calls) {
+    const SharedPiece& p = plan_.pieces[out.piece];
     const ChunkInfo& c = metadata_.tensors[p.tensor].chunks[p.chunk];
     const ReadableFile& file = *files_[c.location.file_index];
     const uint64_t cell = plan_.cell_bytes;
     for (uint64_t cell_begin = p.begin; cell_begin < p.end; cell_begin += cell) {
       const uint64_t cell_end = std::min(cell_begin + cell, p.end);
+      const uint64_t length = cell_end - cell_begin;
+      std::byte* dst = out.to.empty() ? buffer.data() : out.to[0] + (cell_begin - p.begin);
       UnitChecksum sum(metadata_.checksum);
-      for (uint64_t at = cell_begin; at < cell_end; ++calls) {
-        const uint64_t n = std::min<uint64_t>(kCheckedReadPiece, cell_end - at);
-        std::byte* dst = into + (at - p.begin);
-        TESSERA_RETURN_IF_ERROR_CTX(file.ReadAt(c.location.offset + at, dst, n),
+      for (uint64_t at = 0; at < length; ++calls) {
+        const uint64_t n = std::min<uint64_t>(kCheckedReadPiece, length - at);
+        TESSERA_RETURN_IF_ERROR_CTX(file.ReadAt(c.location.offset + cell_begin + at, dst + at, n),
                                     "reading " + DescribeChunk(metadata_, p.tensor, p.chunk));
-        if (p.check == CellCheck::kEachCell) sum.Update(dst, n);
+        if (p.check == CellCheck::kEachCell) sum.Update(dst + at, n);
         at += n;
       }
-      if (p.check != CellCheck::kEachCell) continue;
-      const uint64_t k = cell_begin / cell;
-      if (k > c.block_checksums.size()) {
-        return DataLoss(DescribeChunk(metadata_, p.tensor, p.chunk) + " has " +
-                        std::to_string(c.block_checksums.size() + 1) +
-                        " block checksums, fewer than its length needs");
+      if (p.check == CellCheck::kEachCell) {
+        const uint64_t k = cell_begin / cell;
+        if (k > c.block_checksums.size()) {
+          return DataLoss(DescribeChunk(metadata_, p.tensor, p.chunk) + " has " +
+                          std::to_string(c.block_checksums.size() + 1) +
+                          " block checksums, fewer than its length needs");
+        }
+        const uint64_t expected = k == 0 ? c.location.checksum : c.block_checksums[k - 1];
+        if (sum.Digest() != expected) {
+          return ChecksumMismatch(dir_, metadata_, Unit(p, cell_begin, length, expected),
+                                  sum.Digest());
+        }
+      } else if (p.check == CellCheck::kWholeChunk) {  // one thread reads these, in order
+        if (cell_begin == 0) whole_sum_.emplace(metadata_.checksum);
+        whole_sum_->Update(dst, length);
+        if (cell_end == c.location.length && whole_sum_->Digest() != c.location.checksum) {
+          return ChecksumMismatch(dir_, metadata_,
+                                  Unit(p, 0, c.location.length, c.location.checksum),
+                                  whole_sum_->Digest());
+        }
       }
-      const uint64_t expected = k == 0 ? c.location.checksum : c.block_checksums[k - 1];
-      if (sum.Digest() != expected) {
-        return ChecksumMismatch(dir_, metadata_,
-                                Unit(p, cell_begin, cell_end - cell_begin, expected), sum.Digest());
+      TESSERA_RETURN_IF_ERROR(Deliver(out.piece, cell_begin, cell_end, dst, placer));
+      for (size_t r = 1; r < out.to.size(); ++r) {
+        std::memcpy(out.to[r] + (cell_begin - p.begin), dst, length);
       }
     }
     return Status::Ok();
@@ -298,75 +368,78 @@ class Exchange {
     return unit;
   }
 
-  // Reads this rank's pieces of a round into `staging` (at `at[k]` for mine[k]) on up to
-  // num_io_threads threads, each putting this rank's own parts in place; then checks the chunks
-  // read whole, in order.
-  Status ReadMine(const std::vector<uint32_t>& mine, const std::vector<uint64_t>& at,
-                  std::vector<std::byte>& staging) {
-    for (uint32_t i : mine) TESSERA_RETURN_IF_ERROR(Open(plan_.pieces[i]));
-    const size_t threads = std::min<size_t>(options_.num_io_threads, mine.size());
-    std::vector<size_t> bounds = {0};
-    for (size_t k = 0; k < mine.size() && bounds.size() < threads; ++k) {
-      if ((at[k + 1]) * threads >= staging.size() * bounds.size()) bounds.push_back(k + 1);
+  // Reads this rank's pieces of a round (`mine`, with their destinations) on up to
+  // num_io_threads threads, in contiguous slices of about equal bytes; the pieces of chunks
+  // read whole (checked in order) on the calling thread.
+  Status ReadMine(const std::vector<Outgoing>& mine) {
+    for (const Outgoing& out : mine) TESSERA_RETURN_IF_ERROR(Open(plan_.pieces[out.piece]));
+    std::vector<size_t> parallel, in_order;
+    uint64_t total = 0;
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const SharedPiece& p = plan_.pieces[mine[k].piece];
+      (p.check == CellCheck::kWholeChunk ? in_order : parallel).push_back(k);
+      total += p.end - p.begin;
     }
-    bounds.push_back(mine.size());
+    const size_t threads = std::min<size_t>(options_.num_io_threads, parallel.size());
+    std::vector<size_t> bounds = {0};
+    uint64_t acc = 0;
+    for (size_t k = 0; k < parallel.size() && bounds.size() < threads; ++k) {
+      const SharedPiece& p = plan_.pieces[mine[parallel[k]].piece];
+      acc += p.end - p.begin;
+      if (acc * threads >= total * bounds.size()) bounds.push_back(k + 1);
+    }
+    bounds.push_back(parallel.size());
     const size_t slices = bounds.size() - 1;
-    std::vector<Status> statuses(slices);
-    std::vector<uint64_t> calls(slices, 0);
-    auto work = [&](size_t s) {
+    std::vector<Status> statuses(slices + 1);
+    std::vector<uint64_t> calls(slices + 1, 0);
+    auto work = [&](size_t s, const std::vector<size_t>& list, size_t begin, size_t end) {
+      std::vector<std::byte> buffer(plan_.cell_bytes);
       DeviceSink sink(uploads_);
       const Placer placer{uploads_, &sink};
-      for (size_t k = bounds[s]; k < bounds[s + 1] && statuses[s].ok(); ++k) {
-        const SharedPiece& p = plan_.pieces[mine[k]];
-        statuses[s] = ReadPiece(p, staging.data() + at[k], calls[s]);
-        if (statuses[s].ok()) statuses[s] = Deliver(mine[k], staging.data() + at[k], placer);
+      for (size_t k = begin; k < end && statuses[s].ok(); ++k) {
+        statuses[s] = ReadPiece(mine[list[k]], buffer, placer, calls[s]);
       }
       if (statuses[s].ok()) statuses[s] = sink.Flush();
     };
     std::vector<std::thread> pool;
-    for (size_t s = 1; s < slices; ++s) pool.emplace_back(work, s);
-    if (slices > 0) work(0);
-    for (std::thread& t : pool) t.join();
-    for (size_t s = 0; s < slices; ++s) report_.read_calls += calls[s];
-    for (const Status& s : statuses) TESSERA_RETURN_IF_ERROR(s);
-    report_.bytes_read += staging.size();
-    for (size_t k = 0; k < mine.size(); ++k) {
-      const SharedPiece& p = plan_.pieces[mine[k]];
-      if (p.check != CellCheck::kWholeChunk) continue;
-      const ChunkInfo& c = metadata_.tensors[p.tensor].chunks[p.chunk];
-      if (p.begin == 0) whole_sum_.emplace(metadata_.checksum);
-      whole_sum_->Update(staging.data() + at[k], p.end - p.begin);
-      if (p.end == c.location.length && whole_sum_->Digest() != c.location.checksum) {
-        return ChecksumMismatch(dir_, metadata_, Unit(p, 0, c.location.length, c.location.checksum),
-                                whole_sum_->Digest());
-      }
+    for (size_t s = 1; s < slices; ++s) {
+      pool.emplace_back(work, s, std::cref(parallel), bounds[s], bounds[s + 1]);
     }
+    if (slices > 0) work(0, parallel, bounds[0], bounds[1]);
+    work(slices, in_order, 0, in_order.size());
+    for (std::thread& t : pool) t.join();
+    for (uint64_t c : calls) report_.read_calls += c;
+    for (const Status& st : statuses) TESSERA_RETURN_IF_ERROR(st);
+    report_.bytes_read += total;
     return Status::Ok();
   }
 
-  // One round: this rank reads its pieces, then each sender scatters.
+  // One round: this rank reads its pieces straight into the send buffers, then each sender
+  // scatters.
   Status RunRound(std::span<const uint32_t> round, const Placer& placer, Status& read_failure,
                   Status& exchange_failure) {
     const int n = comm_.size();
-    std::vector<uint32_t> mine;
-    std::vector<uint64_t> at = {0};
-    for (uint32_t i : round) {
-      const SharedPiece& p = plan_.pieces[i];
-      if (p.reader != me_) continue;
-      mine.push_back(i);
-      at.push_back(at.back() + (p.end - p.begin));
-    }
     std::vector<Bytes> send(n);
+    std::vector<Outgoing> mine;
+    std::vector<uint64_t> size(n, 0);
+    for (uint32_t i : round) {
+      if (plan_.pieces[i].reader != me_) continue;
+      for (int32_t r : plan_.Receivers(plan_.pieces[i])) {
+        size[r] += plan_.pieces[i].end - plan_.pieces[i].begin;
+      }
+      mine.push_back({i, {}});
+    }
     if (!mine.empty() && read_failure.ok()) {
-      std::vector<std::byte> staging(at.back());
-      read_failure = ReadMine(mine, at, staging);
-      for (size_t k = 0; k < mine.size() && read_failure.ok(); ++k) {
-        const SharedPiece& p = plan_.pieces[mine[k]];
+      for (int r = 0; r < n; ++r) send[r].resize(size[r]);
+      std::vector<uint64_t> at(n, 0);
+      for (Outgoing& out : mine) {
+        const SharedPiece& p = plan_.pieces[out.piece];
         for (int32_t r : plan_.Receivers(p)) {
-          const auto* bytes = reinterpret_cast<const uint8_t*>(staging.data() + at[k]);
-          send[r].insert(send[r].end(), bytes, bytes + (p.end - p.begin));
+          out.to.push_back(reinterpret_cast<std::byte*>(send[r].data() + at[r]));
+          at[r] += p.end - p.begin;
         }
       }
+      read_failure = ReadMine(mine);
       if (!read_failure.ok()) send.assign(n, Bytes{});
     }
     for (size_t begin = 0; begin < round.size();) {
@@ -398,8 +471,9 @@ class Exchange {
         for (size_t k = begin; k < end && exchange_failure.ok(); ++k) {
           const SharedPiece& p = plan_.pieces[round[k]];
           if (!Receives(p)) continue;
-          exchange_failure = Deliver(
-              round[k], reinterpret_cast<const std::byte*>(received.data()) + cursor, placer);
+          exchange_failure =
+              Deliver(round[k], p.begin, p.end,
+                      reinterpret_cast<const std::byte*>(received.data()) + cursor, placer);
           cursor += p.end - p.begin;
         }
         report_.bytes_received += expected;
@@ -449,14 +523,26 @@ Status ReadOnceAcrossJob(Comm& comm, Storage& storage, const std::string& dir,
   const std::vector<CellNeed> needs = NeedsOf(metadata, runs, options, cell_bytes);
   std::vector<std::vector<CellNeed>> lists = {needs};
   std::vector<int32_t> group_of = {0};
+  bool all_local = true;
   if (comm.size() > 1) {
     const Bytes encoded = EncodeNeeds(needs);
+    const bool reads_local =
+        options.read_sharing == ReadSharing::kAuto && ReadsAreLocal(storage, dir);
     TESSERA_RETURN_IF_ERROR(GatherNeeds(comm, encoded, SignNeeds(metadata, runs, encoded),
-                                        options.exchange_bytes, lists, group_of));
+                                        options.exchange_bytes, reads_local, lists, group_of,
+                                        all_local));
   }
   TESSERA_ASSIGN_OR_RETURN(const JobReadPlan plan,
                            PlanJobReads(lists, group_of, cell_bytes, options.exchange_bytes));
   report.job_bytes_needed += plan.union_needed_bytes;
+  // kAuto on local filesystems: every rank reads for itself (the same choice on every rank).
+  if (options.read_sharing == ReadSharing::kAuto && (all_local || plan.pieces.empty())) {
+    report.read_sharing = ReadSharing::kNone;
+    return local.ok() ? ExecuteReads(storage, dir, metadata, runs, options, report, headers,
+                                     &progress, uploads)
+                      : local;
+  }
+  report.read_sharing = ReadSharing::kReadOnce;
   std::vector<ReadRun> own;
   std::vector<SharedSegment> shared;
   SplitRuns(plan, metadata, runs, own, shared);

@@ -30,8 +30,10 @@ namespace tessera {
 // sending nothing; at the end every rank returns the same error: the first failing rank's read
 // error, else the exchange's. A failing collective returns at once. Adds this rank's reads,
 // sends and receipts to `report`, and the union of the job's needed bytes to
-// report.job_bytes_needed. COLLECTIVE over `comm` (with one rank: the plain read, planned for
-// the report).
+// report.job_bytes_needed. With options.read_sharing kAuto, when every rank reads a local
+// filesystem (or no cell is shared), every rank reads its runs itself instead, and
+// report.read_sharing says which it did. COLLECTIVE over `comm` (with one rank: the plain read,
+// planned for the report).
 Status ReadOnceAcrossJob(Comm& comm, Storage& storage, const std::string& dir,
                          const Metadata& metadata, const std::vector<ReadRun>& runs,
                          const LoadOptions& options, LoadReport& report, DataFileHeaders* headers,

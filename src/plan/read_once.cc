@@ -31,6 +31,8 @@ struct NeedRange {
   uint64_t cell_begin, cell_end;
   std::vector<int32_t> groups;  // ascending
   uint64_t num_ranks;           // their members
+  uint64_t bytes = 0;           // of the cells
+  uint64_t needed = 0;          // of them, by some rank (the union's estimate)
 };
 
 // One reader's task in the assignment: pieces [first, last) of the plan, read by one rank.
@@ -77,9 +79,11 @@ std::vector<NeedRange> SweepChunk(std::span<const GroupNeed> needs, uint64_t cel
     std::sort(range.groups.begin(), range.groups.end());
     range.groups.erase(std::unique(range.groups.begin(), range.groups.end()), range.groups.end());
     for (int32_t g : range.groups) range.num_ranks += members[g].size();
-    const uint64_t length = byte_of(e) - byte_of(b);
-    union_bytes +=
-        any_full ? length : static_cast<uint64_t>(std::min<unsigned __int128>(needed, length));
+    range.bytes = byte_of(e) - byte_of(b);
+    range.needed = any_full
+                       ? range.bytes
+                       : static_cast<uint64_t>(std::min<unsigned __int128>(needed, range.bytes));
+    union_bytes += range.needed;
     ranges.push_back(std::move(range));
   }
   return ranges;
@@ -263,7 +267,13 @@ Result<JobReadPlan> PlanJobReads(std::span<const std::vector<CellNeed>> lists,
     if (plan.members[g].empty() && !lists[g].empty()) {
       return InvalidArgument("read plan: rank group " + std::to_string(g) + " has no ranks");
     }
-    for (const CellNeed& n : lists[g]) all.push_back({n, static_cast<int32_t>(g)});
+    for (const CellNeed& n : lists[g]) {
+      all.push_back({n, static_cast<int32_t>(g)});
+      // Each rank alone reads whole checked cells, else exactly what it needs.
+      plan.alone_read_bytes +=
+          (n.check == CellCheck::kEachCell ? CellBytesOf(n, cell_bytes) : n.needed_bytes) *
+          plan.members[g].size();
+    }
   }
   std::sort(all.begin(), all.end(), [](const GroupNeed& a, const GroupNeed& b) {
     return std::tie(a.need.tensor, a.need.chunk, a.need.cell_begin, a.group) <
@@ -298,7 +308,11 @@ Result<JobReadPlan> PlanJobReads(std::span<const std::vector<CellNeed>> lists,
     chunk_groups.erase(std::unique(chunk_groups.begin(), chunk_groups.end()), chunk_groups.end());
     uint64_t chunk_ranks = 0;
     for (int32_t g : chunk_groups) chunk_ranks += plan.members[g].size();
-    if (chunk_ranks < 2) continue;  // read by its one rank alone
+    const bool cells = first.check == CellCheck::kEachCell;
+    if (chunk_ranks < 2) {  // read by its one rank alone
+      for (const NeedRange& r : ranges) plan.once_read_bytes += cells ? r.bytes : r.needed;
+      continue;
+    }
     const uint64_t num_cells =
         std::max<uint64_t>(1, (first.chunk_bytes + cell_bytes - 1) / cell_bytes);
     uint64_t covered = 0;
@@ -315,6 +329,11 @@ Result<JobReadPlan> PlanJobReads(std::span<const std::vector<CellNeed>> lists,
       }
       if (at < num_cells) filled.push_back({at, num_cells, {}, 0});
       ranges = std::move(filled);
+      plan.once_read_bytes += first.chunk_bytes;
+    } else {  // shared ranges whole, the others as their one rank reads them
+      for (const NeedRange& r : ranges) {
+        plan.once_read_bytes += cells || r.num_ranks >= 2 ? r.bytes : r.needed;
+      }
     }
     const CellCheck check = whole                                 ? CellCheck::kWholeChunk
                             : first.check == CellCheck::kEachCell ? CellCheck::kEachCell
@@ -378,6 +397,7 @@ Result<JobReadPlan> PlanJobReads(std::span<const std::vector<CellNeed>> lists,
       u = 0;
     }
     u += cost;
+    plan.exchanged_bytes += (piece.end - piece.begin) * plan.NumReceivers(piece);
     piece.round = round[piece.reader];
     plan.num_rounds = std::max(plan.num_rounds, piece.round + 1);
   }

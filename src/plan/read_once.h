@@ -96,6 +96,13 @@ struct JobReadPlan {
   // share a list) or disjoint ones (tensor-parallel slices); where the parts of different lists
   // overlap within a cell it counts them apart, never more than the cell.
   uint64_t union_needed_bytes = 0;
+  // What the job reads from storage following the plan (the pieces once, and what ranks read
+  // alone), what it would read with every rank reading for itself (LoadOptions::read_sharing
+  // kNone: whole checked cells, else the bytes needed), and the bytes the plan sends between
+  // ranks. LoadOptions' kAuto weighs them.
+  uint64_t once_read_bytes = 0;
+  uint64_t alone_read_bytes = 0;
+  uint64_t exchanged_bytes = 0;
 
   // Ranks that need `piece` but the reader, ascending.
   std::vector<int32_t> Receivers(const SharedPiece& piece) const;

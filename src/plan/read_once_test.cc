@@ -91,6 +91,9 @@ TEST(ReadOnceTest, ReplicasSplitTheReadingEvenly) {
   for (const SharedPiece& p : plan.pieces) load[p.reader] += p.end - p.begin;
   for (uint64_t l : load) EXPECT_EQ(l, 8 * kCell);
   EXPECT_EQ(plan.union_needed_bytes, 64 * kCell);
+  EXPECT_EQ(plan.once_read_bytes, 64 * kCell);
+  EXPECT_EQ(plan.alone_read_bytes, 8 * 64 * kCell);
+  EXPECT_EQ(plan.exchanged_bytes, 7 * 64 * kCell);
   ExpectEachSharedCellOnce(plan, HoldersOf(lists, group_of));
 }
 

@@ -66,7 +66,9 @@ Status ReshardModelState(Comm& comm, const std::string& dir, workload::Layout lo
                                  "an unverified load reads exactly the bytes it needs"));
   TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, workload::CheckRankState(loaded)));
   loaded = workload::BuildRankState(config, load, comm.rank(), false);
-  TESSERA_ASSIGN_OR_RETURN(load_report, Load(loaded.dict, dir + "/ck", comm));
+  LoadOptions once;
+  once.read_sharing = ReadSharing::kReadOnce;
+  TESSERA_ASSIGN_OR_RETURN(load_report, Load(loaded.dict, dir + "/ck", comm, once));
   TESSERA_RETURN_IF_ERROR(ExpectReadOnce(comm, load_report));
   return AgreeOnStatus(comm, workload::CheckRankState(loaded));
 }
@@ -231,10 +233,19 @@ Status RandomResharding(Comm& comm, const std::string& dir) {
       // Verified loads read whole checksum blocks around what they need: more bytes. Each
       // rank reads for itself, or the job reads each block once (the default).
       load_options.verify_checksums = trial % 3 != 2;
-      load_options.read_sharing = trial % 2 == 0 ? ReadSharing::kReadOnce : ReadSharing::kNone;
+      // kAuto on a local filesystem: each rank reads for itself.
+      constexpr ReadSharing kModes[] = {ReadSharing::kReadOnce, ReadSharing::kNone,
+                                        ReadSharing::kAuto};
+      load_options.read_sharing = kModes[trial % 3 == 2 ? (trial / 3) % 3 : trial % 2];
       load_options.exchange_bytes = 1 + rng() % (1 << 20);
       TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(loaded, path, comm, load_options));
-      if (load_options.read_sharing == ReadSharing::kReadOnce) {
+      const ReadSharing expected_sharing = load_options.read_sharing == ReadSharing::kAuto
+                                               ? ReadSharing::kNone
+                                               : load_options.read_sharing;
+      TESSERA_RETURN_IF_ERROR(
+          Expect(report.read_sharing == expected_sharing,
+                 "the report says how reads were shared (kAuto: kNone on a local filesystem)"));
+      if (report.read_sharing == ReadSharing::kReadOnce) {
         TESSERA_RETURN_IF_ERROR(ExpectReadOnce(comm, report));
       } else {
         const bool exact = !load_options.verify_checksums;
@@ -464,6 +475,7 @@ Status ReadOnceReshardsReadingEachByteOnce(Comm& comm, const std::string& dir) {
   for (const uint64_t exchange : {256ull << 20, 300ull << 10, 1ull}) {
     workload::RankState loaded = workload::BuildRankState(config, load, comm.rank(), false);
     LoadOptions options;
+    options.read_sharing = ReadSharing::kReadOnce;
     options.exchange_bytes = exchange;
     TESSERA_ASSIGN_OR_RETURN(LoadReport report, Load(loaded.dict, dir + "/ck", comm, options));
     TESSERA_RETURN_IF_ERROR(AgreeOnStatus(comm, workload::CheckRankState(loaded)));
@@ -498,8 +510,10 @@ Status ReadOnceWithARankThatNeedsNothing(Comm& comm, const std::string& dir) {
   StateDict nothing;
   workload::RankState loaded =
       workload::BuildRankState(config, load, std::max(comm.rank() - 1, 0), false);
+  LoadOptions once;
+  once.read_sharing = ReadSharing::kReadOnce;
   TESSERA_ASSIGN_OR_RETURN(LoadReport report,
-                           Load(comm.rank() == 0 ? nothing : loaded.dict, dir + "/ck", comm));
+                           Load(comm.rank() == 0 ? nothing : loaded.dict, dir + "/ck", comm, once));
   TESSERA_RETURN_IF_ERROR(Expect(comm.rank() != 0 || report.bytes_read == 0,
                                  "a rank that needs nothing reads nothing"));
   TESSERA_RETURN_IF_ERROR(
@@ -568,6 +582,7 @@ Status ReadOnceReaderFailureFailsEveryRank(Comm& comm, const std::string& dir) {
     TESSERA_RETURN_IF_ERROR(
         loaded.Add(ShardedTensor::Whole("w", TensorView(whole.data(), DType::kF32, {rows, cols}))));
     LoadOptions options;
+    options.read_sharing = ReadSharing::kReadOnce;
     options.exchange_bytes = 1 << 20;  // several rounds
     if (comm.rank() == victim) {
       options.storage =
