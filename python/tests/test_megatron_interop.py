@@ -149,6 +149,12 @@ def worker(rank, size, port, out):
         check_one_piece(dist_checkpointing.load(sd, os.path.join(out, "strategy_fp"),
                                                 TesseraLoadShardedStrategy(
                                                     read_sharing="broadcast")), tp)
+        # ... and read once in the job, tessera exchanging the blocks itself.
+        sd, tp, dp = one_piece_state(rank, fill=False, swapped=True)
+        del sd["rng"]
+        check_one_piece(dist_checkpointing.load(sd, os.path.join(out, "strategy_fp"),
+                                                TesseraLoadShardedStrategy(
+                                                    read_sharing="read_once")), tp)
 
         # Megatron's strict modes through tessera's strategy (its load_sharded_metadata).
         sd, tp, dp = request(rank)

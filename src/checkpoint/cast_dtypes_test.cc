@@ -170,7 +170,8 @@ TEST_P(CastDTypesTest, FlatRangeLoadsConverted) {
 TEST_P(CastDTypesTest, ReadSharingExchangesConvertedBytes) {
   // 4 ranks: ranks 0 and 1 want the whole tensor in BF16, ranks 2 and 3 in F16 (the same file
   // bytes, other results: they must not be mixed up). Each pair reads once and exchanges.
-  for (ReadSharing sharing : {ReadSharing::kAllGather, ReadSharing::kBroadcast}) {
+  for (ReadSharing sharing :
+       {ReadSharing::kAllGather, ReadSharing::kBroadcast, ReadSharing::kReadOnce}) {
     std::vector<std::vector<uint8_t>> outs(4);
     std::vector<LoadReport> reports(4);
     std::vector<Status> statuses = RunLocalRanks(4, [&](Comm& comm) -> Status {
@@ -192,6 +193,12 @@ TEST_P(CastDTypesTest, ReadSharingExchangesConvertedBytes) {
       const DType to = r < 2 ? DType::kBF16 : DType::kF16;
       ExpectSameValues(outs[r], Expected(full_, whole, to), to, "rank " + std::to_string(r));
       EXPECT_EQ(reports[r].bytes_needed, outs[r].size());
+    }
+    if (sharing == ReadSharing::kReadOnce) {
+      // The whole job read the file bytes once (they are the same for both dtypes: each rank
+      // converts what it receives itself).
+      EXPECT_EQ(reports[0].job_bytes_read, static_cast<uint64_t>(kRows * kCols * 4));
+      continue;
     }
     // Within each pair, the bytes were read once: what one read, the other received.
     EXPECT_EQ(reports[0].bytes_read + reports[1].bytes_read,

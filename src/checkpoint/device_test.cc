@@ -326,7 +326,8 @@ TEST_F(DeviceTest, ReadSharingIntoDeviceMemory) {
   StateDict saved;
   ASSERT_OK(saved.Add(ShardedTensor::Whole("x", TensorView(bytes.data(), DType::kU8, {3 << 20}))));
   ASSERT_OK(Save(saved, "/mem/shared", Saving()));
-  for (ReadSharing sharing : {ReadSharing::kAllGather, ReadSharing::kBroadcast}) {
+  for (ReadSharing sharing :
+       {ReadSharing::kAllGather, ReadSharing::kBroadcast, ReadSharing::kReadOnce}) {
     std::vector<std::shared_ptr<SimulatedDevice>> sims;
     for (int r = 0; r < 3; ++r)
       sims.push_back(std::make_shared<SimulatedDevice>("sim:" + std::to_string(r)));

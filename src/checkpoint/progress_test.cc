@@ -116,8 +116,8 @@ TEST(ProgressTest, ShardedLoadWithReadSharingReachesEachRanksBytesNeeded) {
   SaveOptions save;
   save.storage = storage;
   ASSERT_OK(Save(saved.Dict(), "/ck", save));
-  for (ReadSharing sharing :
-       {ReadSharing::kNone, ReadSharing::kAllGather, ReadSharing::kBroadcast}) {
+  for (ReadSharing sharing : {ReadSharing::kNone, ReadSharing::kAllGather, ReadSharing::kBroadcast,
+                              ReadSharing::kReadOnce}) {
     SCOPED_TRACE(static_cast<int>(sharing));
     Status status = FirstError(RunLocalRanks(3, [&](Comm& comm) -> Status {
       // Every rank loads everything (replicas): with sharing, each rank reads some of it and
