@@ -103,6 +103,8 @@ msg="$("$tessera" verify "$work/empty" 2>&1)"; rc=$?
 check "bench plan exits 0" $?
 "$tessera" bench io --ranks 2 --size 8MiB --repeat 1 --warmup 0 --json > "$work/io.json"
 check "bench io exits 0" $?
+"$tessera" bench read-plan --ranks 64 --dp 8 --json > "$work/read_plan.json"
+check "bench read-plan exits 0" $?
 "$tessera" bench async --ranks 2 --size 8MiB --saves 2 --rss-size 2MiB --rss-saves 4 > "$work/async.json"
 check "bench async exits 0" $?
 $python - "$work" <<'PY'
@@ -120,12 +122,23 @@ for k in ["bytes", "ranks", "save_seconds", "raw_write_seconds", "save_over_raw"
 # Verified loads read the checksum blocks (256 KiB) around what they need: at 8 MiB, where
 # chunks are small, that is a visible share; at 1 GiB it is under 1% (docs/PERFORMANCE.md).
 assert io["checked"] is True and io["reshard_bytes_read_over_needed"] <= 1.5
+for k in ["checkpoint_bytes", "reshard_union_needed_bytes", "reshard_bytes_exchanged",
+          "reshard_read_over_union", "reshard_read_over_checkpoint", "share_reads"]:
+    assert k in io, k
+rp = json.load(open(os.path.join(d, "read_plan.json")))
+for k in ["groups", "gathered_bytes_per_rank", "plan_seconds", "pieces", "rounds",
+          "peak_rss_added_bytes", "per_rank_memory_bytes"]:
+    assert k in rp, k
+# The job needs the whole checkpoint; what it shares (the weights, needed by every replica) is
+# a part of it, and every rank's list is unique (the moments' flat ranges).
+assert rp["union_needed_bytes"] == rp["checkpoint_bytes"], rp
+assert 0 < rp["shared_bytes"] < rp["union_needed_bytes"] and rp["groups"] == 64, rp
 a = json.load(open(os.path.join(d, "async.json")))
 for k in ["bytes", "blocking_seconds", "memcpy_seconds", "blocking_over_memcpy", "total_seconds",
           "sync_save_seconds", "rss_growth_after_100_saves_bytes"]:
     assert k in a, k
 PY
-check "bench plan, io and async print the JSON fields the issues name" $?
+check "bench plan, io, read-plan and async print the JSON fields the issues name" $?
 
 if [ $failures -ne 0 ]; then echo "$failures check(s) failed"; exit 1; fi
 echo "all CLI checks passed"

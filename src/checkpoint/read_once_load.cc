@@ -109,8 +109,9 @@ Checksum128Value SignNeeds(const Metadata& metadata, const std::vector<ReadRun>&
 // one list per group. Every rank returns the same lists, groups and `all_local`, or the same
 // error.
 Status GatherNeeds(Comm& comm, const Bytes& encoded, const Checksum128Value& hash,
-                   uint64_t exchange_bytes, bool local, std::vector<std::vector<CellNeed>>& lists,
-                   std::vector<int32_t>& group_of, bool& all_local) {
+                   uint64_t exchange_bytes, bool local, std::vector<Bytes>& gathered,
+                   std::vector<std::span<const uint8_t>>& lists, std::vector<int32_t>& group_of,
+                   bool& all_local) {
   Bytes signature;
   ByteWriter writer(&signature);
   writer.Put<uint64_t>(hash.low);
@@ -144,11 +145,10 @@ Status GatherNeeds(Comm& comm, const Bytes& encoded, const Checksum128Value& has
   }
   const PlanGroups groups = GroupBySignature(signatures);
   const bool leads = groups.members[groups.group_of[comm.rank()]][0] == comm.rank();
-  TESSERA_RETURN_IF_ERROR(comm.AllGather(leads ? encoded : Bytes{}, &all));
+  TESSERA_RETURN_IF_ERROR(comm.AllGather(leads ? encoded : Bytes{}, &gathered));
   lists.clear();
   for (const std::vector<int32_t>& members : groups.members) {
-    TESSERA_ASSIGN_OR_RETURN(std::vector<CellNeed> list, DecodeNeeds(all[members[0]]));
-    lists.push_back(std::move(list));
+    lists.push_back(gathered[members[0]]);
   }
   group_of = groups.group_of;
   return Status::Ok();
@@ -520,20 +520,21 @@ Status ReadOnceAcrossJob(Comm& comm, Storage& storage, const std::string& dir,
       break;
     }
   }
-  const std::vector<CellNeed> needs = NeedsOf(metadata, runs, options, cell_bytes);
-  std::vector<std::vector<CellNeed>> lists = {needs};
+  const Bytes encoded = EncodeNeeds(NeedsOf(metadata, runs, options, cell_bytes));
+  std::vector<Bytes> gathered;
+  std::vector<std::span<const uint8_t>> lists = {encoded};
   std::vector<int32_t> group_of = {0};
   bool all_local = true;
   if (comm.size() > 1) {
-    const Bytes encoded = EncodeNeeds(needs);
     const bool reads_local =
         options.read_sharing == ReadSharing::kAuto && ReadsAreLocal(storage, dir);
     TESSERA_RETURN_IF_ERROR(GatherNeeds(comm, encoded, SignNeeds(metadata, runs, encoded),
-                                        options.exchange_bytes, reads_local, lists, group_of,
-                                        all_local));
+                                        options.exchange_bytes, reads_local, gathered, lists,
+                                        group_of, all_local));
   }
-  TESSERA_ASSIGN_OR_RETURN(const JobReadPlan plan,
-                           PlanJobReads(lists, group_of, cell_bytes, options.exchange_bytes));
+  TESSERA_ASSIGN_OR_RETURN(const JobReadPlan plan, PlanJobReadsEncoded(lists, group_of, cell_bytes,
+                                                                       options.exchange_bytes));
+  gathered.clear();
   report.job_bytes_needed += plan.union_needed_bytes;
   // kAuto on local filesystems: every rank reads for itself (the same choice on every rank).
   if (options.read_sharing == ReadSharing::kAuto && (all_local || plan.pieces.empty())) {
@@ -543,6 +544,9 @@ Status ReadOnceAcrossJob(Comm& comm, Storage& storage, const std::string& dir,
                       : local;
   }
   report.read_sharing = ReadSharing::kReadOnce;
+  // Every piece this rank reads lies inside its own manifest's chunk: a reader is a member of a
+  // group that listed the chunk (members share one list, by signature), and the plan refuses
+  // lists that disagree on a chunk's length.
   std::vector<ReadRun> own;
   std::vector<SharedSegment> shared;
   SplitRuns(plan, metadata, runs, own, shared);

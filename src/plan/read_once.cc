@@ -1,6 +1,8 @@
 #include "plan/read_once.h"
 
 #include <algorithm>
+#include <functional>
+#include <queue>
 #include <set>
 #include <string>
 #include <utility>
@@ -10,7 +12,53 @@
 namespace tessera {
 namespace {
 
-constexpr size_t kEncodedNeedBytes = 4 + 4 + 8 + 8 + 8 + 8 + 1;
+// An encoded CellNeed: six LEB128 varints (tensor, chunk, chunk_bytes, cell_begin, cells,
+// needed_bytes) and the check byte; at least 7 bytes. Varints because every rank receives every
+// distinct list (16,384 ranks with distributed-optimizer ranges: 16,384 lists), and the numbers
+// are small: about 7 bytes an entry there instead of 41 at fixed width. Written here (a few
+// lines) rather than taken from protobuf, which tessera does not otherwise depend on.
+constexpr size_t kMinEncodedNeedBytes = 7;
+
+void PutVarint(Bytes& out, uint64_t value) {
+  while (value >= 0x80) {
+    out.push_back(static_cast<uint8_t>(value | 0x80));
+    value >>= 7;
+  }
+  out.push_back(static_cast<uint8_t>(value));
+}
+
+// Reads a varint at `at` (advanced past it); an error when it runs past the end or 64 bits.
+Status GetVarint(std::span<const uint8_t> bytes, size_t& at, uint64_t* value) {
+  *value = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    if (at >= bytes.size()) return DataLoss("read plan: need list ends inside a number");
+    const uint8_t b = bytes[at++];
+    if (shift == 63 && b > 1) break;
+    *value |= static_cast<uint64_t>(b & 0x7F) << shift;
+    if ((b & 0x80) == 0) return Status::Ok();
+  }
+  return DataLoss("read plan: need list holds a number of more than 64 bits");
+}
+
+// Decodes the entry at `at` (advanced past it).
+Status GetNeed(std::span<const uint8_t> bytes, size_t& at, CellNeed& n) {
+  uint64_t tensor = 0, chunk = 0, cells = 0;
+  TESSERA_RETURN_IF_ERROR(GetVarint(bytes, at, &tensor));
+  TESSERA_RETURN_IF_ERROR(GetVarint(bytes, at, &chunk));
+  TESSERA_RETURN_IF_ERROR(GetVarint(bytes, at, &n.chunk_bytes));
+  TESSERA_RETURN_IF_ERROR(GetVarint(bytes, at, &n.cell_begin));
+  TESSERA_RETURN_IF_ERROR(GetVarint(bytes, at, &cells));
+  TESSERA_RETURN_IF_ERROR(GetVarint(bytes, at, &n.needed_bytes));
+  if (at >= bytes.size()) return DataLoss("read plan: need list ends inside an entry");
+  if (tensor > UINT32_MAX || chunk > UINT32_MAX || cells > UINT64_MAX - n.cell_begin) {
+    return DataLoss("read plan: need list entry out of range");
+  }
+  n.tensor = static_cast<uint32_t>(tensor);
+  n.chunk = static_cast<uint32_t>(chunk);
+  n.cell_end = n.cell_begin + cells;
+  n.check = static_cast<CellCheck>(bytes[at++]);
+  return Status::Ok();
+}
 // The largest piece one reader is given at a time: small enough to balance the reads of a few
 // large chunks across ranks, large enough that a piece costs one storage request per 8 MiB.
 constexpr uint64_t kMaxPieceBytes = 8ull << 20;
@@ -89,37 +137,90 @@ std::vector<NeedRange> SweepChunk(std::span<const GroupNeed> needs, uint64_t cel
   return ranges;
 }
 
-// Checks one group's list: sorted, disjoint, inside its chunks, of known check kinds.
-Status CheckList(std::span<const CellNeed> list, uint64_t cell_bytes, size_t group) {
-  for (size_t i = 0; i < list.size(); ++i) {
-    const CellNeed& n = list[i];
-    const uint64_t cells = (n.chunk_bytes + cell_bytes - 1) / cell_bytes;
-    std::string problem;
-    if (n.cell_begin >= n.cell_end || n.cell_end > std::max<uint64_t>(cells, 1)) {
-      problem = "cells [" + std::to_string(n.cell_begin) + ", " + std::to_string(n.cell_end) +
-                ") outside a chunk of " + std::to_string(n.chunk_bytes) + " bytes";
-    } else if (static_cast<uint8_t>(n.check) > 3) {
-      problem = "unknown check kind " + std::to_string(static_cast<int>(n.check));
-    } else if (n.needed_bytes > CellBytesOf(n, cell_bytes) ||
-               (n.needed_bytes == 0 && n.chunk_bytes > 0)) {
-      problem = std::to_string(n.needed_bytes) + " bytes needed in " +
-                std::to_string(CellBytesOf(n, cell_bytes)) + " bytes of cells";
-    } else if (i > 0) {
-      const CellNeed& p = list[i - 1];
-      const bool same_chunk = p.tensor == n.tensor && p.chunk == n.chunk;
-      if (std::tie(p.tensor, p.chunk) > std::tie(n.tensor, n.chunk) ||
-          (same_chunk && p.cell_end > n.cell_begin)) {
-        problem = "not sorted and disjoint";
-      }
-    }
-    if (!problem.empty()) {
-      return DataLoss("read plan: the need list of rank group " + std::to_string(group) +
-                      ", entry " + std::to_string(i) + " (tensor " + std::to_string(n.tensor) +
-                      " chunk " + std::to_string(n.chunk) + "): " + problem);
+// Checks entry `index` of one group's list (`previous`: the entry before it, or null): inside
+// its chunk, of a known check kind, after the previous one and disjoint from it.
+Status CheckEntry(const CellNeed& n, const CellNeed* previous, uint64_t cell_bytes, size_t group,
+                  size_t index) {
+  const uint64_t cells = (n.chunk_bytes + cell_bytes - 1) / cell_bytes;
+  std::string problem;
+  if (n.cell_begin >= n.cell_end || n.cell_end > std::max<uint64_t>(cells, 1)) {
+    problem = "cells [" + std::to_string(n.cell_begin) + ", " + std::to_string(n.cell_end) +
+              ") outside a chunk of " + std::to_string(n.chunk_bytes) + " bytes";
+  } else if (static_cast<uint8_t>(n.check) > 3) {
+    problem = "unknown check kind " + std::to_string(static_cast<int>(n.check));
+  } else if (n.needed_bytes > CellBytesOf(n, cell_bytes) ||
+             (n.needed_bytes == 0 && n.chunk_bytes > 0)) {
+    problem = std::to_string(n.needed_bytes) + " bytes needed in " +
+              std::to_string(CellBytesOf(n, cell_bytes)) + " bytes of cells";
+  } else if (previous != nullptr) {
+    const CellNeed& p = *previous;
+    const bool same_chunk = p.tensor == n.tensor && p.chunk == n.chunk;
+    if (std::tie(p.tensor, p.chunk) > std::tie(n.tensor, n.chunk) ||
+        (same_chunk && p.cell_end > n.cell_begin)) {
+      problem = "not sorted and disjoint";
     }
   }
-  return Status::Ok();
+  if (problem.empty()) return Status::Ok();
+  return DataLoss("read plan: the need list of rank group " + std::to_string(group) + ", entry " +
+                  std::to_string(index) + " (tensor " + std::to_string(n.tensor) + " chunk " +
+                  std::to_string(n.chunk) + "): " + problem);
 }
+
+// One list's entries, one at a time: from a decoded list, or decoded from its bytes as they are
+// needed (so that a plan over many ranks' unique lists never holds them all decoded).
+class NeedCursor {
+ public:
+  static NeedCursor Of(std::span<const CellNeed> list) {
+    NeedCursor c;
+    c.list_ = list;
+    c.remaining_ = list.size();
+    return c;
+  }
+  static Result<NeedCursor> Encoded(std::span<const uint8_t> bytes) {
+    NeedCursor c;
+    c.encoded_ = true;
+    c.bytes_ = bytes;
+    ByteReader r(bytes);
+    uint32_t count = 0;
+    TESSERA_RETURN_IF_ERROR(r.Get(&count));
+    if (count > bytes.size() / kMinEncodedNeedBytes) {
+      return DataLoss("read plan: need list of " + std::to_string(bytes.size()) + " bytes claims " +
+                      std::to_string(count) + " entries");
+    }
+    c.remaining_ = count;
+    c.position_ = 4;
+    return c;
+  }
+  // The next entry into `out`; false at the end (an encoding with bytes left over: an error).
+  Result<bool> Next(CellNeed& out) {
+    if (remaining_ == 0) {
+      if (encoded_ && position_ != bytes_.size()) {
+        return DataLoss("read plan: need list has " + std::to_string(bytes_.size() - position_) +
+                        " trailing bytes");
+      }
+      return false;
+    }
+    --remaining_;
+    if (!encoded_) {
+      out = list_[index_++];
+      return true;
+    }
+    TESSERA_RETURN_IF_ERROR(GetNeed(bytes_, position_, out));
+    return true;
+  }
+
+ private:
+  bool encoded_ = false;
+  std::span<const CellNeed> list_;
+  size_t index_ = 0;
+  std::span<const uint8_t> bytes_;
+  size_t position_ = 0;
+  size_t remaining_ = 0;
+};
+
+Result<JobReadPlan> PlanFromCursors(std::vector<NeedCursor>& cursors,
+                                    std::span<const int32_t> group_of, uint64_t cell_bytes,
+                                    uint64_t exchange_bytes);
 
 }  // namespace
 
@@ -183,17 +284,16 @@ void NeedsOfRun(uint32_t tensor, uint32_t chunk, uint64_t chunk_bytes, uint64_t 
 
 Bytes EncodeNeeds(std::span<const CellNeed> needs) {
   Bytes out;
-  out.reserve(4 + needs.size() * kEncodedNeedBytes);
-  ByteWriter w(&out);
-  w.Put<uint32_t>(static_cast<uint32_t>(needs.size()));
+  out.reserve(4 + needs.size() * 16);
+  ByteWriter(&out).Put<uint32_t>(static_cast<uint32_t>(needs.size()));
   for (const CellNeed& n : needs) {
-    w.Put<uint32_t>(n.tensor);
-    w.Put<uint32_t>(n.chunk);
-    w.Put<uint64_t>(n.chunk_bytes);
-    w.Put<uint64_t>(n.cell_begin);
-    w.Put<uint64_t>(n.cell_end);
-    w.Put<uint64_t>(n.needed_bytes);
-    w.Put<uint8_t>(static_cast<uint8_t>(n.check));
+    PutVarint(out, n.tensor);
+    PutVarint(out, n.chunk);
+    PutVarint(out, n.chunk_bytes);
+    PutVarint(out, n.cell_begin);
+    PutVarint(out, n.cell_end - n.cell_begin);
+    PutVarint(out, n.needed_bytes);
+    out.push_back(static_cast<uint8_t>(n.check));
   }
   return out;
 }
@@ -202,24 +302,15 @@ Result<std::vector<CellNeed>> DecodeNeeds(std::span<const uint8_t> bytes) {
   ByteReader r(bytes);
   uint32_t count = 0;
   TESSERA_RETURN_IF_ERROR(r.Get(&count));
-  if (count > bytes.size() / kEncodedNeedBytes) {
+  if (count > bytes.size() / kMinEncodedNeedBytes) {
     return DataLoss("read plan: need list of " + std::to_string(bytes.size()) + " bytes claims " +
                     std::to_string(count) + " entries");
   }
   std::vector<CellNeed> needs(count);
-  for (CellNeed& n : needs) {
-    uint8_t check = 0;
-    TESSERA_RETURN_IF_ERROR(r.Get(&n.tensor));
-    TESSERA_RETURN_IF_ERROR(r.Get(&n.chunk));
-    TESSERA_RETURN_IF_ERROR(r.Get(&n.chunk_bytes));
-    TESSERA_RETURN_IF_ERROR(r.Get(&n.cell_begin));
-    TESSERA_RETURN_IF_ERROR(r.Get(&n.cell_end));
-    TESSERA_RETURN_IF_ERROR(r.Get(&n.needed_bytes));
-    TESSERA_RETURN_IF_ERROR(r.Get(&check));
-    n.check = static_cast<CellCheck>(check);
-  }
-  if (r.position() != bytes.size()) {
-    return DataLoss("read plan: need list has " + std::to_string(bytes.size() - r.position()) +
+  size_t at = 4;
+  for (CellNeed& n : needs) TESSERA_RETURN_IF_ERROR(GetNeed(bytes, at, n));
+  if (at != bytes.size()) {
+    return DataLoss("read plan: need list has " + std::to_string(bytes.size() - at) +
                     " trailing bytes");
   }
   return needs;
@@ -249,56 +340,140 @@ size_t JobReadPlan::NumReceivers(const SharedPiece& piece) const {
 Result<JobReadPlan> PlanJobReads(std::span<const std::vector<CellNeed>> lists,
                                  std::span<const int32_t> group_of, uint64_t cell_bytes,
                                  uint64_t exchange_bytes) {
+  std::vector<NeedCursor> cursors;
+  for (const std::vector<CellNeed>& list : lists) cursors.push_back(NeedCursor::Of(list));
+  return PlanFromCursors(cursors, group_of, cell_bytes, exchange_bytes);
+}
+
+Result<JobReadPlan> PlanJobReadsEncoded(std::span<const std::span<const uint8_t>> lists,
+                                        std::span<const int32_t> group_of, uint64_t cell_bytes,
+                                        uint64_t exchange_bytes) {
+  std::vector<NeedCursor> cursors;
+  for (size_t g = 0; g < lists.size(); ++g) {
+    Result<NeedCursor> cursor = NeedCursor::Encoded(lists[g]);
+    if (!cursor.ok()) {
+      return cursor.status().WithContext("the need list of rank group " + std::to_string(g));
+    }
+    cursors.push_back(*cursor);
+  }
+  return PlanFromCursors(cursors, group_of, cell_bytes, exchange_bytes);
+}
+
+namespace {
+
+// Merges the groups' lists (each sorted by tensor and chunk) one chunk at a time: the needs of
+// every group for the next chunk, sorted by (cell_begin, group). Checks each entry as it comes.
+class ChunkMerger {
+ public:
+  ChunkMerger(std::vector<NeedCursor>& cursors, uint64_t cell_bytes, JobReadPlan& plan)
+      : cursors_(cursors),
+        cell_bytes_(cell_bytes),
+        plan_(plan),
+        head_(cursors.size()),
+        count_(cursors.size(), 0) {}
+
+  Status Start() {
+    for (size_t g = 0; g < cursors_.size(); ++g) {
+      TESSERA_ASSIGN_OR_RETURN(const bool got, Advance(g));
+      if (got) heap_.push({head_[g].tensor, head_[g].chunk, static_cast<int32_t>(g)});
+    }
+    return Status::Ok();
+  }
+  // The next chunk's needs into `out`; false when every list is done.
+  Result<bool> Next(std::vector<GroupNeed>& out) {
+    out.clear();
+    if (heap_.empty()) return false;
+    const Key key = heap_.top();
+    while (!heap_.empty() && heap_.top().tensor == key.tensor && heap_.top().chunk == key.chunk) {
+      const int32_t g = heap_.top().group;
+      heap_.pop();
+      bool got = true;
+      while (got && head_[g].tensor == key.tensor && head_[g].chunk == key.chunk) {
+        out.push_back({head_[g], g});
+        TESSERA_ASSIGN_OR_RETURN(got, Advance(g));
+      }
+      if (got) heap_.push({head_[g].tensor, head_[g].chunk, g});
+    }
+    std::sort(out.begin(), out.end(), [](const GroupNeed& a, const GroupNeed& b) {
+      return std::tie(a.need.cell_begin, a.group) < std::tie(b.need.cell_begin, b.group);
+    });
+    return true;
+  }
+
+ private:
+  struct Key {
+    uint32_t tensor, chunk;
+    int32_t group;
+    bool operator>(const Key& o) const {
+      return std::tie(tensor, chunk, group) > std::tie(o.tensor, o.chunk, o.group);
+    }
+  };
+  // Moves group g's head to its next entry, checked; false at the end of its list.
+  Result<bool> Advance(size_t g) {
+    CellNeed n;
+    Result<bool> got = cursors_[g].Next(n);
+    if (!got.ok()) {
+      return got.status().WithContext("the need list of rank group " + std::to_string(g) +
+                                      ", entry " + std::to_string(count_[g]));
+    }
+    if (!*got) return false;
+    TESSERA_RETURN_IF_ERROR(
+        CheckEntry(n, count_[g] > 0 ? &head_[g] : nullptr, cell_bytes_, g, count_[g]));
+    if (plan_.members[g].empty()) {
+      return InvalidArgument("read plan: rank group " + std::to_string(g) + " has no ranks");
+    }
+    // Each rank alone reads whole checked cells, else exactly what it needs.
+    plan_.alone_read_bytes +=
+        (n.check == CellCheck::kEachCell ? CellBytesOf(n, cell_bytes_) : n.needed_bytes) *
+        plan_.members[g].size();
+    head_[g] = n;
+    ++count_[g];
+    return true;
+  }
+
+  std::vector<NeedCursor>& cursors_;
+  const uint64_t cell_bytes_;
+  JobReadPlan& plan_;
+  std::vector<CellNeed> head_;
+  std::vector<size_t> count_;
+  std::priority_queue<Key, std::vector<Key>, std::greater<Key>> heap_;
+};
+
+Result<JobReadPlan> PlanFromCursors(std::vector<NeedCursor>& cursors,
+                                    std::span<const int32_t> group_of, uint64_t cell_bytes,
+                                    uint64_t exchange_bytes) {
   if (cell_bytes == 0) return InvalidArgument("read plan: cell size 0");
   JobReadPlan plan;
   plan.cell_bytes = cell_bytes;
   plan.group_of.assign(group_of.begin(), group_of.end());
-  plan.members.resize(lists.size());
+  plan.members.resize(cursors.size());
   for (size_t r = 0; r < group_of.size(); ++r) {
-    if (group_of[r] < 0 || static_cast<size_t>(group_of[r]) >= lists.size()) {
+    if (group_of[r] < 0 || static_cast<size_t>(group_of[r]) >= cursors.size()) {
       return InvalidArgument("read plan: rank " + std::to_string(r) + " in group " +
-                             std::to_string(group_of[r]) + " of " + std::to_string(lists.size()));
+                             std::to_string(group_of[r]) + " of " + std::to_string(cursors.size()));
     }
     plan.members[group_of[r]].push_back(static_cast<int32_t>(r));
   }
-  std::vector<GroupNeed> all;
-  for (size_t g = 0; g < lists.size(); ++g) {
-    TESSERA_RETURN_IF_ERROR(CheckList(lists[g], cell_bytes, g));
-    if (plan.members[g].empty() && !lists[g].empty()) {
-      return InvalidArgument("read plan: rank group " + std::to_string(g) + " has no ranks");
-    }
-    for (const CellNeed& n : lists[g]) {
-      all.push_back({n, static_cast<int32_t>(g)});
-      // Each rank alone reads whole checked cells, else exactly what it needs.
-      plan.alone_read_bytes +=
-          (n.check == CellCheck::kEachCell ? CellBytesOf(n, cell_bytes) : n.needed_bytes) *
-          plan.members[g].size();
-    }
-  }
-  std::sort(all.begin(), all.end(), [](const GroupNeed& a, const GroupNeed& b) {
-    return std::tie(a.need.tensor, a.need.chunk, a.need.cell_begin, a.group) <
-           std::tie(b.need.tensor, b.need.chunk, b.need.cell_begin, b.group);
-  });
   const uint64_t piece_cells =
       std::max<uint64_t>(1, std::min(kMaxPieceBytes, exchange_bytes) / cell_bytes);
   std::vector<Task> tasks;
-  for (size_t begin = 0; begin < all.size();) {
-    size_t end = begin;
-    const CellNeed& first = all[begin].need;
-    while (end < all.size() && all[end].need.tensor == first.tensor &&
-           all[end].need.chunk == first.chunk) {
-      const CellNeed& n = all[end].need;
-      if (n.chunk_bytes != first.chunk_bytes || n.check != first.check) {
-        return DataLoss("read plan: rank groups " + std::to_string(all[begin].group) + " and " +
-                        std::to_string(all[end].group) + " disagree on tensor " +
+  ChunkMerger merger(cursors, cell_bytes, plan);
+  TESSERA_RETURN_IF_ERROR(merger.Start());
+  std::vector<GroupNeed> needs;  // of one chunk
+  while (true) {
+    TESSERA_ASSIGN_OR_RETURN(const bool more, merger.Next(needs));
+    if (!more) break;
+    const CellNeed first = needs.front().need;
+    for (const GroupNeed& gn : needs) {
+      if (gn.need.chunk_bytes != first.chunk_bytes || gn.need.check != first.check) {
+        return DataLoss("read plan: rank groups " + std::to_string(needs.front().group) + " and " +
+                        std::to_string(gn.group) + " disagree on tensor " +
                         std::to_string(first.tensor) + " chunk " + std::to_string(first.chunk) +
                         " (length or checksum kind)");
       }
-      ++end;
     }
-    std::vector<NeedRange> ranges = SweepChunk(std::span(all).subspan(begin, end - begin),
-                                               cell_bytes, plan.members, plan.union_needed_bytes);
-    begin = end;
+    std::vector<NeedRange> ranges =
+        SweepChunk(needs, cell_bytes, plan.members, plan.union_needed_bytes);
     // The chunk's holders, and whether one rank reads it whole for its one checksum.
     std::vector<int32_t> chunk_groups;
     for (const NeedRange& r : ranges) {
@@ -403,5 +578,7 @@ Result<JobReadPlan> PlanJobReads(std::span<const std::vector<CellNeed>> lists,
   }
   return plan;
 }
+
+}  // namespace
 
 }  // namespace tessera

@@ -121,6 +121,13 @@ struct JobReadPlan {
 Result<JobReadPlan> PlanJobReads(std::span<const std::vector<CellNeed>> lists,
                                  std::span<const int32_t> group_of, uint64_t cell_bytes,
                                  uint64_t exchange_bytes);
+// The same from the lists' encodings (EncodeNeeds), decoded one entry at a time as the plan
+// sweeps the chunks in order: the plan then holds the encoded lists and its pieces, never every
+// list decoded (16,384 ranks with distributed-optimizer ranges have as many distinct lists).
+// A list that does not decode is an error naming its group.
+Result<JobReadPlan> PlanJobReadsEncoded(std::span<const std::span<const uint8_t>> lists,
+                                        std::span<const int32_t> group_of, uint64_t cell_bytes,
+                                        uint64_t exchange_bytes);
 
 }  // namespace tessera
 

@@ -186,13 +186,22 @@ TEST(ReadOnceTest, RoundsKeepEachReadersMemoryWithinTheBound) {
     for (const auto& [key, value] : memory) {
       EXPECT_TRUE(value.first <= cap || value.second == 1) << "trial " << trial;
     }
-    // The same input gives the same plan.
-    ASSERT_OK_AND_ASSIGN(JobReadPlan again, PlanJobReads(lists, group_of, kCell, cap));
+    // The same input gives the same plan, from the lists or from their encodings.
+    std::vector<Bytes> encoded;
+    for (const auto& list : lists) encoded.push_back(EncodeNeeds(list));
+    const std::vector<std::span<const uint8_t>> spans(encoded.begin(), encoded.end());
+    ASSERT_OK_AND_ASSIGN(JobReadPlan again, PlanJobReadsEncoded(spans, group_of, kCell, cap));
     ASSERT_EQ(again.pieces.size(), plan.pieces.size());
     for (size_t i = 0; i < plan.pieces.size(); ++i) {
       EXPECT_EQ(again.pieces[i].reader, plan.pieces[i].reader);
       EXPECT_EQ(again.pieces[i].round, plan.pieces[i].round);
+      EXPECT_EQ(again.pieces[i].begin, plan.pieces[i].begin);
+      EXPECT_EQ(again.pieces[i].end, plan.pieces[i].end);
     }
+    EXPECT_EQ(again.holder_groups, plan.holder_groups);
+    EXPECT_EQ(again.union_needed_bytes, plan.union_needed_bytes);
+    EXPECT_EQ(again.alone_read_bytes, plan.alone_read_bytes);
+    EXPECT_EQ(again.once_read_bytes, plan.once_read_bytes);
   }
 }
 
@@ -215,6 +224,36 @@ TEST(ReadOnceTest, NeedListsRoundTripAndBadOnesAreNamed) {
   Bytes trailing = encoded;
   trailing.push_back(0);
   EXPECT_THAT(DecodeNeeds(trailing).status().message(), HasSubstr("trailing"));
+  Bytes cut = encoded;
+  cut.pop_back();
+  EXPECT_THAT(DecodeNeeds(cut).status().message(), HasSubstr("ends inside"));
+  // Numbers are varints: the largest round-trip; one of more than 64 bits is refused.
+  const CellNeed big = {UINT32_MAX,
+                        UINT32_MAX,
+                        UINT64_MAX,
+                        UINT64_MAX - 2,
+                        UINT64_MAX - 1,
+                        UINT64_MAX,
+                        CellCheck::kWholeChunk};
+  ASSERT_OK_AND_ASSIGN(std::vector<CellNeed> big_back, DecodeNeeds(EncodeNeeds({&big, 1})));
+  ASSERT_EQ(big_back.size(), 1u);
+  EXPECT_EQ(big_back[0].tensor, UINT32_MAX);
+  EXPECT_EQ(big_back[0].chunk_bytes, UINT64_MAX);
+  EXPECT_EQ(big_back[0].cell_end, UINT64_MAX - 1);
+  EXPECT_EQ(big_back[0].needed_bytes, UINT64_MAX);
+  Bytes wide = {1, 0, 0, 0};
+  for (int i = 0; i < 10; ++i) wide.push_back(0xff);
+  wide.push_back(0x01);
+  wide.insert(wide.end(), 6, 0);
+  EXPECT_THAT(DecodeNeeds(wide).status().message(), HasSubstr("more than 64 bits"));
+  // Planning from encodings names the group whose list does not decode.
+  const std::vector<int32_t> pair = {0, 1};
+  const std::vector<std::span<const uint8_t>> bad_second = {encoded, cut};
+  EXPECT_THAT(PlanJobReadsEncoded(bad_second, pair, kCell, kCell).status().message(),
+              HasSubstr("need list of rank group 1, entry 1"));
+  const std::vector<std::span<const uint8_t>> bad_count = {huge, encoded};
+  EXPECT_THAT(PlanJobReadsEncoded(bad_count, pair, kCell, kCell).status().message(),
+              HasSubstr("need list of rank group 0: read plan: need list of"));
 
   const std::vector<int32_t> two = {0, 1};
   std::vector<std::vector<CellNeed>> lists = {{Need(0, 0, 5000, 0, 9)}, {}};
