@@ -101,6 +101,7 @@ struct BenchIoOptions {
   std::string torch_dist_flavor = "2.x";  // SaveOptions::torch_dist_flavor: 2.x or 1.13
   bool save_only = false;                 // skip load, raw_read and reshard_load
   std::string share_reads = "auto";       // LoadOptions::read_sharing: auto, readonce or none
+  std::string exchange_bytes = "64MiB";   // LoadOptions::exchange_bytes
 };
 
 // tp<R/2>,dp2 for an even R (a TP change plus a DP split of the moments' flat ranges);
@@ -274,6 +275,7 @@ struct Results {
   // The resharded load's job figures (read_sharing kReadOnce): the union of the bytes the
   // ranks needed, bytes sent between ranks, the checkpoint's bytes.
   uint64_t reshard_union_bytes = 0, reshard_exchanged_bytes = 0, checkpoint_bytes = 0;
+  bool reshard_read_once = false;  // what the resharded load did (LoadReport::read_sharing)
   int files_per_rank = 0;
   std::vector<bool> plan_cache_hits;  // of each save sample
   bool checked = false;
@@ -291,6 +293,8 @@ int RunBenchIo(const BenchIoOptions& options) {
   }
   Result<uint64_t> size = ParseSize(o.size);
   if (!size.ok()) return Fail(size.status());
+  Result<uint64_t> exchange_bytes = ParseSize(o.exchange_bytes);
+  if (!exchange_bytes.ok()) return Fail(exchange_bytes.status().WithContext("--exchange-bytes"));
   const std::string save_text =
       o.save_layout.empty() ? "tp" + std::to_string(o.ranks) : o.save_layout;
   const std::string reshard_text =
@@ -326,7 +330,10 @@ int RunBenchIo(const BenchIoOptions& options) {
   LoadOptions load_options;
   load_options.num_io_threads = o.io_threads;
   load_options.verify_checksums = o.verify_checksums;
-  load_options.read_sharing = o.share_reads == "none" ? ReadSharing::kNone : ReadSharing::kReadOnce;
+  load_options.read_sharing = o.share_reads == "none"       ? ReadSharing::kNone
+                              : o.share_reads == "readonce" ? ReadSharing::kReadOnce
+                                                            : ReadSharing::kAuto;
+  load_options.exchange_bytes = *exchange_bytes;
 
   Results res;
   res.written_per_rank.assign(o.ranks, 0);
@@ -370,6 +377,7 @@ int RunBenchIo(const BenchIoOptions& options) {
     // This rank's figures; summed over the ranks at the end.
     uint64_t written = 0, load_read = 0, load_needed = 0, reshard_read = 0, reshard_needed = 0;
     uint64_t reshard_union = 0, reshard_exchanged = 0, checkpoint_bytes = 0;
+    bool reshard_read_once = false;
     RankState saved = BuildRankState(config, *save_layout, rank, /*fill=*/true);
     RankState loaded = BuildRankState(config, *save_layout, rank, /*fill=*/false);
     RankState resharded = BuildRankState(config, *reshard_layout, rank, /*fill=*/false);
@@ -450,6 +458,7 @@ int RunBenchIo(const BenchIoOptions& options) {
               reshard_union = report.job_bytes_needed;
               reshard_exchanged = report.job_bytes_exchanged;
               checkpoint_bytes = report.checkpoint_bytes;
+              reshard_read_once = report.read_sharing == ReadSharing::kReadOnce;
             }
           }
           return Status::Ok();
@@ -502,7 +511,8 @@ int RunBenchIo(const BenchIoOptions& options) {
     }
     // Per-rank figures, each rank filling its own slots, summed; peak memory, the largest.
     const int n = o.ranks;
-    std::vector<int64_t> totals(5 * n + 7, 0);
+    std::vector<int64_t> totals(5 * n + 8, 0);
+    totals[5 * n + 7] = reshard_read_once ? 1 : 0;
     totals[5 * n + 4] = static_cast<int64_t>(reshard_union);
     totals[5 * n + 5] = static_cast<int64_t>(reshard_exchanged);
     totals[5 * n + 6] = static_cast<int64_t>(checkpoint_bytes);
@@ -534,6 +544,7 @@ int RunBenchIo(const BenchIoOptions& options) {
       res.reshard_union_bytes = totals[5 * n + 4];
       res.reshard_exchanged_bytes = totals[5 * n + 5];
       res.checkpoint_bytes = totals[5 * n + 6];
+      res.reshard_read_once = totals[5 * n + 7] != 0;
       res.process_peak_rss = std::max<uint64_t>(res.process_peak_rss, peak[0]);
     }
     return Status::Ok();
@@ -585,6 +596,7 @@ int RunBenchIo(const BenchIoOptions& options) {
   out["warmup"] = o.warmup;
   out["verify_checksums"] = o.verify_checksums;
   out["share_reads"] = o.share_reads;
+  out["exchange_bytes"] = *exchange_bytes;
   out["save_layout"] = save_layout->ToString();
   out["reshard_layout"] = reshard_layout->ToString();
   out["model"] = {{"hidden", config.hidden},
@@ -624,6 +636,7 @@ int RunBenchIo(const BenchIoOptions& options) {
     // the checkpoint (read_sharing kReadOnce; the union is 0 with --share-reads none).
     out["reshard_union_needed_bytes"] = res.reshard_union_bytes;
     out["reshard_bytes_exchanged"] = res.reshard_exchanged_bytes;
+    out["reshard_read_sharing"] = res.reshard_read_once ? "readonce" : "none";
     out["checkpoint_bytes"] = res.checkpoint_bytes;
     out["reshard_read_over_union"] = res.reshard_union_bytes
                                          ? static_cast<double>(res.reshard_bytes_read) /
@@ -723,6 +736,10 @@ void AddBenchIoCommand(CLI::App& bench, int* exit_code) {
                  "readonce (the job reads each block once; ranks exchange) or none (each rank "
                  "reads its own)")
       ->check(CLI::IsMember({"auto", "readonce", "none"}))
+      ->capture_default_str();
+  io->add_option("--exchange-bytes", o->exchange_bytes,
+                 "exchange memory per rank and round of a read-once load, e.g. 16MiB "
+                 "(LoadOptions::exchange_bytes)")
       ->capture_default_str();
   io->add_flag("--save-only", o->save_only,
                "only the save and raw write phases (no load, raw_read, reshard_load)");

@@ -18,6 +18,7 @@
 #include "core/checksum.h"
 #include "plan/plan_exchange.h"
 #include "plan/read_once.h"
+#include "tessera/checkpoint.h"
 #include "tools/commands.h"
 #include "tools/json_output.h"
 #include "tools/memory.h"
@@ -38,7 +39,7 @@ struct BenchReadPlanOptions {
   int load_tp = 4;
   int64_t rows = 4096;
   int64_t columns = 4096;
-  uint64_t exchange_bytes = 256ull << 20;
+  uint64_t exchange_bytes = LoadOptions{}.exchange_bytes;
 };
 
 constexpr uint64_t kCellBytes = 256u << 10;

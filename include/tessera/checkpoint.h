@@ -211,8 +211,10 @@ struct LoadOptions {
   // rank it goes to, plus one received message of at most this much; a piece of one checksum
   // block with more receivers than fit has a round of its own. kAllGather and kBroadcast: what
   // a rank contributes to one round (an all-gather round holds ranks x this in each rank).
-  // Default 256 MiB.
-  uint64_t exchange_bytes = 256ull << 20;
+  // Default 64 MiB: on this project's 2-core test machine a 2 GiB resharded load of 2 ranks took
+  // 0.32-0.42 s with it, 0.61-0.70 s with 128-256 MiB and 0.53-0.57 s with 16 MiB, holding 65
+  // MB of exchange memory per rank (docs/PERFORMANCE.md, "Read once per job").
+  uint64_t exchange_bytes = 64ull << 20;
   // Called on each rank with the bytes of its requests loaded so far (read from storage or
   // received from other ranks) and LoadReport::bytes_needed, from one thread (the calling one),
   // every 100 ms while data files are read and once at the end (done == total). Default none.

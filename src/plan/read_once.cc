@@ -88,7 +88,11 @@ struct Task {
   uint32_t first, last;
   uint64_t bytes;
   uint64_t num_holders;
-  std::vector<int32_t> candidates;  // groups whose members may read it
+  // The groups whose members may read it: [candidates_begin, candidates_end) of
+  // JobReadPlan::holder_groups, or of the chunks' groups (`whole_chunk`, a chunk read whole).
+  // Indices, not a copy: a piece needed by 256 replicas would otherwise carry 1 KiB.
+  uint32_t candidates_begin, candidates_end;
+  bool whole_chunk;
 };
 
 // Cuts one chunk's needs (sorted by cell_begin) into ranges of constant holders, and estimates
@@ -454,9 +458,13 @@ Result<JobReadPlan> PlanFromCursors(std::vector<NeedCursor>& cursors,
     }
     plan.members[group_of[r]].push_back(static_cast<int32_t>(r));
   }
-  const uint64_t piece_cells =
-      std::max<uint64_t>(1, std::min(kMaxPieceBytes, exchange_bytes) / cell_bytes);
+  // A piece takes its bytes once read and once per receiver in its reader's round: at most
+  // exchange_bytes / (1 + receivers), whole cells, at least one.
+  auto piece_cells = [&](uint64_t copies) {
+    return std::max<uint64_t>(1, std::min(kMaxPieceBytes, exchange_bytes / copies) / cell_bytes);
+  };
   std::vector<Task> tasks;
+  std::vector<int32_t> whole_chunk_groups;  // Task::whole_chunk's candidates
   ChunkMerger merger(cursors, cell_bytes, plan);
   TESSERA_RETURN_IF_ERROR(merger.Start());
   std::vector<GroupNeed> needs;  // of one chunk
@@ -518,25 +526,33 @@ Result<JobReadPlan> PlanFromCursors(std::vector<NeedCursor>& cursors,
       if (!whole && r.num_ranks < 2) continue;
       const uint32_t holders_begin = static_cast<uint32_t>(plan.holder_groups.size());
       plan.holder_groups.insert(plan.holder_groups.end(), r.groups.begin(), r.groups.end());
-      for (uint64_t c = r.cell_begin; c < r.cell_end; c += piece_cells) {
+      // Receivers: the range's ranks but the reader, or all of them where the reader of a
+      // chunk read whole may need none of this range.
+      const uint64_t cells_per_piece = piece_cells(whole ? 1 + r.num_ranks : r.num_ranks);
+      for (uint64_t c = r.cell_begin; c < r.cell_end; c += cells_per_piece) {
         SharedPiece piece;
         piece.tensor = first.tensor;
         piece.chunk = first.chunk;
         piece.begin = std::min(c * cell_bytes, first.chunk_bytes);
-        piece.end = std::min(std::min(c + piece_cells, r.cell_end) * cell_bytes, first.chunk_bytes);
+        piece.end =
+            std::min(std::min(c + cells_per_piece, r.cell_end) * cell_bytes, first.chunk_bytes);
         piece.holders_begin = holders_begin;
         piece.holders_end = static_cast<uint32_t>(plan.holder_groups.size());
         piece.check = check;
         plan.pieces.push_back(piece);
         if (!whole) {
           const uint32_t i = static_cast<uint32_t>(plan.pieces.size());
-          tasks.push_back({i - 1, i, piece.end - piece.begin, r.num_ranks, r.groups});
+          tasks.push_back({i - 1, i, piece.end - piece.begin, r.num_ranks, piece.holders_begin,
+                           piece.holders_end, false});
         }
       }
     }
     if (whole) {
+      const uint32_t begin = static_cast<uint32_t>(whole_chunk_groups.size());
+      whole_chunk_groups.insert(whole_chunk_groups.end(), chunk_groups.begin(), chunk_groups.end());
       tasks.push_back({chunk_first_piece, static_cast<uint32_t>(plan.pieces.size()),
-                       first.chunk_bytes, chunk_ranks, chunk_groups});
+                       first.chunk_bytes, chunk_ranks, begin,
+                       static_cast<uint32_t>(whole_chunk_groups.size()), true});
     }
   }
   // Readers: fewest holders first, larger first, each to the least-loaded rank that needs it.
@@ -553,7 +569,10 @@ Result<JobReadPlan> PlanFromCursors(std::vector<NeedCursor>& cursors,
   }
   for (const Task& task : tasks) {
     std::pair<uint64_t, int32_t> best{UINT64_MAX, INT32_MAX};
-    for (int32_t g : task.candidates) best = std::min(best, *by_load[g].begin());
+    const std::vector<int32_t>& pool = task.whole_chunk ? whole_chunk_groups : plan.holder_groups;
+    for (uint32_t c = task.candidates_begin; c < task.candidates_end; ++c) {
+      best = std::min(best, *by_load[pool[c]].begin());
+    }
     const int32_t reader = best.second;
     std::set<std::pair<uint64_t, int32_t>>& set = by_load[group_of[reader]];
     set.erase(set.begin());

@@ -111,12 +111,13 @@ struct JobReadPlan {
 
 // The plan for the groups' lists (`lists[g]` is what every member of group g needs; `group_of`
 // maps ranks to groups, members ascending by rank). Each shared range is cut into pieces of at
-// most min(8 MiB, exchange_bytes) (whole cells, at least one) and given to the least-loaded (in
+// most min(8 MiB, exchange_bytes / (1 + receivers)) (whole cells, at least one: a piece's
+// reader holds it once and once per receiver) and given to the least-loaded (in
 // bytes read) rank that needs it, pieces needed by fewer ranks first, larger first, ties by
 // position and rank; a chunk read whole for its checksum goes whole to one rank that needs some
 // of it. Each reader's pieces are then cut into rounds, in plan order, of at most
-// `exchange_bytes` of memory counting the piece once read and once per receiver (a piece larger
-// than that has a round of its own). Errors name the group of a list that contradicts another
+// `exchange_bytes` of memory counting the piece once read and once per receiver (a piece of one
+// cell larger than that has a round of its own). Errors name the group of a list that contradicts another
 // (a chunk of two lengths or check kinds).
 Result<JobReadPlan> PlanJobReads(std::span<const std::vector<CellNeed>> lists,
                                  std::span<const int32_t> group_of, uint64_t cell_bytes,

@@ -179,9 +179,12 @@ TEST(ReadOnceTest, RoundsKeepEachReadersMemoryWithinTheBound) {
     std::map<std::pair<int32_t, uint32_t>, std::pair<uint64_t, int>> memory;  // (reader, round)
     for (const SharedPiece& p : plan.pieces) {
       auto& [bytes, count] = memory[{p.reader, p.round}];
-      bytes += (p.end - p.begin) * (1 + plan.NumReceivers(p));
+      const uint64_t copies = (p.end - p.begin) * (1 + plan.NumReceivers(p));
+      bytes += copies;
       ++count;
       EXPECT_LT(p.round, plan.num_rounds);
+      // Only a piece of one cell may exceed the bound alone.
+      EXPECT_TRUE(copies <= cap || p.end - p.begin <= kCell) << "trial " << trial;
     }
     for (const auto& [key, value] : memory) {
       EXPECT_TRUE(value.first <= cap || value.second == 1) << "trial " << trial;
