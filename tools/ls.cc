@@ -80,31 +80,39 @@ void ListLocalDir(const std::string& dir, std::vector<Entry>& files,
 }
 
 // As ListLocalDir, through the Storage (no modification times: a checkpoint's time is then its
-// manifest's). A name that vanishes between the listing and its Stat is left out.
-void ListStorageDir(Storage& storage, const std::string& dir, std::vector<Entry>& files,
-                    std::vector<std::string>& subdirs) {
+// manifest's). A name that vanishes between the listing and its Stat is left out. Any other
+// failure (an object store that throttles past its retries, or denies) is the error: a listing
+// that failed must not read as "no checkpoints".
+Status ListStorageDir(Storage& storage, const std::string& dir, std::vector<Entry>& files,
+                      std::vector<std::string>& subdirs) {
   Result<std::vector<std::string>> names = storage.ListDir(dir);
-  if (!names.ok()) return;
+  if (names.status().code() == StatusCode::kNotFound) return Status::Ok();
+  TESSERA_RETURN_IF_ERROR_CTX(names.status(), "listing " + dir);
   for (const std::string& name : *names) {
     const std::string path = JoinPath(dir, name);
     Result<FileType> type = storage.Stat(path);
-    if (!type.ok()) continue;
+    if (type.status().code() == StatusCode::kNotFound) continue;
+    TESSERA_RETURN_IF_ERROR(type.status());
     if (*type == FileType::kDirectory) subdirs.push_back(path);
     if (*type != FileType::kFile) continue;
     Result<std::unique_ptr<ReadableFile>> file = storage.NewReadableFile(path);
-    if (file.ok()) files.push_back({name, (*file)->size(), 0});
+    if (file.status().code() == StatusCode::kNotFound) continue;
+    TESSERA_RETURN_IF_ERROR(file.status());
+    files.push_back({name, (*file)->size(), 0});
   }
+  return Status::Ok();
 }
 
-void ListDir(const Place& place, const std::string& dir, std::vector<Entry>& files,
-             std::vector<std::string>& subdirs) {
+Status ListDir(const Place& place, const std::string& dir, std::vector<Entry>& files,
+               std::vector<std::string>& subdirs) {
   if (place.local) {
     ListLocalDir(dir, files, subdirs);
   } else {
-    ListStorageDir(*place.storage, dir, files, subdirs);
+    TESSERA_RETURN_IF_ERROR(ListStorageDir(*place.storage, dir, files, subdirs));
   }
   std::sort(files.begin(), files.end(),
             [](const Entry& a, const Entry& b) { return a.name < b.name; });
+  return Status::Ok();
 }
 
 // Files whose names satisfy `pick`: counted, summed, newest time.
@@ -233,7 +241,7 @@ std::string RelativePath(const Place& place, const std::string& dir, const std::
 // such file makes the directory a Hugging Face checkpoint, a stray one included, and the
 // Trainer keeps checkpoint-N/ subdirectories beside its final model (issue 22: a stray file
 // once hid every checkpoint below it).
-std::vector<Found> Search(const Place& place, const std::string& root) {
+Result<std::vector<Found>> Search(const Place& place, const std::string& root) {
   std::vector<Found> all;
   std::vector<std::string> todo = {root};
   while (!todo.empty()) {
@@ -241,7 +249,7 @@ std::vector<Found> Search(const Place& place, const std::string& root) {
     todo.pop_back();
     std::vector<Entry> files;
     std::vector<std::string> subdirs;
-    ListDir(place, dir, files, subdirs);
+    TESSERA_RETURN_IF_ERROR(ListDir(place, dir, files, subdirs));
     if (std::optional<Found> found = Examine(place, dir, files)) {
       found->path = RelativePath(place, dir, root);
       const bool search_on = found->nests;
@@ -348,7 +356,9 @@ int RunLs(const std::string& dir, bool json) {
       return Fail(FailedPrecondition(Printable(dir) + " is an object, not a prefix"));
     }
   }
-  const std::vector<Found> all = Search(place, root);
+  Result<std::vector<Found>> searched = Search(place, root);
+  if (!searched.ok()) return Fail(searched.status().WithContext("ls " + Printable(dir)));
+  const std::vector<Found>& all = *searched;
   if (json) return PrintLsJson(dir, all);
   if (all.empty()) {
     std::printf("no checkpoints under %s\n", Printable(dir).c_str());

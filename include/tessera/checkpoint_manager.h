@@ -309,7 +309,11 @@ class CheckpointManager {
 
   // The newest step whose directory holds a committed, whole checkpoint (IsCommitted), or
   // nullopt when there is none. Reads the index of the newest step directories only, down to the
-  // first that is committed. Steps whose restore failed in this manager are passed over.
+  // first that is committed. Steps whose restore failed in this manager are passed over. A
+  // listing, HEAD or index read that the storage fails (kIOError: an object store throttling
+  // past its retries, access denied; a timeout) is the error, never a step passed over: these
+  // calls, Steps, Restore and Prune do not take a step they could not read for a missing or a
+  // damaged one (docs/S3.md, "Retries and errors").
   Result<std::optional<int64_t>> LatestStep();
   // Every step that holds a committed, whole checkpoint, ascending (reads every index).
   Result<std::vector<int64_t>> AllSteps();

@@ -116,11 +116,12 @@ struct CheckpointManager::State {
     for (auto it = steps->rbegin(); it != steps->rend(); ++it) {
       if (bad.count(*it)) continue;
       Result<StepDirFiles> files = manager::ListStepDir(*storage, StepPath(*it));
-      if (!files.ok()) continue;  // deleted meanwhile
-      if (manager::ExamineStep(storage, StepPath(*it), *it, *files).state ==
-          StepState::kCommitted) {
-        return std::optional<int64_t>(*it);
-      }
+      if (files.status().code() == StatusCode::kNotFound) continue;  // deleted meanwhile
+      // Any other failure stops: the step may be whole, and an older one is not the latest.
+      TESSERA_RETURN_IF_ERROR(files.status());
+      TESSERA_ASSIGN_OR_RETURN(const StepInfo info,
+                               manager::ExamineStep(storage, StepPath(*it), *it, *files));
+      if (info.state == StepState::kCommitted) return std::optional<int64_t>(*it);
     }
     return std::optional<int64_t>();
   }
@@ -329,11 +330,11 @@ Status CheckNothingAhead(CheckpointManager::State& s, int64_t step) {
   for (auto it = steps->rbegin(); it != steps->rend() && *it >= step; ++it) {
     if (bad.count(*it)) continue;
     Result<StepDirFiles> files = manager::ListStepDir(*s.storage, s.StepPath(*it));
-    if (!files.ok()) continue;
-    if (manager::ExamineStep(s.storage, s.StepPath(*it), *it, *files).state !=
-        StepState::kCommitted) {
-      continue;
-    }
+    if (files.status().code() == StatusCode::kNotFound) continue;
+    TESSERA_RETURN_IF_ERROR(files.status());
+    TESSERA_ASSIGN_OR_RETURN(const StepInfo info,
+                             manager::ExamineStep(s.storage, s.StepPath(*it), *it, *files));
+    if (info.state != StepState::kCommitted) continue;
     return FailedPrecondition(
         "cannot save step " + std::to_string(step) + " into " + s.root +
         ": it already holds a committed checkpoint of step " + std::to_string(*it) +
@@ -492,7 +493,8 @@ Result<std::vector<StepInfo>> CheckpointManager::Steps() {
     Result<StepDirFiles> files = manager::ListStepDir(*s.storage, s.StepPath(step));
     if (files.status().code() == StatusCode::kNotFound) continue;  // deleted meanwhile
     TESSERA_RETURN_IF_ERROR(files.status());
-    StepInfo info = manager::ExamineStep(s.storage, s.StepPath(step), step, *files);
+    TESSERA_ASSIGN_OR_RETURN(StepInfo info,
+                             manager::ExamineStep(s.storage, s.StepPath(step), step, *files));
     info.path = StepPath(step);  // as the root was given (a URI stays a URI)
     if (auto it = failed.find(step); it != failed.end() && info.state == StepState::kCommitted) {
       info.state = StepState::kDamaged;
@@ -536,7 +538,8 @@ Result<ReadLease> CheckpointManager::State::TakeLease(int64_t step, Metadata* me
   // After the lease: a deletion that started before it shows its tombstone now.
   TESSERA_ASSIGN_OR_RETURN(StepDirFiles files, manager::ListStepDir(*s.storage, dir));
   Status damage;
-  const StepInfo info = manager::ExamineStep(s.storage, dir, step, files, metadata, &damage);
+  TESSERA_ASSIGN_OR_RETURN(const StepInfo info,
+                           manager::ExamineStep(s.storage, dir, step, files, metadata, &damage));
   switch (info.state) {
     case StepState::kCommitted:
       return lease;

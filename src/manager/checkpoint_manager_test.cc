@@ -713,6 +713,70 @@ TEST(CheckpointManagerTest, PerRankStateNeedsTheSameWorldSizeOrAMapping) {
   EXPECT_THAT(r.status().message(), HasSubstr("gave rank 0 the saved rank 4"));
 }
 
+// An object store that throttles the reads of the paths holding `throttled` past its retries
+// (what S3Storage returns then: kIOError naming the HTTP status): lists, stats and opens fail.
+class ThrottlingStorage : public StorageWrapper {
+ public:
+  using StorageWrapper::StorageWrapper;
+  std::string throttled;  // empty: nothing fails
+
+  Result<FileType> Stat(const std::string& path) override {
+    TESSERA_RETURN_IF_ERROR(Throttle("HeadObject", path));
+    return StorageWrapper::Stat(path);
+  }
+  Result<std::vector<std::string>> ListDir(const std::string& dir) override {
+    TESSERA_RETURN_IF_ERROR(Throttle("ListObjectsV2", dir));
+    return StorageWrapper::ListDir(dir);
+  }
+  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
+    TESSERA_RETURN_IF_ERROR(Throttle("HeadObject", path));
+    return StorageWrapper::NewReadableFile(path);
+  }
+
+ private:
+  Status Throttle(const char* op, const std::string& path) const {
+    if (throttled.empty() || path.find(throttled) == std::string::npos) return Status::Ok();
+    return IOError(std::string("S3 ") + op + " s3://b" + path +
+                   ": HTTP 503 SlowDown: Please reduce your request rate (gave up after 10 "
+                   "attempts in 31.2 s)");
+  }
+};
+
+// A step the storage fails to read is neither "no checkpoint" nor a damaged one: LatestStep,
+// Steps, Restore and the retention fail with the storage's error, rather than resume an older
+// step or delete a good one (issue 34: throttled listings read as "0 checkpoints").
+TEST(CheckpointManagerTest, AStepTheStorageFailsToReadStopsTheListingInsteadOfHidingIt) {
+  auto memory = std::make_shared<MemoryStorage>();
+  auto storage = std::make_shared<ThrottlingStorage>(memory);
+  CheckpointManagerOptions o = Options(storage, 0);
+  o.async = false;
+  CheckpointManager manager("/r", o);
+  SaveSteps(manager, 1, 3);
+  for (const std::string& throttled : {StepDirName(3), StepDirName(3) + "/"}) {
+    storage->throttled = throttled;  // the step's Stat too, or only what lies in it
+    Result<std::optional<int64_t>> latest = manager.LatestStep();
+    EXPECT_EQ(latest.status().code(), StatusCode::kIOError) << throttled;
+    EXPECT_THAT(latest.status().message(), HasSubstr("HTTP 503 SlowDown")) << throttled;
+    EXPECT_EQ(manager.Steps().status().code(), StatusCode::kIOError) << throttled;
+    TrainState t;
+    StateDict dict = t.Dict(0, 1);
+    EXPECT_EQ(manager.Restore(dict).status().code(), StatusCode::kIOError) << throttled;
+  }
+  // Step 2 unreadable: a retention keeping the newest 2 (3 and 2) must not take 2 for damaged
+  // and delete it; it fails and deletes nothing.
+  storage->throttled = StepDirName(2) + "/";
+  Result<PruneReport> pruned = manager.Prune(RetentionPolicy{.keep_last = 2});
+  EXPECT_EQ(pruned.status().code(), StatusCode::kIOError);
+  EXPECT_THAT(pruned.status().message(), HasSubstr("step 2"));
+  storage->throttled.clear();
+  ASSERT_OK_AND_ASSIGN(std::vector<int64_t> all, manager.AllSteps());
+  EXPECT_THAT(all, ElementsAre(1, 2, 3));
+  ASSERT_OK_AND_ASSIGN(std::optional<int64_t> latest, manager.LatestStep());
+  EXPECT_EQ(latest, 3);
+  ASSERT_OK_AND_ASSIGN(int64_t restored, RestoreAndCheck(manager));
+  EXPECT_EQ(restored, 3);
+}
+
 // A crash (what was not durable is lost) at every storage operation of a save and its retention
 // leaves a root whose LatestStep loads, bit-exact, and still holds a whole checkpoint.
 TEST(CheckpointManagerCrashTest, ACrashAtEveryOperationLeavesALatestThatLoads) {

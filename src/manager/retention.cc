@@ -86,7 +86,8 @@ Result<std::vector<StepFacts>> GatherFacts(const RootView& view, const Retention
     // Older steps need no index read once keep_last committed ones are found: the plan deletes
     // or keeps them whatever they hold.
     if (found < policy.keep_last || files->tombstone) {
-      const StepInfo info = ExamineStep(view.storage, f.path, f.step, *files);
+      TESSERA_ASSIGN_OR_RETURN(const StepInfo info,
+                               ExamineStep(view.storage, f.path, f.step, *files));
       f.state = info.state;
       if (info.state == StepState::kDeleting && info.problem.starts_with("being deleted")) {
         f.live_user = info.problem;

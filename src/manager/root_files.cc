@@ -201,8 +201,15 @@ std::string LiveUser(Storage& storage, const std::string& dir, const StepDirFile
   return "";
 }
 
-StepInfo ExamineStep(const std::shared_ptr<Storage>& storage, const std::string& dir, int64_t step,
-                     const StepDirFiles& files, Metadata* metadata, Status* damage) {
+bool IsStorageFailure(const Status& status) {
+  const StatusCode code = status.code();
+  return code == StatusCode::kIOError || code == StatusCode::kDeadlineExceeded ||
+         code == StatusCode::kAborted;
+}
+
+Result<StepInfo> ExamineStep(const std::shared_ptr<Storage>& storage, const std::string& dir,
+                             int64_t step, const StepDirFiles& files, Metadata* metadata,
+                             Status* damage) {
   StepInfo info;
   info.step = step;
   info.path = dir;
@@ -217,6 +224,10 @@ StepInfo ExamineStep(const std::shared_ptr<Storage>& storage, const std::string&
   }
   Metadata m;
   Result<bool> committed = IsCommitted(info.path, storage, &m);
+  if (IsStorageFailure(committed.status())) {
+    return committed.status().WithContext("reading step " + std::to_string(step) + " at " + dir +
+                                          " (the storage failed: the step may be whole)");
+  }
   if (!committed.ok()) {
     info.state = StepState::kDamaged;
     info.problem = committed.status().message();
@@ -252,8 +263,12 @@ Result<std::vector<int64_t>> ListStepNumbers(Storage& storage, const std::string
         if (links != nullptr) links->push_back(name);
         continue;
       }
-      // A file of that name is not a step directory.
+      // A file of that name is not a step directory; one that vanished since the listing is no
+      // step. Any other failure stops the listing: leaving the step out would hide it.
       Result<FileType> type = storage.Stat(JoinPath(root, name));
+      if (!type.ok() && type.status().code() != StatusCode::kNotFound) {
+        return type.status().WithContext("listing the steps under " + root);
+      }
       if (type.ok() && *type == FileType::kDirectory) steps.push_back(*step);
     }
   }
@@ -315,7 +330,8 @@ Status ExplainNoSteps(const std::shared_ptr<Storage>& storage, const std::string
                            "directories; pass the directory above it as the root");
   }
   Result<std::vector<std::string>> names = storage->ListDir(root);
-  if (!names.ok()) return Status::Ok();  // no root: a fresh run
+  if (names.status().code() == StatusCode::kNotFound) return Status::Ok();  // a fresh run
+  TESSERA_RETURN_IF_ERROR(names.status());
   std::map<const StepNamingPreset*, std::vector<std::string>> by_preset;
   std::vector<std::string> checkpoints;  // directories holding one, under other names
   int examined = 0;

@@ -52,16 +52,26 @@ Result<StepDirFiles> ListStepDir(Storage& storage, const std::string& dir);
 // decided the same way.
 std::string LiveUser(Storage& storage, const std::string& dir, const StepDirFiles& files);
 
+// Whether `status` says that the storage could not be read (throttled past its retries, access
+// denied, unreachable, timed out: kIOError, kDeadlineExceeded, kAborted) rather than what a
+// directory holds. Such an error says nothing about a step: taking it for damage would make
+// LatestStep name an older step and the retention delete a good one (object stores under load
+// throttle; "0 checkpoints" resumes are the known symptom), so readers of a root fail with it.
+bool IsStorageFailure(const Status& status);
+
 // The state of the directory `dir` of step `step`, whose listing is `files`: kDeleting with a
 // tombstone; else by IsCommitted (kDamaged with its error, or when the index records another
 // step). Fills *metadata for a committed one, and *damage with the error of a damaged one
-// (StepInfo::problem is its message), when not null.
-StepInfo ExamineStep(const std::shared_ptr<Storage>& storage, const std::string& dir, int64_t step,
-                     const StepDirFiles& files, Metadata* metadata = nullptr,
-                     Status* damage = nullptr);
+// (StepInfo::problem is its message), when not null. An error when the storage failed
+// (IsStorageFailure), naming the step's directory.
+Result<StepInfo> ExamineStep(const std::shared_ptr<Storage>& storage, const std::string& dir,
+                             int64_t step, const StepDirFiles& files, Metadata* metadata = nullptr,
+                             Status* damage = nullptr);
 
 // The steps of the directories under `root` named by `naming`, ascending ("iter_0000100" ->
-// 100; other names are ignored). kNotFound when `root` does not exist. A step name that is a
+// 100; other names are ignored). kNotFound when `root` does not exist; the error of a Stat of a
+// step's name that fails otherwise (a step left out would make an older one the latest). A
+// step name that is a
 // symbolic link is not a step of the root (it may point anywhere, and deleting "its" files would
 // delete the target's): it is left out, and its name is added to *links when given.
 Result<std::vector<int64_t>> ListStepNumbers(Storage& storage, const std::string& root,
