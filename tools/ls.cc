@@ -20,6 +20,7 @@
 #include "tools/commands.h"
 #include "tools/json_output.h"
 #include "tools/text.h"
+#include "tools/uploads.h"
 
 namespace tessera::tools {
 namespace {
@@ -274,7 +275,10 @@ std::string State(const Found& f) {
   return f.committed ? "committed" : "uncommitted (a save that did not finish, or still runs)";
 }
 
-int PrintLsJson(const std::string& dir, const std::vector<Found>& all) {
+using Uploads = std::optional<std::vector<IncompleteUpload>>;
+
+int PrintLsJson(const std::string& dir, const std::vector<Found>& all, const Place& place,
+                const Uploads& uploads) {
   nlohmann::json list = nlohmann::json::array();
   for (const Found& f : all) {
     nlohmann::json item = {{"path", f.path},
@@ -289,8 +293,34 @@ int PrintLsJson(const std::string& dir, const std::vector<Found>& all) {
     if (!f.rank_local.empty()) item["rank_local"] = f.rank_local;
     list.push_back(std::move(item));
   }
-  PrintJson(nlohmann::json{{"dir", dir}, {"checkpoints", list}});
+  nlohmann::json doc{{"dir", dir}, {"checkpoints", list}};
+  if (uploads) {  // an object store: its multipart uploads that neither completed nor aborted
+    nlohmann::json items = nlohmann::json::array();
+    for (const IncompleteUpload& u : *uploads) {
+      items.push_back({{"uri", UploadUri(place.storage, u)},
+                       {"upload_id", u.upload_id},
+                       {"initiated", u.initiated},
+                       {"age_seconds", u.age_seconds}});
+    }
+    doc["incomplete_uploads"] = std::move(items);
+  }
+  PrintJson(std::move(doc));
   return 0;
+}
+
+// The object store's uploads that neither completed nor aborted, after the table.
+void PrintUploads(const std::string& dir, const Place& place, const Uploads& uploads) {
+  if (!uploads || uploads->empty()) return;
+  std::printf(
+      "%zu incomplete multipart upload%s under %s (a save still writing, or one that died; "
+      "their parts cost storage: tessera prune --abort-uploads-older-than AGE removes them):\n",
+      uploads->size(), uploads->size() == 1 ? "" : "s", Printable(dir).c_str());
+  for (const IncompleteUpload& u : *uploads) {
+    const std::string age =
+        u.age_seconds < 0 ? "age unknown" : "started " + std::to_string(u.age_seconds) + " s ago";
+    std::printf("  %s  %s  (%s)\n", Printable(UploadUri(place.storage, u)).c_str(),
+                Printable(u.initiated).c_str(), age.c_str());
+  }
 }
 
 void PrintTable(const std::vector<Found>& all) {
@@ -359,12 +389,15 @@ int RunLs(const std::string& dir, bool json) {
   Result<std::vector<Found>> searched = Search(place, root);
   if (!searched.ok()) return Fail(searched.status().WithContext("ls " + Printable(dir)));
   const std::vector<Found>& all = *searched;
-  if (json) return PrintLsJson(dir, all);
+  Result<Uploads> uploads = IncompleteUploadsUnder(place.storage, root);
+  if (!uploads.ok()) return Fail(uploads.status().WithContext("ls " + Printable(dir)));
+  if (json) return PrintLsJson(dir, all, place, *uploads);
   if (all.empty()) {
     std::printf("no checkpoints under %s\n", Printable(dir).c_str());
-    return 0;
+  } else {
+    PrintTable(all);
   }
-  PrintTable(all);
+  PrintUploads(dir, place, *uploads);
   return 0;
 }
 

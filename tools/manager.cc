@@ -6,8 +6,10 @@
 
 #include "core/utf8.h"
 #include "tessera/checkpoint_manager.h"
+#include "tessera/storage_uri.h"
 #include "tools/commands.h"
 #include "tools/text.h"
+#include "tools/uploads.h"
 
 namespace tessera::tools {
 namespace {
@@ -87,7 +89,44 @@ struct PruneOptions {
   int64_t keep_every = 0;
   bool dry_run = false;
   bool json = false;
+  std::string abort_uploads_older_than;  // a duration; empty: leave uploads alone
 };
+
+// What --abort-uploads-older-than did on an object store (nullopt: not asked, or not an
+// object store).
+struct UploadCleanup {
+  int64_t older_than_seconds = 0;
+  std::vector<std::pair<std::string, bool>> uploads;  // URI, aborted (else younger: kept)
+  int aborted = 0;
+};
+
+// Aborts the incomplete multipart uploads under the root older than the option's age (what
+// savers that died left: their parts cost storage); younger ones may be a save still running.
+Result<std::optional<UploadCleanup>> CleanUploads(const PruneOptions& o) {
+  if (o.abort_uploads_older_than.empty()) return std::optional<UploadCleanup>();
+  UploadCleanup cleanup;
+  TESSERA_ASSIGN_OR_RETURN(
+      cleanup.older_than_seconds,
+      ParseDurationSeconds(o.abort_uploads_older_than, "--abort-uploads-older-than"));
+  TESSERA_ASSIGN_OR_RETURN(auto location, OpenStorage(o.root));
+  TESSERA_ASSIGN_OR_RETURN(auto uploads, IncompleteUploadsUnder(location.first, location.second));
+  if (!uploads) {
+    std::fprintf(stderr, "tessera: %s is not on an object store: no multipart uploads to abort\n",
+                 Printable(o.root).c_str());
+    return std::optional<UploadCleanup>();
+  }
+  auto* s3 = dynamic_cast<S3Storage*>(location.first.get());
+  for (const IncompleteUpload& u : *uploads) {
+    const bool old = u.age_seconds >= cleanup.older_than_seconds;  // -1 (unknown): kept
+    if (old && !o.dry_run) {
+      TESSERA_RETURN_IF_ERROR_CTX(s3->AbortUpload(u),
+                                  "aborting the upload " + UploadUri(location.first, u));
+    }
+    cleanup.uploads.emplace_back(UploadUri(location.first, u), old);
+    cleanup.aborted += old ? 1 : 0;
+  }
+  return std::optional<UploadCleanup>(std::move(cleanup));
+}
 
 int RunPrune(const PruneOptions& o) {
   Result<std::unique_ptr<CheckpointManager>> manager = OpenRoot(o.root, o.step_naming);
@@ -95,6 +134,8 @@ int RunPrune(const PruneOptions& o) {
   Result<PruneReport> report =
       (*manager)->Prune({.keep_last = o.keep_last, .keep_every = o.keep_every}, o.dry_run);
   if (!report.ok()) return Fail(report.status());
+  Result<std::optional<UploadCleanup>> cleanup = CleanUploads(o);
+  if (!cleanup.ok()) return Fail(cleanup.status());
   if (o.json) {
     nlohmann::json list = nlohmann::json::array();
     for (const RetentionDecision& d : report->steps) {
@@ -108,6 +149,15 @@ int RunPrune(const PruneOptions& o) {
                           {"deleted", report->deleted},
                           {"kept", report->steps.size() - report->deleted},
                           {"steps", list}};
+    if (*cleanup) {
+      nlohmann::json uploads = nlohmann::json::array();
+      for (const auto& [uri, aborted] : (*cleanup)->uploads) {
+        uploads.push_back({{"uri", uri}, {"aborted", aborted}});
+      }
+      doc["incomplete_uploads"] = {{"older_than_seconds", (*cleanup)->older_than_seconds},
+                                   {"aborted", (*cleanup)->aborted},
+                                   {"uploads", uploads}};
+    }
     std::cout << doc.dump(2) << "\n";
     return 0;
   }
@@ -122,6 +172,15 @@ int RunPrune(const PruneOptions& o) {
   std::printf("%s %d of %zu step directories under %s%s\n", o.dry_run ? "would delete" : "deleted",
               report->deleted, report->steps.size(), Printable(o.root).c_str(),
               o.dry_run ? " (dry run: nothing changed)" : "");
+  if (*cleanup) {
+    for (const auto& [uri, aborted] : (*cleanup)->uploads) {
+      std::printf("%s  %s\n", Printable(uri).c_str(),
+                  aborted ? (o.dry_run ? "would abort" : "aborted") : "kept (younger)");
+    }
+    std::printf("%s %d of %zu incomplete multipart uploads started %lld s ago or more\n",
+                o.dry_run ? "would abort" : "aborted", (*cleanup)->aborted,
+                (*cleanup)->uploads.size(), static_cast<long long>((*cleanup)->older_than_seconds));
+  }
   return 0;
 }
 
@@ -163,6 +222,10 @@ void AddManagerCommands(CLI::App& app, int* exit_code) {
   cmd->add_option("--keep-every", prune->keep_every, "also keep every step that is a multiple of M")
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--dry-run", prune->dry_run, "say what would be deleted; change nothing");
+  cmd->add_option("--abort-uploads-older-than", prune->abort_uploads_older_than,
+                  "on an object store, also abort the multipart uploads under the root started "
+                  "this long ago or more (e.g. 24h, 90m, 3600): what savers that died left; "
+                  "give an age longer than any running save");
   cmd->add_flag("--json", prune->json, "print the report as one JSON document");
   cmd->callback([=] { *exit_code = RunPrune(*prune); });
 }

@@ -8,6 +8,8 @@ set -uo pipefail
 tessera="$1"
 moto="${TESSERA_MOTO_SERVER:-$(dirname "$tessera")/tessera_moto_server}"
 python=/usr/bin/python3
+# The project's environment (boto3, a writer of other S3 clients' requests); CMake sets it.
+test_python="${TESSERA_TEST_PYTHON:-$(dirname "$0")/../.venv/bin/python}"
 work="$(mktemp -d "${TMPDIR:-/tmp}/tessera-s3-cli-XXXXXX")"
 moto_pid=
 cleanup() {
@@ -113,6 +115,48 @@ check "demo --rank-local on S3" $?
 check "finalize on S3" $?
 "$tessera" verify "$s3/local" > /dev/null
 check "the finalized checkpoint verifies" $?
+
+# A saver that died mid-upload leaves a multipart upload that no listing shows: ls lists it,
+# prune --abort-uploads-older-than aborts it (moto dates every upload 2010-11-10, so any age
+# takes it; the C++ S3 tests check ages against an older bound). boto3 starts it as a writer
+# that died after one part would have.
+mgr="cli-$$-mgr"
+"$test_python" - "$mgr/iter_0000002/__0_0.distcp" <<'PY'
+import os, sys, boto3
+s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+bucket = os.environ["TESSERA_TEST_BUCKET"]
+upload = s3.create_multipart_upload(Bucket=bucket, Key=sys.argv[1])
+s3.upload_part(Bucket=bucket, Key=sys.argv[1], UploadId=upload["UploadId"], PartNumber=1,
+               Body=b"x" * (5 << 20))
+PY
+check "boto3 leaves an incomplete multipart upload" $?
+"$tessera" ls --json "s3://$TESSERA_TEST_BUCKET/$mgr" > "$work/uploads.json" &&
+  $python - "$work/uploads.json" "s3://$TESSERA_TEST_BUCKET/$mgr/iter_0000002/__0_0.distcp" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["checkpoints"] == [], d
+assert [u["uri"] for u in d["incomplete_uploads"]] == [sys.argv[2]], d
+assert d["incomplete_uploads"][0]["upload_id"] and d["incomplete_uploads"][0]["age_seconds"] >= 0
+PY
+check "ls --json lists the incomplete upload under the prefix" $?
+"$tessera" ls "s3://$TESSERA_TEST_BUCKET/$mgr" | grep -q "1 incomplete multipart upload under"
+check "ls says an incomplete upload is there" $?
+"$tessera" prune "s3://$TESSERA_TEST_BUCKET/$mgr" --keep-last 1 --abort-uploads-older-than 24h \
+  --dry-run | grep -q "would abort 1 of 1 incomplete multipart uploads"
+check "prune --dry-run says it would abort the upload" $?
+"$tessera" prune "s3://$TESSERA_TEST_BUCKET/$mgr" --keep-last 1 --abort-uploads-older-than 24h \
+  --json > "$work/prune.json" &&
+  $python -c "import json,sys; d=json.load(open(sys.argv[1])); u=d['incomplete_uploads']; \
+assert u['aborted'] == 1 and u['older_than_seconds'] == 86400, d" "$work/prune.json"
+check "prune --abort-uploads-older-than aborts it" $?
+"$tessera" ls --json "s3://$TESSERA_TEST_BUCKET/$mgr" > "$work/uploads.json" &&
+  $python -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['incomplete_uploads'] == [], d" \
+    "$work/uploads.json"
+check "no incomplete upload is left" $?
+"$tessera" prune "s3://$TESSERA_TEST_BUCKET/$mgr" --keep-last 1 --abort-uploads-older-than 3x \
+  2> "$work/bad_age.txt"
+[ $? -ne 0 ] && grep -q "abort-uploads-older-than '3x' is not a duration" "$work/bad_age.txt"
+check "a bad age is refused naming the option" $?
 
 # Errors name what is wrong.
 "$tessera" inspect "s3://$TESSERA_TEST_BUCKET/cli-$$/absent" 2> "$work/absent.txt"

@@ -84,6 +84,15 @@ struct S3StorageOptions {
   std::string ca_bundle;
 };
 
+// A multipart upload that was started and neither completed nor aborted (see
+// S3Storage::ListIncompleteUploads).
+struct IncompleteUpload {
+  std::string key;           // of the object it would have written, in the storage's bucket
+  std::string upload_id;     // S3's id of the upload
+  std::string initiated;     // its start, ISO 8601 as the store wrote it
+  int64_t age_seconds = -1;  // since `initiated` by this machine's clock; -1 when it does not parse
+};
+
 class S3Storage : public Storage {
  public:
   // Resolves credentials and endpoint (see above) and checks the options; no request is sent.
@@ -108,9 +117,16 @@ class S3Storage : public Storage {
   Status RemoveDir(const std::string& path) override;
   Status SyncDir(const std::string& dir) override;
 
-  // Aborts the multipart uploads under `dir` started more than `older_than` ago: what writers
-  // that died left behind (their parts are invisible to listings but cost storage). Returns
-  // how many it aborted.
+  // The multipart uploads under `dir` started and neither completed nor aborted: what writers
+  // that died left behind (their parts are invisible to listings but cost storage), and those
+  // of writers still running. Sorted by key.
+  Result<std::vector<IncompleteUpload>> ListIncompleteUploads(const std::string& dir);
+  // Aborts one of them (its parts are deleted). S3 answers kNotFound (NoSuchUpload) for one that
+  // completed or was aborted meanwhile; some servers (moto) accept it.
+  Status AbortUpload(const IncompleteUpload& upload);
+  // Aborts the multipart uploads under `dir` started more than `older_than` ago. Returns how
+  // many it aborted. An upload's age is the store's clock against this machine's: give an age
+  // longer than any live save and than the clocks' difference.
   Result<int> AbortIncompleteUploads(const std::string& dir, std::chrono::seconds older_than);
 
   const std::string& bucket() const { return bucket_; }

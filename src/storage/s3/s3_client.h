@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <ctime>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -142,6 +143,10 @@ struct S3CallResult {
   bool maybe_applied = false;
 };
 
+// Seconds since the epoch of S3's "2026-11-25T12:34:56.000Z" (UTC); nullopt when it does not
+// parse.
+std::optional<std::time_t> ParseIso8601(const std::string& s);
+
 class S3Client {
  public:
   // Checks the options (part sizes within S3's limits, an endpoint URL that parses).
@@ -196,7 +201,7 @@ class S3Client {
                                                                   const std::string& prefix);
   // Aborts the multipart uploads under `prefix` started more than `older_than` ago (what a
   // crashed writer left: their parts cost storage and are invisible to listings). Returns how
-  // many it aborted.
+  // many it aborted. An upload whose start time does not parse is left alone.
   Result<int> AbortIncompleteUploads(const std::string& bucket, const std::string& prefix,
                                      std::chrono::seconds older_than);
 

@@ -55,7 +55,12 @@ Result<std::string> CompositeCrc32c(const std::vector<CompletedPart>& parts) {
          std::to_string(parts.size());
 }
 
-// Seconds since the epoch of S3's "2026-11-25T12:34:56.000Z"; nullopt when it does not parse.
+Status Rewrap(const Status& s, StatusCode code, const std::string& message) {
+  return Status(code, message + " (" + s.message() + ")");
+}
+
+}  // namespace
+
 std::optional<std::time_t> ParseIso8601(const std::string& s) {
   std::tm tm{};
   if (sscanf(s.c_str(), "%4d-%2d-%2dT%2d:%2d:%2d", &tm.tm_year, &tm.tm_mon, &tm.tm_mday,
@@ -66,12 +71,6 @@ std::optional<std::time_t> ParseIso8601(const std::string& s) {
   tm.tm_mon -= 1;
   return timegm(&tm);
 }
-
-Status Rewrap(const Status& s, StatusCode code, const std::string& message) {
-  return Status(code, message + " (" + s.message() + ")");
-}
-
-}  // namespace
 
 Result<ObjectInfo> S3Client::HeadObject(const std::string& bucket, const std::string& key,
                                         bool with_checksum) {

@@ -1,7 +1,10 @@
 #include "tessera/s3_storage.h"
 
 #include <algorithm>
+#include <ctime>
 #include <mutex>
+#include <optional>
+#include <tuple>
 
 #include "core/utf8.h"
 #include "storage/s3/object_writer.h"
@@ -354,6 +357,27 @@ Status S3Storage::RemoveDir(const std::string& path) {
     return IOError("remove directory " + path + ": Directory not empty");
   }
   return Status::Ok();  // an empty directory and a missing one are the same on S3
+}
+
+Result<std::vector<IncompleteUpload>> S3Storage::ListIncompleteUploads(const std::string& dir) {
+  TESSERA_ASSIGN_OR_RETURN(auto uploads, client_->ListMultipartUploads(bucket_, DirPrefix(dir)));
+  const std::time_t now = std::time(nullptr);
+  std::vector<IncompleteUpload> out;
+  for (const auto& u : uploads) {
+    IncompleteUpload upload{.key = u.key, .upload_id = u.upload_id, .initiated = u.initiated};
+    if (std::optional<std::time_t> started = s3::ParseIso8601(u.initiated)) {
+      upload.age_seconds = std::max<int64_t>(0, now - *started);
+    }
+    out.push_back(std::move(upload));
+  }
+  std::sort(out.begin(), out.end(), [](const IncompleteUpload& a, const IncompleteUpload& b) {
+    return std::tie(a.key, a.upload_id) < std::tie(b.key, b.upload_id);
+  });
+  return out;
+}
+
+Status S3Storage::AbortUpload(const IncompleteUpload& upload) {
+  return client_->AbortMultipartUpload(bucket_, upload.key, upload.upload_id);
 }
 
 Result<int> S3Storage::AbortIncompleteUploads(const std::string& dir,

@@ -370,7 +370,23 @@ TEST_F(S3StorageTest, ACrashBeforeTheCompletionLeavesNoVisibleObject) {
   ASSERT_TRUE(names.ok());
   EXPECT_THAT(*names, IsEmpty());
   EXPECT_EQ(Uploads(), std::vector<std::string>{root_ + "/ckpt/data_0.safetensors"});
-  Result<int> aborted = storage_->AbortIncompleteUploads(Path("ckpt"), std::chrono::seconds(0));
+  // Listed with its start, under its directory only. (moto says every upload started on
+  // 2010-11-10T20:48:33Z: the age is that old.)
+  Result<std::vector<IncompleteUpload>> listed = storage_->ListIncompleteUploads(Path("ckpt"));
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].key, root_ + "/ckpt/data_0.safetensors");
+  EXPECT_FALSE((*listed)[0].upload_id.empty());
+  EXPECT_GE((*listed)[0].age_seconds, 0);
+  Result<std::vector<IncompleteUpload>> elsewhere = storage_->ListIncompleteUploads(Path("other"));
+  ASSERT_TRUE(elsewhere.ok()) << elsewhere.status().ToString();
+  EXPECT_THAT(*elsewhere, IsEmpty());
+  // Too young for an age of a century; then aborted at any age.
+  Result<int> aborted =
+      storage_->AbortIncompleteUploads(Path("ckpt"), std::chrono::hours(24 * 365 * 100));
+  ASSERT_TRUE(aborted.ok()) << aborted.status().ToString();
+  EXPECT_EQ(*aborted, 0);
+  aborted = storage_->AbortIncompleteUploads(Path("ckpt"), std::chrono::seconds(0));
   ASSERT_TRUE(aborted.ok()) << aborted.status().ToString();
   EXPECT_EQ(*aborted, 1);
   EXPECT_THAT(Uploads(), IsEmpty());
