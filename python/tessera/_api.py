@@ -539,8 +539,10 @@ def convert(src: StrPath, dst: StrPath, *, to: Literal["safetensors", "tessera",
 _default_comm: Optional[Comm] = None
 _default_comm_lock = threading.Lock()
 _default_comm_submit_lock = threading.Lock()
-# Handles of async saves not yet seen done (waited for at exit).
+# Handles of async saves not yet seen done (waited for at exit). Ranks of run_local are threads
+# that save at once: every use holds _in_flight_lock.
 _in_flight: Set[AsyncSaveHandle] = set()
+_in_flight_lock = threading.Lock()
 
 
 # Kept alive forever in a forked child (see _after_fork_in_child): never destroyed there.
@@ -562,9 +564,10 @@ def _after_fork_in_child() -> None:
     parent commits or reports them). The C++ side does the same for the savers' threads and
     gives the child a saver of its own (src/checkpoint/async_save.cc), so the child's own
     async_save works. Locks a parent thread may have held at the fork are made anew."""
-    global _default_comm_lock, _default_comm_submit_lock
+    global _default_comm_lock, _default_comm_submit_lock, _in_flight_lock
     _default_comm_lock = threading.Lock()
     _default_comm_submit_lock = threading.Lock()
+    _in_flight_lock = threading.Lock()
     for handle in list(_in_flight):
         _keep_forever(handle)
     _in_flight.clear()
@@ -731,8 +734,10 @@ def _save_options(function: str, options: Mapping[str, Any]
 
 def _track(handle: AsyncSaveHandle) -> None:
     """Keeps `handle` for the exit hook until it is done and its outcome shown to its owner."""
-    _in_flight.difference_update([h for h in _in_flight if h.done() and h.report is not None])
-    _in_flight.add(handle)
+    with _in_flight_lock:
+        _in_flight.difference_update(
+            [h for h in _in_flight if h.done() and h.report is not None])
+        _in_flight.add(handle)
 
 
 # More checks of the exit hook: callables returning the messages of failed saves nobody was told
@@ -746,7 +751,9 @@ def _wait_for_async_saves() -> None:
     (by wait(), wait_staged() or exception() of its handle, or a manager's call) is printed and
     the process exits with status 1: it never ends as if the checkpoint had been saved."""
     failures = []
-    for handle in list(_in_flight):
+    with _in_flight_lock:
+        handles = list(_in_flight)
+    for handle in handles:
         error = handle._unseen_failure()
         if error is not None:
             failures.append(f"an asynchronous save failed: {error}")
