@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -114,6 +115,74 @@ TEST(S3CheckpointManagerTest, SixtyFourRanksListingAThrottledRootResumeFromTheNe
   }));
   EXPECT_OK(s);
   EXPECT_EQ(failed.load(), 32);
+}
+
+// A storage on moto's bucket whose uploads (PutObject, UploadPart) are all throttled: a rank
+// whose writes fail past its 2 tries.
+std::shared_ptr<S3Storage> ThrottledUploads(s3::testing::MotoServer& server) {
+  auto faults = std::make_shared<s3::testing::ScriptedFaults>([](const s3::HttpRequest&,
+                                                                 const std::string& kind, int) {
+    return kind == "PutObject" || kind == "UploadPart" ? s3::testing::S3ErrorReply(503, "SlowDown")
+                                                       : s3::HttpFaultHook::Decision{};
+  });
+  s3::S3ClientOptions options = server.ClientOptions();
+  options.http.fault_hook = faults;
+  options.retry.max_attempts = 2;
+  Result<std::shared_ptr<s3::S3Client>> client = s3::S3Client::Create(options);
+  EXPECT_TRUE(client.ok()) << client.status().ToString();
+  return client.ok() ? std::make_shared<S3Storage>(*client, server.bucket()) : nullptr;
+}
+
+// Four ranks save a step collectively; rank 2's uploads are throttled past its retries. Every
+// rank's save fails, with the same error naming rank 2, the object and the HTTP status, well
+// within the collective deadline; the step before stays the latest and restores.
+TEST(S3CheckpointManagerTest, ARankWhoseUploadsAreThrottledFailsTheSaveOnEveryRank) {
+  Result<s3::testing::MotoServer*> server = s3::testing::SharedMotoServer();
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  const std::string root = s3::testing::UniquePrefix() + "/run";
+  std::vector<Status> saved(4);
+  auto save = [&](int64_t step, bool throttle_rank2) {
+    return RunLocalRanks(
+        4,
+        [&](Comm& comm) -> Status {
+          CheckpointManagerOptions o;
+          o.async = false;
+          std::atomic<int> unused{0};
+          o.storage = throttle_rank2 && comm.rank() == 2 ? ThrottledUploads(**server)
+                                                         : ThrottledListings(**server, unused);
+          TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointManager> manager,
+                                   CheckpointManager::Open(root, o));
+          std::vector<uint32_t> rows(256);
+          for (size_t i = 0; i < rows.size(); ++i) {
+            rows[i] = static_cast<uint32_t>(step * 100000 + comm.rank() * 1000 + i);
+          }
+          StateDict dict;
+          TESSERA_RETURN_IF_ERROR(dict.Add(ShardedTensor::Shard(
+              "w", TensorView(rows.data(), DType::kU32, {1, 256}), {4, 256}, {comm.rank(), 0})));
+          return manager->Save(step, dict, comm).status();
+        },
+        LocalCommOptions{.timeout = std::chrono::seconds(120)});
+  };
+  for (const Status& s : save(1, false)) ASSERT_OK(s);
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<Status> failed = save(2, true);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 60.0);
+  for (size_t r = 0; r < failed.size(); ++r) {
+    EXPECT_FALSE(failed[r].ok()) << "rank " << r;
+    EXPECT_THAT(failed[r].message(), ::testing::HasSubstr("rank 2")) << "rank " << r;
+    EXPECT_THAT(failed[r].message(), ::testing::HasSubstr("HTTP 503 SlowDown")) << "rank " << r;
+    EXPECT_THAT(failed[r].message(), ::testing::HasSubstr(root + "/iter_0000002/")) << "rank " << r;
+    EXPECT_EQ(failed[r].message(), failed[0].message()) << "rank " << r;
+  }
+  std::atomic<int> unused{0};
+  CheckpointManagerOptions o;
+  o.storage = ThrottledListings(**server, unused);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<CheckpointManager> manager,
+                       CheckpointManager::Open(root, o));
+  ASSERT_OK_AND_ASSIGN(std::optional<int64_t> latest, manager->LatestStep());
+  EXPECT_EQ(latest, std::optional<int64_t>(1));
 }
 
 }  // namespace
