@@ -11,7 +11,7 @@
 
 namespace tessera::crash_loop {
 
-// 1 MiB of U32 "weights" and an object naming the step.
+// 1 MiB of U32 "weights" (by default) and an object naming the step.
 inline constexpr size_t kElements = 256 * 1024;
 
 inline uint32_t Value(int64_t step, size_t i) {
@@ -21,7 +21,8 @@ inline uint32_t Value(int64_t step, size_t i) {
 }
 
 struct LoopState {
-  std::vector<uint32_t> weights = std::vector<uint32_t>(kElements);
+  explicit LoopState(size_t elements = kElements) : weights(elements) {}
+  std::vector<uint32_t> weights;
   std::vector<uint8_t> note;
 
   void Fill(int64_t step) {
@@ -30,14 +31,15 @@ struct LoopState {
     for (int b = 0; b < 8; ++b) note[b] = static_cast<uint8_t>(step >> (8 * b));
   }
   bool Holds(int64_t step) const {
-    LoopState want;
+    LoopState want(weights.size());
     want.Fill(step);
     return weights == want.weights && note == want.note;
   }
   StateDict Dict() {
     StateDict s;
     (void)s.Add(ShardedTensor::Whole(
-        "weights", TensorView(weights.data(), DType::kU32, {static_cast<int64_t>(kElements)})));
+        "weights",
+        TensorView(weights.data(), DType::kU32, {static_cast<int64_t>(weights.size())})));
     (void)s.Add(ShardedObject{.key = "note", .data = note});
     return s;
   }

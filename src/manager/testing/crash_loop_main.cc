@@ -1,6 +1,8 @@
-// tessera_manager_crash_loop ROOT LAST_STEP: resumes the loop of crash_loop.h from the latest
-// checkpoint under ROOT (checking it bit for bit), then saves every step up to LAST_STEP. Exit
-// status 0 when done; 3 when the restored checkpoint holds other bytes; 4 on an error.
+// tessera_manager_crash_loop ROOT LAST_STEP [ELEMENTS]: resumes the loop of crash_loop.h from
+// the latest checkpoint under ROOT (a path or a URI: s3:// takes the AWS variables), checking it
+// bit for bit, then saves every step up to LAST_STEP; the state holds ELEMENTS U32 weights
+// (default crash_loop::kElements). Exit status 0 when done; 3 when the restored checkpoint
+// holds other bytes; 4 on an error.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -9,14 +11,15 @@
 
 int main(int argc, char** argv) {
   using namespace tessera;
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: %s ROOT LAST_STEP\n", argv[0]);
+  if (argc != 3 && argc != 4) {
+    std::fprintf(stderr, "usage: %s ROOT LAST_STEP [ELEMENTS]\n", argv[0]);
     return 2;
   }
   const std::string root = argv[1];
   const int64_t last = std::strtoll(argv[2], nullptr, 10);
+  const size_t elements = argc == 4 ? std::strtoull(argv[3], nullptr, 10) : crash_loop::kElements;
   CheckpointManager manager(root, crash_loop::Options());
-  crash_loop::LoopState state;
+  crash_loop::LoopState state(elements);
   StateDict dict = state.Dict();
   int64_t step = 0;
   Result<RestoreReport> restored = manager.Restore(dict);
