@@ -102,12 +102,10 @@ struct UploadCleanup {
 
 // Aborts the incomplete multipart uploads under the root older than the option's age (what
 // savers that died left: their parts cost storage); younger ones may be a save still running.
-Result<std::optional<UploadCleanup>> CleanUploads(const PruneOptions& o) {
+Result<std::optional<UploadCleanup>> CleanUploads(const PruneOptions& o, int64_t older_than) {
   if (o.abort_uploads_older_than.empty()) return std::optional<UploadCleanup>();
   UploadCleanup cleanup;
-  TESSERA_ASSIGN_OR_RETURN(
-      cleanup.older_than_seconds,
-      ParseDurationSeconds(o.abort_uploads_older_than, "--abort-uploads-older-than"));
+  cleanup.older_than_seconds = older_than;
   TESSERA_ASSIGN_OR_RETURN(auto location, OpenStorage(o.root));
   TESSERA_ASSIGN_OR_RETURN(auto uploads, IncompleteUploadsUnder(location.first, location.second));
   if (!uploads) {
@@ -129,12 +127,20 @@ Result<std::optional<UploadCleanup>> CleanUploads(const PruneOptions& o) {
 }
 
 int RunPrune(const PruneOptions& o) {
+  // The age is checked before anything is deleted.
+  int64_t older_than = 0;
+  if (!o.abort_uploads_older_than.empty()) {
+    Result<int64_t> age =
+        ParseDurationSeconds(o.abort_uploads_older_than, "--abort-uploads-older-than");
+    if (!age.ok()) return Fail(age.status());
+    older_than = *age;
+  }
   Result<std::unique_ptr<CheckpointManager>> manager = OpenRoot(o.root, o.step_naming);
   if (!manager.ok()) return Fail(manager.status());
   Result<PruneReport> report =
       (*manager)->Prune({.keep_last = o.keep_last, .keep_every = o.keep_every}, o.dry_run);
   if (!report.ok()) return Fail(report.status());
-  Result<std::optional<UploadCleanup>> cleanup = CleanUploads(o);
+  Result<std::optional<UploadCleanup>> cleanup = CleanUploads(o, older_than);
   if (!cleanup.ok()) return Fail(cleanup.status());
   if (o.json) {
     nlohmann::json list = nlohmann::json::array();
