@@ -278,7 +278,7 @@ std::string State(const Found& f) {
 using Uploads = std::optional<std::vector<IncompleteUpload>>;
 
 int PrintLsJson(const std::string& dir, const std::vector<Found>& all, const Place& place,
-                const Uploads& uploads) {
+                const Uploads& uploads, const std::string& uploads_error) {
   nlohmann::json list = nlohmann::json::array();
   for (const Found& f : all) {
     nlohmann::json item = {{"path", f.path},
@@ -304,6 +304,7 @@ int PrintLsJson(const std::string& dir, const std::vector<Found>& all, const Pla
     }
     doc["incomplete_uploads"] = std::move(items);
   }
+  if (!uploads_error.empty()) doc["incomplete_uploads_error"] = uploads_error;
   PrintJson(std::move(doc));
   return 0;
 }
@@ -389,9 +390,16 @@ int RunLs(const std::string& dir, bool json) {
   Result<std::vector<Found>> searched = Search(place, root);
   if (!searched.ok()) return Fail(searched.status().WithContext("ls " + Printable(dir)));
   const std::vector<Found>& all = *searched;
+  // The uploads are extra: credentials that may list and read but not list uploads
+  // (s3:ListBucketMultipartUploads) still list the checkpoints, with a warning.
   Result<Uploads> uploads = IncompleteUploadsUnder(place.storage, root);
-  if (!uploads.ok()) return Fail(uploads.status().WithContext("ls " + Printable(dir)));
-  if (json) return PrintLsJson(dir, all, place, *uploads);
+  std::string uploads_error;
+  if (!uploads.ok()) {
+    uploads_error = uploads.status().ToString();
+    std::fprintf(stderr, "tessera: warning: %s\n", Printable(uploads_error).c_str());
+    uploads = Uploads();
+  }
+  if (json) return PrintLsJson(dir, all, place, *uploads, uploads_error);
   if (all.empty()) {
     std::printf("no checkpoints under %s\n", Printable(dir).c_str());
   } else {
