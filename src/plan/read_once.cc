@@ -141,10 +141,30 @@ std::vector<NeedRange> SweepChunk(std::span<const GroupNeed> needs, uint64_t cel
   return ranges;
 }
 
-// Checks entry `index` of one group's list (`previous`: the entry before it, or null): inside
-// its chunk, of a known check kind, after the previous one and disjoint from it.
-Status CheckEntry(const CellNeed& n, const CellNeed* previous, uint64_t cell_bytes, size_t group,
-                  size_t index) {
+// The ranks of group `group` for a message: "rank 3", "ranks 3, 7 and 12", "ranks 3, 7, 12 and
+// 253 more" (the plan's groups are numbered internally; users know ranks).
+std::string RanksOf(std::span<const int32_t> group_of, size_t group) {
+  constexpr size_t kShown = 3;
+  std::vector<int32_t> ranks;
+  size_t count = 0;
+  for (size_t r = 0; r < group_of.size(); ++r) {
+    if (static_cast<size_t>(group_of[r]) != group) continue;
+    if (ranks.size() < kShown) ranks.push_back(static_cast<int32_t>(r));
+    ++count;
+  }
+  if (count == 0) return "group " + std::to_string(group) + " (no rank)";
+  std::string text = count == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const bool last = i + 1 == ranks.size() && count == ranks.size();
+    text += (i == 0 ? "" : last ? " and " : ", ") + std::to_string(ranks[i]);
+  }
+  if (count > ranks.size()) text += " and " + std::to_string(count - ranks.size()) + " more";
+  return text;
+}
+
+// What is wrong with an entry of a list (`previous`: the entry before it, or null), "" when it
+// lies inside its chunk, has a known check kind, and comes after the previous one, disjoint.
+std::string ProblemOfEntry(const CellNeed& n, const CellNeed* previous, uint64_t cell_bytes) {
   const uint64_t cells = (n.chunk_bytes + cell_bytes - 1) / cell_bytes;
   std::string problem;
   if (n.cell_begin >= n.cell_end || n.cell_end > std::max<uint64_t>(cells, 1)) {
@@ -164,10 +184,7 @@ Status CheckEntry(const CellNeed& n, const CellNeed* previous, uint64_t cell_byt
       problem = "not sorted and disjoint";
     }
   }
-  if (problem.empty()) return Status::Ok();
-  return DataLoss("read plan: the need list of rank group " + std::to_string(group) + ", entry " +
-                  std::to_string(index) + " (tensor " + std::to_string(n.tensor) + " chunk " +
-                  std::to_string(n.chunk) + "): " + problem);
+  return problem;
 }
 
 // One list's entries, one at a time: from a decoded list, or decoded from its bytes as they are
@@ -303,21 +320,13 @@ Bytes EncodeNeeds(std::span<const CellNeed> needs) {
 }
 
 Result<std::vector<CellNeed>> DecodeNeeds(std::span<const uint8_t> bytes) {
-  ByteReader r(bytes);
-  uint32_t count = 0;
-  TESSERA_RETURN_IF_ERROR(r.Get(&count));
-  if (count > bytes.size() / kMinEncodedNeedBytes) {
-    return DataLoss("read plan: need list of " + std::to_string(bytes.size()) + " bytes claims " +
-                    std::to_string(count) + " entries");
+  TESSERA_ASSIGN_OR_RETURN(NeedCursor cursor, NeedCursor::Encoded(bytes));
+  std::vector<CellNeed> needs;
+  for (CellNeed n;;) {
+    TESSERA_ASSIGN_OR_RETURN(const bool got, cursor.Next(n));
+    if (!got) return needs;
+    needs.push_back(n);
   }
-  std::vector<CellNeed> needs(count);
-  size_t at = 4;
-  for (CellNeed& n : needs) TESSERA_RETURN_IF_ERROR(GetNeed(bytes, at, n));
-  if (at != bytes.size()) {
-    return DataLoss("read plan: need list has " + std::to_string(bytes.size() - at) +
-                    " trailing bytes");
-  }
-  return needs;
 }
 
 std::vector<int32_t> JobReadPlan::Receivers(const SharedPiece& piece) const {
@@ -356,7 +365,7 @@ Result<JobReadPlan> PlanJobReadsEncoded(std::span<const std::span<const uint8_t>
   for (size_t g = 0; g < lists.size(); ++g) {
     Result<NeedCursor> cursor = NeedCursor::Encoded(lists[g]);
     if (!cursor.ok()) {
-      return cursor.status().WithContext("the need list of rank group " + std::to_string(g));
+      return cursor.status().WithContext("the need list of " + RanksOf(group_of, g));
     }
     cursors.push_back(*cursor);
   }
@@ -417,14 +426,18 @@ class ChunkMerger {
     CellNeed n;
     Result<bool> got = cursors_[g].Next(n);
     if (!got.ok()) {
-      return got.status().WithContext("the need list of rank group " + std::to_string(g) +
+      return got.status().WithContext("the need list of " + RanksOf(plan_.group_of, g) +
                                       ", entry " + std::to_string(count_[g]));
     }
     if (!*got) return false;
-    TESSERA_RETURN_IF_ERROR(
-        CheckEntry(n, count_[g] > 0 ? &head_[g] : nullptr, cell_bytes_, g, count_[g]));
     if (plan_.members[g].empty()) {
-      return InvalidArgument("read plan: rank group " + std::to_string(g) + " has no ranks");
+      return InvalidArgument("read plan: need list " + std::to_string(g) + " has no ranks");
+    }
+    const std::string problem = ProblemOfEntry(n, count_[g] > 0 ? &head_[g] : nullptr, cell_bytes_);
+    if (!problem.empty()) {
+      return DataLoss("read plan: the need list of " + RanksOf(plan_.group_of, g) + ", entry " +
+                      std::to_string(count_[g]) + " (tensor " + std::to_string(n.tensor) +
+                      " chunk " + std::to_string(n.chunk) + "): " + problem);
     }
     // Each rank alone reads whole checked cells, else exactly what it needs.
     plan_.alone_read_bytes +=
@@ -474,8 +487,8 @@ Result<JobReadPlan> PlanFromCursors(std::vector<NeedCursor>& cursors,
     const CellNeed first = needs.front().need;
     for (const GroupNeed& gn : needs) {
       if (gn.need.chunk_bytes != first.chunk_bytes || gn.need.check != first.check) {
-        return DataLoss("read plan: rank groups " + std::to_string(needs.front().group) + " and " +
-                        std::to_string(gn.group) + " disagree on tensor " +
+        return DataLoss("read plan: " + RanksOf(group_of, needs.front().group) + " and " +
+                        RanksOf(group_of, gn.group) + " disagree on tensor " +
                         std::to_string(first.tensor) + " chunk " + std::to_string(first.chunk) +
                         " (length or checksum kind)");
       }

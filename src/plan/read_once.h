@@ -117,8 +117,8 @@ struct JobReadPlan {
 // position and rank; a chunk read whole for its checksum goes whole to one rank that needs some
 // of it. Each reader's pieces are then cut into rounds, in plan order, of at most
 // `exchange_bytes` of memory counting the piece once read and once per receiver (a piece of one
-// cell larger than that has a round of its own). Errors name the group of a list that contradicts another
-// (a chunk of two lengths or check kinds).
+// cell larger than that has a round of its own). Errors name the group of a list that contradicts
+// another (a chunk of two lengths or check kinds).
 Result<JobReadPlan> PlanJobReads(std::span<const std::vector<CellNeed>> lists,
                                  std::span<const int32_t> group_of, uint64_t cell_bytes,
                                  uint64_t exchange_bytes);

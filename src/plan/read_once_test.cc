@@ -253,18 +253,22 @@ TEST(ReadOnceTest, NeedListsRoundTripAndBadOnesAreNamed) {
   const std::vector<int32_t> pair = {0, 1};
   const std::vector<std::span<const uint8_t>> bad_second = {encoded, cut};
   EXPECT_THAT(PlanJobReadsEncoded(bad_second, pair, kCell, kCell).status().message(),
-              HasSubstr("need list of rank group 1, entry 1"));
+              HasSubstr("need list of rank 1, entry 1"));
   const std::vector<std::span<const uint8_t>> bad_count = {huge, encoded};
   EXPECT_THAT(PlanJobReadsEncoded(bad_count, pair, kCell, kCell).status().message(),
-              HasSubstr("need list of rank group 0: read plan: need list of"));
+              HasSubstr("need list of rank 0: read plan: need list of"));
 
   const std::vector<int32_t> two = {0, 1};
   std::vector<std::vector<CellNeed>> lists = {{Need(0, 0, 5000, 0, 9)}, {}};
   EXPECT_THAT(PlanJobReads(lists, two, kCell, kCell).status().message(),
-              HasSubstr("rank group 0, entry 0 (tensor 0 chunk 0): cells [0, 9) outside"));
+              HasSubstr("rank 0, entry 0 (tensor 0 chunk 0): cells [0, 9) outside"));
   lists = {{Need(0, 0, 5000, 0, 2)}, {Need(0, 0, 6000, 0, 2)}};
   EXPECT_THAT(PlanJobReads(lists, two, kCell, kCell).status().message(),
-              HasSubstr("disagree on tensor 0 chunk 0"));
+              HasSubstr("rank 0 and rank 1 disagree on tensor 0 chunk 0"));
+  // Errors name the ranks of a list (a few, then how many more).
+  const std::vector<int32_t> seven = {0, 1, 0, 1, 1, 1, 1};
+  EXPECT_THAT(PlanJobReads(lists, seven, kCell, kCell).status().message(),
+              HasSubstr("ranks 0 and 2 and ranks 1, 3, 4 and 2 more disagree"));
   lists = {{Need(0, 0, 5000, 2, 4), Need(0, 0, 5000, 0, 3)}, {}};
   EXPECT_THAT(PlanJobReads(lists, two, kCell, kCell).status().message(),
               HasSubstr("not sorted and disjoint"));
