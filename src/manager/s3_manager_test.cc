@@ -22,6 +22,19 @@
 namespace tessera {
 namespace {
 
+// A storage on moto's bucket through a client of its own, with `faults` (null: none) and at most
+// `max_attempts` tries per request.
+std::shared_ptr<S3Storage> StorageOn(s3::testing::MotoServer& server,
+                                     std::shared_ptr<s3::HttpFaultHook> faults = nullptr,
+                                     int max_attempts = 10) {
+  s3::S3ClientOptions options = server.ClientOptions();
+  options.http.fault_hook = std::move(faults);
+  options.retry.max_attempts = max_attempts;
+  Result<std::shared_ptr<s3::S3Client>> client = s3::S3Client::Create(options);
+  EXPECT_TRUE(client.ok()) << client.status().ToString();
+  return client.ok() ? std::make_shared<S3Storage>(*client, server.bucket()) : nullptr;
+}
+
 // A storage on moto's bucket whose client answers ListObjectsV2 with 503 SlowDown twice, then
 // passes it on (per client: each request succeeds on its third try, within the retries); with
 // `always` non-empty, every listing whose URL holds it is throttled, past the 3 tries allowed.
@@ -37,12 +50,7 @@ std::shared_ptr<S3Storage> ThrottledListings(s3::testing::MotoServer& server,
         ++throttled;
         return s3::testing::S3ErrorReply(503, "SlowDown");
       });
-  s3::S3ClientOptions options = server.ClientOptions();
-  options.http.fault_hook = faults;
-  options.retry.max_attempts = 3;
-  Result<std::shared_ptr<s3::S3Client>> client = s3::S3Client::Create(options);
-  EXPECT_TRUE(client.ok()) << client.status().ToString();
-  return client.ok() ? std::make_shared<S3Storage>(*client, server.bucket()) : nullptr;
+  return StorageOn(server, faults, /*max_attempts=*/3);
 }
 
 // 64 ranks open one root at once while the store throttles their listings: every rank resumes
@@ -126,12 +134,7 @@ std::shared_ptr<S3Storage> ThrottledUploads(s3::testing::MotoServer& server) {
     return kind == "PutObject" || kind == "UploadPart" ? s3::testing::S3ErrorReply(503, "SlowDown")
                                                        : s3::HttpFaultHook::Decision{};
   });
-  s3::S3ClientOptions options = server.ClientOptions();
-  options.http.fault_hook = faults;
-  options.retry.max_attempts = 2;
-  Result<std::shared_ptr<s3::S3Client>> client = s3::S3Client::Create(options);
-  EXPECT_TRUE(client.ok()) << client.status().ToString();
-  return client.ok() ? std::make_shared<S3Storage>(*client, server.bucket()) : nullptr;
+  return StorageOn(server, faults, /*max_attempts=*/2);
 }
 
 // Four ranks save a step collectively; rank 2's uploads are throttled past its retries. Every
@@ -141,16 +144,14 @@ TEST(S3CheckpointManagerTest, ARankWhoseUploadsAreThrottledFailsTheSaveOnEveryRa
   Result<s3::testing::MotoServer*> server = s3::testing::SharedMotoServer();
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   const std::string root = s3::testing::UniquePrefix() + "/run";
-  std::vector<Status> saved(4);
   auto save = [&](int64_t step, bool throttle_rank2) {
     return RunLocalRanks(
         4,
         [&](Comm& comm) -> Status {
           CheckpointManagerOptions o;
           o.async = false;
-          std::atomic<int> unused{0};
-          o.storage = throttle_rank2 && comm.rank() == 2 ? ThrottledUploads(**server)
-                                                         : ThrottledListings(**server, unused);
+          o.storage =
+              throttle_rank2 && comm.rank() == 2 ? ThrottledUploads(**server) : StorageOn(**server);
           TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointManager> manager,
                                    CheckpointManager::Open(root, o));
           std::vector<uint32_t> rows(256);
@@ -177,9 +178,8 @@ TEST(S3CheckpointManagerTest, ARankWhoseUploadsAreThrottledFailsTheSaveOnEveryRa
     EXPECT_THAT(failed[r].message(), ::testing::HasSubstr(root + "/iter_0000002/")) << "rank " << r;
     EXPECT_EQ(failed[r].message(), failed[0].message()) << "rank " << r;
   }
-  std::atomic<int> unused{0};
   CheckpointManagerOptions o;
-  o.storage = ThrottledListings(**server, unused);
+  o.storage = StorageOn(**server);
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<CheckpointManager> manager,
                        CheckpointManager::Open(root, o));
   ASSERT_OK_AND_ASSIGN(std::optional<int64_t> latest, manager->LatestStep());
@@ -215,9 +215,8 @@ TEST(CheckpointManagerKillTest, OnS3LatestLoadsAfterEveryKillAndTheDeadUploadsAr
   kill_trials::Run(t);
   if (HasFatalFailure()) return;
 
-  ASSERT_OK_AND_ASSIGN(std::shared_ptr<s3::S3Client> client,
-                       s3::S3Client::Create((*server)->ClientOptions()));
-  auto storage = std::make_shared<S3Storage>(client, (*server)->bucket());
+  std::shared_ptr<S3Storage> storage = StorageOn(**server);
+  ASSERT_NE(storage, nullptr);
   Result<std::vector<IncompleteUpload>> left = storage->ListIncompleteUploads(prefix);
   ASSERT_TRUE(left.ok()) << left.status().ToString();
   std::printf("kill test on S3: %zu incomplete multipart uploads left by killed savers\n",
