@@ -181,8 +181,11 @@ struct LoadOptions {
   // checksum block (256 KiB as tessera writes them; 256 KiB cells for formats without blocks).
   // Each cell needed by two or more ranks gets one reader among them (the least loaded in bytes;
   // cells needed by fewer ranks first); cells needed by one rank are read by it as with kNone.
-  // The readers send in rounds of at most exchange_bytes per rank, one Comm::Scatter per sending
-  // rank and round. The job then reads the union of its needs, rounded out to cells, once:
+  // The readers send in rounds of at most exchange_bytes per rank, one Comm::ScatterInto per
+  // sending rank and round: a reader reads each piece once into its send buffer, whatever the
+  // number of its receivers, and each receiver's parts land straight in its tensors where they
+  // are plain host bytes it needs (LoadReport::bytes_received_in_place; casts, device memory and
+  // bytes of a cell it does not need go through a staging buffer). The job then reads the union of its needs, rounded out to cells, once:
   // data-parallel replicas, tensor-parallel slices of the same rows (a resharded load), a
   // whole-tensor load_all, and a flat range's edges all share. It costs two all-gathers (24
   // bytes per rank, then one list of needed cell ranges per group of ranks with identical needs)
@@ -193,9 +196,10 @@ struct LoadOptions {
   // kAuto (the default) plans as kReadOnce, then exchanges unless every rank's checkpoint is on a
   // filesystem of its own machine (ext4, xfs, btrfs, tmpfs, ...; not NFS, Lustre, GPFS, BeeGFS,
   // CephFS, CIFS or FUSE) or in memory: there a second read of a block comes from the page cache
-  // or a local disk and costs less than sending it (measured on one machine: the 8-rank demo
-  // loads in 0.09 s reading 473.5 MB itself, in 0.22-0.28 s reading 268.1 MB once and
-  // exchanging 205.4 MB; docs/PERFORMANCE.md, "Read once per job"). Object stores (s3://,
+  // or a local disk and costs less than sending it (measured on one 2-core machine: the 8-rank
+  // demo loads in 0.06 s reading 473.5 MB itself, in 0.14-0.15 s reading 268.1 MB once and
+  // exchanging 205.4 MB; a 2-rank 2 GiB reshard from a disk with dropped caches in 0.76-0.80 s
+  // alone, 0.81-0.84 s reading once; docs/PERFORMANCE.md, "Read once per job"). Object stores (s3://,
   // msc://) and network filesystems always exchange. kReadOnce and kNone force either way;
   // LoadReport::read_sharing says what a load did.
   //
@@ -207,9 +211,10 @@ struct LoadOptions {
   // tensor-parallel ranks) are read once per group.
   ReadSharing read_sharing = ReadSharing::kAuto;
   // Exchange memory per rank and round, in bytes (the same on every rank). kReadOnce: what a
-  // rank reads for others and sends in one round, counting each piece once read and once per
-  // rank it goes to, plus one received message of at most this much; a piece of one checksum
-  // block with more receivers than fit has a round of its own. kAllGather and kBroadcast: what
+  // rank reads for others and sends in one round (a piece is cut to at most exchange_bytes /
+  // (1 + its receivers), so that a Comm that packs a message per receiver stays within it),
+  // plus the staging of what it receives in one message; a piece of one checksum block with
+  // more receivers than fit has a round of its own. kAllGather and kBroadcast: what
   // a rank contributes to one round (an all-gather round holds ranks x this in each rank).
   // Default 64 MiB: on this project's 2-core test machine a 2 GiB resharded load of 2 ranks took
   // 0.32-0.42 s with it, 0.61-0.70 s with 128-256 MiB and 0.53-0.57 s with 16 MiB, holding 65
@@ -239,7 +244,12 @@ struct LoadReport {
                                                    // memory, in the requested dtypes)
   uint64_t read_calls = 0;                         // storage reads issued by this rank
   uint64_t bytes_received = 0;                     // from other ranks (read sharing)
-  uint64_t bytes_sent = 0;                         // to other ranks (read sharing)
+  // Of bytes_received, those the Comm put straight into the destination (Comm::ScatterInto:
+  // plain host bytes this rank needed); the rest went through a staging buffer (bytes of a
+  // received piece this rank did not need, parts converted by cast_dtypes or bound for device
+  // memory). Whether the Comm itself copies on the way is the Comm's (comm.h).
+  uint64_t bytes_received_in_place = 0;
+  uint64_t bytes_sent = 0;  // to other ranks (read sharing)
   // The whole job's figures, the same on every rank (with read_sharing kReadOnce or kAuto; 0
   // otherwise): bytes read from storage by all ranks, the union of the checkpoint bytes the
   // ranks needed (tensor bytes as stored, and the objects asked for; exact for replicas and

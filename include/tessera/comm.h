@@ -27,6 +27,7 @@
 #ifndef TESSERA_COMM_H_
 #define TESSERA_COMM_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -41,6 +42,10 @@
 namespace tessera {
 
 enum class ReduceOp { kSum, kMin, kMax };
+
+// Byte ranges of caller memory that a collective reads from or writes into.
+using ConstByteSpan = std::span<const std::byte>;
+using MutableByteSpan = std::span<std::byte>;
 
 class Comm {
  public:
@@ -61,6 +66,25 @@ class Comm {
   // COLLECTIVE. On `root`, `send` holds size() buffers; rank r receives send[r]. `send` is
   // ignored elsewhere.
   virtual Status Scatter(const std::vector<Bytes>& send, Bytes* received, int root) = 0;
+  // COLLECTIVE. A scatter whose bytes land in caller memory (a vectored receive). On `root`,
+  // `send` holds size() lists: `send[r]` are the ranges that make up rank r's message, in
+  // order (`send` is ignored elsewhere). Every rank, the root included, passes in `receive` the
+  // ranges its message fills, in order, and gets in `*received` the length of the message the
+  // root sent it. When that length equals the ranges' total they hold the message; otherwise
+  // they are left untouched: a message of another length is not a failure of the collective,
+  // the caller's protocol decides what it means (read-once loads: a reader that failed sends
+  // nothing). Ranges must not overlap one another, and the root's sent ranges must stay
+  // unchanged until the call returns.
+  //
+  // Where the transport allows it the bytes move once, from the root's ranges straight into
+  // the receiver's: LocalComm (the receiver copies from the root's memory), MpiComm without a
+  // collective deadline (indexed datatypes over both sides' ranges). Elsewhere this default
+  // goes through Scatter: the root packs each message, and the receiver copies the message
+  // into its ranges. MpiComm with a deadline takes the default on purpose: a transfer it gives
+  // up on stays pending inside MPI, which must then only ever write memory the Comm owns.
+  virtual Status ScatterInto(std::span<const std::vector<ConstByteSpan>> send,
+                             std::span<const MutableByteSpan> receive, uint64_t* received,
+                             int root);
   // COLLECTIVE. Element-wise reduction of `values` (same length on every rank), in place.
   virtual Status AllReduce(std::span<int64_t> values, ReduceOp op) = 0;
   // COLLECTIVE. Ranks with the same `color` form a new communicator, ordered by (`key`, old
@@ -86,6 +110,14 @@ class Comm {
   std::mutex attachments_mu_;
   std::map<std::string, std::shared_ptr<void>> attachments_;
 };
+
+// The total length of `ranges`.
+uint64_t TotalBytes(std::span<const ConstByteSpan> ranges);
+uint64_t TotalBytes(std::span<const MutableByteSpan> ranges);
+
+// Copies the bytes of `from`, in order, into the ranges of `to`, in order. Their totals must
+// be equal.
+void CopyRanges(std::span<const ConstByteSpan> from, std::span<const MutableByteSpan> to);
 
 // A communicator of one rank: every collective is a local copy.
 std::unique_ptr<Comm> NewSingleRankComm();

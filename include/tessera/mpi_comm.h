@@ -135,7 +135,10 @@ struct MpiCommOptions {
   // collective's data transfer is held to it too (see "Deadline" above). The communicator is
   // then aborted. Zero or less: wait forever (MPI_Wait, no polling). Every rank must pass the
   // same value. Default 10 minutes. Costs polls of MPI_Test and MPI_Iprobe while a rank waits
-  // (every 50 us once a wait has lasted 200 ms; without pause before).
+  // (every 50 us once a wait has lasted 200 ms; without pause before). Without a deadline,
+  // ScatterInto moves bytes straight from the root's ranges into the receivers' (indexed
+  // datatypes, messages of at most max_message_bytes); with one, it packs and copies, since an
+  // MPI transfer given up on may only ever touch memory the Comm owns.
   std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};
 };
 

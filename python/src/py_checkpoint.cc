@@ -356,6 +356,8 @@ void RegisterReports(py::module_& m) {
       .def_readonly("bytes_needed", &LoadReport::bytes_needed)
       .def_readonly("read_calls", &LoadReport::read_calls)
       .def_readonly("bytes_received", &LoadReport::bytes_received, "from other ranks")
+      .def_readonly("bytes_received_in_place", &LoadReport::bytes_received_in_place,
+                    "of bytes_received, those placed straight in the destination tensors")
       .def_readonly("bytes_sent", &LoadReport::bytes_sent, "to other ranks")
       .def_readonly("job_bytes_read", &LoadReport::job_bytes_read,
                     "from storage by all ranks (read_sharing='read_once'; else 0)")
@@ -375,6 +377,7 @@ void RegisterReports(py::module_& m) {
                ", bytes_needed=" + std::to_string(r.bytes_needed) +
                ", read_calls=" + std::to_string(r.read_calls) +
                ", bytes_received=" + std::to_string(r.bytes_received) +
+               ", bytes_received_in_place=" + std::to_string(r.bytes_received_in_place) +
                ", bytes_sent=" + std::to_string(r.bytes_sent) +
                ", job_bytes_read=" + std::to_string(r.job_bytes_read) +
                ", job_bytes_needed=" + std::to_string(r.job_bytes_needed) +

@@ -335,6 +335,9 @@ class LoadReport:
     def bytes_received(self) -> int:
         """from other ranks"""
     @property
+    def bytes_received_in_place(self) -> int:
+        """of bytes_received, those placed straight in the destination tensors"""
+    @property
     def bytes_sent(self) -> int:
         """to other ranks"""
     @property

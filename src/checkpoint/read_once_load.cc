@@ -299,16 +299,16 @@ class Exchange {
     return Status::Ok();
   }
 
-  // Where one piece of this round goes: the first receiver's send buffer (read straight into
-  // it), then the others' (copied).
+  // One piece this rank reads this round, and where: `at` in the round's send buffer (null
+  // when no other rank receives it: it is read cell by cell through a scratch buffer).
   struct Outgoing {
     uint32_t piece;
-    std::vector<std::byte*> to;  // per receiver, into its send buffer
+    std::byte* at = nullptr;
   };
 
-  // Reads piece `out.piece` cell by cell (into the first receiver's send buffer, or `buffer`
-  // when no rank receives it), checks each cell (kEachCell) or adds it to the checksum of the
-  // chunk read whole, puts this rank's parts in place and copies the cell to the other receivers.
+  // Reads piece `out.piece` cell by cell (into the send buffer, or `buffer` when no rank
+  // receives it), checks each cell (kEachCell) or adds it to the checksum of the chunk read
+  // whole, and puts this rank's parts in place.
   Status ReadPiece(const Outgoing& out, std::vector<std::byte>& buffer, const Placer& placer,
                    uint64_t& calls) {
     const SharedPiece& p = plan_.pieces[out.piece];
@@ -318,7 +318,7 @@ class Exchange {
     for (uint64_t cell_begin = p.begin; cell_begin < p.end; cell_begin += cell) {
       const uint64_t cell_end = std::min(cell_begin + cell, p.end);
       const uint64_t length = cell_end - cell_begin;
-      std::byte* dst = out.to.empty() ? buffer.data() : out.to[0] + (cell_begin - p.begin);
+      std::byte* dst = out.at == nullptr ? buffer.data() : out.at + (cell_begin - p.begin);
       UnitChecksum sum(metadata_.checksum);
       for (uint64_t at = 0; at < length; ++calls) {
         const uint64_t n = std::min<uint64_t>(kCheckedReadPiece, length - at);
@@ -349,9 +349,6 @@ class Exchange {
         }
       }
       TESSERA_RETURN_IF_ERROR(Deliver(out.piece, cell_begin, cell_end, dst, placer));
-      for (size_t r = 1; r < out.to.size(); ++r) {
-        std::memcpy(out.to[r] + (cell_begin - p.begin), dst, length);
-      }
     }
     return Status::Ok();
   }
@@ -414,71 +411,148 @@ class Exchange {
     return Status::Ok();
   }
 
-  // One round: this rank reads its pieces straight into the send buffers, then each sender
-  // scatters.
+  // One round: this rank reads its pieces into one send buffer, each piece once whatever its
+  // receivers, then each sender scatters them: every receiver of a piece is sent the same
+  // bytes of that buffer (Comm::ScatterInto), landing in place (Receive).
   Status RunRound(std::span<const uint32_t> round, const Placer& placer, Status& read_failure,
                   Status& exchange_failure) {
     const int n = comm_.size();
-    std::vector<Bytes> send(n);
+    std::vector<std::vector<ConstByteSpan>> send(n);
     std::vector<Outgoing> mine;
-    std::vector<uint64_t> size(n, 0);
+    uint64_t size = 0;
     for (uint32_t i : round) {
-      if (plan_.pieces[i].reader != me_) continue;
-      for (int32_t r : plan_.Receivers(plan_.pieces[i])) {
-        size[r] += plan_.pieces[i].end - plan_.pieces[i].begin;
-      }
-      mine.push_back({i, {}});
+      const SharedPiece& p = plan_.pieces[i];
+      if (p.reader != me_) continue;
+      mine.push_back({i, nullptr});
+      if (plan_.NumReceivers(p) > 0) size += p.end - p.begin;
     }
+    std::vector<std::byte> buffer;
     if (!mine.empty() && read_failure.ok()) {
-      for (int r = 0; r < n; ++r) send[r].resize(size[r]);
-      std::vector<uint64_t> at(n, 0);
+      buffer.resize(size);
+      uint64_t at = 0;
       for (Outgoing& out : mine) {
         const SharedPiece& p = plan_.pieces[out.piece];
-        for (int32_t r : plan_.Receivers(p)) {
-          out.to.push_back(reinterpret_cast<std::byte*>(send[r].data() + at[r]));
-          at[r] += p.end - p.begin;
-        }
+        if (plan_.NumReceivers(p) == 0) continue;
+        out.at = buffer.data() + at;
+        for (int32_t r : plan_.Receivers(p)) send[r].emplace_back(out.at, p.end - p.begin);
+        at += p.end - p.begin;
       }
       read_failure = ReadMine(mine);
-      if (!read_failure.ok()) send.assign(n, Bytes{});
+      if (!read_failure.ok()) send.assign(n, {});  // receivers see an empty message
     }
     for (size_t begin = 0; begin < round.size();) {
       const int32_t root = plan_.pieces[round[begin]].reader;
       size_t end = begin;
-      uint64_t expected = 0, sent = 0;
+      uint64_t sent = 0;
       for (; end < round.size() && plan_.pieces[round[end]].reader == root; ++end) {
-        const SharedPiece& p = plan_.pieces[round[end]];
-        sent += plan_.NumReceivers(p);
-        if (Receives(p)) expected += p.end - p.begin;
+        sent += plan_.NumReceivers(plan_.pieces[round[end]]);
       }
-      if (sent == 0) {  // nothing of this sender's goes to another rank this round
-        begin = end;
-        continue;
+      if (sent > 0) {  // else nothing of this sender's goes to another rank this round
+        TESSERA_RETURN_IF_ERROR(
+            Receive(round.subspan(begin, end - begin), root, send, placer, exchange_failure));
       }
-      Bytes received;
-      TESSERA_RETURN_IF_ERROR(comm_.Scatter(send, &received, root));
       if (root == me_) {
-        for (const Bytes& b : send) report_.bytes_sent += b.size();
-        send.assign(n, Bytes{});
-      }
-      if (expected > 0 && exchange_failure.ok()) {
-        if (received.size() != expected) {
-          exchange_failure = Internal("read-once load: rank " + std::to_string(root) + " sent " +
-                                      std::to_string(received.size()) + " bytes of " +
-                                      std::to_string(expected) + " planned (it failed)");
-        }
-        uint64_t cursor = 0;
-        for (size_t k = begin; k < end && exchange_failure.ok(); ++k) {
-          const SharedPiece& p = plan_.pieces[round[k]];
-          if (!Receives(p)) continue;
-          exchange_failure =
-              Deliver(round[k], p.begin, p.end,
-                      reinterpret_cast<const std::byte*>(received.data()) + cursor, placer);
-          cursor += p.end - p.begin;
-        }
-        report_.bytes_received += expected;
+        for (const std::vector<ConstByteSpan>& ranges : send)
+          report_.bytes_sent += TotalBytes(ranges);
+        send.assign(n, {});
+        buffer = {};
       }
       begin = end;
+    }
+    return Status::Ok();
+  }
+
+  // Where this rank's message from one sender lands: its parts of each piece straight in the
+  // destination where they are plain host bytes, the rest (bytes of the piece it does not need,
+  // parts converted by a cast or bound for device memory) in `staging`, placed after.
+  struct Landing {
+    std::vector<MutableByteSpan> ranges;
+    std::vector<std::byte> staging;
+    struct Staged {
+      uint32_t piece;
+      uint64_t begin, end;  // of the piece, from the chunk's start
+      uint64_t at;          // in staging
+    };
+    std::vector<Staged> staged;  // parts of pieces to place from staging (gaps are not here)
+    uint64_t direct_bytes = 0;   // destination bytes received in place
+  };
+
+  // Plans the landing of the pieces `from` (a sender's of this round, in order) that this rank
+  // receives. Returns the message's expected length.
+  uint64_t PlanLanding(std::span<const uint32_t> from, const Placer& placer, Landing& landing) {
+    // First the ranges, with staging positions as offsets; pointers once staging is sized.
+    struct Range {
+      std::byte* direct;  // null: staging at `at`
+      uint64_t at, length;
+    };
+    std::vector<Range> ranges;
+    uint64_t staging = 0, expected = 0;
+    auto stage = [&](uint64_t length) {
+      ranges.push_back({nullptr, staging, length});
+      staging += length;
+    };
+    for (uint32_t i : from) {
+      const SharedPiece& p = plan_.pieces[i];
+      if (!Receives(p)) continue;
+      expected += p.end - p.begin;
+      const auto first = std::partition_point(segments_.begin(), segments_.end(),
+                                              [&](const SharedSegment& s) { return s.piece < i; });
+      auto last = first;
+      bool overlap = false;  // two of this rank's runs need the same bytes of the piece
+      for (uint64_t end = 0; last != segments_.end() && last->piece == i; ++last) {
+        overlap = overlap || last->segment.file_offset < end;
+        end = last->segment.file_offset + last->segment.length;
+      }
+      if (overlap) {  // the whole piece to staging; Deliver places every segment from there
+        landing.staged.push_back({i, p.begin, p.end, staging});
+        stage(p.end - p.begin);
+        continue;
+      }
+      uint64_t at = p.begin;  // bytes of the piece planned so far
+      for (auto it = first; it != last; ++it) {
+        const Segment& seg = it->segment;
+        if (seg.file_offset > at) stage(seg.file_offset - at);  // a gap: bytes it does not need
+        if (!seg.cast && !placer.OnDevice(p.tensor)) {
+          ranges.push_back({seg.destination, 0, seg.length});
+          landing.direct_bytes += seg.length;
+        } else {
+          landing.staged.push_back({i, seg.file_offset, seg.file_offset + seg.length, staging});
+          stage(seg.length);
+        }
+        at = seg.file_offset + seg.length;
+      }
+      if (p.end > at) stage(p.end - at);
+    }
+    landing.staging.resize(staging);
+    for (const Range& r : ranges) {
+      landing.ranges.emplace_back(r.direct ? r.direct : landing.staging.data() + r.at, r.length);
+    }
+    return expected;
+  }
+
+  // This rank's part of `root`'s scatter of the pieces `from`: as root it sends `send`; as a
+  // receiver of any of them it lands them (PlanLanding) and places what was staged.
+  Status Receive(std::span<const uint32_t> from, int32_t root,
+                 const std::vector<std::vector<ConstByteSpan>>& send, const Placer& placer,
+                 Status& exchange_failure) {
+    Landing landing;
+    const uint64_t expected = root == me_ ? 0 : PlanLanding(from, placer, landing);
+    uint64_t received = 0;
+    TESSERA_RETURN_IF_ERROR(comm_.ScatterInto(send, landing.ranges, &received, root));
+    if (expected == 0 || !exchange_failure.ok()) return Status::Ok();
+    if (received != expected) {
+      exchange_failure = Internal("read-once load: rank " + std::to_string(root) + " sent " +
+                                  std::to_string(received) + " bytes of " +
+                                  std::to_string(expected) + " planned (it failed)");
+      return Status::Ok();
+    }
+    report_.bytes_received += expected;
+    report_.bytes_received_in_place += landing.direct_bytes;
+    progress_.Add(landing.direct_bytes);
+    for (const Landing::Staged& part : landing.staged) {
+      if (!exchange_failure.ok()) break;
+      exchange_failure =
+          Deliver(part.piece, part.begin, part.end, landing.staging.data() + part.at, placer);
     }
     return Status::Ok();
   }

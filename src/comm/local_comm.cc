@@ -49,6 +49,19 @@ struct MessageKey {
   }
 };
 
+// What the root of a ScatterInto shares with its receivers: its ranges, which each receiver
+// copies from in place (one copy, none on the root). The root waits for every receiver's
+// acknowledgement before it returns; if it gives up first (the group aborted, a receiver left),
+// it marks the ranges released and waits only for the copies already under way.
+struct DirectScatter {
+  explicit DirectScatter(std::span<const std::vector<ConstByteSpan>> ranges) : send(ranges) {}
+  const std::span<const std::vector<ConstByteSpan>> send;  // the root's; read while !released
+  std::mutex mu;
+  std::condition_variable cv;
+  int copying = 0;        // receivers copying now; guarded by mu
+  bool released = false;  // the root has given up: no receiver may begin to copy; guarded by mu
+};
+
 // What one message carries; each collective uses one of the members.
 struct Payload {
   static Payload Of(Bytes bytes) {
@@ -66,15 +79,30 @@ struct Payload {
     p.group = std::move(group);
     return p;
   }
+  static Payload Of(std::shared_ptr<DirectScatter> direct) {
+    Payload p;
+    p.direct = std::move(direct);
+    return p;
+  }
 
-  Bytes bytes;                          // moved into the mailbox and out to the receiver
-  std::shared_ptr<const Bytes> shared;  // one buffer forwarded to many receivers (Broadcast)
-  std::shared_ptr<Group> group;         // how Split hands a new group to its members
+  Bytes bytes;                            // moved into the mailbox and out to the receiver
+  std::shared_ptr<const Bytes> shared;    // one buffer forwarded to many receivers (Broadcast)
+  std::shared_ptr<Group> group;           // how Split hands a new group to its members
+  std::shared_ptr<DirectScatter> direct;  // ScatterInto: the root's ranges
 };
 
 // The collectives, in the order of MpiComm's (src/mpi/mpi_comm.cc), so that a mismatch between
 // two of them is named in the same words.
-enum class Kind { kBarrier = 1, kBroadcast, kGather, kAllGather, kScatter, kAllReduce, kSplit };
+enum class Kind {
+  kBarrier = 1,
+  kBroadcast,
+  kGather,
+  kAllGather,
+  kScatter,
+  kAllReduce,
+  kSplit,
+  kScatterInto
+};
 
 const char* KindName(Kind kind) {
   switch (kind) {
@@ -88,6 +116,8 @@ const char* KindName(Kind kind) {
       return "AllGather";
     case Kind::kScatter:
       return "Scatter";
+    case Kind::kScatterInto:
+      return "ScatterInto";
     case Kind::kAllReduce:
       return "AllReduce";
     case Kind::kSplit:
@@ -421,6 +451,39 @@ class LocalComm final : public Comm {
     return Status::Ok();
   }
 
+  // Moves the bytes once: each receiver copies its message from the root's ranges.
+  Status ScatterInto(std::span<const std::vector<ConstByteSpan>> send,
+                     std::span<const MutableByteSpan> receive, uint64_t* received,
+                     int root) override {
+    constexpr std::string_view kOp = "ScatterInto";
+    uint64_t seq;
+    TESSERA_RETURN_IF_ERROR(Begin({Kind::kScatterInto, root}, &seq));
+    TESSERA_RETURN_IF_ERROR(CheckRoot("ScatterInto", root));
+    if (rank_ != root) return ReceiveDirect(root, seq, receive, received);
+    if (static_cast<int>(send.size()) != size()) {
+      return Fail(InvalidArgument(Where(kOp) + ": the root passed " + std::to_string(send.size()) +
+                                  " lists for " + std::to_string(size()) + " ranks"));
+    }
+    auto direct = std::make_shared<DirectScatter>(send);
+    for (int r = 0; r < size(); ++r) {
+      if (r != rank_) Send(r, seq, 0, Payload::Of(direct));
+    }
+    const uint64_t mine = TotalBytes(send[rank_]);
+    if (received != nullptr) *received = mine;
+    if (mine == TotalBytes(receive)) CopyRanges(send[rank_], receive);
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank_) continue;
+      Result<Payload> ack = Recv(r, seq, 1, kOp);
+      if (ack.ok()) continue;
+      // Given up: no receiver may start reading the ranges the caller will now free.
+      std::unique_lock<std::mutex> lock(direct->mu);
+      direct->released = true;
+      direct->cv.wait(lock, [&] { return direct->copying == 0; });
+      return ack.status();
+    }
+    return Status::Ok();
+  }
+
   Status AllReduce(std::span<int64_t> values, ReduceOp op) override {
     uint64_t seq;
     TESSERA_RETURN_IF_ERROR(Begin({Kind::kAllReduce, -1, static_cast<int>(op)}, &seq));
@@ -529,6 +592,34 @@ class LocalComm final : public Comm {
     return Fail(InvalidArgument(Where(op) + ": root " + std::to_string(root) +
                                 " is not a rank of a communicator of size " +
                                 std::to_string(size())));
+  }
+
+  // A ScatterInto's receiver: copies its message from the root's ranges, then acknowledges.
+  Status ReceiveDirect(int root, uint64_t seq, std::span<const MutableByteSpan> receive,
+                       uint64_t* received) {
+    TESSERA_ASSIGN_OR_RETURN(Payload payload, Recv(root, seq, 0, "ScatterInto"));
+    DirectScatter& direct = *payload.direct;
+    {
+      std::lock_guard<std::mutex> lock(direct.mu);
+      if (direct.released) {
+        const Status aborted = group_->abort_status();
+        return aborted.ok() ? Aborted(Where("ScatterInto") + ": the root, rank " +
+                                      std::to_string(root) + ", gave up before the copy")
+                            : aborted;
+      }
+      ++direct.copying;
+    }
+    const std::vector<ConstByteSpan>& message = direct.send[rank_];
+    const uint64_t length = TotalBytes(message);
+    if (received != nullptr) *received = length;
+    if (length == TotalBytes(receive)) CopyRanges(message, receive);
+    {
+      std::lock_guard<std::mutex> lock(direct.mu);
+      --direct.copying;
+    }
+    direct.cv.notify_all();
+    Send(root, seq, 1, Payload{});
+    return Status::Ok();
   }
 
   void Send(int dst, uint64_t seq, int tag, Payload payload) {

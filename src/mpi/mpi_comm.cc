@@ -87,6 +87,7 @@ enum class Kind : int64_t {
   kScatter,
   kAllReduce,
   kSplit,
+  kScatterInto,
 };
 
 std::string KindName(int64_t kind) {
@@ -105,6 +106,8 @@ std::string KindName(int64_t kind) {
       return "AllReduce";
     case Kind::kSplit:
       return "Split";
+    case Kind::kScatterInto:
+      return "ScatterInto";
   }
   return "collective " + std::to_string(kind);
 }
@@ -152,6 +155,7 @@ std::string ReduceOpName(int64_t op) {
 // the message names the collective, not a rank, and reads the same on every rank.
 enum Control : int64_t { kNotice = 1, kPresent = 2, kVerdict = 3, kAbandon = 4 };
 constexpr int kControlTag = 0x7e55;  // < 32767, the smallest MPI_TAG_UB MPI allows
+constexpr int kDirectTag = 0x5ca7;   // ScatterInto's point-to-point messages
 
 using Clock = std::chrono::steady_clock;
 
@@ -517,6 +521,55 @@ class MpiComm final : public Comm {
     return Status::Ok();
   }
 
+  // Without a collective deadline the bytes move once: the root sends each message from its
+  // ranges and the receiver receives into its ranges, through indexed datatypes (MPI_BOTTOM
+  // and absolute addresses). With a deadline, the default (comm.h says why).
+  Status ScatterInto(std::span<const std::vector<ConstByteSpan>> send,
+                     std::span<const MutableByteSpan> receive, uint64_t* received,
+                     int root) override {
+    if (settings_->options.collective_timeout.count() > 0) {
+      return Comm::ScatterInto(send, receive, received, root);
+    }
+    constexpr std::string_view kOp = "ScatterInto";
+    const bool is_root = rank_ == root;
+    Status local = CheckRoot(kOp, root);
+    if (local.ok() && is_root && static_cast<int64_t>(send.size()) != size_) {
+      local = InvalidArgument(Where(kOp) + ": the root passed " + std::to_string(send.size()) +
+                              " lists for " + std::to_string(size_) + " ranks");
+    }
+    Header h = NewHeader(Kind::kScatterInto);
+    SetPair(h, kRoot, root);
+    if (local.ok() && is_root) {
+      for (const std::vector<ConstByteSpan>& ranges : send) {
+        const auto bytes = static_cast<int64_t>(TotalBytes(ranges));
+        h[kMaxCount] = std::max(h[kMaxCount], bytes);
+        h[kTotal] += bytes;
+      }
+    }
+    TESSERA_ASSIGN_OR_RETURN(Agreed agreed, Begin(Kind::kScatterInto, h, local));
+    uint64_t mine = 0;
+    if (agreed.total > 0) {
+      std::vector<int64_t> counts(is_root ? size_ : 0);
+      for (int r = 0; is_root && r < size_; ++r) counts[r] = TotalBytes(send[r]);
+      int64_t count = 0;
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Iscatter", kOp, [&](MPI_Request* request) {
+        return MPI_Iscatter(counts.data(), 1, MPI_INT64_T, &count, 1, MPI_INT64_T, root, comm_,
+                            request);
+      }));
+      mine = static_cast<uint64_t>(count);
+      for (int r = 0; is_root && r < size_; ++r) {
+        if (r != rank_ && counts[r] > 0) TESSERA_RETURN_IF_ERROR(SendRanges(send[r], r, kOp));
+      }
+      if (!is_root && mine > 0) TESSERA_RETURN_IF_ERROR(ReceiveRanges(receive, mine, root, kOp));
+    }
+    if (is_root) {
+      mine = TotalBytes(send[rank_]);
+      if (mine == TotalBytes(receive)) CopyRanges(send[rank_], receive);
+    }
+    if (received != nullptr) *received = mine;
+    return Status::Ok();
+  }
+
   Status AllReduce(std::span<int64_t> values, ReduceOp op) override {
     constexpr std::string_view kOp = "AllReduce";
     Status local;
@@ -626,6 +679,100 @@ class MpiComm final : public Comm {
   };
 
   bool serialized() const { return settings_->serialized; }
+
+  // An MPI datatype over `ranges` at their absolute addresses (for MPI_BOTTOM), freed with it.
+  // `serialized`: MPI calls hold SerialMpiMutex.
+  class RangesType {
+   public:
+    template <typename Span>
+    RangesType(std::span<const Span> ranges, bool serialized) : serialized_(serialized) {
+      MaybeLock lock(serialized_);
+      std::vector<int> lengths;
+      std::vector<MPI_Aint> addresses;
+      for (const Span& r : ranges) {  // each within one window: its length fits an int
+        MPI_Aint address;
+        MPI_Get_address(r.data(), &address);
+        lengths.push_back(static_cast<int>(r.size()));
+        addresses.push_back(address);
+      }
+      error_ = MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(),
+                                        addresses.data(), MPI_BYTE, &type_);
+      if (error_ == MPI_SUCCESS) error_ = MPI_Type_commit(&type_);
+    }
+    ~RangesType() {
+      MaybeLock lock(serialized_);
+      if (type_ != MPI_DATATYPE_NULL) MPI_Type_free(&type_);
+    }
+    RangesType(const RangesType&) = delete;
+    RangesType& operator=(const RangesType&) = delete;
+    int error() const { return error_; }
+    MPI_Datatype type() const { return type_; }
+
+   private:
+    const bool serialized_;
+    MPI_Datatype type_ = MPI_DATATYPE_NULL;
+    int error_ = MPI_SUCCESS;
+  };
+
+  // ScatterInto sends a message in windows of at most max_message_bytes, one MPI message each,
+  // so that no datatype's size overflows MPI's int (MPI keeps the messages of one source and
+  // tag in order).
+  uint64_t window_bytes() const {
+    return static_cast<uint64_t>(settings_->options.max_message_bytes);
+  }
+
+  // The ranges of window `w` of a message: its bytes [w * window_bytes(), (w + 1) * ...).
+  template <typename Span>
+  std::vector<Span> Window(std::span<const Span> ranges, uint64_t w) const {
+    const uint64_t begin = w * window_bytes(), end = begin + window_bytes();
+    std::vector<Span> out;
+    uint64_t at = 0;
+    for (const Span& r : ranges) {
+      const uint64_t lo = std::max(at, begin), hi = std::min(at + r.size(), end);
+      if (lo < hi) out.push_back(r.subspan(lo - at, hi - lo));
+      at += r.size();
+    }
+    return out;
+  }
+
+  // ScatterInto's root: rank `to`'s message, from `ranges`, window by window.
+  Status SendRanges(std::span<const ConstByteSpan> ranges, int to, std::string_view op) {
+    const uint64_t total = TotalBytes(ranges);
+    for (uint64_t w = 0; w * window_bytes() < total; ++w) {
+      const std::vector<ConstByteSpan> window = Window(ranges, w);
+      const RangesType type(std::span<const ConstByteSpan>(window), serialized());
+      if (type.error() != MPI_SUCCESS) return Failed(type.error(), "MPI_Type_create_hindexed", op);
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Isend", op, [&](MPI_Request* request) {
+        return MPI_Isend(MPI_BOTTOM, 1, type.type(), to, kDirectTag, comm_, request);
+      }));
+    }
+    return Status::Ok();
+  }
+
+  // ScatterInto's receiver: a message of `length` bytes from `root`, into `ranges` when they
+  // hold exactly that much, else into a buffer that is dropped (comm.h: ranges untouched).
+  Status ReceiveRanges(std::span<const MutableByteSpan> ranges, uint64_t length, int root,
+                       std::string_view op) {
+    Bytes discard;
+    std::vector<MutableByteSpan> into(ranges.begin(), ranges.end());
+    if (TotalBytes(ranges) != length) {
+      discard.resize(std::min(length, window_bytes()));
+      into.clear();
+      for (uint64_t at = 0; at < length; at += discard.size()) {
+        into.emplace_back(reinterpret_cast<std::byte*>(discard.data()),
+                          std::min<uint64_t>(discard.size(), length - at));
+      }
+    }
+    for (uint64_t w = 0; w * window_bytes() < length; ++w) {
+      const std::vector<MutableByteSpan> window = Window(std::span<const MutableByteSpan>(into), w);
+      const RangesType type(std::span<const MutableByteSpan>(window), serialized());
+      if (type.error() != MPI_SUCCESS) return Failed(type.error(), "MPI_Type_create_hindexed", op);
+      TESSERA_RETURN_IF_ERROR(Run("MPI_Irecv", op, [&](MPI_Request* request) {
+        return MPI_Irecv(MPI_BOTTOM, 1, type.type(), root, kDirectTag, comm_, request);
+      }));
+    }
+    return Status::Ok();
+  }
 
   std::string Where(std::string_view op) const {
     return std::string(op) + " on rank " + std::to_string(rank_);

@@ -186,6 +186,8 @@ struct CommKind {
   std::string name;
   enum Group { kWorld, kSelf, kAllButLast } group;
   int64_t max_message_bytes;
+  // 0: no deadline, under which ScatterInto moves bytes straight between callers' ranges.
+  std::chrono::milliseconds collective_timeout = MpiCommOptions{}.collective_timeout;
 };
 
 // The size of the communicator a kind makes (the same on every rank, members or not). Known once
@@ -222,7 +224,8 @@ class MpiCommSuiteRunner : public testing::CommSuiteRunner {
     std::unique_ptr<Comm> comm;
     if (base != MPI_COMM_NULL) {
       Result<std::unique_ptr<Comm>> made =
-          NewMpiComm(base, MpiCommOptions{.max_message_bytes = kind_.max_message_bytes});
+          NewMpiComm(base, MpiCommOptions{.max_message_bytes = kind_.max_message_bytes,
+                                          .collective_timeout = kind_.collective_timeout});
       if (made.ok()) comm = std::move(*made);
       if (!made.ok()) ADD_FAILURE() << made.status().ToString();
     }
@@ -246,6 +249,9 @@ void RegisterCommSuites() {
       {"WorldSmallChunks", CommKind::kWorld, 1000},
       {"Self", CommKind::kSelf, int64_t{1} << 30},
       {"AllButLast", CommKind::kAllButLast, 999},
+      // Without a deadline (ScatterInto's direct path; its windows are max_message_bytes).
+      {"WorldNoDeadline", CommKind::kWorld, int64_t{1} << 30, std::chrono::milliseconds(0)},
+      {"WorldNoDeadlineSmallChunks", CommKind::kWorld, 1000, std::chrono::milliseconds(0)},
   };
   // MPI agrees on every collective's arguments: an argument error is every rank's.
   const testing::CommSuiteTraits traits{.agreed_argument_errors = true};

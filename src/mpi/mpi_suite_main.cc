@@ -2,6 +2,8 @@
 // per process:
 //
 //   mpirun -np 4 tessera_mpi_suite [substring]    # only the cases whose name contains it
+//   mpirun -np 3 tessera_mpi_suite --no-deadline  # MpiCommOptions::collective_timeout 0: the
+//                                                 # Comm's ScatterInto moves bytes in place
 //
 // Rank 0 creates a fresh directory under $TMPDIR (or /tmp) and broadcasts its path; each case
 // runs on every rank, in its own subdirectory and on its own communicator (split from the
@@ -45,7 +47,16 @@ std::string CaseDirName(size_t index, const std::string& name) {
 }
 
 int Main(int argc, char** argv) {
-  Result<std::unique_ptr<Comm>> made_world = NewMpiWorldComm();
+  std::string filter;
+  MpiCommOptions options;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "--no-deadline") {
+      options.collective_timeout = std::chrono::milliseconds(0);
+    } else {
+      filter = argv[i];
+    }
+  }
+  Result<std::unique_ptr<Comm>> made_world = NewMpiWorldComm(options);
   if (!made_world.ok()) {
     std::fprintf(stderr, "tessera_mpi_suite: %s\n", made_world.status().ToString().c_str());
     return 2;
@@ -53,7 +64,6 @@ int Main(int argc, char** argv) {
   Comm& world = **made_world;
   const int rank = world.rank();
   const bool printer = rank == 0;
-  const std::string filter = argc > 1 ? argv[1] : "";
 
   // The shared directory: rank 0 makes it, everyone learns its path (one machine here; on
   // several machines $TMPDIR must be on a shared file system).
@@ -72,8 +82,10 @@ int Main(int argc, char** argv) {
   }
   const std::string root(root_bytes.begin(), root_bytes.end());
   if (printer) {
-    std::printf("tessera multi-rank suite over MPI: %d ranks, MPI thread level %d, in %s\n",
-                world.size(), MpiProvidedThreadLevel(), root.c_str());
+    std::printf("tessera multi-rank suite over MPI: %d ranks, MPI thread level %d, %s, in %s\n",
+                world.size(), MpiProvidedThreadLevel(),
+                options.collective_timeout.count() > 0 ? "collective deadline" : "no deadline",
+                root.c_str());
     std::fflush(stdout);
   }
 

@@ -435,8 +435,8 @@ Status ReadSharingReadsEachByteOnce(Comm& comm, const std::string& dir, ReadShar
     }
   }
   std::vector<int64_t> totals = {static_cast<int64_t>(report.bytes_read),
-                                 static_cast<int64_t>(report.bytes_received), box_bytes,
-                                 flat_bytes};
+                                 static_cast<int64_t>(report.bytes_received), box_bytes, flat_bytes,
+                                 static_cast<int64_t>(report.bytes_received_in_place)};
   TESSERA_RETURN_IF_ERROR(comm.AllReduce(totals, ReduceOp::kSum));
   // The replicas read their boxes once between them; flat ranges and the small
   // "optimizer.step" object are read by the rank that needs them.
@@ -444,6 +444,12 @@ Status ReadSharingReadsEachByteOnce(Comm& comm, const std::string& dir, ReadShar
   const int64_t expected = totals[2] / layout.dp + totals[3] + object_bytes;
   if (sharing == ReadSharing::kReadOnce) {  // the blocks at flat ranges' edges are shared too
     TESSERA_RETURN_IF_ERROR(ExpectReadOnce(comm, report));
+    // Replicas receive whole cells of their boxes: those land in place; only the cells at the
+    // flat ranges' edges hold bytes a receiver does not need.
+    TESSERA_RETURN_IF_ERROR(
+        Expect(totals[4] <= totals[1] && (layout.dp == 1 || 2 * totals[4] >= totals[1]),
+               "bytes received in place (" + std::to_string(totals[4]) + ") are most of the " +
+                   std::to_string(totals[1]) + " received"));
     TESSERA_RETURN_IF_ERROR(
         Expect(totals[0] <= expected && totals[0] == static_cast<int64_t>(report.job_bytes_read),
                "storage reads (" + std::to_string(totals[0]) +

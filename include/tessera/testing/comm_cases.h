@@ -260,6 +260,74 @@ inline void ScatterFromEveryRoot(Comm& comm, CommCaseRun& t) {
   }
 }
 
+// Rank r's message from `root` in ScatterIntoFromEveryRoot: long enough on the last rank to
+// take several messages where a Comm splits large ones.
+inline Bytes ScatterIntoMessage(int root, int r, int n) {
+  return Pattern(r * 11 + root, 3 * r + root + (r == n - 1 ? 5000 : 0));
+}
+
+// The root sends each message from three ranges of two buffers (one range empty); each rank
+// receives into ranges of a buffer with gaps between them, which must stay as they were.
+inline void ScatterIntoFromEveryRoot(Comm& comm, CommCaseRun& t) {
+  const int me = comm.rank();
+  for (int root = 0; root < t.n(); ++root) {
+    const std::string what = " (root " + std::to_string(root) + ")";
+    std::vector<Bytes> messages;
+    std::vector<std::vector<ConstByteSpan>> send;
+    if (me == root) {
+      for (int r = 0; r < t.n(); ++r) messages.push_back(ScatterIntoMessage(root, r, t.n()));
+      for (const Bytes& m : messages) {
+        const auto* p = reinterpret_cast<const std::byte*>(m.data());
+        const size_t half = m.size() / 2;
+        send.push_back({ConstByteSpan(p, half), ConstByteSpan(p, 0),
+                        ConstByteSpan(p + half, m.size() - half)});
+      }
+    }
+    const Bytes want = ScatterIntoMessage(root, me, t.n());
+    // Received at [0, a) and [a + 5, size + 5) of `into`, whose bytes [a, a + 5) are a gap.
+    const size_t a = want.size() / 3;
+    Bytes into = Pattern(77, want.size() + 5);
+    const Bytes before = into;
+    auto* q = reinterpret_cast<std::byte*>(into.data());
+    const std::vector<MutableByteSpan> receive = {MutableByteSpan(q, a),
+                                                  MutableByteSpan(q + a + 5, want.size() - a)};
+    uint64_t received = 0;
+    TESSERA_COMM_EXPECT_OK(t, comm.ScatterInto(send, receive, &received, root));
+    TESSERA_COMM_EXPECT_EQ(t, received, uint64_t{want.size()});
+    Bytes got(into.begin(), into.begin() + a);
+    got.insert(got.end(), into.begin() + a + 5, into.end());
+    TESSERA_COMM_EXPECT(t, got == want, "got " + CommCaseShow(got) + what);
+    TESSERA_COMM_EXPECT(t, std::equal(into.begin() + a, into.begin() + a + 5, before.begin() + a),
+                        "the gap between the ranges was written" + what);
+  }
+}
+
+// A message of another length than the ranges hold is not a failure of the collective: the
+// ranges stay untouched, `received` says the length, and the communicator goes on.
+inline void ScatterIntoOtherLengthLeavesRangesUntouched(Comm& comm, CommCaseRun& t) {
+  const int root = t.n() - 1;
+  // Rank r is sent r bytes and expects 2.
+  std::vector<Bytes> messages;
+  std::vector<std::vector<ConstByteSpan>> send;
+  if (comm.rank() == root) {
+    for (int r = 0; r < t.n(); ++r) messages.push_back(Pattern(r, r));
+    for (const Bytes& m : messages) {
+      send.push_back({ConstByteSpan(reinterpret_cast<const std::byte*>(m.data()), m.size())});
+    }
+  }
+  Bytes into = Pattern(5, 2);
+  const std::vector<MutableByteSpan> receive = {
+      MutableByteSpan(reinterpret_cast<std::byte*>(into.data()), into.size())};
+  uint64_t received = 99;
+  TESSERA_COMM_EXPECT_OK(t, comm.ScatterInto(send, receive, &received, root));
+  TESSERA_COMM_EXPECT_EQ(t, received, uint64_t(comm.rank()));
+  TESSERA_COMM_EXPECT(t, into == (comm.rank() == 2 ? Pattern(2, 2) : Pattern(5, 2)),
+                      "got " + CommCaseShow(into));
+  Bytes data = comm.rank() == 0 ? Pattern(3, 4) : Bytes{};
+  TESSERA_COMM_EXPECT_OK(t, comm.Broadcast(&data, 0));
+  TESSERA_COMM_EXPECT(t, data == Pattern(3, 4), "the Broadcast after got " + CommCaseShow(data));
+}
+
 inline void AllReduceOps(Comm& comm, CommCaseRun& t) {
   const int64_t r = comm.rank();
   TESSERA_COMM_EXPECT_OK(t, comm.AllReduce({}, ReduceOp::kSum));  // empty spans are allowed
@@ -631,6 +699,8 @@ inline const std::vector<CommCase>& CommSuiteCases() {
       TESSERA_COMM_CASE(AllGatherVariableSizes, 1),
       TESSERA_COMM_CASE(AllGatherAllEmpty, 1),
       TESSERA_COMM_CASE(ScatterFromEveryRoot, 1),
+      TESSERA_COMM_CASE(ScatterIntoFromEveryRoot, 1),
+      TESSERA_COMM_CASE(ScatterIntoOtherLengthLeavesRangesUntouched, 1),
       TESSERA_COMM_CASE(AllReduceOps, 1),
       TESSERA_COMM_CASE(AllReduceLongSpan, 1),
       TESSERA_COMM_CASE(ManyCollectivesInARowStaySeparate, 1),
