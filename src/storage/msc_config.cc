@@ -22,7 +22,29 @@ std::string Dirname(const std::string& path) {
   return slash == std::string::npos ? "." : path.substr(0, slash);
 }
 
-// ${VAR} and $VAR from the environment; unset ones are left as written (as MSC does).
+// The first "${...}" or "$NAME" left in `s`, or "": what MSC refuses as an unresolved
+// environment variable after expanding (utils.expand_env_vars: \$\{[^}]+\}|\$[A-Za-z_]\w*).
+std::string Unresolved(const std::string& s) {
+  for (size_t i = s.find('$'); i != std::string::npos; i = s.find('$', i + 1)) {
+    if (i + 1 >= s.size()) break;
+    const char c = s[i + 1];
+    if (c == '{') {
+      const size_t close = s.find('}', i + 2);
+      if (close != std::string::npos && close > i + 2) return s.substr(i, close - i + 1);
+    } else if (std::isalpha(static_cast<unsigned char>(c)) || c == '_') {
+      size_t end = i + 2;
+      while (end < s.size() &&
+             (std::isalnum(static_cast<unsigned char>(s[end])) || s[end] == '_')) {
+        ++end;
+      }
+      return s.substr(i, end - i);
+    }
+  }
+  return "";
+}
+
+// ${VAR} and $VAR from the environment, as Python's os.path.expandvars (what MSC calls): an
+// unset one is left as written, and Checked() below then refuses it as MSC does.
 std::string Expand(const std::string& s, const s3::GetEnv& getenv) {
   std::string out;
   for (size_t i = 0; i < s.size();) {
@@ -55,17 +77,56 @@ std::string Expand(const std::string& s, const s3::GetEnv& getenv) {
   return out;
 }
 
+// `s` with its environment variables expanded, or the error MSC gives for one that is unset
+// (`where` names the file and the field).
+Result<std::string> Checked(const std::string& s, const s3::GetEnv& getenv,
+                            const std::string& where) {
+  std::string expanded = Expand(s, getenv);
+  if (const std::string name = Unresolved(expanded); !name.empty()) {
+    return InvalidArgument(where + ": unresolved environment variable " + name + " in '" + s +
+                           "' (multi-storage-client refuses it too)");
+  }
+  return expanded;
+}
+
 // Flattens the scalars of `node` into `out` ("a.b" for nested maps; sequences are skipped).
-void Flatten(const YAML::Node& node, const std::string& prefix, const s3::GetEnv& getenv,
-             std::map<std::string, std::string>& out) {
-  if (!node.IsDefined() || !node.IsMap()) return;  // a missing key is an undefined node
+Status Flatten(const YAML::Node& node, const std::string& prefix, const s3::GetEnv& getenv,
+               const std::string& where, std::map<std::string, std::string>& out) {
+  if (!node.IsDefined() || !node.IsMap()) return Status::Ok();  // a missing key is undefined
   for (const auto& item : node) {
     const std::string key = prefix + item.first.as<std::string>();
     if (item.second.IsScalar()) {
-      out[key] = Expand(item.second.as<std::string>(), getenv);
+      TESSERA_ASSIGN_OR_RETURN(out[key],
+                               Checked(item.second.as<std::string>(), getenv, where + ", " + key));
     } else if (item.second.IsMap()) {
-      Flatten(item.second, key + ".", getenv, out);
+      TESSERA_RETURN_IF_ERROR(Flatten(item.second, key + ".", getenv, where, out));
     }
+  }
+  return Status::Ok();
+}
+
+// Whether two parsed nodes hold the same data, as Python's == on the loaded dicts (MSC's test
+// for a profile defined twice): maps whatever their order, sequences in order, scalars by text.
+bool SameData(const YAML::Node& a, const YAML::Node& b) {
+  if (a.Type() != b.Type()) return false;
+  switch (a.Type()) {
+    case YAML::NodeType::Scalar:
+      return a.Scalar() == b.Scalar();
+    case YAML::NodeType::Sequence:
+      if (a.size() != b.size()) return false;
+      for (size_t i = 0; i < a.size(); ++i) {
+        if (!SameData(a[i], b[i])) return false;
+      }
+      return true;
+    case YAML::NodeType::Map:
+      if (a.size() != b.size()) return false;
+      for (const auto& item : a) {
+        const YAML::Node other = b[item.first.as<std::string>()];
+        if (!other || !SameData(item.second, other)) return false;
+      }
+      return true;
+    default:
+      return true;  // both null or both undefined
   }
 }
 
@@ -107,13 +168,14 @@ Result<std::map<std::string, YAML::Node>> Profiles(const YAML::Node& root, const
       return InvalidArgument("MSC config " + path + ": `include` is not a list of files");
     }
     for (const auto& entry : include) {
-      std::string file = Expand(entry.as<std::string>(), getenv);
+      // As MSC: no environment variables in include paths; relative to the including file.
+      std::string file = entry.as<std::string>();
       if (!file.starts_with("/")) file = Dirname(path) + "/" + file;
       TESSERA_ASSIGN_OR_RETURN(YAML::Node included, Load(file));
       TESSERA_ASSIGN_OR_RETURN(auto more, Profiles(included, file, false, getenv));
       for (auto& [name, node] : more) {
         auto it = profiles.find(name);
-        if (it != profiles.end() && YAML::Dump(it->second) != YAML::Dump(node)) {
+        if (it != profiles.end() && !SameData(it->second, node)) {
           return InvalidArgument("MSC config: profile '" + name + "' is defined differently in " +
                                  path + " and " + file);
         }
@@ -128,13 +190,41 @@ Result<std::map<std::string, YAML::Node>> Profiles(const YAML::Node& root, const
 
 }  // namespace
 
+Result<MscFileCredentials> ReadMscCredentialFile(const std::string& path) {
+  const std::string what = "FileBasedCredentials file " + path;
+  Result<std::string> text = s3::ReadBoundedFile(path, 1 << 20, "credential file");
+  if (!text.ok()) return text.status().WithContext(what);
+  MscFileCredentials out;
+  try {
+    // JSON is YAML; yaml-cpp reports errors by exception, which stop here.
+    const YAML::Node root = YAML::Load(*text);
+    if (!root.IsMap()) return InvalidArgument(what + " is not a JSON object");
+    auto field = [&](const char* name) {
+      const YAML::Node v = root[name];
+      return v && v.IsScalar() ? v.Scalar() : std::string();
+    };
+    if (field("Version") != "1") {
+      return InvalidArgument(what + " has Version '" + field("Version") + "', not 1");
+    }
+    out.access_key_id = field("AccessKeyId");
+    out.secret_access_key = field("SecretAccessKey");
+    out.session_token = field("SessionToken");
+  } catch (const std::exception& e) {
+    return InvalidArgument("malformed " + what + ": " + e.what());
+  }
+  if (out.access_key_id.empty() || out.secret_access_key.empty()) {
+    return InvalidArgument(what + " lacks AccessKeyId or SecretAccessKey");
+  }
+  return out;
+}
+
 std::vector<std::string> MscConfigSearchPaths(const s3::GetEnv& getenv) {
   std::vector<std::string> paths;
   auto both = [&](const std::string& stem) {
     paths.push_back(stem + ".yaml");
     paths.push_back(stem + ".json");
   };
-  if (auto v = getenv("MSC_CONFIG"); v && !v->empty()) paths.push_back(*v);
+  if (auto v = getenv("MSC_CONFIG"); v) paths.push_back(*v);
   if (auto v = getenv("XDG_CONFIG_HOME"); v && !v->empty()) both(*v + "/msc/config");
   if (auto home = getenv("HOME"); home && !home->empty()) {
     both(*home + "/.msc_config");
@@ -155,6 +245,15 @@ Result<MscProfile> FindMscProfile(const std::string& name, const std::string& co
   std::string path = config_path;
   if (path.empty()) {
     const std::vector<std::string> candidates = MscConfigSearchPaths(getenv);
+    // MSC_CONFIG set to an empty value or a directory: MSC fails to read it; so does tessera
+    // rather than fall back to another file than MSC's.
+    if (auto v = getenv("MSC_CONFIG"); v) {
+      struct stat st;
+      if (v->empty() || (::stat(v->c_str(), &st) == 0 && !S_ISREG(st.st_mode))) {
+        return InvalidArgument("MSC_CONFIG is set to '" + *v +
+                               "', which is not a file (unset it to search the default paths)");
+      }
+    }
     for (const std::string& candidate : candidates) {
       if (Exists(candidate)) {
         path = candidate;
@@ -186,23 +285,37 @@ Result<MscProfile> FindMscProfile(const std::string& name, const std::string& co
   profile.config_file = path;
   try {
     const YAML::Node& node = it->second;
-    if (node["provider_bundle"] || node["storage_provider_profiles"]) {
-      return Unimplemented("MSC profile '" + name + "' in " + path +
-                           " uses a provider bundle or several backends, which tessera cannot "
-                           "open");
+    // Features that change which objects a path names, or where reads come from: tessera
+    // refuses them by name rather than address other objects than MSC would.
+    for (const char* feature :
+         {"provider_bundle", "storage_provider_profiles", "metadata_provider", "replicas"}) {
+      const YAML::Node value = node[feature];
+      if (value && !value.IsNull() && !(value.IsSequence() && value.size() == 0)) {
+        return Unimplemented("MSC profile '" + name + "' in " + path + " uses " + feature +
+                             ", which tessera does not support (it opens a profile's "
+                             "storage_provider directly)");
+      }
     }
     const YAML::Node provider = node["storage_provider"];
     if (!provider || !provider["type"]) {
       return InvalidArgument("MSC profile '" + name + "' in " + path +
                              " has no storage_provider type");
     }
-    profile.provider_type = Expand(provider["type"].as<std::string>(), getenv);
-    Flatten(provider["options"], "", getenv, profile.options);
+    const std::string where = "MSC profile '" + name + "' in " + path;
+    TESSERA_ASSIGN_OR_RETURN(
+        profile.provider_type,
+        Checked(provider["type"].as<std::string>(), getenv, where + ", storage_provider.type"));
+    TESSERA_RETURN_IF_ERROR(Flatten(provider["options"], "", getenv,
+                                    where + ", storage_provider.options", profile.options));
     if (const YAML::Node credentials = node["credentials_provider"]; credentials) {
       if (credentials["type"]) {
-        profile.credentials_type = Expand(credentials["type"].as<std::string>(), getenv);
+        TESSERA_ASSIGN_OR_RETURN(profile.credentials_type,
+                                 Checked(credentials["type"].as<std::string>(), getenv,
+                                         where + ", credentials_provider.type"));
       }
-      Flatten(credentials["options"], "", getenv, profile.credentials_options);
+      TESSERA_RETURN_IF_ERROR(Flatten(credentials["options"], "", getenv,
+                                      where + ", credentials_provider.options",
+                                      profile.credentials_options));
     }
   } catch (const std::exception& e) {
     return InvalidArgument("malformed MSC profile '" + name + "' in " + path + ": " + e.what());

@@ -1,6 +1,7 @@
 #include "tessera/storage_uri.h"
 
 #include <cctype>
+#include <string_view>
 
 #if TESSERA_HAVE_S3
 #include "storage/msc_config.h"
@@ -74,6 +75,30 @@ Result<uint64_t> ParseBytes(const std::string& s, const std::string& what) {
   return static_cast<uint64_t>(v);
 }
 
+// PyYAML's booleans (YAML 1.1, what MSC reads its config with): "no" and "off" are false.
+std::optional<bool> YamlBool(const std::string& v) {
+  for (std::string_view t : {"true", "True", "TRUE", "yes", "Yes", "YES", "on", "On", "ON"}) {
+    if (v == t) return true;
+  }
+  for (std::string_view f : {"false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF"}) {
+    if (v == f) return false;
+  }
+  return std::nullopt;
+}
+
+// MSC's FileBasedCredentials: a JSON file in the AWS credential_process format ({"Version": 1,
+// "AccessKeyId": ..., "SecretAccessKey": ..., "SessionToken": ...}), read once when the
+// storage opens (MSC re-reads it when asked to refresh; tessera's client does not refresh).
+Status ReadCredentialFile(const std::string& file, const std::string& where,
+                          S3StorageOptions& options) {
+  Result<MscFileCredentials> read = ReadMscCredentialFile(file);
+  if (!read.ok()) return read.status().WithContext(where);
+  options.access_key_id = read->access_key_id;
+  options.secret_access_key = read->secret_access_key;
+  options.session_token = read->session_token;
+  return Status::Ok();
+}
+
 // An MSC S3 profile's settings over `options` (the names are boto3's, as MSC passes them on).
 Status ApplyMscS3Profile(const MscProfile& p, S3StorageOptions& options, std::string& base_path) {
   const std::string where = "MSC profile '" + p.name + "' in " + p.config_file;
@@ -87,11 +112,15 @@ Status ApplyMscS3Profile(const MscProfile& p, S3StorageOptions& options, std::st
   if (!get("profile_name").empty()) options.profile = get("profile_name");
   if (!get("s3.addressing_style").empty()) options.addressing_style = get("s3.addressing_style");
   if (const std::string verify = get("verify"); !verify.empty()) {
-    if (verify == "false" || verify == "False") {
-      options.verify_tls = false;
-    } else if (verify != "true" && verify != "True") {
+    if (const std::optional<bool> b = YamlBool(verify); b) {
+      options.verify_tls = *b;
+    } else {
       options.ca_bundle = verify;  // a CA bundle's path
     }
+  }
+  if (!get("signature_version").empty()) {
+    return Unimplemented(where + ": signature_version '" + get("signature_version") +
+                         "' is not supported (tessera signs every request with SigV4)");
   }
   if (const std::string v = get("multipart_chunksize"); !v.empty()) {
     TESSERA_ASSIGN_OR_RETURN(options.part_bytes, ParseBytes(v, where + ": multipart_chunksize"));
@@ -109,15 +138,34 @@ Status ApplyMscS3Profile(const MscProfile& p, S3StorageOptions& options, std::st
     TESSERA_ASSIGN_OR_RETURN(const uint64_t n, bounded("max_concurrency", kMaxS3Concurrency));
     options.max_concurrency = static_cast<size_t>(n);
   }
-  if (!get("retries.max_attempts").empty()) {
-    TESSERA_ASSIGN_OR_RETURN(const uint64_t n, bounded("retries.max_attempts", kMaxS3Attempts));
+  // botocore's retries: max_attempts counts the retries after the first try (0: none);
+  // total_max_attempts counts every try. tessera's max_attempts counts every try.
+  if (!get("retries.total_max_attempts").empty()) {
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t n,
+                             bounded("retries.total_max_attempts", kMaxS3Attempts));
     options.max_attempts = static_cast<int>(n);
+  } else if (!get("retries.max_attempts").empty()) {
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t n, ParseBytes(get("retries.max_attempts"),
+                                                          where + ": retries.max_attempts"));
+    if (n > kMaxS3Attempts - 1) {
+      return InvalidArgument(where + ": retries.max_attempts " + std::to_string(n) +
+                             " is outside [0, " + std::to_string(kMaxS3Attempts - 1) + "]");
+    }
+    options.max_attempts = static_cast<int>(n) + 1;
   }
   if (p.credentials_type.empty()) return Status::Ok();  // the AWS default chain
+  if (p.credentials_type == "FileBasedCredentials") {
+    auto it = p.credentials_options.find("credential_file_path");
+    if (it == p.credentials_options.end() || it->second.empty()) {
+      return InvalidArgument(where + ": FileBasedCredentials needs credential_file_path");
+    }
+    return ReadCredentialFile(it->second, where, options);
+  }
   if (p.credentials_type != "S3Credentials") {
     return Unimplemented(where + " uses credentials provider '" + p.credentials_type +
-                         "'; tessera reads S3Credentials (access_key, secret_key, session_token) "
-                         "or, without a credentials_provider, the AWS environment and profiles");
+                         "'; tessera reads S3Credentials (access_key, secret_key, session_token), "
+                         "FileBasedCredentials (credential_file_path) or, without a "
+                         "credentials_provider, the AWS environment and profiles");
   }
   auto cred = [&](const std::string& key) {
     auto it = p.credentials_options.find(key);
@@ -126,14 +174,24 @@ Status ApplyMscS3Profile(const MscProfile& p, S3StorageOptions& options, std::st
   options.access_key_id = cred("access_key");
   options.secret_access_key = cred("secret_key");
   options.session_token = cred("session_token");
-  if (options.access_key_id.empty() || options.secret_access_key.empty() ||
-      options.access_key_id.starts_with("$") || options.secret_access_key.starts_with("$")) {
-    return InvalidArgument(where +
-                           ": S3Credentials needs access_key and secret_key (an unset "
-                           "environment variable stays unexpanded: '" +
-                           options.access_key_id + "')");
+  if (options.access_key_id.empty() || options.secret_access_key.empty()) {
+    return InvalidArgument(where + ": S3Credentials needs access_key and secret_key");
   }
   return Status::Ok();
+}
+
+// A "." or ".." segment of `path`, or "". MSC keeps them in object keys as written, where
+// tessera's keys resolve them: such a path would name other objects than MSC's.
+std::string DotSegment(const std::string& path) {
+  size_t begin = 0;
+  while (begin <= path.size()) {
+    size_t end = path.find('/', begin);
+    if (end == std::string::npos) end = path.size();
+    const std::string_view part(path.data() + begin, end - begin);
+    if (part == "." || part == "..") return std::string(part);
+    begin = end + 1;
+  }
+  return "";
 }
 
 Result<Location> OpenMsc(const std::string& uri, const OpenStorageOptions& options) {
@@ -142,11 +200,20 @@ Result<Location> OpenMsc(const std::string& uri, const OpenStorageOptions& optio
   const std::string name = rest.substr(0, slash);
   const std::string path = slash == std::string::npos ? "" : rest.substr(slash + 1);
   if (name.empty()) return InvalidArgument("'" + uri + "' names no profile (msc://profile/path)");
+  if (const std::string dot = DotSegment(path); !dot.empty()) {
+    return InvalidArgument("'" + uri + "' has a '" + dot +
+                           "' segment: multi-storage-client keeps it in the object key as "
+                           "written, tessera would resolve it; name the path without it");
+  }
   Result<MscProfile> found = FindMscProfile(name, options.msc_config);
   if (!found.ok()) {
-    // MSC's implicit profile for the local file system.
-    if (name == "__filesystem__" && found.status().code() == StatusCode::kNotFound) {
-      return Location(NewPosixStorage(), "/" + path);
+    if (found.status().code() == StatusCode::kNotFound) {
+      // MSC's implicit profiles: the local file system, and an S3 bucket with the AWS
+      // environment's endpoint and credentials (msc://_s3-bucket/key, as s3://bucket/key).
+      if (name == "__filesystem__") return Location(NewPosixStorage(), "/" + path);
+      if (name.starts_with("_s3-") && name.size() > 4) {
+        return OpenS3(name.substr(4), S3Storage::KeyOf(path), options.s3, uri);
+      }
     }
     return found.status().WithContext("opening " + uri);
   }
@@ -166,6 +233,14 @@ Result<Location> OpenMsc(const std::string& uri, const OpenStorageOptions& optio
   S3StorageOptions s3 = options.s3;
   std::string base_path;
   TESSERA_RETURN_IF_ERROR_CTX(ApplyMscS3Profile(profile, s3, base_path), "opening " + uri);
+  if (const std::string dot = DotSegment(base_path); !dot.empty()) {
+    return InvalidArgument("opening " + uri + ": MSC profile '" + name + "' in " +
+                           profile.config_file + " has a '" + dot +
+                           "' segment in its base_path, which multi-storage-client keeps in "
+                           "object keys as written and tessera would resolve");
+  }
+  // As MSC: leading slashes of the base_path do not count ("/bucket/prefix").
+  base_path.erase(0, base_path.find_first_not_of('/'));
   auto [bucket, prefix] = SplitBucket(base_path);
   if (bucket.empty()) {
     return InvalidArgument("opening " + uri + ": MSC profile '" + name + "' in " +
@@ -191,6 +266,11 @@ Result<Location> WithoutS3(const std::string& uri) {
 Result<std::pair<std::shared_ptr<Storage>, std::string>> OpenStorage(
     const std::string& uri, const OpenStorageOptions& options) {
   if (uri.empty()) return InvalidArgument("an empty path or URI");
+  // "msc:/profile/path": a msc:// URI whose slashes a path library collapsed (pathlib does);
+  // MSC reads it as msc://profile/path.
+  if (uri.starts_with("msc:/") && !uri.starts_with("msc://")) {
+    return OpenStorage("msc://" + uri.substr(5), options);
+  }
   const std::string scheme = SchemeOf(uri);
   if (scheme.empty()) return Location(NewPosixStorage(), uri);
   if (scheme == "file") return OpenFile(uri);

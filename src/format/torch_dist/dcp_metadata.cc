@@ -452,9 +452,17 @@ Status Interpreter::PlannerData(const PickleValue& v) {
   return Status();
 }
 
-// A pathlib path is reduce(pathlib.PosixPath, (part, part, ...)).
+// A pathlib path is reduce(pathlib.PosixPath, (part, part, ...)). multi-storage-client's
+// MultiStoragePath (its DCP writer's checkpoint_id) is newobj(cls) with the state
+// {"_path": "msc://profile/path", "_internal_path": ...}: its path is "_path".
 Result<std::string> Interpreter::PathLike(const PickleValue& v) {
   if (v.is(PickleKind::kStr)) return Str(b_, v);
+  if (v.IsObjectOf("multistorageclient.pathlib", "MultiStoragePath")) {
+    const std::optional<PickleValue> path = v.Attr("_path");
+    if (path && path->is(PickleKind::kStr)) return Str(b_, *path);
+    return InvalidArgument("expected a MultiStoragePath with a str _path, found " +
+                           (path ? path->Describe() : std::string("none")));
+  }
   const std::optional<PickleValue> cls = v.ObjectClass();
   const bool pathlib =
       cls && (cls->global_module() == "pathlib" || cls->global_module().substr(0, 8) == "pathlib.");

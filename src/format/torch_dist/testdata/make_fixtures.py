@@ -352,6 +352,29 @@ def make_metadata(out, dcp113_dir):
     m2 = dcp2_metadata(ns)
     m2.storage_meta.checkpoint_id = "s3://bucket/ckpt"
     write("torch2_checkpoint_id_str", pickle.dumps(m2, protocol=4), describe_metadata(m2))
+    # checkpoint_id as multi-storage-client's DCP writer leaves it: a MultiStoragePath, which
+    # pickles as newobj(cls) with the state {"_path": "msc://...", "_internal_path": ...}.
+    msc_pathlib = types.ModuleType("multistorageclient.pathlib")
+
+    class MultiStoragePath:
+        def __init__(self, path):
+            self._path = path
+            self._internal_path = pathlib.PurePosixPath("/" + path.split("/", 3)[3])
+
+        def __getstate__(self):
+            return {"_path": self._path, "_internal_path": self._internal_path}
+
+        def __str__(self):
+            return self._path
+
+    MultiStoragePath.__module__ = "multistorageclient.pathlib"
+    MultiStoragePath.__qualname__ = "MultiStoragePath"
+    msc_pathlib.MultiStoragePath = MultiStoragePath
+    sys.modules.setdefault("multistorageclient", types.ModuleType("multistorageclient"))
+    sys.modules["multistorageclient.pathlib"] = msc_pathlib
+    m4 = dcp2_metadata(ns)
+    m4.storage_meta.checkpoint_id = MultiStoragePath("msc://train/dcp/step_300")
+    write("torch2_msc_path", pickle.dumps(m4, protocol=4), describe_metadata(m4))
 
     # Megatron-Core: an MCoreMetadata (core 0.15) with mcore_data and all_local_plans of
     # MCoreSavePlan / WriteItem objects; and the older form, a plain Metadata with mcore_data.
