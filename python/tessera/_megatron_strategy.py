@@ -110,6 +110,15 @@ class TesseraLoadShardedStrategy(TorchDistLoadShardedStrategy):
         # A load replaces the ShardedObject leaves of the dict it is given by their values: give
         # it a copy of the containers (Megatron's own strategy leaves the request as it is).
         sharded_state_dict = _state.copy_containers(sharded_state_dict, lambda path, value: value)
+        # Megatron's FullyParallelLoadStrategyWrapper passes flat dicts keyed by shard ids
+        # (tuples), which a tessera state dict cannot hold: they get names for the load and
+        # their keys back in the result (the checkpoint keys are the ShardedTensors' own).
+        shard_ids: Optional[list[Any]] = None
+        if isinstance(sharded_state_dict, dict) and not all(
+                isinstance(k, str) for k in sharded_state_dict):
+            shard_ids = list(sharded_state_dict)
+            sharded_state_dict = {f"shard_{i}": v
+                                  for i, v in enumerate(sharded_state_dict.values())}
 
         def prepare():
             flat = _state.Flat(sharded_state_dict, for_load=True)
@@ -123,7 +132,10 @@ class TesseraLoadShardedStrategy(TorchDistLoadShardedStrategy):
         flat, builder, opts = _api._prepare(comm, prepare)
         report = _api._load_prepared(sharded_state_dict, flat, builder, path, comm, opts,
                                      function=None)
-        return _values(report.state_dict)
+        values = _values(report.state_dict)
+        if shard_ids is not None:
+            return {key: values[f"shard_{i}"] for i, key in enumerate(shard_ids)}
+        return values
 
 
 def _values(state):

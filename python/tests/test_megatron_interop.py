@@ -12,7 +12,8 @@ a non-persistent object):
   TesseraSaveShardedStrategy()), also wrapped by FullyParallelSaveStrategyWrapper and
   asynchronous (async_sharded_save=True, the request run by execute_sync), and
   dist_checkpointing.load(..., sharded_strategy=TesseraLoadShardedStrategy()), with Megatron's
-  strict modes; what one strategy saves the other loads.
+  strict modes, and wrapped by FullyParallelLoadStrategyWrapper (its exchange CPU-patched:
+  megatron_load_cpu()); what one strategy saves the other loads.
 
 On a CPU-only torch, Megatron's own torch_dist save calls CUDA twice; see megatron_cpu()."""
 
@@ -50,6 +51,34 @@ def megatron_cpu():
         yield
     finally:
         torch.cuda.synchronize, torch.cuda.current_device = saved
+
+
+@contextlib.contextmanager
+def megatron_load_cpu():
+    """Megatron-Core 0.19's FullyParallelLoadStrategyWrapper exchanges the loaded shards on
+    CUDA whatever the tensors' device (dist_checkpointing/exchange_utils.py: init_data("cuda"),
+    torch.empty(..., device="cuda"), torch.empty_like(..., device="cuda"), Tensor.cuda()) and
+    calls torch.cuda.synchronize() (strategies/fully_parallel.py). On a CPU-only torch those
+    raise; here they name the CPU and do nothing, so that its exchange runs over gloo."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def cpu(device):
+        return "cpu" if device is not None and torch.device(device).type == "cuda" else device
+
+    empty, empty_like, init_data = torch.empty, torch.empty_like, ShardedTensor.init_data
+    saved = (torch.cuda.synchronize, torch.Tensor.cuda, empty, empty_like, init_data)
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.empty = lambda *args, device=None, **kwargs: empty(*args, device=cpu(device), **kwargs)
+    torch.empty_like = lambda t, *args, device=None, **kwargs: empty_like(
+        t, *args, device=cpu(device), **kwargs)
+    ShardedTensor.init_data = lambda self, device, init_fn=empty: init_data(self, cpu(device),
+                                                                            init_fn)
+    try:
+        yield
+    finally:
+        (torch.cuda.synchronize, torch.Tensor.cuda, torch.empty, torch.empty_like,
+         ShardedTensor.init_data) = saved
 
 
 def state(rank, fill=True, swapped=False):
@@ -155,6 +184,28 @@ def worker(rank, size, port, out):
         check_one_piece(dist_checkpointing.load(sd, os.path.join(out, "strategy_fp"),
                                                 TesseraLoadShardedStrategy(
                                                     read_sharing="read_once")), tp)
+
+        # Megatron's FullyParallelLoadStrategyWrapper around tessera's strategy: Megatron gives
+        # each rank the main-replica shards to load (disjoint needs: tessera's plan shares
+        # nothing, whatever its read_sharing), then exchanges them itself (CPU-patched).
+        # Its "gather_rounds" exchange all-gathers tensors of different sizes, which gloo
+        # refuses ("invalid tensor size"): that one needs NCCL.
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import \
+            FullyParallelLoadStrategyWrapper
+        for name, algo, sharing in [("megatron", "broadcast", "auto"),
+                                    ("strategy", "gather_object", "read_once"),
+                                    ("tessera", "broadcast", "none")]:
+            sd, tp, dp = request(rank)
+            with megatron_load_cpu():
+                result = dist_checkpointing.load(sd, os.path.join(out, name),
+                                                 FullyParallelLoadStrategyWrapper(
+                                                     TesseraLoadShardedStrategy(
+                                                         read_sharing=sharing),
+                                                     exchange_algo=algo))
+            try:
+                check_loaded(result, tp, TP, dp, DP, legacy_flat=False)
+            except AssertionError as e:
+                raise AssertionError(f"{name} under the wrapper ({algo}, {sharing}): {e}") from e
 
         # Megatron's strict modes through tessera's strategy (its load_sharded_metadata).
         sd, tp, dp = request(rank)
