@@ -146,6 +146,10 @@ struct StorageCapabilities {
   // Publish(kCreateOnly) fail with kAlreadyExists when the name exists, and of several
   // processes racing to create one name exactly one succeeds.
   bool conditional_create = false;
+  // Each read costs a request (an object store): a small read costs about what one of this
+  // many bytes does, so readers fetch the ranges they will read that touch each other
+  // together, up to this many bytes a read. 0: small reads are cheap (a file system, memory).
+  uint64_t coalesce_read_bytes = 0;
 };
 
 // How Publish treats a name that exists.

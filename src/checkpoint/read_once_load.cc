@@ -3,6 +3,8 @@
 #include <sys/vfs.h>
 
 #include <algorithm>
+#include <map>
+#include <memory>
 #include <set>
 #include <thread>
 #include <utility>
@@ -309,11 +311,10 @@ class Exchange {
   // Reads piece `out.piece` cell by cell (into the send buffer, or `buffer` when no rank
   // receives it), checks each cell (kEachCell) or adds it to the checksum of the chunk read
   // whole, and puts this rank's parts in place.
-  Status ReadPiece(const Outgoing& out, std::vector<std::byte>& buffer, const Placer& placer,
-                   uint64_t& calls) {
+  Status ReadPiece(const Outgoing& out, const ReadableFile& file, std::vector<std::byte>& buffer,
+                   const Placer& placer, uint64_t& calls) {
     const SharedPiece& p = plan_.pieces[out.piece];
     const ChunkInfo& c = metadata_.tensors[p.tensor].chunks[p.chunk];
-    const ReadableFile& file = *files_[c.location.file_index];
     const uint64_t cell = plan_.cell_bytes;
     for (uint64_t cell_begin = p.begin; cell_begin < p.end; cell_begin += cell) {
       const uint64_t cell_end = std::min(cell_begin + cell, p.end);
@@ -389,12 +390,33 @@ class Exchange {
     const size_t slices = bounds.size() - 1;
     std::vector<Status> statuses(slices + 1);
     std::vector<uint64_t> calls(slices + 1, 0);
+    const uint64_t coalesce = storage_.capabilities().coalesce_read_bytes;
     auto work = [&](size_t s, const std::vector<size_t>& list, size_t begin, size_t end) {
       std::vector<std::byte> buffer(plan_.cell_bytes);
       DeviceSink sink(uploads_);
       const Placer placer{uploads_, &sink};
+      // On an object store, this slice's pieces of each file in requests of up to `coalesce`.
+      std::map<uint32_t, std::unique_ptr<CoalescingFile>> coalesced;
+      if (coalesce > 0) {
+        std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> ranges;
+        for (size_t k = begin; k < end; ++k) {
+          const SharedPiece& p = plan_.pieces[mine[list[k]].piece];
+          const ByteLocation& at = metadata_.tensors[p.tensor].chunks[p.chunk].location;
+          ranges[at.file_index].emplace_back(at.offset + p.begin, at.offset + p.end);
+        }
+        for (auto& [f, r] : ranges) {
+          coalesced[f] = std::make_unique<CoalescingFile>(*files_[f], std::move(r), coalesce);
+        }
+      }
       for (size_t k = begin; k < end && statuses[s].ok(); ++k) {
-        statuses[s] = ReadPiece(mine[list[k]], buffer, placer, calls[s]);
+        const SharedPiece& p = plan_.pieces[mine[list[k]].piece];
+        const uint32_t f = metadata_.tensors[p.tensor].chunks[p.chunk].location.file_index;
+        statuses[s] = ReadPiece(mine[list[k]], coalesce > 0 ? *coalesced[f] : *files_[f], buffer,
+                                placer, calls[s]);
+      }
+      if (coalesce > 0) {  // the reads that reached storage
+        calls[s] = 0;
+        for (const auto& [f, file] : coalesced) calls[s] += file->reads();
       }
       if (statuses[s].ok()) statuses[s] = sink.Flush();
     };

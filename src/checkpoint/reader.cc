@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <thread>
 
 #include "core/checksum.h"
@@ -242,6 +244,43 @@ Status CheckCastAlignment(const Metadata& metadata, const std::vector<ReadRun>& 
 
 }  // namespace
 
+CoalescingFile::CoalescingFile(const ReadableFile& file,
+                               std::vector<std::pair<uint64_t, uint64_t>> ranges,
+                               uint64_t max_bytes)
+    : file_(file), max_bytes_(max_bytes) {
+  std::sort(ranges.begin(), ranges.end());
+  for (const auto& [begin, end] : ranges) {
+    if (begin >= end) continue;
+    if (!spans_.empty() && begin <= spans_.back().second) {
+      spans_.back().second = std::max(spans_.back().second, end);
+    } else {
+      spans_.emplace_back(begin, end);
+    }
+  }
+}
+
+Status CoalescingFile::ReadAt(uint64_t offset, void* dst, size_t n) const {
+  if (n == 0) return Status::Ok();
+  if (offset >= begin_ && offset + n <= end_) {
+    std::memcpy(dst, buffer_.data() + (offset - begin_), n);
+    return Status::Ok();
+  }
+  // The span holding the read: the last one that begins at or before it.
+  auto it = std::upper_bound(spans_.begin(), spans_.end(), std::make_pair(offset, UINT64_MAX));
+  ++reads_;
+  if (n >= max_bytes_ || it == spans_.begin() || std::prev(it)->second < offset + n) {
+    return file_.ReadAt(offset, dst, n);
+  }
+  const uint64_t end = std::min(std::prev(it)->second, offset + max_bytes_);
+  buffer_.resize(end - offset);
+  begin_ = end_ = 0;
+  TESSERA_RETURN_IF_ERROR(file_.ReadAt(offset, buffer_.data(), buffer_.size()));
+  begin_ = offset;
+  end_ = end;
+  std::memcpy(dst, buffer_.data(), n);
+  return Status::Ok();
+}
+
 Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& metadata,
                     const std::vector<ReadRun>& runs, const LoadOptions& options,
                     LoadReport& report, DataFileHeaders* headers, ProgressMeter* progress,
@@ -293,13 +332,36 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
   const size_t slices = bounds.size() - 1;
   std::vector<Status> statuses(slices);
   std::vector<uint64_t> bytes(slices, 0), calls(slices, 0);
+  const uint64_t coalesce = storage.capabilities().coalesce_read_bytes;
   auto work = [&](size_t slice) {
     std::vector<std::byte> buffer(kCheckedReadPiece);
     DeviceSink sink(uploads);
     const Placer placer{uploads, &sink};
+    // On an object store, the slice's reads of each file in requests of up to `coalesce`.
+    std::map<uint32_t, std::unique_ptr<CoalescingFile>> coalesced;
+    if (coalesce > 0) {
+      std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> ranges;
+      for (size_t i = bounds[slice]; i < bounds[slice + 1]; ++i) {
+        const UnitRead& u = units[i];
+        if (!u.direct) ranges[u.file_index].emplace_back(u.offset, u.offset + u.length);
+        for (uint32_t s = u.segments_begin; u.direct && s < u.segments_end; ++s) {
+          ranges[u.file_index].emplace_back(segments[s].file_offset,
+                                            segments[s].file_offset + segments[s].length);
+        }
+      }
+      for (auto& [f, list] : ranges) {
+        coalesced[f] = std::make_unique<CoalescingFile>(*files[f], std::move(list), coalesce);
+      }
+    }
     for (size_t i = bounds[slice]; i < bounds[slice + 1] && statuses[slice].ok(); ++i) {
-      statuses[slice] = ReadUnit(*files[units[i].file_index], dir, metadata, units[i], segments,
-                                 buffer, placer, bytes[slice], calls[slice], progress);
+      const uint32_t f = units[i].file_index;
+      const ReadableFile& file = coalesce > 0 ? *coalesced[f] : *files[f];
+      statuses[slice] = ReadUnit(file, dir, metadata, units[i], segments, buffer, placer,
+                                 bytes[slice], calls[slice], progress);
+    }
+    if (coalesce > 0) {  // the reads that reached storage
+      calls[slice] = 0;
+      for (const auto& [f, file] : coalesced) calls[slice] += file->reads();
     }
     if (statuses[slice].ok()) statuses[slice] = sink.Flush();
   };

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "checkpoint/device_uploads.h"
 #include "core/checksum.h"
@@ -133,6 +135,31 @@ struct UnitRead {
   uint32_t chunk = 0;
   uint32_t segments_begin = 0;  // into the segment array
   uint32_t segments_end = 0;
+};
+
+// One thread's reads of a file of a storage where each read is a request
+// (StorageCapabilities::coalesce_read_bytes): the ranges the thread will read that touch each
+// other are fetched together, at most `max_bytes` a read, and its own reads (pieces of 256 KiB)
+// are served from memory. A read outside the planned ranges, or of `max_bytes` or more, goes
+// to the file as it is. Not thread-safe: one per thread.
+class CoalescingFile final : public ReadableFile {
+ public:
+  // `ranges`: [begin, end) byte ranges of `file`, in any order.
+  CoalescingFile(const ReadableFile& file, std::vector<std::pair<uint64_t, uint64_t>> ranges,
+                 uint64_t max_bytes);
+  Status ReadAt(uint64_t offset, void* dst, size_t n) const override;
+  uint64_t size() const override { return file_.size(); }
+  const std::string& path() const override { return file_.path(); }
+  // Reads issued to the file so far.
+  uint64_t reads() const { return reads_; }
+
+ private:
+  const ReadableFile& file_;
+  std::vector<std::pair<uint64_t, uint64_t>> spans_;  // the ranges merged where they touch
+  const uint64_t max_bytes_;
+  mutable std::vector<std::byte> buffer_;
+  mutable uint64_t begin_ = 0, end_ = 0;  // the file bytes buffer_ holds
+  mutable uint64_t reads_ = 0;
 };
 
 // kDataLoss naming the chunk, the file and the offset of the unit whose bytes do not match, as

@@ -136,6 +136,17 @@ std::vector<NeedRange> SweepChunk(std::span<const GroupNeed> needs, uint64_t cel
                        ? range.bytes
                        : static_cast<uint64_t>(std::min<unsigned __int128>(needed, range.bytes));
     union_bytes += range.needed;
+    // Cells that the same groups need, one after another, are one range: its pieces are then
+    // as long as exchange_bytes allows (one storage request per 8 MiB), where ranges cut at
+    // each need's cell boundary (one per row of a column slice) made pieces of one cell, dealt
+    // out to the readers in turn, one request each.
+    NeedRange* last = ranges.empty() ? nullptr : &ranges.back();
+    if (last != nullptr && last->cell_end == b && last->groups == range.groups) {
+      last->cell_end = e;
+      last->bytes += range.bytes;
+      last->needed += range.needed;
+      continue;
+    }
     ranges.push_back(std::move(range));
   }
   return ranges;

@@ -201,10 +201,13 @@ S3Storage::S3Storage(std::shared_ptr<s3::S3Client> client, std::string bucket)
 S3Storage::~S3Storage() = default;
 
 StorageCapabilities S3Storage::capabilities() const {
+  // A ranged GET is a request (and on moto a read of the whole object): reads fetch what they
+  // will need in ranges of read_chunk_bytes.
   return StorageCapabilities{.rename = false,
                              .positional_writes = false,
                              .directory_sync = false,
-                             .conditional_create = true};
+                             .conditional_create = true,
+                             .coalesce_read_bytes = client_->options().read_chunk_bytes};
 }
 
 Status S3Storage::CheckBucket() {
