@@ -24,13 +24,25 @@ process) and reports the difference.
 
 A failure on the server's side (refused connection, a reply cut short, an unparsable head) is
 recorded in `errors`; the harness fails the run if there are any.
+
+Throttling (the tests of issue 34): throttle() adds a rule under which a matching request (its
+method, and a substring of its target: path and query as the client sent them) is answered
+503 SlowDown, as S3 answers a client over its request rate, instead of being forwarded, with a
+given probability (a seeded generator: the same sequence of decisions every run). The reply
+closes the connection (a request body the client sends anyway is read and dropped first).
+Counted in `throttled`. Run as a program it serves until SIGTERM (see main()).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import random
 import select
+import signal
 import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -59,13 +71,41 @@ class Counters:
     response_body_bytes: int = 0
     connections: int = 0
     client_aborts: int = 0
+    throttled: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
         return {"requests": dict(self.requests), "statuses": dict(self.statuses),
                 "request_body_bytes": self.request_body_bytes,
                 "response_body_bytes": self.response_body_bytes,
-                "connections": self.connections, "client_aborts": self.client_aborts}
+                "connections": self.connections, "client_aborts": self.client_aborts,
+                "throttled": self.throttled}
+
+
+@dataclass(frozen=True)
+class ThrottleRule:
+    """Requests of `method` ("" for any) whose target contains `target_contains` are answered
+    503 SlowDown with probability `probability`."""
+
+    method: str
+    target_contains: str
+    probability: float
+
+    @staticmethod
+    def parse(text: str) -> "ThrottleRule":
+        """METHOD:SUBSTRING:PROBABILITY, e.g. "GET:list-type=2:0.25" (METHOD may be empty)."""
+        method, sep, rest = text.partition(":")
+        substring, sep2, probability = rest.rpartition(":")
+        if not sep or not sep2:
+            raise ValueError(f"--throttle {text!r}: expected METHOD:SUBSTRING:PROBABILITY")
+        p = float(probability)
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"--throttle {text!r}: probability {p} is outside [0, 1]")
+        return ThrottleRule(method.upper(), substring, p)
+
+
+SLOW_DOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>"
+             b"<Message>Please reduce your request rate.</Message></Error>")
 
 
 def difference(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
@@ -321,6 +361,9 @@ class _Exchange:
             request_length = _content_length(headers)
         except ValueError as e:
             raise ClientGone(str(e)) from e
+        if self.proxy.throttles(method, parts[1]):
+            self._slow_down(method, headers, request_length)
+            return False
         self._connect_upstream()
         assert self.upstream_in is not None
         with self.proxy.lock:
@@ -361,6 +404,23 @@ class _Exchange:
             self._close_upstream()
         return keep
 
+    def _slow_down(self, method: str, headers: dict[str, str], length: Optional[int]) -> None:
+        """Answers 503 SlowDown in place of the server; the connection then closes."""
+        expect = headers.get("expect", "").lower() == "100-continue"
+        if length and not expect:  # the body comes anyway: read and drop it
+            left = length
+            while left > 0:
+                data = self._read_some(self.client_in, min(left, CHUNK), from_client=True)
+                left -= len(data)
+        with self.proxy.lock:
+            c = self.proxy.counters
+            c.requests[method] = c.requests.get(method, 0) + 1
+            c.statuses["5xx"] = c.statuses.get("5xx", 0) + 1
+            c.throttled += 1
+        self._to_client(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+                        b"Content-Length: " + str(len(SLOW_DOWN)).encode() +
+                        b"\r\nConnection: close\r\n\r\n" + SLOW_DOWN)
+
     def _send_request_body(self, headers: dict[str, str], length: Optional[int]) -> None:
         if _is_chunked(headers):
             self._copy_chunked(self.client_in, from_client=True)
@@ -396,9 +456,26 @@ class CountingProxy:
         self.counters = Counters()
         self.lock = threading.Lock()
         self.errors: list[str] = []
+        self.rules: list[ThrottleRule] = []
+        self._random = random.Random(0)
         self._listener: Optional[socket.socket] = None
         self._control: Optional[ThreadingHTTPServer] = None
         self._closed = threading.Event()
+
+    def throttle(self, rule: ThrottleRule, seed: int = 0) -> None:
+        """Adds `rule` (and reseeds the generator that decides)."""
+        with self.lock:
+            self.rules.append(rule)
+            self._random.seed(seed)
+
+    def throttles(self, method: str, target: str) -> bool:
+        """Whether this request is answered 503 SlowDown (one decision per matching rule)."""
+        with self.lock:
+            for rule in self.rules:
+                if rule.method in ("", method) and rule.target_contains in target and \
+                        self._random.random() < rule.probability:
+                    return True
+        return False
 
     def record_error(self, message: str) -> None:
         """Keeps a server-side failure (the run fails when there is any)."""
@@ -487,3 +564,36 @@ def fetch_counters(control_url: str) -> dict[str, Any]:
     import urllib.request
     with urllib.request.urlopen(control_url + "/counters", timeout=60) as reply:
         return json.loads(reply.read())
+
+
+def main(argv: list[str]) -> int:
+    """Runs the proxy until SIGTERM or SIGINT: writes "PROXY_URL=...", "PROXY_CONTROL_URL=..."
+    to --ready-file (written beside, then renamed) once it listens."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--upstream", required=True, help="the server, http://HOST:PORT")
+    parser.add_argument("--ready-file", required=True)
+    parser.add_argument("--throttle", action="append", default=[],
+                        help="METHOD:SUBSTRING:PROBABILITY, e.g. GET:list-type=2:0.25")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    host_port = args.upstream.split("://", 1)[-1].rstrip("/")
+    host, _, port = host_port.rpartition(":")
+    proxy = CountingProxy(host, int(port)).start()
+    for text in args.throttle:
+        proxy.throttle(ThrottleRule.parse(text), args.seed)
+    with open(args.ready_file + ".tmp", "w") as f:
+        f.write(f"PROXY_URL={proxy.url}\nPROXY_CONTROL_URL={proxy.control_url}\n")
+    os.replace(args.ready_file + ".tmp", args.ready_file)
+    stop = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
+    stop.wait()
+    proxy.close()
+    if proxy.errors:
+        print("\n".join(proxy.errors), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
