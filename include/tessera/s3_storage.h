@@ -70,7 +70,9 @@ struct S3StorageOptions {
   uint64_t part_bytes = 8u << 20;
   size_t max_concurrency = 8;  // 1 to kMaxS3Concurrency
   uint64_t max_inflight_bytes = 256u << 20;
-  uint64_t read_chunk_bytes = 8u << 20;
+  // 32 MiB: a load's reader thread fetches what it will read in reads of this size (one buffer
+  // of it per thread); 8 MiB made twice the requests (docs/S3.md, "Reads").
+  uint64_t read_chunk_bytes = 32u << 20;
   // Retries of one request, and the time they may take together.
   int max_attempts = 10;  // 1 to kMaxS3Attempts
   std::chrono::milliseconds retry_base_delay{50};
