@@ -185,13 +185,13 @@ struct LoadOptions {
   // sending rank and round: a reader reads each piece once into its send buffer, whatever the
   // number of its receivers, and each receiver's parts land straight in its tensors where they
   // are plain host bytes it needs (LoadReport::bytes_received_in_place; casts, device memory and
-  // bytes of a cell it does not need go through a staging buffer). The job then reads the union of its needs, rounded out to cells, once:
-  // data-parallel replicas, tensor-parallel slices of the same rows (a resharded load), a
-  // whole-tensor load_all, and a flat range's edges all share. It costs two all-gathers (24
-  // bytes per rank, then one list of needed cell ranges per group of ranks with identical needs)
-  // and a plan computed on every rank (16,384 ranks: see docs/PERFORMANCE.md). Where no cell is
-  // needed by two ranks (disjoint needs, one rank) it reads exactly what kNone does; with one
-  // rank it does no communication.
+  // bytes of a cell it does not need go through a staging buffer). The job then reads the union of
+  // its needs, rounded out to cells, once: data-parallel replicas, tensor-parallel slices of the
+  // same rows (a resharded load), a whole-tensor load_all, and a flat range's edges all share. It
+  // costs two all-gathers (24 bytes per rank, then one list of needed cell ranges per group of
+  // ranks with identical needs) and a plan computed on every rank (16,384 ranks: see
+  // docs/PERFORMANCE.md). Where no cell is needed by two ranks (disjoint needs, one rank) it reads
+  // exactly what kNone does; with one rank it does no communication.
   //
   // kAuto (the default) plans as kReadOnce, then exchanges unless every rank's checkpoint is on a
   // filesystem of its own machine (ext4, xfs, btrfs, tmpfs, ...; not NFS, Lustre, GPFS, BeeGFS,
@@ -199,8 +199,8 @@ struct LoadOptions {
   // or a local disk and costs less than sending it (measured on one 2-core machine: the 8-rank
   // demo loads in 0.06 s reading 473.5 MB itself, in 0.14-0.15 s reading 268.1 MB once and
   // exchanging 205.4 MB; a 2-rank 2 GiB reshard from a disk with dropped caches in 0.76-0.80 s
-  // alone, 0.81-0.84 s reading once; docs/PERFORMANCE.md, "Read once per job"). Object stores (s3://,
-  // msc://) and network filesystems always exchange. kReadOnce and kNone force either way;
+  // alone, 0.81-0.84 s reading once; docs/PERFORMANCE.md, "Read once per job"). Object stores
+  // (s3://, msc://) and network filesystems always exchange. kReadOnce and kNone force either way;
   // LoadReport::read_sharing says what a load did.
   //
   // kBroadcast, kAllGather: ranks that need exactly the same bytes (data-parallel replicas of
