@@ -12,41 +12,11 @@
 set -uo pipefail
 tessera="$1"
 moto="${TESSERA_MOTO_SERVER:-$(dirname "$tessera")/tessera_moto_server}"
-test_python="${TESSERA_TEST_PYTHON:-$(dirname "$0")/../.venv/bin/python}"
 mpiexec="${TESSERA_MPIEXEC:-mpirun}"
-proxy_py="$(cd "$(dirname "$0")/.." && pwd)/bench/peers/s3_proxy.py"
 work="$(mktemp -d "${TMPDIR:-/tmp}/tessera-s3-mpi-XXXXXX")"
-moto_pid=
-proxy_pid=
-cleanup() {
-  if [ -n "$proxy_pid" ]; then kill "$proxy_pid" 2> /dev/null; wait "$proxy_pid" 2> /dev/null; fi
-  if [ -n "$moto_pid" ]; then kill "$moto_pid" 2> /dev/null; wait "$moto_pid" 2> /dev/null; fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
-failures=0
-check() {  # check NAME CONDITION-EXIT-CODE
-  if [ "$2" -eq 0 ]; then echo "ok: $1"; else echo "FAILED: $1"; failures=$((failures + 1)); fi
-}
-wait_for() {  # wait_for FILE PID WHAT LOG
-  for _ in $(seq 1200); do
-    [ -f "$1" ] && return 0
-    kill -0 "$2" 2> /dev/null || break
-    sleep 0.1
-  done
-  echo "FAILED: $3 did not start:"
-  cat "$4"
-  exit 1
-}
+. "$(dirname "$0")/s3_test_lib.sh"
 
-"$moto" "$work/env" 2> "$work/moto.log" &
-moto_pid=$!
-wait_for "$work/env" "$moto_pid" "the S3 test server (moto, through $moto)" "$work/moto.log"
-set -a
-. "$work/env"
-set +a
-export AWS_CONFIG_FILE=/dev/null AWS_SHARED_CREDENTIALS_FILE=/dev/null
-unset AWS_PROFILE AWS_SESSION_TOKEN AWS_ENDPOINT_URL_S3 AWS_DEFAULT_PROFILE
+start_moto "$moto"
 root="s3://$TESSERA_TEST_BUCKET/mpi-throttle-$$"
 "$tessera" demo --out "$root/iter_0000001" --size 4MiB --save-layout tp2,dp2 \
   --load-layout tp2,dp2 --no-sync > "$work/step1" 2>&1 || {
@@ -55,11 +25,7 @@ root="s3://$TESSERA_TEST_BUCKET/mpi-throttle-$$"
   exit 1
 }
 
-"$test_python" "$proxy_py" --upstream "$AWS_ENDPOINT_URL" --ready-file "$work/proxy" \
-  --throttle ":-r00002-:1.0" 2> "$work/proxy.log" &
-proxy_pid=$!
-wait_for "$work/proxy" "$proxy_pid" "the throttling proxy ($proxy_py)" "$work/proxy.log"
-. "$work/proxy"
+start_proxy "$AWS_ENDPOINT_URL" ":-r00002-:1.0" rank2
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 start=$(date +%s)
@@ -89,8 +55,4 @@ check "every process fails with the same error naming rank 2, its object and HTT
 [ "$("$tessera" latest "$root")" = "$root/iter_0000001" ]
 check "step 1 stays the latest" $?
 
-if [ "$failures" -ne 0 ]; then
-  echo "$failures check(s) failed"
-  exit 1
-fi
-echo "all checks passed"
+finish

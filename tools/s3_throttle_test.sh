@@ -14,45 +14,11 @@
 set -uo pipefail
 tessera="$1"
 moto="${TESSERA_MOTO_SERVER:-$(dirname "$tessera")/tessera_moto_server}"
-test_python="${TESSERA_TEST_PYTHON:-$(dirname "$0")/../.venv/bin/python}"
-proxy_py="$(cd "$(dirname "$0")/.." && pwd)/bench/peers/s3_proxy.py"
 processes=64
 work="$(mktemp -d "${TMPDIR:-/tmp}/tessera-s3-throttle-XXXXXX")"
-moto_pid=
-proxy_pid=
-stop_proxy() {
-  if [ -n "$proxy_pid" ]; then kill "$proxy_pid" 2> /dev/null; wait "$proxy_pid" 2> /dev/null; fi
-  proxy_pid=
-}
-cleanup() {
-  stop_proxy
-  if [ -n "$moto_pid" ]; then kill "$moto_pid" 2> /dev/null; wait "$moto_pid" 2> /dev/null; fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
-failures=0
-check() {  # check NAME CONDITION-EXIT-CODE
-  if [ "$2" -eq 0 ]; then echo "ok: $1"; else echo "FAILED: $1"; failures=$((failures + 1)); fi
-}
-wait_for() {  # wait_for FILE PID WHAT LOG
-  for _ in $(seq 1200); do
-    [ -f "$1" ] && return 0
-    kill -0 "$2" 2> /dev/null || break
-    sleep 0.1
-  done
-  echo "FAILED: $3 did not start:"
-  cat "$4"
-  exit 1
-}
+. "$(dirname "$0")/s3_test_lib.sh"
 
-"$moto" "$work/env" 2> "$work/moto.log" &
-moto_pid=$!
-wait_for "$work/env" "$moto_pid" "the S3 test server (moto, through $moto)" "$work/moto.log"
-set -a
-. "$work/env"
-set +a
-export AWS_CONFIG_FILE=/dev/null AWS_SHARED_CREDENTIALS_FILE=/dev/null
-unset AWS_PROFILE AWS_SESSION_TOKEN AWS_ENDPOINT_URL_S3 AWS_DEFAULT_PROFILE
+start_moto "$moto"
 server="$AWS_ENDPOINT_URL"
 root="s3://$TESSERA_TEST_BUCKET/throttle-$$"
 for step in 1 2 3; do
@@ -65,14 +31,6 @@ for step in 1 2 3; do
 done
 [ "$("$tessera" latest "$root")" = "$root/iter_0000003" ]
 check "without throttling, latest names step 3" $?
-
-start_proxy() {  # start_proxy RULE NAME
-  "$test_python" "$proxy_py" --upstream "$server" --ready-file "$work/proxy.$2" \
-    --throttle "$1" --seed 7 2> "$work/proxy.$2.log" &
-  proxy_pid=$!
-  wait_for "$work/proxy.$2" "$proxy_pid" "the throttling proxy ($proxy_py)" "$work/proxy.$2.log"
-  . "$work/proxy.$2"
-}
 
 # All at once, each through the proxy; $1: the run's name.
 latest_everywhere() {
@@ -89,12 +47,12 @@ latest_everywhere() {
 }
 
 throttled() {  # the proxy's count of requests it answered 503 SlowDown
-  "$test_python" -c "import json, sys, urllib.request
+  "$s3_test_python" -c "import json, sys, urllib.request
 print(json.load(urllib.request.urlopen(sys.argv[1] + '/counters'))['throttled'])" \
     "$PROXY_CONTROL_URL"
 }
 
-start_proxy "GET:list-type=2:0.25" quarter
+start_proxy "$server" "GET:list-type=2:0.25" quarter
 latest_everywhere quarter
 ok=0
 for i in $(seq $processes); do
@@ -109,7 +67,7 @@ check "with a quarter of the listings throttled, all $processes processes name s
 check "the proxy answered SlowDown to some listings ($count)" $?
 stop_proxy
 
-start_proxy ":iter_0000003:1.0" step3
+start_proxy "$server" ":iter_0000003:1.0" step3
 latest_everywhere step3
 failed=0
 older=0
@@ -127,8 +85,4 @@ check "with step 3 throttled past the retries, every process fails naming step 3
 check "no process takes step 2 for the latest" $?
 stop_proxy
 
-if [ "$failures" -ne 0 ]; then
-  echo "$failures check(s) failed"
-  exit 1
-fi
-echo "all checks passed"
+finish
