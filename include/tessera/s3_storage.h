@@ -67,7 +67,7 @@ struct S3StorageOptions {
   std::string addressing_style;  // "path", "virtual", "auto" (empty: the profile's, or auto)
   // Transfers (see s3_client.h): part size (>= 5 MiB), parallel requests, bytes of parts in
   // flight, the size of each ranged GET of a long read.
-  uint64_t part_bytes = 8u << 20;
+  uint64_t part_bytes = 32u << 20;
   size_t max_concurrency = 8;  // 1 to kMaxS3Concurrency
   uint64_t max_inflight_bytes = 256u << 20;
   // 32 MiB: a load's reader thread fetches what it will read in reads of this size (one buffer

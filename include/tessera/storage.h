@@ -125,6 +125,11 @@ enum class CreateMode {
   // the path; a symbolic link is never followed. Every file a save writes is created this way,
   // so nothing planted in a checkpoint directory can redirect a write to another file.
   kExclusive,
+  // As kExclusive, for a name the caller drew at random for this file (a save's data files carry
+  // a fresh save id): an existing name is still never written over, but a store may find it only
+  // when the file is closed, Close then failing with kAlreadyExists (an object store saves the
+  // request per file that would look first). POSIX and memory storage treat it as kExclusive.
+  kExclusiveNewName,
   // Creates the file, or truncates an existing one to zero bytes (following symbolic links).
   kTruncate,
 };
@@ -150,6 +155,10 @@ struct StorageCapabilities {
   // many bytes does, so readers fetch the ranges they will read that touch each other
   // together, up to this many bytes a read. 0: small reads are cheap (a file system, memory).
   uint64_t coalesce_read_bytes = 0;
+  // Directories are key prefixes (an object store): one exists while a file lies under it,
+  // CreateDirs has nothing to create, and a file and a directory may share a name. Code that
+  // would walk up a path checking each parent skips the walk (each check is a request).
+  bool implicit_directories = false;
 };
 
 // How Publish treats a name that exists.

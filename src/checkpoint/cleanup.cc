@@ -67,7 +67,8 @@ bool PartsComplete(const std::vector<std::string>& names, const std::string& sav
 // commit below N is read too (there are few: cleanups remove them): a rank-local save that a
 // reference places, loadable or not, is never taken for one whose rank 0 has not committed.
 Result<Needed> WhatIsNeeded(Storage& storage, const std::string& dir,
-                            const std::vector<std::string>& names, uint64_t top) {
+                            const std::vector<std::string>& names, uint64_t top,
+                            const Metadata* own_commit) {
   Needed needed;
   std::set<std::string> referenced;
   // The numbers listed, and those found above them (step 3), newest first.
@@ -80,22 +81,27 @@ Result<Needed> WhatIsNeeded(Storage& storage, const std::string& dir,
   // past it (seq <= top with top = 2^64 - 1 would never end).
   for (uint64_t seq = HighestCommit(names); seq < top;) seqs.insert(++seq);
   for (uint64_t seq : seqs) {
-    Result<Metadata> commit = ReadCommit(storage, dir, CommitName(seq));
+    Result<Metadata> read = Metadata();
+    const bool own = own_commit != nullptr && own_commit->commit_seq == seq;
+    if (!own) read = ReadCommit(storage, dir, CommitName(seq));
+    const Result<const Metadata*> commit =
+        read.ok() ? Result<const Metadata*>(own ? own_commit : &*read) : read.status();
     // Below N, what cannot be read is not needed; above it, the newest commit must be read
     // (nothing is removed otherwise). One removed since the listing (a cleanup from the
     // lowest up) has nothing loadable below it either.
     if (!commit.ok() && needed.newest_loadable) continue;
     if (!commit.ok() && commit.status().code() == StatusCode::kNotFound && seq < top) break;
     TESSERA_RETURN_IF_ERROR(commit.status());
-    if (commit->rank_local_reference) referenced.insert(commit->save_id);
+    if ((*commit)->rank_local_reference) referenced.insert((*commit)->save_id);
     if (needed.newest_loadable) continue;
-    if (!commit->rank_local_reference) {
+    if (!(*commit)->rank_local_reference) {
       needed.newest_loadable = seq;
-      for (const FileInfo& f : commit->files) needed.files.insert(f.name);
+      for (const FileInfo& f : (*commit)->files) needed.files.insert(f.name);
       continue;
     }
-    needed.save_ids.insert(commit->save_id);  // loadable or pending: its files stay
-    if (PartsComplete(names, commit->save_id, commit->num_ranks)) needed.newest_loadable = seq;
+    needed.save_ids.insert((*commit)->save_id);  // loadable or pending: its files stay
+    if (PartsComplete(names, (*commit)->save_id, (*commit)->num_ranks))
+      needed.newest_loadable = seq;
   }
   TESSERA_ASSIGN_OR_RETURN(std::vector<RankManifestSet> sets,
                            FindRankManifestSets(storage, dir, names));
@@ -154,7 +160,8 @@ std::string SaveIdOf(const std::string& name) {
   return "";
 }
 
-void RemoveStaleFiles(Storage& storage, const std::string& dir, const std::string& own_id) {
+void RemoveStaleFiles(Storage& storage, const std::string& dir, const std::string& own_id,
+                      const Metadata* own_commit) {
   // 1-3. The listing, then the markers, then the newest commit.
   Result<std::vector<std::string>> listed = storage.ListDir(dir);
   if (!listed.ok()) return;
@@ -163,7 +170,7 @@ void RemoveStaleFiles(Storage& storage, const std::string& dir, const std::strin
   Result<uint64_t> top = NewestCommitNow(storage, dir, names);
   if (!top.ok()) return;
   // 4. What stays.
-  Result<Needed> needed = WhatIsNeeded(storage, dir, names, *top);
+  Result<Needed> needed = WhatIsNeeded(storage, dir, names, *top, own_commit);
   if (!needed.ok()) return;
   // 5. The commits below N, from the lowest up.
   std::map<uint64_t, std::string> commits;

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "tessera/metadata.h"
 #include "tessera/storage.h"
 
 namespace tessera {
@@ -30,8 +31,10 @@ std::string SaveIdOf(const std::string& name);
 //      only when no other operation runs: it may be deriving its commit from one of them),
 //      temporaries that killed operations left, and the markers of dead operations.
 // Nothing is removed when the newest commit cannot be read. Files of other names are never
-// touched.
-void RemoveStaleFiles(Storage& storage, const std::string& dir, const std::string& own_id);
+// touched. `own_commit`, when given, is the commit the caller just published and read back
+// (its commit_seq names it): the cleanup takes it as read instead of reading it again.
+void RemoveStaleFiles(Storage& storage, const std::string& dir, const std::string& own_id,
+                      const Metadata* own_commit = nullptr);
 
 }  // namespace tessera
 

@@ -72,6 +72,9 @@ std::vector<std::string> SortedUnique(std::vector<std::string> v) {
 }
 
 Status CreateDurableDirs(Storage& storage, const std::string& path, SyncPolicy sync) {
+  // Nothing to walk, create or sync where a directory is a key prefix; a file under the
+  // directory's own name is found by the listing that follows (S3Storage::ListDir).
+  if (storage.capabilities().implicit_directories) return storage.CreateDirs(path);
   std::vector<std::string> missing;  // deepest first
   for (std::string dir = path;;) {
     TESSERA_ASSIGN_OR_RETURN(FileType type, storage.Stat(dir));
@@ -169,8 +172,9 @@ Status CommitIndex(Storage& storage, const std::string& dir, const FormatWriter&
 }
 
 void RemoveStaleFilesAfterCommit(Storage& storage, const std::string& dir,
-                                 const FormatWriter& writer, const std::string& own_id) {
-  if (writer.NumberedCommits()) return RemoveStaleFiles(storage, dir, own_id);
+                                 const FormatWriter& writer, const std::string& own_id,
+                                 const Metadata* own_commit) {
+  if (writer.NumberedCommits()) return RemoveStaleFiles(storage, dir, own_id, own_commit);
   // 1. What is there, and which saves may still be running (their files are kept).
   Result<std::vector<std::string>> names = storage.ListDir(dir);
   if (!names.ok()) return;

@@ -26,7 +26,8 @@ Status CheckUserMetadata(const std::map<std::string, std::string>& metadata);
 std::vector<std::string> SortedUnique(std::vector<std::string> v);
 
 // Creates `path` and the missing directories above it. With kFull, syncs the parent of each
-// one created, so the checkpoint directory itself survives a crash, not only its contents.
+// one created, so the checkpoint directory itself survives a crash, not only its contents. On a
+// store with implicit_directories, only CreateDirs(path): no parent is checked.
 Status CreateDurableDirs(Storage& storage, const std::string& path, SyncPolicy sync);
 
 // A save id no file in `existing_names` carries: 16 lowercase hex digits from a random source
@@ -56,9 +57,11 @@ Status CommitIndex(Storage& storage, const std::string& dir, const FormatWriter&
 // save id in its names (FormatWriter::SaveIdOfFile), that the index in place does not reference
 // and whose save is not running (marker.h, FindSaveMarkers), the temporaries of a killed publish
 // of the index when no other save runs, and the markers of dead saves. Nothing when the index in
-// place cannot be read; never a file without a save id in its name.
+// place cannot be read; never a file without a save id in its name. `own_commit` is the
+// metadata CommitIndex committed (RemoveStaleFiles takes it as read).
 void RemoveStaleFilesAfterCommit(Storage& storage, const std::string& dir,
-                                 const FormatWriter& writer, const std::string& own_id);
+                                 const FormatWriter& writer, const std::string& own_id,
+                                 const Metadata* own_commit = nullptr);
 
 }  // namespace tessera
 

@@ -120,9 +120,10 @@ Status WriteDataFile(Storage& storage, const std::string& dir, ItemSource& sourc
                      const DataFileWriteOptions& options, std::atomic<uint64_t>& written,
                      FileResult& result, uint8_t& created) {
   const std::string path = JoinPath(dir, file.name);
-  // Created exclusively: a name that exists (a planted link) is an error, never a target.
+  // Created exclusively: a name that exists (a planted link) is an error, never a target. The
+  // name carries this save's fresh id, so a store may find a taken name only at Close.
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
-                           storage.NewWritableFile(path, CreateMode::kExclusive));
+                           storage.NewWritableFile(path, CreateMode::kExclusiveNewName));
   created = 1;
   const Bytes& header = layout.header();
   if (!header.empty()) TESSERA_RETURN_IF_ERROR(out->WriteAt(0, header.data(), header.size()));
@@ -146,8 +147,10 @@ Status WriteDataFile(Storage& storage, const std::string& dir, ItemSource& sourc
   }
   result.size = end;
   if (durable) TESSERA_RETURN_IF_ERROR(out->Sync());
-  TESSERA_RETURN_IF_ERROR(out->Close());
-  return Status::Ok();
+  const Status closed = out->Close();
+  // The name was someone else's all along: the object there is theirs, not ours to remove.
+  if (closed.code() == StatusCode::kAlreadyExists) created = 0;
+  return closed;
 }
 
 }  // namespace

@@ -248,6 +248,9 @@ SaveMarkers FindSaveMarkers(Storage& storage, const std::string& dir,
     const std::string id = MarkerSaveId(name);
     if (id.empty()) continue;
     const std::string marker_id = name.substr(sizeof(kMarkerPrefix) - 1);
+    // The caller's own marker, which this process holds: running, with nothing to read (on an
+    // object store a read is two requests).
+    if (marker_id == own_id && MarkerHeldHere(dir, marker_id)) continue;
     Result<MarkerContent> marker = ReadSaveMarker(storage, dir, marker_id);
     bool running = false;
     if (marker.ok()) {

@@ -106,43 +106,57 @@ Checksum128Value SignNeeds(const Metadata& metadata, const std::vector<ReadRun>&
   return Checksum128(exact.data(), exact.size());
 }
 
-// One all-gather of [the needs' signature][exchange_bytes][local reads] finds the ranks with
-// the same needs and whether all of them read a local filesystem (`all_local`); a second brings
-// one list per group. Every rank returns the same lists, groups and `all_local`, or the same
-// error.
+// The sizes every rank must plan with alike: its LoadOptions::exchange_bytes, and the largest
+// piece its storage asks for (a rank whose S3 options differ would cut other pieces).
+struct PlanSizes {
+  uint64_t exchange_bytes = 0;
+  uint64_t max_piece_bytes = 0;
+};
+
+// One all-gather of [the needs' signature][plan sizes][local reads] finds the ranks with the
+// same needs and whether all of them read a local filesystem (`all_local`); a second brings one
+// list per group. Every rank returns the same lists, groups and `all_local`, or the same error.
 Status GatherNeeds(Comm& comm, const Bytes& encoded, const Checksum128Value& hash,
-                   uint64_t exchange_bytes, bool local, std::vector<Bytes>& gathered,
+                   const PlanSizes& sizes, bool local, std::vector<Bytes>& gathered,
                    std::vector<std::span<const uint8_t>>& lists, std::vector<int32_t>& group_of,
                    bool& all_local) {
+  constexpr size_t kSignatureBytes = 33;
   Bytes signature;
   ByteWriter writer(&signature);
   writer.Put<uint64_t>(hash.low);
   writer.Put<uint64_t>(hash.high);
-  writer.Put<uint64_t>(exchange_bytes);
+  writer.Put<uint64_t>(sizes.exchange_bytes);
+  writer.Put<uint64_t>(sizes.max_piece_bytes);
   writer.Put<uint8_t>(local ? 1 : 0);
   std::vector<Bytes> all;
   all_local = true;
   TESSERA_RETURN_IF_ERROR(comm.AllGather(signature, &all));
   std::vector<PlanSignature> signatures(all.size());
-  uint64_t first_bytes = 0;
+  PlanSizes first;
   for (size_t r = 0; r < all.size(); ++r) {
     ByteReader reader(all[r]);
-    uint64_t bytes = 0;
+    PlanSizes its;
     uint8_t its_local = 0;
-    if (all[r].size() != 25 || !reader.Get(&signatures[r].low).ok() ||
-        !reader.Get(&signatures[r].high).ok() || !reader.Get(&bytes).ok() ||
-        !reader.Get(&its_local).ok()) {
+    if (all[r].size() != kSignatureBytes || !reader.Get(&signatures[r].low).ok() ||
+        !reader.Get(&signatures[r].high).ok() || !reader.Get(&its.exchange_bytes).ok() ||
+        !reader.Get(&its.max_piece_bytes).ok() || !reader.Get(&its_local).ok()) {
       return DataLoss("read plan: rank " + std::to_string(r) + " sent a signature of " +
-                      std::to_string(all[r].size()) + " bytes, not 25");
+                      std::to_string(all[r].size()) + " bytes, not " +
+                      std::to_string(kSignatureBytes));
     }
     all_local = all_local && its_local == 1;
-    if (r == 0) first_bytes = bytes;
-    if (bytes != first_bytes) {
-      return InvalidArgument(
-          "LoadOptions::exchange_bytes must be the same on every rank: rank 0 "
-          "has " +
-          std::to_string(first_bytes) + ", rank " + std::to_string(r) + " has " +
-          std::to_string(bytes));
+    if (r == 0) first = its;
+    auto differ = [&](const char* what, uint64_t zero, uint64_t mine) {
+      return InvalidArgument(std::string(what) + " must be the same on every rank: rank 0 has " +
+                             std::to_string(zero) + ", rank " + std::to_string(r) + " has " +
+                             std::to_string(mine));
+    };
+    if (its.exchange_bytes != first.exchange_bytes) {
+      return differ("LoadOptions::exchange_bytes", first.exchange_bytes, its.exchange_bytes);
+    }
+    if (its.max_piece_bytes != first.max_piece_bytes) {
+      return differ("the storage's read size (coalesce_read_bytes: S3's read_chunk_bytes)",
+                    first.max_piece_bytes, its.max_piece_bytes);
     }
   }
   const PlanGroups groups = GroupBySignature(signatures);
@@ -621,15 +635,20 @@ Status ReadOnceAcrossJob(Comm& comm, Storage& storage, const std::string& dir,
   std::vector<std::span<const uint8_t>> lists = {encoded};
   std::vector<int32_t> group_of = {0};
   bool all_local = true;
+  // Pieces as large as the storage's reads (S3: read_chunk_bytes), so that a piece is one
+  // request where requests cost more than bytes.
+  const PlanSizes sizes{.exchange_bytes = options.exchange_bytes,
+                        .max_piece_bytes = std::max(kDefaultMaxPieceBytes,
+                                                    storage.capabilities().coalesce_read_bytes)};
   if (comm.size() > 1) {
     const bool reads_local =
         options.read_sharing == ReadSharing::kAuto && ReadsAreLocal(storage, dir);
-    TESSERA_RETURN_IF_ERROR(GatherNeeds(comm, encoded, SignNeeds(metadata, runs, encoded),
-                                        options.exchange_bytes, reads_local, gathered, lists,
-                                        group_of, all_local));
+    TESSERA_RETURN_IF_ERROR(GatherNeeds(comm, encoded, SignNeeds(metadata, runs, encoded), sizes,
+                                        reads_local, gathered, lists, group_of, all_local));
   }
-  TESSERA_ASSIGN_OR_RETURN(const JobReadPlan plan, PlanJobReadsEncoded(lists, group_of, cell_bytes,
-                                                                       options.exchange_bytes));
+  TESSERA_ASSIGN_OR_RETURN(const JobReadPlan plan,
+                           PlanJobReadsEncoded(lists, group_of, cell_bytes, sizes.exchange_bytes,
+                                               sizes.max_piece_bytes));
   gathered.clear();
   report.job_bytes_needed += plan.union_needed_bytes;
   // kAuto on local filesystems: every rank reads for itself (the same choice on every rank).

@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 
+#include "storage/s3/s3_client.h"
 #include "storage/s3/testing/moto_server.h"
 #include "tessera/async_save.h"
 #include "tessera/checkpoint.h"
@@ -19,6 +20,7 @@
 #include "tessera/fault_injecting_storage.h"
 #include "tessera/local_comm.h"
 #include "tessera/remove_keys.h"
+#include "tessera/s3_storage.h"
 #include "tessera/storage_uri.h"
 #include "testing/test_util.h"
 
@@ -222,6 +224,54 @@ TEST_F(S3CheckpointTest, SaveOnFourRanksLoadReshardedOnThreeVerify) {
   Result<bool> nothing = IsCommitted(base_ + "/absent");
   ASSERT_OK(nothing.status());
   EXPECT_FALSE(*nothing);
+}
+
+// Issue 34: a save's requests beyond its uploads do not grow with its data files or the depth
+// of its path: no HEAD of a data file (the create-only upload refuses a taken name), no walk up
+// the parents (S3's directories are key prefixes), the new commit read back once and taken as
+// read by the cleanup, the save's own marker not read. What remains, counted below:
+//   HEAD: the empty directory (first save: is it an object?) or, in the second, the commit
+//         below the new one (is the new one above it?); the new commit read back; the number
+//         above it (the cleanup's probe for a newer commit); the marker before its removal; in
+//         the second save the first commit (the cleanup reads every commit below the newest)
+//         and each file the cleanup removes (S3Storage::Remove looks before it deletes).
+//   LIST: the preparation's, the commit's, the cleanup's, the probe's (is the number above a
+//         directory?), and in the first save the commit's check that no commit lies below.
+TEST_F(S3CheckpointTest, ASaveSendsNoRequestPerDataFileOrParentDirectory) {
+  const std::string uri = base_ + "/a/b/c/d/ckpt";
+  Result<std::pair<std::shared_ptr<Storage>, std::string>> opened = OpenStorage(uri);
+  ASSERT_OK(opened.status());
+  auto* s3 = dynamic_cast<S3Storage*>(opened->first.get());
+  ASSERT_NE(s3, nullptr);
+  SaveOptions options;
+  options.storage = opened->first;
+  options.num_io_threads = 4;  // several data files per rank
+  uint64_t first_files = 0;
+  for (int save = 0; save < 2; ++save) {
+    const s3::S3Stats before = s3->client().stats();
+    ASSERT_OK(SaveRanks(opened->second, 2, 1.0f + static_cast<float>(save), options));
+    const s3::S3Stats after = s3->client().stats();
+    auto sent = [&](s3::S3Op op) {
+      const size_t i = static_cast<size_t>(op);
+      return after.requests[i] - before.requests[i];
+    };
+    Result<Metadata> metadata = ReadMetadata(uri);
+    ASSERT_OK(metadata.status());
+    const uint64_t files = metadata->files.size();
+    EXPECT_GE(files, 4u);
+    SCOPED_TRACE("save " + std::to_string(save) + ", " + std::to_string(files) + " data files");
+    EXPECT_EQ(after.retries, before.retries);
+    const uint64_t removed = save == 0 ? 0 : first_files + 1;  // the first save's files, commit
+    EXPECT_EQ(sent(s3::S3Op::kHead), save == 0 ? 4u : 5u + removed);
+    EXPECT_EQ(sent(s3::S3Op::kList), save == 0 ? 5u : 4u);
+    EXPECT_EQ(sent(s3::S3Op::kGet), save == 0 ? 1u : 2u);  // the commits: the new, the first
+    // Each data file in one PUT (they are small), the marker, the commit and the hint.
+    EXPECT_EQ(sent(s3::S3Op::kPut), files + 3);
+    EXPECT_EQ(sent(s3::S3Op::kCreateMultipart), 0u);
+    EXPECT_EQ(sent(s3::S3Op::kDelete), 1u + removed);  // the marker, and what the cleanup removes
+    first_files = files;
+  }
+  ASSERT_OK(LoadAndCheck(uri, 3, 2.0f));
 }
 
 TEST_F(S3CheckpointTest, NewSaveReplacesOldAndAFailedSaveLeavesTheLastLoadable) {

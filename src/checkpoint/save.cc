@@ -230,7 +230,9 @@ Outcome CommitOnCoordinator(const Comm& comm, Storage& storage, const std::strin
     TESSERA_RETURN_IF_ERROR_CTX(
         CommitIndex(storage, path, writer, metadata, options.sync, outcome.manifest_renamed),
         "committing the " + std::string(writer.index_description()) + " of " + path);
-    if (options.remove_stale_files) RemoveStaleFilesAfterCommit(storage, path, writer, save_id);
+    if (options.remove_stale_files) {
+      RemoveStaleFilesAfterCommit(storage, path, writer, save_id, &metadata);
+    }
     return Status::Ok();
   }();
   return outcome;

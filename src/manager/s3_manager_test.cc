@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <string>
@@ -187,7 +188,8 @@ TEST(S3CheckpointManagerTest, ARankWhoseUploadsAreThrottledFailsTheSaveOnEveryRa
 }
 
 // kill -9 of a managed training loop saving to S3 at random moments, uploads in flight (a 24
-// MiB state: two data files of 12 MiB, each a multipart upload of 8 MiB parts): after every
+// MiB state: two data files of 12 MiB, each a multipart upload of 8 MiB parts, set by the MSC
+// profile the loop saves through: the default 32 MiB parts would make each one PUT): after every
 // kill the latest step restores bit for bit and no committed step is lost (kill_trials::Run);
 // the uploads the killed savers left are listed, and aborting them leaves none (issue 34).
 TEST(CheckpointManagerKillTest, OnS3LatestLoadsAfterEveryKillAndTheDeadUploadsAreAborted) {
@@ -206,7 +208,15 @@ TEST(CheckpointManagerKillTest, OnS3LatestLoadsAfterEveryKillAndTheDeadUploadsAr
   const std::string prefix = s3::testing::UniquePrefix() + "/run";
   testing::TempDir dir;
   kill_trials::Trials t;
-  t.root = "s3://" + (*server)->bucket() + "/" + prefix;
+  {
+    std::ofstream config(dir.Sub("msc.yaml"));
+    config << "profiles:\n  kill:\n    storage_provider:\n      type: s3\n"
+           << "      options:\n        base_path: " << (*server)->bucket() << "/" << prefix << "\n"
+           << "        endpoint_url: " << (*server)->endpoint() << "\n"
+           << "        region_name: us-east-1\n        multipart_chunksize: 8388608\n";
+  }
+  ::setenv("MSC_CONFIG", dir.Sub("msc.yaml").c_str(), 1);
+  t.root = "msc://kill";
   t.log = dir.Sub("loop.log");
   t.elements = 6 << 20;  // 24 MiB
   t.trials = 50;

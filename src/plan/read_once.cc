@@ -59,10 +59,6 @@ Status GetNeed(std::span<const uint8_t> bytes, size_t& at, CellNeed& n) {
   n.check = static_cast<CellCheck>(bytes[at++]);
   return Status::Ok();
 }
-// The largest piece one reader is given at a time: small enough to balance the reads of a few
-// large chunks across ranks, large enough that a piece costs one storage request per 8 MiB.
-constexpr uint64_t kMaxPieceBytes = 8ull << 20;
-
 uint64_t CellBytesOf(const CellNeed& n, uint64_t cell_bytes) {
   return std::min(n.cell_end * cell_bytes, n.chunk_bytes) - n.cell_begin * cell_bytes;
 }
@@ -252,7 +248,7 @@ class NeedCursor {
 
 Result<JobReadPlan> PlanFromCursors(std::vector<NeedCursor>& cursors,
                                     std::span<const int32_t> group_of, uint64_t cell_bytes,
-                                    uint64_t exchange_bytes);
+                                    uint64_t exchange_bytes, uint64_t max_piece_bytes);
 
 }  // namespace
 
@@ -363,15 +359,15 @@ size_t JobReadPlan::NumReceivers(const SharedPiece& piece) const {
 
 Result<JobReadPlan> PlanJobReads(std::span<const std::vector<CellNeed>> lists,
                                  std::span<const int32_t> group_of, uint64_t cell_bytes,
-                                 uint64_t exchange_bytes) {
+                                 uint64_t exchange_bytes, uint64_t max_piece_bytes) {
   std::vector<NeedCursor> cursors;
   for (const std::vector<CellNeed>& list : lists) cursors.push_back(NeedCursor::Of(list));
-  return PlanFromCursors(cursors, group_of, cell_bytes, exchange_bytes);
+  return PlanFromCursors(cursors, group_of, cell_bytes, exchange_bytes, max_piece_bytes);
 }
 
 Result<JobReadPlan> PlanJobReadsEncoded(std::span<const std::span<const uint8_t>> lists,
                                         std::span<const int32_t> group_of, uint64_t cell_bytes,
-                                        uint64_t exchange_bytes) {
+                                        uint64_t exchange_bytes, uint64_t max_piece_bytes) {
   std::vector<NeedCursor> cursors;
   for (size_t g = 0; g < lists.size(); ++g) {
     Result<NeedCursor> cursor = NeedCursor::Encoded(lists[g]);
@@ -380,7 +376,7 @@ Result<JobReadPlan> PlanJobReadsEncoded(std::span<const std::span<const uint8_t>
     }
     cursors.push_back(*cursor);
   }
-  return PlanFromCursors(cursors, group_of, cell_bytes, exchange_bytes);
+  return PlanFromCursors(cursors, group_of, cell_bytes, exchange_bytes, max_piece_bytes);
 }
 
 namespace {
@@ -469,7 +465,7 @@ class ChunkMerger {
 
 Result<JobReadPlan> PlanFromCursors(std::vector<NeedCursor>& cursors,
                                     std::span<const int32_t> group_of, uint64_t cell_bytes,
-                                    uint64_t exchange_bytes) {
+                                    uint64_t exchange_bytes, uint64_t max_piece_bytes) {
   if (cell_bytes == 0) return InvalidArgument("read plan: cell size 0");
   JobReadPlan plan;
   plan.cell_bytes = cell_bytes;
@@ -485,7 +481,7 @@ Result<JobReadPlan> PlanFromCursors(std::vector<NeedCursor>& cursors,
   // A piece takes its bytes once read and once per receiver in its reader's round: at most
   // exchange_bytes / (1 + receivers), whole cells, at least one.
   auto piece_cells = [&](uint64_t copies) {
-    return std::max<uint64_t>(1, std::min(kMaxPieceBytes, exchange_bytes / copies) / cell_bytes);
+    return std::max<uint64_t>(1, std::min(max_piece_bytes, exchange_bytes / copies) / cell_bytes);
   };
   std::vector<Task> tasks;
   std::vector<int32_t> whole_chunk_groups;  // Task::whole_chunk's candidates

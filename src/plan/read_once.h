@@ -26,6 +26,12 @@
 
 namespace tessera {
 
+// The largest piece one reader is given at a time, by default: small enough to balance the reads
+// of a few large chunks across ranks, large enough that a piece costs one storage request per
+// 8 MiB. Loads from a store whose requests cost more than their bytes (S3: the storage's
+// coalesce_read_bytes) pass a larger one.
+inline constexpr uint64_t kDefaultMaxPieceBytes = 8ull << 20;
+
 // How the cells of a chunk are checked when read.
 enum class CellCheck : uint8_t {
   kNone = 0,              // not checked (no checksums, or verification off)
@@ -111,7 +117,7 @@ struct JobReadPlan {
 
 // The plan for the groups' lists (`lists[g]` is what every member of group g needs; `group_of`
 // maps ranks to groups, members ascending by rank). Each shared range is cut into pieces of at
-// most min(8 MiB, exchange_bytes / (1 + receivers)) (whole cells, at least one: a piece's
+// most min(max_piece_bytes, exchange_bytes / (1 + receivers)) (whole cells, at least one: a piece's
 // reader holds it once and once per receiver) and given to the least-loaded (in
 // bytes read) rank that needs it, pieces needed by fewer ranks first, larger first, ties by
 // position and rank; a chunk read whole for its checksum goes whole to one rank that needs some
@@ -121,14 +127,16 @@ struct JobReadPlan {
 // another (a chunk of two lengths or check kinds).
 Result<JobReadPlan> PlanJobReads(std::span<const std::vector<CellNeed>> lists,
                                  std::span<const int32_t> group_of, uint64_t cell_bytes,
-                                 uint64_t exchange_bytes);
+                                 uint64_t exchange_bytes,
+                                 uint64_t max_piece_bytes = kDefaultMaxPieceBytes);
 // The same from the lists' encodings (EncodeNeeds), decoded one entry at a time as the plan
 // sweeps the chunks in order: the plan then holds the encoded lists and its pieces, never every
 // list decoded (16,384 ranks with distributed-optimizer ranges have as many distinct lists).
 // A list that does not decode is an error naming its group.
 Result<JobReadPlan> PlanJobReadsEncoded(std::span<const std::span<const uint8_t>> lists,
                                         std::span<const int32_t> group_of, uint64_t cell_bytes,
-                                        uint64_t exchange_bytes);
+                                        uint64_t exchange_bytes,
+                                        uint64_t max_piece_bytes = kDefaultMaxPieceBytes);
 
 }  // namespace tessera
 

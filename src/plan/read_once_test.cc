@@ -97,6 +97,30 @@ TEST(ReadOnceTest, ReplicasSplitTheReadingEvenly) {
   ExpectEachSharedCellOnce(plan, HoldersOf(lists, group_of));
 }
 
+// Pieces are cut at max_piece_bytes (the storage's read size: 8 MiB by default, S3's
+// read_chunk_bytes), within the exchange bound: a larger cap makes fewer, larger pieces of the
+// same cells.
+TEST(ReadOnceTest, PiecesAreCutAtTheMaximumPieceSize) {
+  constexpr uint64_t kBigCell = 1 << 20;
+  const uint64_t chunk = 64 * kBigCell;
+  const std::vector<std::vector<CellNeed>> lists = {
+      {{0, 0, chunk, 0, 64, chunk, CellCheck::kEachCell}}};
+  const std::vector<int32_t> group_of = {0, 0};
+  for (const auto& [cap, exchange, want] :
+       {std::tuple<uint64_t, uint64_t, uint64_t>{kDefaultMaxPieceBytes, 1ull << 30, 8 << 20},
+        {32ull << 20, 1ull << 30, 32 << 20},
+        {32ull << 20, 16ull << 20, 8 << 20}}) {  // a piece and its one copy within 16 MiB
+    ASSERT_OK_AND_ASSIGN(JobReadPlan plan, PlanJobReads(lists, group_of, kBigCell, exchange, cap));
+    ASSERT_EQ(plan.pieces.size(), chunk / want) << cap << " " << exchange;
+    uint64_t covered = 0;
+    for (const SharedPiece& p : plan.pieces) {
+      EXPECT_EQ(p.end - p.begin, want);
+      covered += p.end - p.begin;
+    }
+    EXPECT_EQ(covered, chunk);
+  }
+}
+
 TEST(ReadOnceTest, DisjointSlicesOfTheSameCellsAddUpInTheUnion) {
   // Two tensor-parallel ranks each need half of every cell (a column slice of row-major rows).
   const std::vector<std::vector<CellNeed>> lists = {

@@ -209,7 +209,7 @@ Result<std::unique_ptr<WritableFile>> MemoryStorage::NewWritableFile(const std::
   NodePtr& slot = parent->entries[comps.back()];
   if (slot == nullptr) {
     slot = std::make_shared<Node>(/*dir=*/false);
-  } else if (mode == CreateMode::kExclusive) {
+  } else if (mode != CreateMode::kTruncate) {
     return StatusFromErrno(what + " as a new file", EEXIST);
   } else if (slot->is_dir) {
     return StatusFromErrno(what, EISDIR);

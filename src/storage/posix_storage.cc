@@ -257,12 +257,11 @@ class PosixStorage : public Storage {
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         CreateMode mode) override {
     // O_EXCL alone already refuses a symbolic link (even a dangling one); O_NOFOLLOW says so.
-    const int how =
-        mode == CreateMode::kExclusive ? O_CREAT | O_EXCL | O_NOFOLLOW : O_CREAT | O_TRUNC;
+    const bool exclusive = mode != CreateMode::kTruncate;
+    const int how = exclusive ? O_CREAT | O_EXCL | O_NOFOLLOW : O_CREAT | O_TRUNC;
     const int fd = OpenRetry(path, O_WRONLY | how | O_CLOEXEC, 0644);
     if (fd < 0) {
-      return StatusFromErrno("open " + path + " for writing" +
-                                 (mode == CreateMode::kExclusive ? " as a new file" : ""),
+      return StatusFromErrno("open " + path + " for writing" + (exclusive ? " as a new file" : ""),
                              errno);
     }
     return std::unique_ptr<WritableFile>(

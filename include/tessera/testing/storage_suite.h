@@ -332,6 +332,23 @@ TESSERA_STORAGE_SUITE_CASE(ExclusiveCreateRefusesAnExistingFile) {
   EXPECT_EQ(got, "precious");
 }
 
+// kExclusiveNewName never writes over a name that exists either: the store may refuse it at
+// NewWritableFile or at Close (an object store checks at the create-only completion), always
+// kAlreadyExists naming it, the existing file untouched.
+TESSERA_STORAGE_SUITE_CASE(ExclusiveNewNameRefusesAnExistingFileAtOpenOrClose) {
+  const std::string path = Path("taken");
+  TESSERA_ASSERT_OK(WriteFile(storage(), path, "precious"));
+  const Status written = WriteFile(storage(), path, "overwritten!", CreateMode::kExclusiveNewName);
+  EXPECT_EQ(written.code(), StatusCode::kAlreadyExists) << written.ToString();
+  EXPECT_THAT(written.message(), ::testing::HasSubstr(path));
+  TESSERA_ASSIGN_OR_FAIL(std::string got, ReadFile(storage(), path));
+  EXPECT_EQ(got, "precious");
+  // A new name is created as by kExclusive.
+  TESSERA_ASSERT_OK(WriteFile(storage(), Path("fresh"), "new", CreateMode::kExclusiveNewName));
+  TESSERA_ASSIGN_OR_FAIL(std::string fresh, ReadFile(storage(), Path("fresh")));
+  EXPECT_EQ(fresh, "new");
+}
+
 TESSERA_STORAGE_SUITE_CASE(ExclusiveCreateRefusesADirectory) {
   const std::string dir = Path("dir");
   TESSERA_ASSERT_OK(storage().CreateDirs(dir));
@@ -820,6 +837,7 @@ inline const std::vector<StorageSuiteCase>& StorageSuiteCases() {
       TESSERA_STORAGE_SUITE_ENTRY(MapOfFileTruncatedAfterOpenFails, nullptr),
       TESSERA_STORAGE_SUITE_ENTRY(TruncateModeTruncatesExistingFile, nullptr),
       TESSERA_STORAGE_SUITE_ENTRY(ExclusiveCreateRefusesAnExistingFile, nullptr),
+      TESSERA_STORAGE_SUITE_ENTRY(ExclusiveNewNameRefusesAnExistingFileAtOpenOrClose, nullptr),
       TESSERA_STORAGE_SUITE_ENTRY(ExclusiveCreateRefusesADirectory,
                                   &StorageCapabilities::directory_sync),
       TESSERA_STORAGE_SUITE_ENTRY(MissingPathsAreNotFound, &StorageCapabilities::directory_sync),

@@ -20,31 +20,41 @@ constexpr uint64_t kManifestPiece = 8u << 20;
 // Nothing is allocated from a length the file claims until it is checked: the header first
 // (the file must have exactly the size it declares, within kMaxManifestBytes), then the
 // checksum, streamed through a small buffer, and only then the manifest's own buffer. A corrupt
-// or hostile manifest (e.g. sparse, 64 GiB) costs a short error, not its size in memory.
+// or hostile manifest (e.g. sparse, 64 GiB) costs a short error, not its size in memory. A file
+// of at most kManifestPiece bytes (every manifest but the largest) is read in one call: its
+// buffer is no larger than the streaming one, and on an object store each call is a request.
 Result<Metadata> ReadCommit(Storage& storage, const std::string& dir, const std::string& name) {
   const std::string path = JoinPath(dir, name);
   TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, storage.NewReadableFile(path));
   const ReadableFile& in = *file;
-  Bytes prefix(std::min<uint64_t>(in.size(), kManifestHeaderBytes));
-  TESSERA_RETURN_IF_ERROR(in.ReadAt(0, prefix.data(), prefix.size()));
-  TESSERA_ASSIGN_OR_RETURN(const uint64_t total, CheckManifestHeader(prefix, in.size(), path));
-  const uint64_t covered = total - kManifestTrailerBytes;  // bytes the checksum covers
-  std::vector<uint8_t> piece(std::min<uint64_t>(covered, kManifestPiece));
-  ChecksumStream checksum;
-  for (uint64_t done = 0; done < covered;) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(piece.size(), covered - done));
-    TESSERA_RETURN_IF_ERROR(in.ReadAt(done, piece.data(), n));
-    checksum.Update(piece.data(), n);
-    done += n;
-  }
-  uint64_t stored = 0;
-  TESSERA_RETURN_IF_ERROR(in.ReadAt(covered, &stored, sizeof(stored)));  // little-endian host
-  if (checksum.Digest() != stored) return ManifestChecksumMismatch(path);
-  Bytes bytes(total);
-  for (uint64_t done = 0; done < total;) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(kManifestPiece, total - done));
-    TESSERA_RETURN_IF_ERROR(in.ReadAt(done, bytes.data() + done, n));
-    done += n;
+  Bytes bytes;
+  if (in.size() <= kManifestPiece) {
+    bytes.resize(in.size());
+    TESSERA_RETURN_IF_ERROR(in.ReadAt(0, bytes.data(), bytes.size()));
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t total, CheckManifestHeader(bytes, in.size(), path));
+    bytes.resize(total);  // the size it declares is the file's: nothing is cut
+  } else {
+    Bytes prefix(kManifestHeaderBytes);
+    TESSERA_RETURN_IF_ERROR(in.ReadAt(0, prefix.data(), prefix.size()));
+    TESSERA_ASSIGN_OR_RETURN(const uint64_t total, CheckManifestHeader(prefix, in.size(), path));
+    const uint64_t covered = total - kManifestTrailerBytes;  // bytes the checksum covers
+    std::vector<uint8_t> piece(std::min<uint64_t>(covered, kManifestPiece));
+    ChecksumStream checksum;
+    for (uint64_t done = 0; done < covered;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(piece.size(), covered - done));
+      TESSERA_RETURN_IF_ERROR(in.ReadAt(done, piece.data(), n));
+      checksum.Update(piece.data(), n);
+      done += n;
+    }
+    uint64_t stored = 0;
+    TESSERA_RETURN_IF_ERROR(in.ReadAt(covered, &stored, sizeof(stored)));  // little-endian host
+    if (checksum.Digest() != stored) return ManifestChecksumMismatch(path);
+    bytes.resize(total);
+    for (uint64_t done = 0; done < total;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(kManifestPiece, total - done));
+      TESSERA_RETURN_IF_ERROR(in.ReadAt(done, bytes.data() + done, n));
+      done += n;
+    }
   }
   TESSERA_ASSIGN_OR_RETURN(Metadata m, DecodeManifest(bytes, path));
   // A commit's number is in its name and in its bytes: a manifest copied or renamed to another

@@ -62,7 +62,7 @@ struct S3ClientOptions {
   // Multipart: the size of parts 1-1000; from there it doubles every 1000 parts (up to
   // max_part_bytes), so that 10,000 parts hold any object. An object smaller than one part is
   // sent in one PUT.
-  uint64_t part_bytes = 8u << 20;
+  uint64_t part_bytes = 32u << 20;
   uint64_t max_part_bytes = 512u << 20;
   // Threads that upload parts and run ranged reads.
   size_t max_concurrency = 8;

@@ -207,7 +207,8 @@ StorageCapabilities S3Storage::capabilities() const {
                              .positional_writes = false,
                              .directory_sync = false,
                              .conditional_create = true,
-                             .coalesce_read_bytes = client_->options().read_chunk_bytes};
+                             .coalesce_read_bytes = client_->options().read_chunk_bytes,
+                             .implicit_directories = true};
 }
 
 Status S3Storage::CheckBucket() {
@@ -237,8 +238,8 @@ Status S3Storage::Publish(const std::string& path, std::span<const std::byte> by
 Result<std::unique_ptr<WritableFile>> S3Storage::NewWritableFile(const std::string& path,
                                                                  CreateMode mode) {
   TESSERA_ASSIGN_OR_RETURN(const std::string key, FileKey(path));
-  const bool exclusive = mode == CreateMode::kExclusive;
-  if (exclusive) {
+  const bool exclusive = mode != CreateMode::kTruncate;
+  if (mode == CreateMode::kExclusive) {
     // Fails early; the create-only publish is what guarantees it.
     Result<s3::ObjectInfo> there = client_->HeadObject(bucket_, key);
     if (there.ok()) {
