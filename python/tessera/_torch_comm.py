@@ -15,9 +15,11 @@ import datetime
 import threading
 import time
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed import ProcessGroup
 
     from ._tessera import Comm
@@ -123,16 +125,32 @@ def _ops():
     return _OPS
 
 
-def _to_tensor(data, size):
+def _uint8_view(data: Any) -> "torch.Tensor":
+    """A uint8 tensor over `data`'s buffer, without a copy. Read-only buffers (bytes) are fine
+    for what gloo only reads; torch warns that writing would be undefined, and nothing writes."""
     import torch  # noqa: PLC0415
-    out = torch.zeros(max(size, 1), dtype=torch.uint8)
-    if data:
-        out[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def _to_tensor(data: Any, size: int) -> "torch.Tensor":
+    """`data` as a uint8 tensor of max(size, 1) elements, zero-padded: a view of its buffer when it
+    fills the tensor exactly (an input gloo sends from, never writes), else a copy."""
+    import torch  # noqa: PLC0415
+    n = len(data) if data else 0
+    if n and n == size:
+        return _uint8_view(data)
+    out = torch.empty(max(size, 1), dtype=torch.uint8)
+    if n:
+        out[:n] = _uint8_view(data)
+    out[n:].zero_()
     return out
 
 
-def _to_bytes(tensor, size):
-    return tensor[:size].numpy().tobytes()
+def _to_bytes(tensor: "torch.Tensor", size: int) -> memoryview:
+    """The first `size` bytes of a received tensor, as a view (the C++ side copies it once)."""
+    return memoryview(tensor[:size].numpy())
 
 
 class TorchDistImpl:
