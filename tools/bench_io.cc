@@ -30,6 +30,13 @@
 // baseline as for tessera. Each figure is the best of the --repeat timed samples; every sample is
 // reported too. The first repeat (a warm-up one by default) checks every loaded element.
 //
+// --storage URI (s3://bucket/prefix, msc://profile/path) runs on a storage instead of --dir:
+// the checkpoints go there, and the raw baseline writes and reads the same bytes per rank and
+// I/O thread as objects through the same client (one PUT or a multipart upload each; ranged
+// GETs back). No syncfs and no page cache apply (--sync and --drop-caches are refused); the
+// run's prefix is removed at the end. Against moto every client waits on moto, so the ratio
+// to the raw baseline is the figure that carries over (docs/PERFORMANCE.md).
+//
 // --format torch_dist saves a PyTorch DCP checkpoint instead (SaveOptions::format;
 // --torch-dist-flavor); --save-only runs the save and raw write phases alone (the comparison
 // with DCP's own save_state_dict: bench/peers/compare.py --format torch_dist --save-only).
@@ -52,15 +59,19 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "checkpoint/envelope.h"
 #include "tessera/checkpoint.h"
 #include "tessera/local_comm.h"
+#include "tessera/storage_uri.h"
+#include "tools/bench_io_storage.h"
 #include "tools/commands.h"
 #include "tools/json_output.h"
 #include "tools/memory.h"
@@ -91,6 +102,10 @@ struct BenchIoOptions {
   int repeat = 3;
   int warmup = 1;
   std::string dir = "/tmp";
+  // A storage URI (s3://bucket/prefix, msc://profile/path): the run goes there instead of
+  // --dir, the raw baseline writing and reading the same bytes as objects through the same
+  // client (StorageRawWrite, StorageRawRead).
+  std::string storage;
   std::string save_layout;                // default: tp<ranks>
   std::string reshard_layout;             // default: see DefaultReshardLayout
   bool flush = true;                      // syncfs before each phase, outside the timing
@@ -113,11 +128,6 @@ std::string DefaultReshardLayout(int ranks) {
 }
 
 // ---- the raw baseline --------------------------------------------------------------------------
-
-struct Segment {
-  std::byte* data;
-  uint64_t size;
-};
 
 // The first `limit` bytes of the state's buffers, in order.
 std::vector<Segment> StateSegments(const RankState& state, uint64_t limit) {
@@ -272,6 +282,9 @@ struct Results {
   std::vector<uint64_t> save_held, load_held, reshard_held;
   uint64_t load_bytes_read = 0, load_bytes_needed = 0;
   uint64_t reshard_bytes_read = 0, reshard_bytes_needed = 0;
+  // Read calls that reached storage (LoadReport::read_calls), all ranks: on an object store,
+  // the loads' GET requests.
+  uint64_t load_read_calls = 0, reshard_read_calls = 0;
   // The resharded load's job figures (read_sharing kReadOnce): the union of the bytes the
   // ranks needed, bytes sent between ranks, the checkpoint's bytes.
   uint64_t reshard_union_bytes = 0, reshard_exchanged_bytes = 0, checkpoint_bytes = 0;
@@ -310,6 +323,21 @@ int RunBenchIo(const BenchIoOptions& options) {
                                   std::to_string(o.ranks)));
     }
   }
+  const bool on_storage = !o.storage.empty();
+  if (on_storage && (o.sync || o.drop_caches)) {
+    return Fail(InvalidArgument(
+        "bench io --storage " + o.storage +
+        ": --sync and --drop-caches apply to a local --dir (an object store's completed "
+        "writes are durable, and it has no page cache here)"));
+  }
+  // The storage the run's files go to, one per process (the ranks of LocalComm share it).
+  std::shared_ptr<Storage> storage;
+  std::string storage_base;
+  if (on_storage) {
+    Result<std::pair<std::shared_ptr<Storage>, std::string>> opened = OpenStorage(o.storage);
+    if (!opened.ok()) return Fail(opened.status().WithContext("bench io --storage"));
+    std::tie(storage, storage_base) = *opened;
+  }
   if (o.drop_caches && !DropPageCache()) {
     return Fail(FailedPrecondition(std::string("bench io --drop-caches: cannot write ") +
                                    kDropCachesPath + ": " + std::strerror(errno) +
@@ -327,7 +355,9 @@ int RunBenchIo(const BenchIoOptions& options) {
         TorchDistOptions{.flavor = o.torch_dist_flavor == "1.13" ? TorchDistFlavor::kTorch113
                                                                  : TorchDistFlavor::kTorch2};
   }
+  save_options.storage = storage;  // null: the local file system
   LoadOptions load_options;
+  load_options.storage = storage;
   load_options.num_io_threads = o.io_threads;
   load_options.verify_checksums = o.verify_checksums;
   load_options.read_sharing = o.share_reads == "none"       ? ReadSharing::kNone
@@ -350,32 +380,50 @@ int RunBenchIo(const BenchIoOptions& options) {
     // they are other processes), removed at the end whatever happens.
     Bytes dir_message;
     if (lead) {
-      std::string pattern = o.dir + "/tessera-bench-io-XXXXXX";
-      Status made = ::mkdtemp(pattern.data()) != nullptr
-                        ? Status::Ok()
-                        : IOErrorFromErrno("creating a directory in " + o.dir + " (--dir)", errno);
-      dir_message = Seal(made, Bytes(pattern.begin(), pattern.end()));
+      Status made;
+      std::string made_dir;
+      if (on_storage) {
+        made_dir = JoinPath(storage_base, NewBenchRunName());  // a prefix: nothing to create
+      } else {
+        made_dir = o.dir + "/tessera-bench-io-XXXXXX";
+        if (::mkdtemp(made_dir.data()) == nullptr) {
+          made = IOErrorFromErrno("creating a directory in " + o.dir + " (--dir)", errno);
+        }
+      }
+      dir_message = Seal(made, Bytes(made_dir.begin(), made_dir.end()));
     }
     TESSERA_RETURN_IF_ERROR(comm.Broadcast(&dir_message, 0));
     TESSERA_ASSIGN_OR_RETURN(std::span<const uint8_t> dir_bytes, Open(dir_message, "rank 0"));
     const std::string run_dir_here(dir_bytes.begin(), dir_bytes.end());
     if (lead) run_dir = run_dir_here;
-    struct Cleanup {
-      std::string dir;
-      bool lead;
-      ~Cleanup() {
+    // Removes a directory of the run and what it holds (rank 0), outside any timing.
+    auto remove_tree = [&](const std::string& dir) {
+      if (on_storage) {
+        RemoveStorageTree(*storage, dir).IgnoreError();
+      } else {
         std::error_code ignored;
-        if (lead) std::filesystem::remove_all(dir, ignored);
+        std::filesystem::remove_all(dir, ignored);
       }
-    } cleanup{run_dir_here, lead};
-    const int run_dir_fd = ::open(run_dir_here.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (run_dir_fd < 0) return IOErrorFromErrno("open " + run_dir_here, errno);
+    };
+    struct Cleanup {
+      std::function<void()> remove;
+      ~Cleanup() { remove(); }
+    } cleanup{[&, lead] {
+      if (lead) remove_tree(run_dir_here);
+    }};
+    // The local directory, for syncfs between phases (none on a storage).
+    const int run_dir_fd =
+        on_storage ? -1 : ::open(run_dir_here.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (!on_storage && run_dir_fd < 0) return IOErrorFromErrno("open " + run_dir_here, errno);
     struct CloseFd {
       int fd;
-      ~CloseFd() { ::close(fd); }
+      ~CloseFd() {
+        if (fd >= 0) ::close(fd);
+      }
     } close_fd{run_dir_fd};
     // This rank's figures; summed over the ranks at the end.
     uint64_t written = 0, load_read = 0, load_needed = 0, reshard_read = 0, reshard_needed = 0;
+    uint64_t load_calls = 0, reshard_calls = 0;
     uint64_t reshard_union = 0, reshard_exchanged = 0, checkpoint_bytes = 0;
     bool reshard_read_once = false;
     RankState saved = BuildRankState(config, *save_layout, rank, /*fill=*/true);
@@ -390,7 +438,7 @@ int RunBenchIo(const BenchIoOptions& options) {
     auto timed = [&](Phase phase, const std::function<Status()>& body) -> Status {
       uint64_t rss_before = 0;
       if (lead) {
-        if (o.flush || o.drop_caches) ::syncfs(run_dir_fd);
+        if ((o.flush || o.drop_caches) && run_dir_fd >= 0) ::syncfs(run_dir_fd);
         // Checked to work before the first phase (RunBenchIo): a failure here is not expected.
         if (o.drop_caches && (phase == kLoad || phase == kRawRead || phase == kReshard)) {
           DropPageCache();
@@ -419,7 +467,7 @@ int RunBenchIo(const BenchIoOptions& options) {
       const std::string raw = run_dir_here + "/raw-" + std::to_string(k);
       const std::string raw_streamed = raw + "-streamed";
       for (const std::string& dir : {raw, raw_streamed}) {
-        if (lead && ::mkdir(dir.c_str(), 0755) != 0) {
+        if (lead && !on_storage && ::mkdir(dir.c_str(), 0755) != 0) {
           return IOErrorFromErrno("mkdir " + dir, errno);
         }
       }
@@ -439,7 +487,8 @@ int RunBenchIo(const BenchIoOptions& options) {
         return timed(phase, [&]() -> Status {
           auto parts = SplitSegments(raw_source, o.io_threads);
           TESSERA_RETURN_IF_ERROR(RunThreads(o.io_threads, [&](int t) {
-            return RawWriteFile(RawFile(dir, rank, t), parts[t], o.sync, streamed);
+            return on_storage ? StorageRawWrite(*storage, RawFile(dir, rank, t), parts[t])
+                              : RawWriteFile(RawFile(dir, rank, t), parts[t], o.sync, streamed);
           }));
           if (!o.sync) return Status::Ok();
           TESSERA_RETURN_IF_ERROR(comm.Barrier());  // every file written before the dir syncs
@@ -454,6 +503,7 @@ int RunBenchIo(const BenchIoOptions& options) {
           if (k == 0) {
             (phase == kLoad ? load_read : reshard_read) = report.bytes_read;
             (phase == kLoad ? load_needed : reshard_needed) = report.bytes_needed;
+            (phase == kLoad ? load_calls : reshard_calls) = report.read_calls;
             if (phase == kReshard && comm.rank() == 0) {  // the same on every rank
               reshard_union = report.job_bytes_needed;
               reshard_exchanged = report.job_bytes_exchanged;
@@ -467,8 +517,10 @@ int RunBenchIo(const BenchIoOptions& options) {
       auto raw_read = [&]() -> Status {
         return timed(kRawRead, [&]() -> Status {
           auto parts = SplitSegments(raw_destination, o.io_threads);
-          return RunThreads(o.io_threads,
-                            [&](int t) { return RawReadFile(RawFile(raw, rank, t), parts[t]); });
+          return RunThreads(o.io_threads, [&](int t) {
+            return on_storage ? StorageRawRead(*storage, RawFile(raw, rank, t), parts[t])
+                              : RawReadFile(RawFile(raw, rank, t), parts[t]);
+          });
         });
       };
       // The raw baseline writes exactly the payload bytes this rank's save writes; it needs
@@ -503,15 +555,14 @@ int RunBenchIo(const BenchIoOptions& options) {
       }
       TESSERA_RETURN_IF_ERROR(comm.Barrier());
       if (lead) {  // outside any timing: the next repeat starts from an empty directory
-        std::error_code ignored;
-        std::filesystem::remove_all(ckpt, ignored);
-        std::filesystem::remove_all(raw, ignored);
-        std::filesystem::remove_all(raw_streamed, ignored);
+        for (const std::string& dir : {ckpt, raw, raw_streamed}) remove_tree(dir);
       }
     }
     // Per-rank figures, each rank filling its own slots, summed; peak memory, the largest.
     const int n = o.ranks;
-    std::vector<int64_t> totals(5 * n + 8, 0);
+    std::vector<int64_t> totals(5 * n + 10, 0);
+    totals[5 * n + 8] = static_cast<int64_t>(load_calls);
+    totals[5 * n + 9] = static_cast<int64_t>(reshard_calls);
     totals[5 * n + 7] = reshard_read_once ? 1 : 0;
     totals[5 * n + 4] = static_cast<int64_t>(reshard_union);
     totals[5 * n + 5] = static_cast<int64_t>(reshard_exchanged);
@@ -540,6 +591,8 @@ int RunBenchIo(const BenchIoOptions& options) {
       res.load_bytes_read = totals[5 * n + 0];
       res.load_bytes_needed = totals[5 * n + 1];
       res.reshard_bytes_read = totals[5 * n + 2];
+      res.load_read_calls = totals[5 * n + 8];
+      res.reshard_read_calls = totals[5 * n + 9];
       res.reshard_bytes_needed = totals[5 * n + 3];
       res.reshard_union_bytes = totals[5 * n + 4];
       res.reshard_exchanged_bytes = totals[5 * n + 5];
@@ -623,10 +676,12 @@ int RunBenchIo(const BenchIoOptions& options) {
     out["load_gb_per_s"] = res.load_bytes_read / load_s / 1e9;
     out["raw_read_gb_per_s"] = raw_bytes / raw_read_s / 1e9;
     out["load_bytes_read"] = res.load_bytes_read;
+    out["load_read_calls"] = res.load_read_calls;
     out["load_bytes_needed"] = res.load_bytes_needed;
     out["reshard_load_seconds"] = reshard_s;
     out["reshard_load_gb_per_s"] = res.reshard_bytes_read / reshard_s / 1e9;
     out["reshard_bytes_read"] = res.reshard_bytes_read;
+    out["reshard_read_calls"] = res.reshard_read_calls;
     out["reshard_bytes_needed"] = res.reshard_bytes_needed;
     out["reshard_bytes_read_over_needed"] = res.reshard_bytes_needed
                                                 ? static_cast<double>(res.reshard_bytes_read) /
@@ -678,7 +733,12 @@ int RunBenchIo(const BenchIoOptions& options) {
   out["flush_between_phases"] = o.flush;
   out["page_cache_dropped_before_reads"] = o.drop_caches;
   out["checked"] = res.checked;
-  out["dir"] = run_dir + " (removed)";
+  if (on_storage) {
+    out["storage"] = o.storage;
+    out["dir"] = run_dir + " (in the storage; removed)";
+  } else {
+    out["dir"] = run_dir + " (removed)";
+  }
   PrintJson(std::move(out));
   return 0;
 }
@@ -712,6 +772,9 @@ void AddBenchIoCommand(CLI::App& bench, int* exit_code) {
       ->capture_default_str();
   io->add_option("--dir", o->dir, "where the run's temporary directory goes")
       ->capture_default_str();
+  io->add_option("--storage", o->storage,
+                 "run on a storage URI instead (s3://bucket/prefix, msc://profile/path): the "
+                 "checkpoints there, and the raw baseline as objects through the same client");
   io->add_option("--save-layout", o->save_layout, "layout of the save (default tp<ranks>)");
   io->add_option("--reshard-layout", o->reshard_layout,
                  "layout of the resharded load (default tp<ranks/2>,dp2; tp1,dp<ranks> if odd)");

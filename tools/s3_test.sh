@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CLI on S3 through s3:// URIs, against moto's server on loopback (started here by
 # tessera_moto_server, signing enforced): demo --out s3://..., inspect, verify, ls, diff, convert
-# from S3 to local files and back, rm-keys, a rank-local save and finalize.
+# from S3 to local files and back, rm-keys, a rank-local save and finalize, bench io --storage.
 # Usage: s3_test.sh PATH_TO_TESSERA (TESSERA_MOTO_SERVER names the server's starter; CMake sets
 # it). A server that cannot start fails the test; it never passes by skipping.
 set -uo pipefail
@@ -157,6 +157,30 @@ check "no incomplete upload is left" $?
   2> "$work/bad_age.txt"
 [ $? -ne 0 ] && grep -q "abort-uploads-older-than '3x' is not a duration" "$work/bad_age.txt"
 check "a bad age is refused naming the option" $?
+
+# bench io on S3: save, raw write, load, raw read and resharded load of the same bytes, the
+# loads checked element by element; the run's prefix is empty afterwards.
+"$tessera" bench io --storage "$s3/bench" --size 16MiB --ranks 2 --repeat 1 --warmup 0 \
+  > "$work/bench.json" &&
+  $python -c "import json,sys; d=json.load(open(sys.argv[1])); \
+assert d['checked'] and d['storage'].endswith('/bench'), d; \
+s=d['samples_seconds']; \
+assert all(len(s[p]) == 1 for p in ('save','raw_write','load','raw_read','reshard_load')), s" \
+    "$work/bench.json"
+check "bench io --storage s3:// runs every phase and checks the loads" $?
+[ -z "$("$tessera" ls "$s3/bench" 2> /dev/null | grep -i "tessera-bench-io")" ] &&
+  "$test_python" - "$s3/bench" << 'PY'
+import os, sys
+import boto3
+bucket, _, prefix = sys.argv[1][len("s3://"):].partition("/")
+s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+left = s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("KeyCount", 0)
+assert left == 0, f"{left} objects left under {prefix}/"
+PY
+check "bench io --storage leaves nothing under its prefix" $?
+"$tessera" bench io --storage "$s3/bench" --sync --size 1MiB 2> "$work/bench_sync.txt"
+[ $? -ne 0 ] && grep -q "\-\-sync and \-\-drop-caches apply to a local \-\-dir" "$work/bench_sync.txt"
+check "bench io --storage refuses --sync naming it" $?
 
 # Errors name what is wrong.
 "$tessera" inspect "s3://$TESSERA_TEST_BUCKET/cli-$$/absent" 2> "$work/absent.txt"
