@@ -150,7 +150,7 @@ def _to_tensor(data: Any, size: int) -> "torch.Tensor":
 
 def _to_bytes(tensor: "torch.Tensor", size: int) -> memoryview:
     """The first `size` bytes of a received tensor, as a view (the C++ side copies it once)."""
-    return memoryview(tensor[:size].numpy())
+    return tensor[:size].numpy().data  # ndarray.data: a memoryview of the array
 
 
 class TorchDistImpl:

@@ -100,8 +100,9 @@ Result<Needed> WhatIsNeeded(Storage& storage, const std::string& dir,
       continue;
     }
     needed.save_ids.insert((*commit)->save_id);  // loadable or pending: its files stay
-    if (PartsComplete(names, (*commit)->save_id, (*commit)->num_ranks))
+    if (PartsComplete(names, (*commit)->save_id, (*commit)->num_ranks)) {
       needed.newest_loadable = seq;
+    }
   }
   TESSERA_ASSIGN_OR_RETURN(std::vector<RankManifestSet> sets,
                            FindRankManifestSets(storage, dir, names));
