@@ -32,8 +32,9 @@ given probability (a seeded generator: the same sequence of decisions every run)
 closes the connection (a request body the client sends anyway is read and dropped first).
 Counted in `throttled`. Run as a program it serves until SIGTERM (see main()).
 
-With S3_PROXY_TRACE=FILE in its environment, the proxy appends each forwarded request's method
-and target to FILE, one line each: which requests a phase's counts are made of.
+With S3_PROXY_TRACE=FILE in its environment, the proxy appends each forwarded request's method,
+target and Range header (if any) to FILE, one line each: which requests a phase's counts are
+made of.
 """
 
 from __future__ import annotations
@@ -375,7 +376,7 @@ class _Exchange:
             trace_path = os.environ.get("S3_PROXY_TRACE")
             if trace_path:
                 with open(trace_path, "a", encoding="latin-1") as trace:
-                    trace.write(f"{method} {parts[1]}\n")
+                    trace.write(f"{method} {parts[1]} {headers.get('range', '')}\n")
         self._to_upstream(b"".join(head))
         has_body = _is_chunked(headers) or bool(request_length)
         expect = headers.get("expect", "").lower() == "100-continue" and has_body

@@ -138,6 +138,10 @@ enum class KeyPolicy {
 
 // How ranks that need the same bytes share the reading of them (the numbers are not written
 // to disk).
+// kAuto reads alone on an object store when that reads less than 1 / kReadOnceMinSaving more
+// bytes than reading once (see LoadOptions::read_sharing).
+inline constexpr uint64_t kReadOnceMinSaving = 20;
+
 enum class ReadSharing {
   kNone,       // every rank reads everything it needs from storage
   kBroadcast,  // ranks with identical needs: one reads each run, then broadcasts it
@@ -200,8 +204,10 @@ struct LoadOptions {
   // demo loads in 0.06 s reading 473.5 MB itself, in 0.14-0.15 s reading 268.1 MB once and
   // exchanging 205.4 MB; a 2-rank 2 GiB reshard from a disk with dropped caches in 0.76-0.80 s
   // alone, 0.81-0.84 s reading once; docs/PERFORMANCE.md, "Read once per job"). Object stores
-  // (s3://, msc://) and network filesystems always exchange. kReadOnce and kNone force either way;
-  // LoadReport::read_sharing says what a load did.
+  // (s3://, msc://) and network filesystems exchange, unless reading alone would read less than
+  // 5% more than reading once (kReadOnceMinSaving: a load in its save's layout, where only small
+  // replicated tensors are shared; on moto such a load took 0.84 s alone, 1.18 s read once).
+  // kReadOnce and kNone force either way; LoadReport::read_sharing says what a load did.
   //
   // kBroadcast, kAllGather: ranks that need exactly the same bytes (data-parallel replicas of
   // the load layout) read them from storage once between them and exchange them through a

@@ -59,6 +59,27 @@ TEST(CoalescingFileTest, TouchingRangesAreFetchedTogetherUpToTheBound) {
   EXPECT_EQ(file.reads(), 3u);
 }
 
+// Ranges at most max_bytes / kMaxGapFraction apart are fetched together, the gap with them (a
+// request costs more than those bytes), the smallest gaps first while all of them stay within
+// 1 / kMaxGapShare of the bytes needed; farther apart, each range is a fetch of its own.
+TEST(CoalescingFileTest, NearbyRangesAreFetchedTogetherWithinTheGapBudget) {
+  RecordingFile base(100000);
+  const uint64_t max_bytes = 32000;
+  const uint64_t max_gap = max_bytes / CoalescingFile::kMaxGapFraction;  // 1000
+  // 4000 bytes needed: a budget of 200 gap bytes. Gaps: 150, 100, 60, and 1001 (too wide).
+  const std::vector<std::pair<uint64_t, uint64_t>> ranges = {
+      {0, 1000}, {1150, 2000}, {2100, 3000}, {3060, 3310}, {4311, 5311}};
+  uint64_t needed = 0;
+  for (const auto& [b, e] : ranges) needed += e - b;
+  ASSERT_EQ(needed, 4000u);
+  ASSERT_EQ(4311u - 3310u, max_gap + 1);
+  const CoalescingFile file(base, ranges, max_bytes);
+  for (const auto& [b, e] : ranges) ExpectRead(file, base, b, e - b);
+  // Gaps by size: 60 (bridged, 140 left), 100 (bridged, 40 left), 150 (over what is left).
+  const std::vector<std::pair<uint64_t, size_t>> want = {{0, 1000}, {1150, 2160}, {4311, 1000}};
+  EXPECT_EQ(base.reads, want);
+}
+
 TEST(CoalescingFileTest, ReadsOutsideThePlanOrAsLargeAsTheBoundGoStraightThrough) {
   RecordingFile base(1000);
   const CoalescingFile file(base, {{0, 100}}, 64);

@@ -193,7 +193,11 @@ std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector
   }
   for (size_t f = 0; f < files.size(); ++f) {
     files[f].name = writer.DataFileName(save_id, rank, static_cast<int>(f), attempt);
+    // Items under kSmallItemBytes first, then the rest, each in the manifest's order.
     std::sort(files[f].items.begin(), files[f].items.end(), [&](uint32_t a, uint32_t b) {
+      const bool a_small = plan.items[a].num_bytes < kSmallItemBytes;
+      const bool b_small = plan.items[b].num_bytes < kSmallItemBytes;
+      if (a_small != b_small) return a_small;
       return InManifestOrder(plan.items[a], plan.items[b]);
     });
   }

@@ -23,6 +23,9 @@ namespace tessera {
 const std::byte* ItemData(const StateDict& state, const LocalItem& item);
 
 // Which of the rank's items go into which of its data files, and in what order.
+// Items smaller than this are placed together at the start of their data file.
+inline constexpr uint64_t kSmallItemBytes = 1u << 20;
+
 struct DataFilePlan {
   std::string name;
   std::vector<uint32_t> items;  // indices into the local plan, in file order
@@ -32,9 +35,12 @@ struct DataFilePlan {
 // key starts with each of `separate_prefixes` (the longest matching prefix wins), one for the
 // rest; each group over up to `files_per_group` files, balancing bytes (largest first to the
 // least loaded); or, when the format stores one item per file (FormatWriter::OneFilePerItem),
-// each item in a file of its own. Within a file, tensors come first, by key and box, then
-// objects by key: the manifest's order, which its encoding rewards (docs/FORMAT.md, section
-// 3.5). Files are named writer.DataFileName(save_id, rank, f, attempt).
+// each item in a file of its own. Within a file, items of fewer than kSmallItemBytes come first,
+// then the others; each part in the manifest's order (tensors by key and box, then objects by
+// key), which its encoding rewards (docs/FORMAT.md, section 3.5). Small items side by side let a
+// rank that needs many of them (the norms and biases one rank saved for all) fetch them in few
+// requests where each read is one (CoalescingFile). Files are named
+// writer.DataFileName(save_id, rank, f, attempt).
 std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector<uint32_t>& items,
                                         int files_per_group,
                                         const std::vector<std::string>& separate_prefixes,

@@ -392,7 +392,25 @@ class Exchange {
       (p.check == CellCheck::kWholeChunk ? in_order : parallel).push_back(k);
       total += p.end - p.begin;
     }
-    const size_t threads = std::min<size_t>(options_.num_io_threads, parallel.size());
+    // In file order, so that each thread's slice reads forward through its files (the plan's
+    // order is the keys', and a data file holds its small items first): a store's reads then
+    // fetch each byte once (CoalescingFile), the page cache reads ahead.
+    auto position = [&](size_t k) {
+      const SharedPiece& p = plan_.pieces[mine[k].piece];
+      const ByteLocation& at = metadata_.tensors[p.tensor].chunks[p.chunk].location;
+      return std::make_pair(at.file_index, at.offset + p.begin);
+    };
+    std::sort(parallel.begin(), parallel.end(),
+              [&](size_t a, size_t b) { return position(a) < position(b); });
+    // Where each read is a request, no thread takes less than a quarter of a read's size: a
+    // round's few small pieces (norms every rank needs) then go to one thread, which fetches
+    // those that lie together in one request instead of each thread fetching its share.
+    const uint64_t coalesce = storage_.capabilities().coalesce_read_bytes;
+    size_t threads = std::min<size_t>(options_.num_io_threads, parallel.size());
+    if (coalesce > 0) {
+      const uint64_t min_slice = std::max<uint64_t>(1, coalesce / 4);
+      threads = std::min<size_t>(threads, std::max<uint64_t>(1, total / min_slice));
+    }
     std::vector<size_t> bounds = {0};
     uint64_t acc = 0;
     for (size_t k = 0; k < parallel.size() && bounds.size() < threads; ++k) {
@@ -404,7 +422,6 @@ class Exchange {
     const size_t slices = bounds.size() - 1;
     std::vector<Status> statuses(slices + 1);
     std::vector<uint64_t> calls(slices + 1, 0);
-    const uint64_t coalesce = storage_.capabilities().coalesce_read_bytes;
     auto work = [&](size_t s, const std::vector<size_t>& list, size_t begin, size_t end) {
       std::vector<std::byte> buffer(plan_.cell_bytes);
       DeviceSink sink(uploads_);
@@ -418,8 +435,14 @@ class Exchange {
           const ByteLocation& at = metadata_.tensors[p.tensor].chunks[p.chunk].location;
           ranges[at.file_index].emplace_back(at.offset + p.begin, at.offset + p.end);
         }
+        uint64_t needed = 0;  // one gap budget for the slice's files (CoalescingFile)
+        for (const auto& [f, r] : ranges) {
+          for (const auto& [b, e] : r) needed += e - b;
+        }
+        uint64_t gap_budget = CoalescingFile::GapBudget(needed);
         for (auto& [f, r] : ranges) {
-          coalesced[f] = std::make_unique<CoalescingFile>(*files_[f], std::move(r), coalesce);
+          coalesced[f] =
+              std::make_unique<CoalescingFile>(*files_[f], std::move(r), coalesce, &gap_budget);
         }
       }
       for (size_t k = begin; k < end && statuses[s].ok(); ++k) {
@@ -651,8 +674,12 @@ Status ReadOnceAcrossJob(Comm& comm, Storage& storage, const std::string& dir,
                                                sizes.max_piece_bytes));
   gathered.clear();
   report.job_bytes_needed += plan.union_needed_bytes;
-  // kAuto on local filesystems: every rank reads for itself (the same choice on every rank).
-  if (options.read_sharing == ReadSharing::kAuto && (all_local || plan.pieces.empty())) {
+  // kAuto on local filesystems, or where reading alone costs under 5% more bytes: every rank
+  // reads for itself (the same choice on every rank: the plan is the same).
+  const bool little_saved =
+      plan.alone_read_bytes < plan.once_read_bytes + plan.once_read_bytes / kReadOnceMinSaving;
+  if (options.read_sharing == ReadSharing::kAuto &&
+      (all_local || plan.pieces.empty() || little_saved)) {
     report.read_sharing = ReadSharing::kNone;
     return local.ok() ? ExecuteReads(storage, dir, metadata, runs, options, report, headers,
                                      &progress, uploads)

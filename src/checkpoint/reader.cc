@@ -246,15 +246,44 @@ Status CheckCastAlignment(const Metadata& metadata, const std::vector<ReadRun>& 
 
 CoalescingFile::CoalescingFile(const ReadableFile& file,
                                std::vector<std::pair<uint64_t, uint64_t>> ranges,
-                               uint64_t max_bytes)
+                               uint64_t max_bytes, uint64_t* gap_budget)
     : file_(file), max_bytes_(max_bytes) {
   std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<uint64_t, uint64_t>> touching;
+  uint64_t needed = 0;
   for (const auto& [begin, end] : ranges) {
     if (begin >= end) continue;
-    if (!spans_.empty() && begin <= spans_.back().second) {
-      spans_.back().second = std::max(spans_.back().second, end);
+    if (!touching.empty() && begin <= touching.back().second) {
+      const uint64_t old_end = touching.back().second;
+      touching.back().second = std::max(old_end, end);
+      needed += touching.back().second - old_end;
     } else {
-      spans_.emplace_back(begin, end);
+      touching.emplace_back(begin, end);
+      needed += end - begin;
+    }
+  }
+  // The gaps worth a fetch: at most max_bytes / kMaxGapFraction each, the smallest first, at
+  // most kMaxGapShare of the needed bytes in all.
+  const uint64_t max_gap = max_bytes / kMaxGapFraction;
+  std::vector<std::pair<uint64_t, size_t>> gaps;  // (bytes, the span the gap follows)
+  for (size_t i = 0; i + 1 < touching.size(); ++i) {
+    const uint64_t gap = touching[i + 1].first - touching[i].second;
+    if (gap <= max_gap) gaps.emplace_back(gap, i);
+  }
+  std::sort(gaps.begin(), gaps.end());
+  std::vector<bool> bridged(touching.size(), false);
+  uint64_t own_budget = GapBudget(needed);
+  uint64_t& budget = gap_budget != nullptr ? *gap_budget : own_budget;
+  for (const auto& [gap, i] : gaps) {
+    if (gap > budget) break;
+    budget -= gap;
+    bridged[i] = true;
+  }
+  for (size_t i = 0; i < touching.size(); ++i) {
+    if (i > 0 && bridged[i - 1]) {
+      spans_.back().second = touching[i].second;
+    } else {
+      spans_.push_back(touching[i]);
     }
   }
 }
@@ -349,8 +378,16 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
                                             segments[s].file_offset + segments[s].length);
         }
       }
+      // One gap budget for the slice's files: rank 1's few reads of the small items rank 0
+      // saved for all may bridge their gaps on the strength of its many reads elsewhere.
+      uint64_t needed = 0;
+      for (const auto& [f, list] : ranges) {
+        for (const auto& [b, e] : list) needed += e - b;
+      }
+      uint64_t gap_budget = CoalescingFile::GapBudget(needed);
       for (auto& [f, list] : ranges) {
-        coalesced[f] = std::make_unique<CoalescingFile>(*files[f], std::move(list), coalesce);
+        coalesced[f] =
+            std::make_unique<CoalescingFile>(*files[f], std::move(list), coalesce, &gap_budget);
       }
     }
     for (size_t i = bounds[slice]; i < bounds[slice + 1] && statuses[slice].ok(); ++i) {
