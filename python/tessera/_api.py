@@ -274,7 +274,8 @@ def load(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = None, s
     Options (fields of LoadOptions): verify_checksums=True, verify_partial_chunks=False,
     num_io_threads=2, read_sharing="auto" ("read_once": the job reads each checksum block once
     and ranks send each other what they need; "none": each rank reads its own; "auto": read_once
-    unless every rank reads a local filesystem, where re-reading is cheaper than sending;
+    unless every rank reads a local filesystem, where re-reading is cheaper than sending, or
+    reading once would save under 5% of the bytes;
     "broadcast", "all_gather": within groups of identical needs only), exchange_bytes=64 MiB,
     cast_dtypes=False (True: a tensor saved in one float dtype, float64/32/16, bfloat16 or a
     float8, loads into a tensor of another, rounded to nearest even as it is read; otherwise a
