@@ -435,15 +435,7 @@ class Exchange {
           const ByteLocation& at = metadata_.tensors[p.tensor].chunks[p.chunk].location;
           ranges[at.file_index].emplace_back(at.offset + p.begin, at.offset + p.end);
         }
-        uint64_t needed = 0;  // one gap budget for the slice's files (CoalescingFile)
-        for (const auto& [f, r] : ranges) {
-          for (const auto& [b, e] : r) needed += e - b;
-        }
-        uint64_t gap_budget = CoalescingFile::GapBudget(needed);
-        for (auto& [f, r] : ranges) {
-          coalesced[f] =
-              std::make_unique<CoalescingFile>(*files_[f], std::move(r), coalesce, &gap_budget);
-        }
+        coalesced = CoalesceThreadReads(files_, std::move(ranges), coalesce);
       }
       for (size_t k = begin; k < end && statuses[s].ok(); ++k) {
         const SharedPiece& p = plan_.pieces[mine[list[k]].piece];

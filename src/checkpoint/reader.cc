@@ -288,6 +288,21 @@ CoalescingFile::CoalescingFile(const ReadableFile& file,
   }
 }
 
+std::map<uint32_t, std::unique_ptr<CoalescingFile>> CoalesceThreadReads(
+    const std::vector<std::unique_ptr<ReadableFile>>& files,
+    std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> ranges, uint64_t max_bytes) {
+  uint64_t needed = 0;
+  for (const auto& [f, list] : ranges) {
+    for (const auto& [begin, end] : list) needed += end - begin;
+  }
+  uint64_t gap_budget = CoalescingFile::GapBudget(needed);
+  std::map<uint32_t, std::unique_ptr<CoalescingFile>> out;
+  for (auto& [f, list] : ranges) {
+    out[f] = std::make_unique<CoalescingFile>(*files[f], std::move(list), max_bytes, &gap_budget);
+  }
+  return out;
+}
+
 Status CoalescingFile::ReadAt(uint64_t offset, void* dst, size_t n) const {
   if (n == 0) return Status::Ok();
   if (offset >= begin_ && offset + n <= end_) {
@@ -378,17 +393,7 @@ Status ExecuteReads(Storage& storage, const std::string& dir, const Metadata& me
                                             segments[s].file_offset + segments[s].length);
         }
       }
-      // One gap budget for the slice's files: rank 1's few reads of the small items rank 0
-      // saved for all may bridge their gaps on the strength of its many reads elsewhere.
-      uint64_t needed = 0;
-      for (const auto& [f, list] : ranges) {
-        for (const auto& [b, e] : list) needed += e - b;
-      }
-      uint64_t gap_budget = CoalescingFile::GapBudget(needed);
-      for (auto& [f, list] : ranges) {
-        coalesced[f] =
-            std::make_unique<CoalescingFile>(*files[f], std::move(list), coalesce, &gap_budget);
-      }
+      coalesced = CoalesceThreadReads(files, std::move(ranges), coalesce);
     }
     for (size_t i = bounds[slice]; i < bounds[slice + 1] && statuses[slice].ok(); ++i) {
       const uint32_t f = units[i].file_index;

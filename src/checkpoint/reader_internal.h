@@ -4,6 +4,8 @@
 #define TESSERA_CHECKPOINT_READER_INTERNAL_H_
 
 #include <cstring>
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -174,6 +176,14 @@ class CoalescingFile final : public ReadableFile {
   mutable uint64_t begin_ = 0, end_ = 0;  // the file bytes buffer_ holds
   mutable uint64_t reads_ = 0;
 };
+
+// One thread's CoalescingFiles: for each file index of `ranges` (the byte ranges the thread
+// will read there), a CoalescingFile over files[index], all of them spending one gap budget
+// (GapBudget of every range): a thread's few reads of one file may bridge their gaps on the
+// strength of its many reads of others (rank 1's reads of the small items rank 0 saved for all).
+std::map<uint32_t, std::unique_ptr<CoalescingFile>> CoalesceThreadReads(
+    const std::vector<std::unique_ptr<ReadableFile>>& files,
+    std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> ranges, uint64_t max_bytes);
 
 // kDataLoss naming the chunk, the file and the offset of the unit whose bytes do not match, as
 // text and as a kCorruption detail. Only the unit's file_index, offset, length, checksum,
