@@ -111,11 +111,18 @@ class S3Storage : public Storage {
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         CreateMode mode) override;
   Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override;
+  // One ranged GET (bytes 0 to prefix_bytes - 1) opens the object and reads its head: the
+  // reply's Content-Range gives the size, its ETag pins the later reads.
+  Result<std::unique_ptr<ReadableFile>> NewReadableFileWithPrefix(const std::string& path,
+                                                                  size_t prefix_bytes) override;
   Status CreateDirs(const std::string& path) override;
   Result<FileType> Stat(const std::string& path) override;
   Result<std::vector<std::string>> ListDir(const std::string& dir) override;
   Status Rename(const std::string& from, const std::string& to) override;
   Status Remove(const std::string& path) override;
+  // One DELETE (S3's DELETE of a missing key succeeds); a key prefix holds no object of its own
+  // name, so nothing under it is touched.
+  Status RemoveIfPresent(const std::string& path) override;
   Status RemoveDir(const std::string& path) override;
   Status SyncDir(const std::string& dir) override;
 

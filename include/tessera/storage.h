@@ -208,6 +208,18 @@ class Storage {
   }
   // kNotFound when `path` does not exist.
   virtual Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) = 0;
+  // NewReadableFile for a caller that reads the file's first bytes next (a data file's header,
+  // a manifest read whole): the store may fetch up to `prefix_bytes` of them with the open and
+  // serve reads that lie within them from memory. Where an open is a request of its own (S3: a
+  // HEAD for the size), one ranged GET then opens the file and reads its head. The file is
+  // otherwise what NewReadableFile returns, errors included. The default calls
+  // NewReadableFile and fetches nothing early; StorageWrapper does not forward it, so that a
+  // wrapper's own NewReadableFile sees every open.
+  virtual Result<std::unique_ptr<ReadableFile>> NewReadableFileWithPrefix(const std::string& path,
+                                                                          size_t prefix_bytes) {
+    (void)prefix_bytes;
+    return NewReadableFile(path);
+  }
   // Like `mkdir -p`. OK when the directory exists.
   virtual Status CreateDirs(const std::string& path) = 0;
   virtual Result<FileType> Stat(const std::string& path) = 0;
@@ -232,6 +244,15 @@ class Storage {
   }
   // Removes a file. kNotFound when it does not exist.
   virtual Status Remove(const std::string& path) = 0;
+  // Removes a file if it is there: OK when it does not exist (what a cleanup wants of a name it
+  // listed, which a racing cleanup may have removed first). Never removes a directory. The
+  // default calls Remove; an object store whose Remove must look before it deletes to report
+  // kNotFound (S3: a HEAD) sends the DELETE alone. StorageWrapper does not forward it, so that
+  // a wrapper's own Remove sees every removal.
+  virtual Status RemoveIfPresent(const std::string& path) {
+    Status removed = Remove(path);
+    return removed.code() == StatusCode::kNotFound ? Status::Ok() : removed;
+  }
   // Removes an empty directory (what a failed `tessera convert` does with its temporary
   // directory once it has removed the files in it). kNotFound when it does not exist; an
   // error naming the path when it is not empty or not a directory. The default returns

@@ -184,8 +184,7 @@ void RemoveStaleFiles(Storage& storage, const std::string& dir, const std::strin
   // one of these (RemoveKeys, Finalize). The last operation to finish removes them.
   for (const auto& [seq, name] : commits) {
     if (seq >= *needed->newest_loadable || markers.others_running > 0) break;
-    Status removed = storage.Remove(JoinPath(dir, name));
-    if (!removed.ok() && removed.code() != StatusCode::kNotFound) break;
+    if (!storage.RemoveIfPresent(JoinPath(dir, name)).ok()) break;
   }
   // The files of saves nothing needs, and temporaries of dead operations.
   for (const std::string& name : names) {
@@ -199,10 +198,10 @@ void RemoveStaleFiles(Storage& storage, const std::string& dir, const std::strin
       stale =
           !markers.running.count(id) && !needed->save_ids.count(id) && !needed->files.count(name);
     }
-    if (stale) storage.Remove(JoinPath(dir, name)).IgnoreError();
+    if (stale) storage.RemoveIfPresent(JoinPath(dir, name)).IgnoreError();
   }
   for (const std::string& name : markers.dead_markers) {
-    storage.Remove(JoinPath(dir, name)).IgnoreError();
+    storage.RemoveIfPresent(JoinPath(dir, name)).IgnoreError();
   }
 }
 

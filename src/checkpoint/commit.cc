@@ -21,9 +21,12 @@ std::string ParentDir(const std::string& path) {
   return parent_end == std::string::npos ? "/" : path.substr(0, parent_end + 1);
 }
 
-// The whole of a small file.
+// The whole of a small file. Files up to kSmallFilePrefixBytes come with their open (one GET
+// on S3).
+constexpr size_t kSmallFilePrefixBytes = 1u << 20;
 Result<Bytes> ReadWhole(Storage& storage, const std::string& path) {
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> in, storage.NewReadableFile(path));
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> in,
+                           storage.NewReadableFileWithPrefix(path, kSmallFilePrefixBytes));
   if (in->size() > kMaxManifestBytes) {
     return DataLoss(path + " is " + std::to_string(in->size()) + " bytes");
   }
@@ -193,16 +196,16 @@ void RemoveStaleFilesAfterCommit(Storage& storage, const std::string& dir,
     std::string target;
     if (ParsePublishTemporaryName(name, &target)) {
       if (target == index && markers.others_running == 0) {
-        storage.Remove(JoinPath(dir, name)).IgnoreError();
+        storage.RemoveIfPresent(JoinPath(dir, name)).IgnoreError();
       }
       continue;
     }
     const std::string id = writer.SaveIdOfFile(name);
     if (id.empty() || markers.running.count(id) || live->count(name)) continue;
-    storage.Remove(JoinPath(dir, name)).IgnoreError();
+    storage.RemoveIfPresent(JoinPath(dir, name)).IgnoreError();
   }
   for (const std::string& name : markers.dead_markers) {
-    storage.Remove(JoinPath(dir, name)).IgnoreError();
+    storage.RemoveIfPresent(JoinPath(dir, name)).IgnoreError();
   }
 }
 

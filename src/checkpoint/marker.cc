@@ -173,7 +173,7 @@ bool MarkerHeldHere(const std::string& dir, const std::string& id) {
 }
 
 void RemoveSaveMarker(Storage& storage, const std::string& dir, const std::string& id) {
-  storage.Remove(JoinPath(dir, MarkerName(id))).IgnoreError();
+  storage.RemoveIfPresent(JoinPath(dir, MarkerName(id))).IgnoreError();
   std::lock_guard<std::mutex> lock(held_mu);
   Held().erase(HeldKey(dir, id));
 }

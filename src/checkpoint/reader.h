@@ -41,6 +41,11 @@ Status ReadObject(Storage& storage, const std::string& dir, const Metadata& meta
                   const ObjectInfo& object, const LoadOptions& options, std::vector<uint8_t>& out,
                   LoadReport& report, DataFileHeaders* headers);
 
+// How many of a data file's first bytes OpenDataFile asks the store to fetch with the open,
+// for formats whose data files have headers (Storage::NewReadableFileWithPrefix): a safetensors
+// header of up to about 500 entries. Kept in memory while the file is open.
+inline constexpr size_t kDataFileHeadPrefixBytes = 64u << 10;
+
 // Opens a data file of the manifest, checking that it exists and has the recorded size.
 // `needed_by` names what needs it, for the error message.
 Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage& storage, const std::string& dir,

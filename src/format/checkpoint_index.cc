@@ -78,9 +78,36 @@ Result<CheckpointIndex> ReadDirectory(Storage& storage, const std::string& path,
   return NoCheckpoint(path, choice.unfinished);
 }
 
+// The index of the directory `path`, listed as `names`. A numbered manifest or a part listed
+// may be gone when read: superseded and removed by the cleanup of a commit made meanwhile. The
+// directory is then listed again.
+Result<CheckpointIndex> ReadListedDirectory(Storage& storage, const std::string& path,
+                                            std::vector<std::string> names) {
+  for (int attempt = 1;; ++attempt) {
+    if (attempt > 1) {
+      TESSERA_ASSIGN_OR_RETURN(names, storage.ListDir(path));
+    }
+    std::sort(names.begin(), names.end());
+    Result<CheckpointIndex> index = ReadDirectory(storage, path, names);
+    if (index.ok() || index.status().code() != StatusCode::kNotFound || attempt == kListAttempts) {
+      return index;
+    }
+  }
+}
+
 }  // namespace
 
 Result<CheckpointIndex> ReadCheckpointIndex(Storage& storage, const std::string& path) {
+  // Where a directory is a key prefix (S3), a listing that names entries says what Stat would,
+  // which costs two requests (a HEAD: is it an object? a one-key listing: is it a prefix?).
+  // Anything else (an empty listing, an object's path, a failure) takes the path below, whose
+  // own requests say which it is, or fail with their error.
+  std::vector<std::string> listed;
+  if (storage.capabilities().implicit_directories) {
+    Result<std::vector<std::string>> names = storage.ListDir(path);
+    if (names.ok()) listed = std::move(*names);
+  }
+  if (!listed.empty()) return ReadListedDirectory(storage, path, std::move(listed));
   TESSERA_ASSIGN_OR_RETURN(FileType type, storage.Stat(path));
   if (type == FileType::kNotFound) {
     return NotFound("checkpoint directory " + path + " does not exist");
@@ -96,16 +123,8 @@ Result<CheckpointIndex> ReadCheckpointIndex(Storage& storage, const std::string&
     TESSERA_ASSIGN_OR_RETURN(FormatIndex index, format->ReadFileIndex(storage, dir, name));
     return FromFormat(*format, std::move(index), path);
   }
-  // A numbered manifest or a part listed may be gone when read: superseded and removed by the
-  // cleanup of a commit made meanwhile. The directory is then listed again.
-  for (int attempt = 1;; ++attempt) {
-    TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(path));
-    std::sort(names.begin(), names.end());
-    Result<CheckpointIndex> index = ReadDirectory(storage, path, names);
-    if (index.ok() || index.status().code() != StatusCode::kNotFound || attempt == kListAttempts) {
-      return index;
-    }
-  }
+  TESSERA_ASSIGN_OR_RETURN(std::vector<std::string> names, storage.ListDir(path));
+  return ReadListedDirectory(storage, path, std::move(names));
 }
 
 }  // namespace tessera

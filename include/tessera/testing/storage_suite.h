@@ -349,6 +349,52 @@ TESSERA_STORAGE_SUITE_CASE(ExclusiveNewNameRefusesAnExistingFileAtOpenOrClose) {
   EXPECT_EQ(fresh, "new");
 }
 
+// NewReadableFileWithPrefix opens the same file as NewReadableFile, whatever the prefix asked
+// for: the same size, the same bytes read within the prefix, across its end and past it, an
+// empty file, and kNotFound naming a missing path.
+TESSERA_STORAGE_SUITE_CASE(AFileOpenedWithItsPrefixReadsLikeAnyOther) {
+  std::string contents(10000, '\0');
+  for (size_t i = 0; i < contents.size(); ++i) contents[i] = static_cast<char>('a' + i % 23);
+  TESSERA_ASSERT_OK(WriteFile(storage(), Path("f"), contents));
+  TESSERA_ASSERT_OK(WriteFile(storage(), Path("empty"), ""));
+  for (size_t prefix : {size_t{0}, size_t{8}, size_t{4096}, contents.size(), size_t{1} << 20}) {
+    TESSERA_ASSIGN_OR_FAIL(std::unique_ptr<ReadableFile> file,
+                           storage().NewReadableFileWithPrefix(Path("f"), prefix));
+    EXPECT_EQ(file->size(), contents.size()) << prefix;
+    for (auto [offset, n] : std::vector<std::pair<size_t, size_t>>{
+             {0, 8}, {8, 4088}, {4090, 20}, {9999, 1}, {0, contents.size()}, {5000, 0}}) {
+      std::string got(n, '\0');
+      TESSERA_EXPECT_OK(file->ReadAt(offset, got.data(), n));
+      EXPECT_EQ(got, contents.substr(offset, n)) << prefix << " at " << offset;
+    }
+    char past[4];
+    EXPECT_EQ(file->ReadAt(contents.size() - 2, past, sizeof(past)).code(), StatusCode::kDataLoss);
+    TESSERA_ASSIGN_OR_FAIL(std::unique_ptr<ReadableFile> empty,
+                           storage().NewReadableFileWithPrefix(Path("empty"), prefix));
+    EXPECT_EQ(empty->size(), 0u);
+    auto missing = storage().NewReadableFileWithPrefix(Path("missing"), prefix);
+    ASSERT_FALSE(missing.ok());
+    EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
+    EXPECT_THAT(missing.status().message(), ::testing::HasSubstr(Path("missing")));
+  }
+}
+
+// RemoveIfPresent removes a file, is OK where there is none, and never removes a directory
+// or what lies under it (an error, or nothing done where a directory is a key prefix).
+TESSERA_STORAGE_SUITE_CASE(RemoveIfPresentRemovesAFileAndToleratesAMissingOne) {
+  TESSERA_ASSERT_OK(WriteFile(storage(), Path("f"), "x"));
+  TESSERA_ASSERT_OK(storage().RemoveIfPresent(Path("f")));
+  TESSERA_ASSIGN_OR_FAIL(FileType gone, storage().Stat(Path("f")));
+  EXPECT_EQ(gone, FileType::kNotFound);
+  TESSERA_EXPECT_OK(storage().RemoveIfPresent(Path("f")));
+  TESSERA_EXPECT_OK(storage().RemoveIfPresent(Path("never")));
+  TESSERA_ASSERT_OK(storage().CreateDirs(Path("d")));
+  TESSERA_ASSERT_OK(WriteFile(storage(), Path("d/inside"), "y"));
+  storage().RemoveIfPresent(Path("d")).IgnoreError();
+  TESSERA_ASSIGN_OR_FAIL(std::string inside, ReadFile(storage(), Path("d/inside")));
+  EXPECT_EQ(inside, "y");
+}
+
 TESSERA_STORAGE_SUITE_CASE(ExclusiveCreateRefusesADirectory) {
   const std::string dir = Path("dir");
   TESSERA_ASSERT_OK(storage().CreateDirs(dir));
@@ -838,6 +884,8 @@ inline const std::vector<StorageSuiteCase>& StorageSuiteCases() {
       TESSERA_STORAGE_SUITE_ENTRY(TruncateModeTruncatesExistingFile, nullptr),
       TESSERA_STORAGE_SUITE_ENTRY(ExclusiveCreateRefusesAnExistingFile, nullptr),
       TESSERA_STORAGE_SUITE_ENTRY(ExclusiveNewNameRefusesAnExistingFileAtOpenOrClose, nullptr),
+      TESSERA_STORAGE_SUITE_ENTRY(AFileOpenedWithItsPrefixReadsLikeAnyOther, nullptr),
+      TESSERA_STORAGE_SUITE_ENTRY(RemoveIfPresentRemovesAFileAndToleratesAMissingOne, nullptr),
       TESSERA_STORAGE_SUITE_ENTRY(ExclusiveCreateRefusesADirectory,
                                   &StorageCapabilities::directory_sync),
       TESSERA_STORAGE_SUITE_ENTRY(MissingPathsAreNotFound, &StorageCapabilities::directory_sync),

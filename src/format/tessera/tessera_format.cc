@@ -25,7 +25,9 @@ constexpr uint64_t kManifestPiece = 8u << 20;
 // buffer is no larger than the streaming one, and on an object store each call is a request.
 Result<Metadata> ReadCommit(Storage& storage, const std::string& dir, const std::string& name) {
   const std::string path = JoinPath(dir, name);
-  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, storage.NewReadableFile(path));
+  // A manifest of up to kManifestPiece bytes is read whole next: on S3 with the open, one GET.
+  TESSERA_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file,
+                           storage.NewReadableFileWithPrefix(path, kManifestPiece));
   const ReadableFile& in = *file;
   Bytes bytes;
   if (in.size() <= kManifestPiece) {

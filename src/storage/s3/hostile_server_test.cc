@@ -231,6 +231,67 @@ TEST(S3HostileServerTest, A200ToARangedReadIsTakenOnlyFromOffsetZero) {
   EXPECT_THAT(later.message(), HasSubstr("ignored Range"));
 }
 
+// GetPrefix takes a reply for the object's head only when it is one: a 206 for bytes 0-(n-1)
+// whose Content-Range gives the size and whose body holds exactly min(asked, size) bytes.
+// Anything else is retried, then refused naming the object; a server that ignores Range
+// (a 200 with the whole object) is taken when the object fit, else a HEAD answers.
+TEST(S3HostileServerTest, APrefixReplyIsTakenOnlyWhenItIsTheObjectsHead) {
+  for (const std::string& wrong :
+       {Http(206, "ABCD", "Content-Range: bytes 4-7/100\r\n"),
+        Http(206, "ABCD", "Content-Range: bytes 0-3/*\r\n"),
+        Http(206, "AB", "Content-Range: bytes 0-1/100\r\n"),
+        Http(206, "ABCD", "Content-Range: bytes 0-3/3\r\n"), Http(206, "ABCD", "")}) {
+    CannedServer server([&](const std::string& head, int) {
+      EXPECT_THAT(head, HasSubstr("bytes=0-3"));
+      return wrong;
+    });
+    std::shared_ptr<S3Client> client = ClientOf(server);
+    ASSERT_NE(client, nullptr);
+    Result<ObjectPrefix> got = client->GetPrefix("b", "run/f", 4);
+    EXPECT_EQ(got.status().code(), StatusCode::kDataLoss) << wrong;
+    EXPECT_THAT(got.status().message(), HasSubstr("s3://b/run/f bytes 0-3")) << wrong;
+    EXPECT_EQ(server.requests(), 2) << "retried like a 5xx";
+  }
+  {
+    CannedServer server([](const std::string&, int) {
+      return Http(206, "ABCD", "Content-Range: bytes 0-3/100\r\nETag: \"e1\"\r\n");
+    });
+    std::shared_ptr<S3Client> client = ClientOf(server);
+    ASSERT_NE(client, nullptr);
+    Result<ObjectPrefix> got = client->GetPrefix("b", "run/f", 4);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(got->info.size, 100u);
+    EXPECT_EQ(got->info.etag, "\"e1\"");
+    EXPECT_EQ(got->bytes, "ABCD");
+  }
+  {
+    CannedServer server([](const std::string&, int) { return Http(200, "AB"); });
+    std::shared_ptr<S3Client> client = ClientOf(server);
+    ASSERT_NE(client, nullptr);
+    Result<ObjectPrefix> got = client->GetPrefix("b", "run/f", 4);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(got->info.size, 2u);
+    EXPECT_EQ(got->bytes, "AB");
+  }
+  {
+    CannedServer server([](const std::string& head, int) {
+      if (head.starts_with("HEAD")) {
+        return std::string(
+            "HTTP/1.1 200 OK\r\nContent-Length: 8\r\nETag: \"e2\"\r\n"
+            "Connection: close\r\n\r\n");
+      }
+      return Http(200, "ABCDEFGH");  // Range ignored: more than the 4 bytes asked
+    });
+    std::shared_ptr<S3Client> client = ClientOf(server);
+    ASSERT_NE(client, nullptr);
+    Result<ObjectPrefix> got = client->GetPrefix("b", "run/f", 4);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_TRUE(got->bytes.empty());
+    EXPECT_EQ(got->info.size, 8u);
+    EXPECT_EQ(got->info.etag, "\"e2\"");
+  }
+}
+
 // Defect 20: a credential written into the endpoint URL was echoed in the error message.
 TEST(S3HostileServerTest, CredentialsInAnEndpointUrlAreNeverPrinted) {
   EXPECT_EQ(RedactUrl("http://user:secret@127.0.0.1:9000/base"), "http://***@127.0.0.1:9000/base");

@@ -286,6 +286,7 @@ S3CallResult S3Client::Execute(const S3Call& call) {
     bool retryable = false;
     std::string what;
     Status wrong_reply;  // a 2xx that call.check_reply refused
+    result.reply_too_long = outcome.error == TransportError::kTooLong;
     if (outcome.error != TransportError::kNone) {
       retryable = RetryableTransport(outcome.error);
       maybe_applied = maybe_applied || outcome.maybe_sent;

@@ -105,6 +105,12 @@ struct ObjectInfo {
   std::string checksum_crc32c;  // when the server reported one (HeadObject with checksums)
 };
 
+// The first bytes of an object, with what a HEAD says of it (GetPrefix).
+struct ObjectPrefix {
+  ObjectInfo info;    // size and ETag (no checksum)
+  std::string bytes;  // bytes [0, min(max_bytes, info.size))
+};
+
 struct ListResult {
   std::vector<ListedObject> objects;
   std::vector<std::string> common_prefixes;
@@ -141,6 +147,8 @@ struct S3CallResult {
   // A failed call: some try, the last included, may have taken effect on the server (its
   // reply was lost after the request was sent, or was a 5xx).
   bool maybe_applied = false;
+  // The last try's reply did not fit the call's sink (or max_body_bytes).
+  bool reply_too_long = false;
 };
 
 // Seconds since the epoch of S3's "2026-11-25T12:34:56.000Z" (UTC); nullopt when it does not
@@ -162,6 +170,11 @@ class S3Client {
   // Reads longer than read_chunk_bytes run as several ranged GETs in parallel.
   Status GetRange(const std::string& bucket, const std::string& key, uint64_t offset,
                   std::span<std::byte> dst, const std::string& if_match = "");
+  // The object's first `max_bytes` bytes (fewer when it is shorter), its size and its ETag, in
+  // one ranged GET where a HEAD and a read would take two. kNotFound when absent. An empty
+  // object (S3 answers 416 to any range of it) costs a HEAD besides.
+  Result<ObjectPrefix> GetPrefix(const std::string& bucket, const std::string& key,
+                                 size_t max_bytes);
   // A whole (small) object; kNotFound when absent.
   Result<std::string> GetObject(const std::string& bucket, const std::string& key);
   // One PUT. With `create_only`, kAlreadyExists when the key exists (If-None-Match: *). A PUT

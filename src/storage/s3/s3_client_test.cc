@@ -280,6 +280,37 @@ TEST_F(S3ClientTest, PutHeadAndRangedGets) {
   EXPECT_THAT(changed.message(), HasSubstr("changed since it was opened"));
 }
 
+// GetPrefix opens and reads an object's head in one GET: its size and ETag as a HEAD gives
+// them, and min(max_bytes, size) bytes; an empty object costs a HEAD besides (S3 answers 416).
+TEST_F(S3ClientTest, GetPrefixGivesSizeEtagAndTheFirstBytesInOneRequest) {
+  const std::string key = prefix_ + "prefixed";
+  const std::vector<std::byte> data = Pattern(100000, 7);
+  S3_ASSERT_OK(client_->PutObject(bucket_, key, data, false));
+  Result<ObjectInfo> head = client_->HeadObject(bucket_, key);
+  ASSERT_TRUE(head.ok()) << head.status().ToString();
+  for (size_t max : {size_t{1}, size_t{4096}, data.size() - 1, data.size(), data.size() + 9}) {
+    client_->ResetStats();
+    Result<ObjectPrefix> got = client_->GetPrefix(bucket_, key, max);
+    ASSERT_TRUE(got.ok()) << max << ": " << got.status().ToString();
+    EXPECT_EQ(got->info.size, data.size()) << max;
+    EXPECT_EQ(got->info.etag, head->etag) << max;
+    const size_t n = std::min(max, data.size());
+    ASSERT_EQ(got->bytes.size(), n) << max;
+    EXPECT_EQ(std::memcmp(got->bytes.data(), data.data(), n), 0) << max;
+    EXPECT_EQ(Requests(*client_, S3Op::kGet), 1u) << max;
+    EXPECT_EQ(Requests(*client_, S3Op::kHead), 0u) << max;
+  }
+  const std::string empty = prefix_ + "empty";
+  S3_ASSERT_OK(client_->PutObject(bucket_, empty, {}, false));
+  Result<ObjectPrefix> none = client_->GetPrefix(bucket_, empty, 4096);
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_EQ(none->info.size, 0u);
+  EXPECT_TRUE(none->bytes.empty());
+  Result<ObjectPrefix> missing = client_->GetPrefix(bucket_, prefix_ + "missing", 4096);
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
+  EXPECT_THAT(missing.status().message(), HasSubstr(prefix_ + "missing"));
+}
+
 TEST_F(S3ClientTest, CreateOnlyPutHasExactlyOneWinner) {
   const std::string key = prefix_ + "manifest";
   constexpr int kRacers = 6;

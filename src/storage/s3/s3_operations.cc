@@ -101,6 +101,38 @@ Result<ObjectInfo> S3Client::HeadObject(const std::string& bucket, const std::st
 
 namespace {
 
+// A 206 reply's Content-Range, "bytes first-last/size" (RFC 9110 14.4); `size` is nullopt
+// where the server sent "*" (unknown). nullopt when absent or of another form.
+struct ContentRange {
+  uint64_t first = 0, last = 0;
+  std::optional<uint64_t> size;
+};
+std::optional<ContentRange> ParseContentRange(const std::string* header) {
+  if (header == nullptr || !std::string_view(*header).starts_with("bytes ")) return std::nullopt;
+  const std::string_view spec = std::string_view(*header).substr(6);
+  const size_t dash = spec.find('-');
+  const size_t slash = spec.find('/');
+  if (dash == std::string_view::npos || slash == std::string_view::npos || slash < dash) {
+    return std::nullopt;
+  }
+  auto number = [](std::string_view text, uint64_t& out) {
+    const auto r = std::from_chars(text.data(), text.data() + text.size(), out);
+    return !text.empty() && r.ec == std::errc() && r.ptr == text.data() + text.size();
+  };
+  ContentRange range;
+  if (!number(spec.substr(0, dash), range.first) ||
+      !number(spec.substr(dash + 1, slash - dash - 1), range.last) || range.last < range.first) {
+    return std::nullopt;
+  }
+  const std::string_view size = spec.substr(slash + 1);
+  if (size != "*") {
+    uint64_t n = 0;
+    if (!number(size, n) || n <= range.last) return std::nullopt;
+    range.size = n;
+  }
+  return range;
+}
+
 // OK when `response` holds exactly the bytes [first, last] of the object: a 206 whose
 // Content-Range says that range ("bytes first-last/total", RFC 9110 14.4), or a 200 (a server
 // that ignored Range) for a read from offset 0, whose body then was the whole object and had to
@@ -120,27 +152,14 @@ Status CheckRangedReply(const HttpResponse& response, uint64_t first, uint64_t l
   }
   if (response.status == 206) {
     const std::string* range = response.Header("content-range");
-    uint64_t got_first = 0, got_last = 0;
-    const std::string_view text = range ? std::string_view(*range) : std::string_view();
-    const bool parsed = text.starts_with("bytes ") && [&] {
-      const std::string_view spec = text.substr(6);
-      const size_t dash = spec.find('-');
-      const size_t slash = spec.find('/');
-      if (dash == std::string_view::npos || slash == std::string_view::npos || slash < dash) {
-        return false;
-      }
-      const auto a = std::from_chars(spec.data(), spec.data() + dash, got_first);
-      const auto b = std::from_chars(spec.data() + dash + 1, spec.data() + slash, got_last);
-      return a.ec == std::errc() && a.ptr == spec.data() + dash && b.ec == std::errc() &&
-             b.ptr == spec.data() + slash;
-    }();
-    if (!parsed) {
+    const std::optional<ContentRange> got = ParseContentRange(range);
+    if (!got) {
       return bad("without a Content-Range of the form 'bytes first-last/size' (got " +
                  (range ? QuoteBytes(*range) : std::string("none")) + ")");
     }
-    if (got_first != first || got_last != last) {
-      return bad("carries the bytes " + std::to_string(got_first) + "-" + std::to_string(got_last) +
-                 " (Content-Range), not the ones asked for");
+    if (got->first != first || got->last != last) {
+      return bad("carries the bytes " + std::to_string(got->first) + "-" +
+                 std::to_string(got->last) + " (Content-Range), not the ones asked for");
     }
   }
   return Status::Ok();
@@ -198,6 +217,68 @@ Result<std::string> S3Client::GetObject(const std::string& bucket, const std::st
   S3CallResult r = Execute(S3Call{.op = S3Op::kGet, .method = "GET", .bucket = bucket, .key = key});
   TESSERA_RETURN_IF_ERROR(r.status);
   return std::move(r.response.body);
+}
+
+Result<ObjectPrefix> S3Client::GetPrefix(const std::string& bucket, const std::string& key,
+                                         size_t max_bytes) {
+  if (max_bytes == 0) {
+    TESSERA_ASSIGN_OR_RETURN(ObjectInfo info, HeadObject(bucket, key));
+    return ObjectPrefix{std::move(info), {}};
+  }
+  // Uninitialised: a manifest's prefix may be 8 MiB, of which a reply fills a few KiB.
+  std::unique_ptr<std::byte[]> buffer(new std::byte[max_bytes]);
+  S3Call call{.op = S3Op::kGet, .method = "GET", .bucket = bucket, .key = key};
+  call.headers.emplace_back("Range", "bytes=0-" + std::to_string(max_bytes - 1));
+  call.sink = std::span<std::byte>(buffer.get(), max_bytes);
+  call.range = std::pair<uint64_t, uint64_t>{0, max_bytes - 1};
+  const std::string where = Uri(bucket, key) + " bytes 0-" + std::to_string(max_bytes - 1);
+  uint64_t size = 0;
+  // The reply is the object's head: a 206 for bytes 0-(n-1) of an object of a known size,
+  // with n = min(max_bytes, size) bytes; or a 200 with the whole object (a server that ignores
+  // Range), which fit the buffer (a longer one fails in the transport as too long).
+  call.check_reply = [&](const HttpResponse& response) -> Status {
+    const auto bad = [&](const std::string& why) {
+      return DataLoss(where + ": HTTP " + std::to_string(response.status) + " " + why);
+    };
+    if (response.status == 200) {
+      size = response.body_bytes;
+      return Status::Ok();
+    }
+    if (response.status != 206) return bad("(expected 206)");
+    const std::string* header = response.Header("content-range");
+    const std::optional<ContentRange> range = ParseContentRange(header);
+    if (!range || !range->size) {
+      return bad("without a Content-Range of the form 'bytes 0-last/size' (got " +
+                 (header ? QuoteBytes(*header) : std::string("none")) + ")");
+    }
+    const uint64_t expected = std::min<uint64_t>(max_bytes, *range->size);
+    if (range->first != 0 || range->last + 1 != expected || response.body_bytes != expected) {
+      return bad("carries " + std::to_string(response.body_bytes) + " bytes as " +
+                 QuoteBytes(*header) + ", not the first " + std::to_string(expected) +
+                 " bytes of the object");
+    }
+    size = *range->size;
+    return Status::Ok();
+  };
+  S3CallResult r = Execute(call);
+  if (!r.status.ok()) {
+    // 416: no byte 0, an empty object. Too long: a server that ignored Range sent a whole
+    // object larger than the prefix. HeadObject then says what a HEAD says.
+    if (r.response.status == 416 || r.reply_too_long) {
+      TESSERA_ASSIGN_OR_RETURN(ObjectInfo info, HeadObject(bucket, key));
+      return ObjectPrefix{std::move(info), {}};
+    }
+    if (r.status.code() == StatusCode::kNotFound) {
+      return NotFound(Uri(bucket, key) + ": no such object (" + r.status.message() + ")");
+    }
+    return r.status;
+  }
+  ObjectPrefix prefix;
+  prefix.info.size = size;
+  if (const std::string* etag = r.response.Header("etag")) prefix.info.etag = *etag;
+  const size_t got = static_cast<size_t>(std::min<uint64_t>(size, max_bytes));
+  prefix.bytes.assign(reinterpret_cast<const char*>(buffer.get()), got);
+  return prefix;
 }
 
 Status S3Client::PutObject(const std::string& bucket, const std::string& key,

@@ -1,6 +1,7 @@
 #include "tessera/s3_storage.h"
 
 #include <algorithm>
+#include <cstring>
 #include <ctime>
 #include <mutex>
 #include <optional>
@@ -87,20 +88,26 @@ class S3WritableFile : public WritableFile {
 
 class S3ReadableFile : public ReadableFile {
  public:
+  // `prefix`: the object's first bytes, fetched with the open (NewReadableFileWithPrefix).
   S3ReadableFile(std::shared_ptr<S3Client> client, std::string bucket, std::string key,
-                 std::string path, uint64_t size, std::string etag)
+                 std::string path, uint64_t size, std::string etag, std::string prefix = {})
       : client_(std::move(client)),
         bucket_(std::move(bucket)),
         key_(std::move(key)),
         path_(std::move(path)),
         size_(size),
-        etag_(std::move(etag)) {}
+        etag_(std::move(etag)),
+        prefix_(std::move(prefix)) {}
 
   Status ReadAt(uint64_t offset, void* dst, size_t n) const override {
     if (offset > size_ || n > size_ - offset) {
       return DataLoss("read of " + path_ + " at offset " + std::to_string(offset) + " length " +
                       std::to_string(n) + " is past the end of the file (size " +
                       std::to_string(size_) + "; truncated?)");
+    }
+    if (offset + n <= prefix_.size()) {
+      if (n > 0) std::memcpy(dst, prefix_.data() + offset, n);
+      return Status::Ok();
     }
     return client_
         ->GetRange(bucket_, key_, offset, std::span<std::byte>(static_cast<std::byte*>(dst), n),
@@ -116,6 +123,7 @@ class S3ReadableFile : public ReadableFile {
   const std::string bucket_, key_, path_;
   const uint64_t size_;
   const std::string etag_;
+  const std::string prefix_;  // bytes [0, prefix_.size()) of the object, as of etag_
 };
 
 }  // namespace
@@ -269,6 +277,22 @@ Result<std::unique_ptr<ReadableFile>> S3Storage::NewReadableFile(const std::stri
       new S3ReadableFile(client_, bucket_, key, path, info->size, info->etag));
 }
 
+Result<std::unique_ptr<ReadableFile>> S3Storage::NewReadableFileWithPrefix(const std::string& path,
+                                                                           size_t prefix_bytes) {
+  TESSERA_ASSIGN_OR_RETURN(const std::string key, FileKey(path));
+  Result<s3::ObjectPrefix> head = client_->GetPrefix(bucket_, key, prefix_bytes);
+  if (!head.ok()) {
+    if (head.status().code() == StatusCode::kNotFound) {
+      TESSERA_RETURN_IF_ERROR_CTX(CheckBucket(), "open " + path);
+      return NotFound("open " + path + ": No such file or directory (no object " +
+                      S3Client::Uri(bucket_, key) + ")");
+    }
+    return head.status().WithContext("open " + path);
+  }
+  return std::unique_ptr<ReadableFile>(new S3ReadableFile(
+      client_, bucket_, key, path, head->info.size, head->info.etag, std::move(head->bytes)));
+}
+
 Status S3Storage::CreateDirs(const std::string& path) {
   (void)path;  // directories are key prefixes: nothing to create
   return Status::Ok();
@@ -349,6 +373,11 @@ Status S3Storage::Remove(const std::string& path) {
     return NotFound("remove " + path + ": No such file or directory (no object " +
                     S3Client::Uri(bucket_, key) + ")");
   }
+  return client_->DeleteObject(bucket_, key).WithContext("remove " + path);
+}
+
+Status S3Storage::RemoveIfPresent(const std::string& path) {
+  TESSERA_ASSIGN_OR_RETURN(const std::string key, FileKey(path));
   return client_->DeleteObject(bucket_, key).WithContext("remove " + path);
 }
 
