@@ -56,9 +56,11 @@ struct SaveOptions {
   // same rule as torch_dist_flavor.
   std::map<std::string, std::vector<TorchDistPathElement>> torch_dist_key_paths;
 
-  // Data files each rank writes in parallel, one per I/O thread. Default 2. More threads help
-  // on fast parallel storage and cost one file and one thread each.
-  int num_io_threads = 2;
+  // Data files each rank writes in parallel, one per I/O thread. 0 (the default): 2, or 1 on a
+  // store without positional writes (an object store: a file's parts upload in parallel
+  // anyway, and each file costs a create and a completion request besides its parts). More
+  // threads help on fast parallel storage and cost one file and one thread each.
+  int num_io_threads = 0;
   // Default kFull. kNone skips every sync (page-cache speed, no durability).
   SyncPolicy sync = SyncPolicy::kFull;
   // Spread the writing of replicated shards over every rank that holds them instead of only

@@ -192,7 +192,8 @@ def save(state_dict: StateDict, path: StrPath, *, comm: Optional[Comm] = None,
     "msc://profile/path" (multi-storage-client's config) or "file:///dir"; docs/S3.md.
 
     Options (fields of SaveOptions, include/tessera/checkpoint.h, which documents each default
-    and cost): num_io_threads=2, sync=True ("full"; False or "none": no fsync at all),
+    and cost): num_io_threads=0 (2 data files and threads per rank, 1 on an object store such as
+    S3), sync=True ("full"; False or "none": no fsync at all),
     balance_writes=False, user_metadata={} (str -> str; rank 0's is kept),
     remove_stale_files=True, plan_cache=True, separate_prefixes=[] (keys starting with each
     prefix go to data files of their own, so remove_keys of that prefix copies nothing),

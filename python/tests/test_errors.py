@@ -60,7 +60,7 @@ def test_errors_map_by_fields_never_by_text():
 
 def test_a_bad_option_is_named_as_the_argument(tmp_path):
     with pytest.raises(tessera.InvalidArgumentError) as info:
-        tessera.save({"w": np.zeros(2, np.float32)}, tmp_path / "c", num_io_threads=0)
+        tessera.save({"w": np.zeros(2, np.float32)}, tmp_path / "c", num_io_threads=-1)
     assert str(info.value).startswith("num_io_threads must be at least 1"), str(info.value)
     assert info.value.detail == tessera.ErrorDetail(kind="bad_option",
                                                     options=("num_io_threads",))
@@ -135,7 +135,7 @@ def test_one_rank_errors_speak_python_and_name_no_rank(saved, comm):
         "replica": _message(lambda: tessera.save(
             {"w": tessera.ShardedTensor(w, replica_id=1)}, saved + "3", comm=comm)),
         "save_threads": _message(lambda: tessera.save({"w": w}, saved + "4", comm=comm,
-                                                      num_io_threads=0)),
+                                                      num_io_threads=-1)),
         "load_threads": _message(lambda: tessera.load({"w": w, "step": 0}, saved, comm=comm,
                                                       num_io_threads=0)),
         "verify_threads": _message(lambda: tessera.verify(saved, 0)),
@@ -148,7 +148,8 @@ def test_one_rank_errors_speak_python_and_name_no_rank(saved, comm):
         messages["shape"]
     assert "(pass partial=True to its ShardedTensor if that is intended)" in messages["partial"]
     assert "has replica id [1] and nothing holds its main replica" in messages["replica"]
-    assert "num_io_threads must be at least 1, got 0" in messages["save_threads"]
+    assert "num_io_threads must be at least 1 (or 0 for the default), got -1" in \
+        messages["save_threads"]
     assert messages["load_threads"] == "num_io_threads must be at least 1, got 0"
     assert messages["verify_threads"] == "num_threads must be at least 1, got 0"
 
@@ -310,7 +311,7 @@ def test_bad_arguments(ckpt):
     with pytest.raises(TypeError):
         tessera.save({"w": np.zeros(2)}, ckpt, user_metadata={"step": 3})
     with pytest.raises(ValueError, match="num_io_threads"):
-        tessera.save({"w": np.zeros(2)}, ckpt, num_io_threads=0)
+        tessera.save({"w": np.zeros(2)}, ckpt, num_io_threads=-1)
     with pytest.raises(ValueError, match="sync must be one of"):
         tessera.save({"w": np.zeros(2)}, ckpt, sync="sometimes")
     with pytest.raises(TypeError):

@@ -163,6 +163,11 @@ const std::byte* ItemData(const StateDict& state, const LocalItem& item) {
   return std::get<ShardedTensor>(entry).data.bytes() + item.byte_offset;
 }
 
+int SaveIoThreads(int requested, const Storage& storage) {
+  if (requested >= 1) return requested;
+  return storage.capabilities().positional_writes ? 2 : 1;
+}
+
 std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector<uint32_t>& items,
                                         int files_per_group,
                                         const std::vector<std::string>& separate_prefixes,

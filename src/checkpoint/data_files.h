@@ -41,6 +41,12 @@ struct DataFilePlan {
 // rank that needs many of them (the norms and biases one rank saved for all) fetch them in few
 // requests where each read is one (CoalescingFile). Files are named
 // writer.DataFileName(save_id, rank, f, attempt).
+// The data files (and I/O threads) of each rank for SaveOptions::num_io_threads = `requested`
+// on `storage`: `requested` when it is at least 1; for 0, 2 on a store with positional writes
+// (a file system, memory) and 1 on one without (an object store, where one file's parts upload
+// in parallel and a second file would only add its create and completion requests).
+int SaveIoThreads(int requested, const Storage& storage);
+
 std::vector<DataFilePlan> PlanDataFiles(const LocalPlan& plan, const std::vector<uint32_t>& items,
                                         int files_per_group,
                                         const std::vector<std::string>& separate_prefixes,

@@ -38,9 +38,10 @@ Status CheckRankLocalOptions(const SaveOptions& options, int rank, int num_ranks
   }
   TESSERA_RETURN_IF_ERROR(
       FormatOf(options.format).CheckOptions(options.format_options, "SaveOptions::format_options"));
-  if (options.num_io_threads < 1) {
-    return BadOption("SaveOptions::num_io_threads",
-                     "must be at least 1, got " + std::to_string(options.num_io_threads));
+  if (options.num_io_threads < 0) {
+    return BadOption(
+        "SaveOptions::num_io_threads",
+        "must be at least 1 (or 0 for the default), got " + std::to_string(options.num_io_threads));
   }
   if (rank < 0 || rank >= num_ranks) {
     return InvalidArgument("rank " + std::to_string(rank) + " is not one of " +
@@ -245,12 +246,13 @@ Result<SaveReport> SaveRankLocal(const StateDict& state, const std::string& path
     const std::string& id;
     ~MarkerGuard() { RemoveSaveMarker(storage, path, id); }
   } marker{*storage, path, marker_id};
+  const int threads = SaveIoThreads(options.num_io_threads, *storage);
   const std::vector<DataFilePlan> files =
-      PlanDataFiles(split.main, plan.writes[0], options.num_io_threads, options.separate_prefixes,
-                    *writer, save_id, rank, attempt);
+      PlanDataFiles(split.main, plan.writes[0], threads, options.separate_prefixes, *writer,
+                    save_id, rank, attempt);
 
   DataFileWriteOptions write_options;
-  write_options.num_threads = options.num_io_threads;
+  write_options.num_threads = threads;
   write_options.sync = options.sync;
   write_options.checksum_block_bytes = kChecksumBlockBytes;
   write_options.device_staging = options.device_staging;

@@ -308,6 +308,31 @@ TEST_F(S3CheckpointTest, ALoadOpensEachDataFileWithOneRequest) {
   EXPECT_LE(sent(s3::S3Op::kGet), 1 + 2 * metadata->files.size());
 }
 
+// SaveOptions::num_io_threads 0 (the default) writes one data file per rank on S3, whose parts
+// upload in parallel anyway (a second file would add its create and completion requests), and
+// 2 on a file system; a number given is taken as it is.
+TEST_F(S3CheckpointTest, ADefaultSaveWritesOneDataFilePerRankOnS3) {
+  auto files_of = [](const std::string& where) -> uint64_t {
+    Result<Metadata> metadata = ReadMetadata(where);
+    EXPECT_TRUE(metadata.ok()) << metadata.status().ToString();
+    return metadata.ok() ? metadata->files.size() : 0;
+  };
+  const std::string uri = base_ + "/ckpt";
+  ASSERT_OK(SaveRanks(uri, 2, 1.0f));
+  EXPECT_EQ(files_of(uri), 2u);
+  ASSERT_OK(LoadAndCheck(uri, 2, 1.0f));
+  SaveOptions two;
+  two.num_io_threads = 2;
+  ASSERT_OK(SaveRanks(uri, 2, 2.0f, two));
+  const uint64_t two_files = files_of(uri);
+  EXPECT_GT(two_files, 2u);
+  ASSERT_OK(LoadAndCheck(uri, 2, 2.0f));
+  const std::string dir = ::testing::TempDir() + "/default_threads_" + std::to_string(getpid());
+  ASSERT_OK(SaveRanks(dir, 2, 1.0f));
+  EXPECT_EQ(files_of(dir), two_files) << "the default on a file system is 2";
+  std::filesystem::remove_all(dir);
+}
+
 TEST_F(S3CheckpointTest, NewSaveReplacesOldAndAFailedSaveLeavesTheLastLoadable) {
   const std::string uri = base_ + "/ckpt";
   ASSERT_OK(SaveRanks(uri, 2, 1.0f));

@@ -283,11 +283,11 @@ struct LocalSetup {
 // peers waiting).
 LocalSetup PlanLocally(const StateDict& state, bool coordinator, const SaveOptions& options) {
   Result<LocalPlan> local =
-      options.num_io_threads >= 1
+      options.num_io_threads >= 0
           ? BuildLocalPlan(state)
-          : Result<LocalPlan>(
-                BadOption("SaveOptions::num_io_threads",
-                          "must be at least 1, got " + std::to_string(options.num_io_threads)));
+          : Result<LocalPlan>(BadOption("SaveOptions::num_io_threads",
+                                        "must be at least 1 (or 0 for the default), got " +
+                                            std::to_string(options.num_io_threads)));
   if (local.ok() && coordinator) {
     if (Status text = CheckUserMetadata(options.user_metadata); !text.ok()) local = text;
   }
@@ -334,8 +334,9 @@ Result<WriteResult> WriteRankFiles(Storage& storage, const std::string& path,
                                    const std::vector<uint32_t>& items, const FormatWriter& writer,
                                    const std::string& save_id, int rank,
                                    const SaveOptions& options) {
+  const int threads = SaveIoThreads(options.num_io_threads, storage);
   DataFileWriteOptions write_options;
-  write_options.num_threads = options.num_io_threads;
+  write_options.num_threads = threads;
   write_options.sync = options.sync;
   write_options.checksum_block_bytes = kChecksumBlockBytes;
   write_options.device_staging = options.device_staging;
@@ -345,8 +346,8 @@ Result<WriteResult> WriteRankFiles(Storage& storage, const std::string& path,
     write_options.on_progress = [&](uint64_t done) { options.progress(done, my_bytes); };
     options.progress(0, my_bytes);  // the start: a bar's clock and total
   }
-  const std::vector<DataFilePlan> files = PlanDataFiles(
-      local, items, options.num_io_threads, options.separate_prefixes, writer, save_id, rank);
+  const std::vector<DataFilePlan> files =
+      PlanDataFiles(local, items, threads, options.separate_prefixes, writer, save_id, rank);
   return WriteDataFiles(storage, path, state, local, files, writer, save_id, write_options);
 }
 
