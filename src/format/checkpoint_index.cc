@@ -101,7 +101,8 @@ Result<CheckpointIndex> ReadCheckpointIndex(Storage& storage, const std::string&
   // Where a directory is a key prefix (S3), a listing that names entries says what Stat would,
   // which costs two requests (a HEAD: is it an object? a one-key listing: is it a prefix?).
   // Anything else (an empty listing, an object's path, a failure) takes the path below, whose
-  // own requests say which it is, or fail with their error.
+  // own requests say which it is, or fail with their error. A name that is both an object and
+  // a prefix with keys under it is read as the directory.
   std::vector<std::string> listed;
   if (storage.capabilities().implicit_directories) {
     Result<std::vector<std::string>> names = storage.ListDir(path);
