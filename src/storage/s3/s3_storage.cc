@@ -105,13 +105,16 @@ class S3ReadableFile : public ReadableFile {
                       std::to_string(n) + " is past the end of the file (size " +
                       std::to_string(size_) + "; truncated?)");
     }
-    if (offset + n <= prefix_.size()) {
-      if (n > 0) std::memcpy(dst, prefix_.data() + offset, n);
-      return Status::Ok();
+    // What lies in the prefix comes from memory; only the rest is fetched.
+    size_t held = 0;
+    if (offset < prefix_.size()) {
+      held = static_cast<size_t>(std::min<uint64_t>(n, prefix_.size() - offset));
+      if (held > 0) std::memcpy(dst, prefix_.data() + offset, held);
+      if (held == n) return Status::Ok();
     }
     return client_
-        ->GetRange(bucket_, key_, offset, std::span<std::byte>(static_cast<std::byte*>(dst), n),
-                   etag_)
+        ->GetRange(bucket_, key_, offset + held,
+                   std::span<std::byte>(static_cast<std::byte*>(dst) + held, n - held), etag_)
         .WithContext("reading " + path_);
   }
 

@@ -262,6 +262,31 @@ TEST_F(S3StorageTest, AReaderOfAReplacedObjectGetsDataLossNeverAMix) {
   EXPECT_THAT(s.message(), HasSubstr("changed since it was opened"));
 }
 
+// A file opened with its prefix: one GET opens it; reads within the prefix send nothing; a
+// read across its end fetches only the bytes past it, pinned to the ETag of the open (a
+// replaced object is kDataLoss, never a mix of the old head and the new tail).
+TEST_F(S3StorageTest, AFileOpenedWithItsPrefixFetchesOnlyWhatItDoesNotHold) {
+  const std::string path = Path("headed");
+  const std::vector<std::byte> data = Pattern(100000, 3);
+  S3S_ASSERT_OK(Write(*storage_, path, data));
+  storage_->client().ResetStats();
+  auto r = storage_->NewReadableFileWithPrefix(path, 4096);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ((*r)->size(), data.size());
+  EXPECT_EQ(storage_->client().stats().bytes_received, 4096u);
+  std::vector<std::byte> buf(5000);
+  S3S_ASSERT_OK((*r)->ReadAt(0, buf.data(), 4096));
+  EXPECT_EQ(storage_->client().stats().bytes_received, 4096u) << "served from the prefix";
+  S3S_ASSERT_OK((*r)->ReadAt(96, buf.data(), buf.size()));
+  EXPECT_TRUE(std::equal(buf.begin(), buf.end(), data.begin() + 96));
+  EXPECT_EQ(storage_->client().stats().bytes_received, 4096u + (96 + 5000 - 4096));
+  EXPECT_EQ(storage_->client().stats().requests[static_cast<size_t>(s3::S3Op::kHead)], 0u);
+  S3S_ASSERT_OK(Write(*storage_, path, Pattern(100000, 4), 1u << 20, CreateMode::kTruncate));
+  const Status mixed = (*r)->ReadAt(4000, buf.data(), 200);
+  EXPECT_EQ(mixed.code(), StatusCode::kDataLoss) << mixed.ToString();
+  EXPECT_THAT(mixed.message(), HasSubstr("changed since it was opened"));
+}
+
 TEST_F(S3StorageTest, DirectoriesAreKeyPrefixes) {
   S3S_ASSERT_OK(storage_->CreateDirs(Path("empty/dir")));  // nothing to create
   EXPECT_EQ(TypeOf(Path("empty")), FileType::kNotFound);
