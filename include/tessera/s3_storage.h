@@ -148,6 +148,9 @@ class S3Storage : public Storage {
   Result<std::string> FileKey(const std::string& path) const;
   // The listing prefix of directory `path`: "" for the root, else "key/".
   static std::string DirPrefix(const std::string& path);
+  // The error of an open of `path` (object `key`) that failed with `failed`: a missing object
+  // is kNotFound naming both (or the missing bucket's error), anything else `failed` in context.
+  Status OpenError(const Status& failed, const std::string& path, const std::string& key);
   // After a 404 on a HEAD (which has no body): whether the bucket itself is missing.
   Status CheckBucket();
 

@@ -118,6 +118,12 @@ Status BuildPart(Part& part, int64_t r0, int64_t r1, int64_t c0, int64_t c1, flo
 }
 
 // Saves the state (salted) with `ranks` ranks, each holding a band of rows of "w" and of "b".
+// Requests of kind `op` sent between two snapshots of a client's stats.
+uint64_t Sent(const s3::S3Stats& before, const s3::S3Stats& after, s3::S3Op op) {
+  const size_t i = static_cast<size_t>(op);
+  return after.requests[i] - before.requests[i];
+}
+
 Status SaveRanks(const std::string& uri, int ranks, float salt, SaveOptions options = {}) {
   return FirstError(RunLocalRanks(ranks, [&](Comm& comm) -> Status {
     const int r = comm.rank();
@@ -254,10 +260,7 @@ TEST_F(S3CheckpointTest, ASaveSendsNoRequestPerDataFileOrParentDirectory) {
     const s3::S3Stats before = s3->client().stats();
     ASSERT_OK(SaveRanks(opened->second, 2, 1.0f + static_cast<float>(save), options));
     const s3::S3Stats after = s3->client().stats();
-    auto sent = [&](s3::S3Op op) {
-      const size_t i = static_cast<size_t>(op);
-      return after.requests[i] - before.requests[i];
-    };
+    auto sent = [&](s3::S3Op op) { return Sent(before, after, op); };
     Result<Metadata> metadata = ReadMetadata(uri);
     ASSERT_OK(metadata.status());
     const uint64_t files = metadata->files.size();
@@ -296,10 +299,7 @@ TEST_F(S3CheckpointTest, ALoadOpensEachDataFileWithOneRequest) {
   const s3::S3Stats before = s3->client().stats();
   ASSERT_OK(LoadAndCheck(opened->second, 2, 1.0f, nullptr, opened->first));
   const s3::S3Stats after = s3->client().stats();
-  auto sent = [&](s3::S3Op op) {
-    const size_t i = static_cast<size_t>(op);
-    return after.requests[i] - before.requests[i];
-  };
+  auto sent = [&](s3::S3Op op) { return Sent(before, after, op); };
   EXPECT_EQ(after.retries, before.retries);
   // The checkpoint directory's Stat; no data file, no manifest.
   EXPECT_LE(sent(s3::S3Op::kHead), 1u);

@@ -9,6 +9,7 @@
 
 #include "core/utf8.h"
 #include "storage/s3/s3_client.h"
+#include "storage/s3/s3_xml.h"
 
 namespace tessera::s3 {
 namespace {
@@ -100,38 +101,6 @@ Result<ObjectInfo> S3Client::HeadObject(const std::string& bucket, const std::st
 }
 
 namespace {
-
-// A 206 reply's Content-Range, "bytes first-last/size" (RFC 9110 14.4); `size` is nullopt
-// where the server sent "*" (unknown). nullopt when absent or of another form.
-struct ContentRange {
-  uint64_t first = 0, last = 0;
-  std::optional<uint64_t> size;
-};
-std::optional<ContentRange> ParseContentRange(const std::string* header) {
-  if (header == nullptr || !std::string_view(*header).starts_with("bytes ")) return std::nullopt;
-  const std::string_view spec = std::string_view(*header).substr(6);
-  const size_t dash = spec.find('-');
-  const size_t slash = spec.find('/');
-  if (dash == std::string_view::npos || slash == std::string_view::npos || slash < dash) {
-    return std::nullopt;
-  }
-  auto number = [](std::string_view text, uint64_t& out) {
-    const auto r = std::from_chars(text.data(), text.data() + text.size(), out);
-    return !text.empty() && r.ec == std::errc() && r.ptr == text.data() + text.size();
-  };
-  ContentRange range;
-  if (!number(spec.substr(0, dash), range.first) ||
-      !number(spec.substr(dash + 1, slash - dash - 1), range.last) || range.last < range.first) {
-    return std::nullopt;
-  }
-  const std::string_view size = spec.substr(slash + 1);
-  if (size != "*") {
-    uint64_t n = 0;
-    if (!number(size, n) || n <= range.last) return std::nullopt;
-    range.size = n;
-  }
-  return range;
-}
 
 // OK when `response` holds exactly the bytes [first, last] of the object: a 206 whose
 // Content-Range says that range ("bytes first-last/total", RFC 9110 14.4), or a 200 (a server

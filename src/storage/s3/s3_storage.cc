@@ -265,17 +265,17 @@ Result<std::unique_ptr<WritableFile>> S3Storage::NewWritableFile(const std::stri
   return std::unique_ptr<WritableFile>(new S3WritableFile(client_, bucket_, key, path, exclusive));
 }
 
+Status S3Storage::OpenError(const Status& failed, const std::string& path, const std::string& key) {
+  if (failed.code() != StatusCode::kNotFound) return failed.WithContext("open " + path);
+  TESSERA_RETURN_IF_ERROR_CTX(CheckBucket(), "open " + path);
+  return NotFound("open " + path + ": No such file or directory (no object " +
+                  S3Client::Uri(bucket_, key) + ")");
+}
+
 Result<std::unique_ptr<ReadableFile>> S3Storage::NewReadableFile(const std::string& path) {
   TESSERA_ASSIGN_OR_RETURN(const std::string key, FileKey(path));
   Result<s3::ObjectInfo> info = client_->HeadObject(bucket_, key);
-  if (!info.ok()) {
-    if (info.status().code() == StatusCode::kNotFound) {
-      TESSERA_RETURN_IF_ERROR_CTX(CheckBucket(), "open " + path);
-      return NotFound("open " + path + ": No such file or directory (no object " +
-                      S3Client::Uri(bucket_, key) + ")");
-    }
-    return info.status().WithContext("open " + path);
-  }
+  if (!info.ok()) return OpenError(info.status(), path, key);
   return std::unique_ptr<ReadableFile>(
       new S3ReadableFile(client_, bucket_, key, path, info->size, info->etag));
 }
@@ -284,14 +284,7 @@ Result<std::unique_ptr<ReadableFile>> S3Storage::NewReadableFileWithPrefix(const
                                                                            size_t prefix_bytes) {
   TESSERA_ASSIGN_OR_RETURN(const std::string key, FileKey(path));
   Result<s3::ObjectPrefix> head = client_->GetPrefix(bucket_, key, prefix_bytes);
-  if (!head.ok()) {
-    if (head.status().code() == StatusCode::kNotFound) {
-      TESSERA_RETURN_IF_ERROR_CTX(CheckBucket(), "open " + path);
-      return NotFound("open " + path + ": No such file or directory (no object " +
-                      S3Client::Uri(bucket_, key) + ")");
-    }
-    return head.status().WithContext("open " + path);
-  }
+  if (!head.ok()) return OpenError(head.status(), path, key);
   return std::unique_ptr<ReadableFile>(new S3ReadableFile(
       client_, bucket_, key, path, head->info.size, head->info.etag, std::move(head->bytes)));
 }

@@ -71,6 +71,32 @@ int HexValue(char c) {
 
 }  // namespace
 
+std::optional<ContentRange> ParseContentRange(const std::string* header) {
+  if (header == nullptr || !std::string_view(*header).starts_with("bytes ")) return std::nullopt;
+  const std::string_view spec = std::string_view(*header).substr(6);
+  const size_t dash = spec.find('-');
+  const size_t slash = spec.find('/');
+  if (dash == std::string_view::npos || slash == std::string_view::npos || slash < dash) {
+    return std::nullopt;
+  }
+  auto number = [](std::string_view text, uint64_t& out) {
+    const auto r = std::from_chars(text.data(), text.data() + text.size(), out);
+    return !text.empty() && r.ec == std::errc() && r.ptr == text.data() + text.size();
+  };
+  ContentRange range;
+  if (!number(spec.substr(0, dash), range.first) ||
+      !number(spec.substr(dash + 1, slash - dash - 1), range.last) || range.last < range.first) {
+    return std::nullopt;
+  }
+  const std::string_view size = spec.substr(slash + 1);
+  if (size != "*") {
+    uint64_t n = 0;
+    if (!number(size, n) || n <= range.last) return std::nullopt;
+    range.size = n;
+  }
+  return range;
+}
+
 std::string UrlDecode(std::string_view s) {
   std::string out;
   out.reserve(s.size());

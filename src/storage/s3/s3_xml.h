@@ -8,6 +8,7 @@
 #define TESSERA_STORAGE_S3_S3_XML_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -84,6 +85,16 @@ std::string DeleteObjectsBody(const std::vector<std::string>& keys);
 
 // Percent-decoding of keys S3 returned with encoding-type=url ('+' is a space).
 std::string UrlDecode(std::string_view s);
+
+// A 206 reply's Content-Range header, "bytes first-last/size" (RFC 9110 14.4); `size` is
+// nullopt where the server sent "*" (unknown). nullopt when absent (null), of another form, or
+// inconsistent (last before first, a size not past last). Not XML, but a parser of the same
+// replies, fuzzed with them.
+struct ContentRange {
+  uint64_t first = 0, last = 0;
+  std::optional<uint64_t> size;
+};
+std::optional<ContentRange> ParseContentRange(const std::string* header);
 
 }  // namespace tessera::s3
 

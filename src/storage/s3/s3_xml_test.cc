@@ -124,6 +124,24 @@ TEST(S3XmlTest, RequestBodiesEscapeKeysAndEtags) {
             "</CompleteMultipartUpload>");
 }
 
+TEST(S3XmlTest, ContentRangeParsesOnlyConsistentRanges) {
+  auto parse = [](const std::string& text) { return ParseContentRange(&text); };
+  const std::optional<ContentRange> known = parse("bytes 0-65535/1048576");
+  ASSERT_TRUE(known.has_value());
+  EXPECT_EQ(known->first, 0u);
+  EXPECT_EQ(known->last, 65535u);
+  EXPECT_EQ(known->size, std::optional<uint64_t>(1048576));
+  const std::optional<ContentRange> unknown = parse("bytes 10-13/*");
+  ASSERT_TRUE(unknown.has_value());
+  EXPECT_FALSE(unknown->size.has_value());
+  EXPECT_FALSE(ParseContentRange(nullptr).has_value());
+  for (const char* bad :
+       {"", "bytes ", "bytes 0-3", "bytes 4-3/10", "bytes 0-3/3", "bytes -3/10", "bytes 0-/10",
+        "bytes 0-3/x", "items 0-3/10", "bytes 0-3/10 ", "bytes 0-99999999999999999999/1"}) {
+    EXPECT_FALSE(parse(bad).has_value()) << bad;
+  }
+}
+
 TEST(S3XmlTest, UrlDecode) {
   EXPECT_EQ(UrlDecode("a%20b+c%2Fd"), "a b c/d");
   EXPECT_EQ(UrlDecode("100%"), "100%");    // a lone '%' stays
